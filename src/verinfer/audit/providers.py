@@ -1,0 +1,118 @@
+"""Simulated providers: the engine run the way an honest or a misconfigured provider would run it.
+
+Honest variation (all compute the same function; only floating-point order differs): batch size
+and composition (mixed-length padded batches), bf16 vs fp32, sdpa vs eager attention, thread
+count, chunked prefill. Every honest provider decodes token by token while the verifier
+prefills, which alone moves bf16 logits on CPU (DESIGN.md "Honest noise").
+
+Misconfigurations (DiFR paper section 5.1): 4-bit weights (simulated group-wise RTN), fp8 e4m3
+KV cache (simulated cast), temperature 1.1 instead of 1.0, wrong seed, and a sampling bug that
+draws 1% of tokens uniformly from the top-k. The claim always states the advertised settings.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from verinfer.audit.claims import Claim
+from verinfer.engine.engine import Engine, Request
+from verinfer.models.load import load_model, model_info
+from verinfer.numerics import Numerics
+from verinfer.sampling.params import SamplingParams
+from verinfer.sampling.sampler import sample_batch
+
+
+@dataclass(frozen=True)
+class ProviderConfig:
+    name: str
+    numerics: Numerics = Numerics()
+    batch_size: int = 8
+    honest: bool = True
+    temperature: float | None = None  # sample at this temperature while claiming the advertised one
+    seed_offset: int = 0              # sample with seed + offset while claiming seed
+    bug_rate: float = 0.0             # fraction of tokens drawn uniformly from the top-k
+    bug_k: int | None = None          # None: the request's top_k
+    description: str = ""
+
+
+HONEST = {
+    "honest-bf16-b8": ProviderConfig("honest-bf16-b8", Numerics(dtype="bf16"), batch_size=8,
+                                     description="bf16, sdpa, batches of 8 mixed-length requests"),
+    "honest-bf16-b1": ProviderConfig("honest-bf16-b1", Numerics(dtype="bf16"), batch_size=1,
+                                     description="bf16, one request at a time"),
+    "honest-fp32-b4": ProviderConfig("honest-fp32-b4", Numerics(dtype="fp32"), batch_size=4,
+                                     description="fp32 weights and activations, batches of 4"),
+    "honest-bf16-eager-t1": ProviderConfig("honest-bf16-eager-t1", Numerics(dtype="bf16", attn="eager", threads=1),
+                                           batch_size=16, description="bf16, eager attention, 1 thread, batches of 16"),
+    "honest-bf16-chunk16": ProviderConfig("honest-bf16-chunk16", Numerics(dtype="bf16", prefill_chunk=16),
+                                          batch_size=8, description="bf16, prompts prefilled in chunks of 16"),
+}
+MISCONFIGURED = {
+    "int4": ProviderConfig("int4", Numerics(dtype="bf16", weight_bits=4), honest=False,
+                           description="4-bit weights (simulated group-wise RTN, group 32)"),
+    "fp8-kv": ProviderConfig("fp8-kv", Numerics(dtype="bf16", kv_cache="fp8_e4m3"), honest=False,
+                             description="fp8 e4m3 KV cache (simulated cast)"),
+    "temp-1.1": ProviderConfig("temp-1.1", honest=False, temperature=1.1,
+                               description="samples at temperature 1.1, claims 1.0"),
+    "wrong-seed": ProviderConfig("wrong-seed", honest=False, seed_offset=1,
+                                 description="samples with seed+1, claims seed"),
+    "sampling-bug": ProviderConfig("sampling-bug", honest=False, bug_rate=0.01,
+                                   description="1% of tokens drawn uniformly from the top-k"),
+}
+PROVIDERS = {**HONEST, **MISCONFIGURED}
+
+
+def get_provider(name: str) -> ProviderConfig:
+    if name not in PROVIDERS:
+        raise ValueError(f"unknown provider {name!r}; choose one of {', '.join(PROVIDERS)}")
+    return PROVIDERS[name]
+
+
+def request_seed(base_seed: int, index: int) -> int:
+    """A per-request seed, stable across runs and providers (providers share prompts and seeds)."""
+    h = hashlib.sha256(f"{base_seed}:{index}".encode()).digest()
+    return int.from_bytes(h[:8], "little") >> 2
+
+
+def _bug_sampler(cfg: ProviderConfig, seed: int):
+    """An honest sampler that, with probability bug_rate per token, ignores the noise and picks
+    uniformly among the top-k logits (its own RNG, so honest tokens are unchanged)."""
+    g = torch.Generator().manual_seed(seed)
+
+    def sampler(logits_BV, params, noises, batch):
+        tokens = sample_batch(logits_BV, params, noises)
+        for b, p in enumerate(params):
+            if noises[b] is None or torch.rand(1, generator=g).item() >= cfg.bug_rate:
+                continue
+            k = cfg.bug_k or (p.top_k if p.top_k > 0 else 50)
+            top = torch.topk(logits_BV[b], k).indices
+            tokens[b] = top[torch.randint(0, k, (1,), generator=g)].item()
+        return tokens
+
+    return sampler
+
+
+def run_provider(cfg: ProviderConfig, model_dir: str | Path, prompts: list[list[int]], advertised: SamplingParams,
+                 *, base_seed: int = 0, device: str = "cpu", progress=None) -> list[Claim]:
+    """Generate claims for these prompts as provider `cfg` would, advertising `advertised`."""
+    info = model_info(model_dir)
+    engine = Engine(load_model(model_dir, cfg.numerics, device), cfg.numerics, eos_token_id=info.eos_token_id)
+    requests, claimed = [], []
+    for i, prompt in enumerate(prompts):
+        seed = request_seed(base_seed, i)
+        claim_p = SamplingParams(advertised.temperature, advertised.top_k, advertised.top_p, advertised.min_p,
+                                 seed, advertised.max_tokens, advertised.noise)
+        run_p = SamplingParams(cfg.temperature if cfg.temperature is not None else claim_p.temperature,
+                               claim_p.top_k, claim_p.top_p, claim_p.min_p, seed + cfg.seed_offset,
+                               claim_p.max_tokens, claim_p.noise)
+        requests.append(Request(f"{cfg.name}-{i:05d}", list(prompt), run_p))
+        claimed.append(claim_p)
+    sampler = _bug_sampler(cfg, base_seed + 7919) if cfg.bug_rate > 0 else None
+    # Mixed-length batches: sort nothing, so each batch holds whatever prompts arrived together.
+    completions = engine.generate(requests, batch_size=cfg.batch_size, sampler=sampler, progress=progress)
+    return [Claim(c.id, info.name, c.prompt_token_ids, c.output_token_ids, p, provider=cfg.name)
+            for c, p in zip(completions, claimed)]

@@ -1,0 +1,30 @@
+"""User-facing errors: what was wrong, where (file:line, field), and what to do."""
+
+from __future__ import annotations
+
+
+class VerinferError(Exception):
+    """An error the CLI prints without a traceback and exits non-zero on."""
+
+    def __init__(self, what: str, *, where: str | None = None, fix: str | None = None):
+        self.what, self.where, self.fix = what, where, fix
+        super().__init__(self.message)
+
+    @property
+    def message(self) -> str:
+        parts = [f"{self.where}: {self.what}" if self.where else self.what]
+        if self.fix:
+            parts.append(f"  -> {self.fix}")
+        return "\n".join(parts)
+
+
+class ClaimError(VerinferError):
+    """A claims file is malformed or does not fit the model."""
+
+
+class ModelError(VerinferError):
+    """A model directory is missing, malformed, or does not fit the request."""
+
+
+class NumericsError(VerinferError):
+    """NaN/inf logits or an unsupported numerics configuration."""

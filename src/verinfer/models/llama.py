@@ -1,0 +1,282 @@
+"""A lean Llama-family forward (gpt-fast style) that loads a Hugging Face checkpoint directory.
+
+Why: on CPU, per-call framework overhead dominates small models (DESIGN.md "Speed"). This
+module computes exactly what `transformers.LlamaForCausalLM` computes (RMSNorm in fp32, RoPE,
+grouped-query attention, SiLU-gated MLP), over a caller-owned KV cache, with explicit hooks
+for the hidden states and the KV columns. The transformers model stays the reference that
+tests compare it against.
+
+Supported configs: `model_type` in {llama, mistral, qwen2, qwen3} with default RoPE (no
+rope_scaling), no sliding window. Anything else raises a ModelError naming the field.
+
+Shape key: B=batch, T=time (tokens in this call), S=cache slots, H=query heads,
+G=kv heads, E=head dim, D=model dim, F=MLP dim, V=vocab, L=layers.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+
+from verinfer.errors import ModelError
+
+SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float
+    rope_theta: float
+    tie_word_embeddings: bool
+    attention_bias: bool
+    qk_norm: bool
+    model_type: str
+
+    @classmethod
+    def from_dict(cls, cfg: dict, where: str = "config.json") -> "LlamaConfig":
+        mtype = cfg.get("model_type")
+        if mtype not in SUPPORTED_TYPES:
+            raise ModelError(
+                f"model_type {mtype!r} is not supported by the lean forward",
+                where=f"{where}: model_type",
+                fix=f"use one of {SUPPORTED_TYPES}, or load with impl='hf'",
+            )
+        rope_scaling = cfg.get("rope_scaling")
+        if rope_scaling and rope_scaling.get("rope_type", rope_scaling.get("type")) not in (None, "default"):
+            raise ModelError("rope_scaling is not supported by the lean forward",
+                             where=f"{where}: rope_scaling", fix="load with impl='hf'")
+        heads = cfg["num_attention_heads"]
+        rope_params = cfg.get("rope_parameters") or {}
+        return cls(
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_hidden_layers=cfg["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=float(cfg.get("rope_theta", rope_params.get("rope_theta", 10000.0))),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=bool(cfg.get("attention_bias", mtype == "qwen2")),
+            qk_norm=mtype == "qwen3",
+            model_type=mtype,
+        )
+
+
+def rms_norm(x_BTD: torch.Tensor, weight_D: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm as transformers computes it: statistics in fp32, weight applied in input dtype."""
+    x32 = x_BTD.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight_D * x32.to(x_BTD.dtype)
+
+
+def rope_cos_sin(pos_BT: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=pos_BT.device, dtype=torch.int64).float() / head_dim))
+    freqs_BTe = pos_BT.float()[..., None] * inv_freq
+    emb_BTE = torch.cat((freqs_BTe, freqs_BTe), dim=-1)
+    return emb_BTE.cos().to(dtype), emb_BTE.sin().to(dtype)
+
+
+def apply_rope(x_BHTE: torch.Tensor, cos_BTE: torch.Tensor, sin_BTE: torch.Tensor) -> torch.Tensor:
+    cos, sin = cos_BTE[:, None], sin_BTE[:, None]
+    half = x_BHTE.shape[-1] // 2
+    rotated = torch.cat((-x_BHTE[..., half:], x_BHTE[..., :half]), dim=-1)
+    return x_BHTE * cos + rotated * sin
+
+
+class KVCache:
+    """Preallocated per-layer K/V: k[l] is [B, G, S, E]. Rows own their slots; the caller
+    passes the slot (= absolute position) each new token is written to.
+
+    `write_hook(k, v)` is applied on every write (numerics: fp8 KV cache simulation).
+    `read_column` / `write_column` expose single K/V columns (MarginGate repair)."""
+
+    def __init__(self, n_layers: int, batch: int, n_kv_heads: int, max_slots: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device | str, write_hook=None):
+        shape = (batch, n_kv_heads, max_slots, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
+        self.max_slots = max_slots
+        self.write_hook = write_hook
+
+    def write(self, layer: int, k_BGTE: torch.Tensor, v_BGTE: torch.Tensor, pos_BT: torch.Tensor):
+        if self.write_hook is not None:
+            k_BGTE, v_BGTE = self.write_hook(k_BGTE, v_BGTE)
+        B, G, T, E = k_BGTE.shape
+        idx = pos_BT[:, None, :, None].expand(B, G, T, E)
+        self.k[layer].scatter_(2, idx, k_BGTE)
+        self.v[layer].scatter_(2, idx, v_BGTE)
+
+    def read_column(self, layer: int, row: int, slot: int):
+        return self.k[layer][row, :, slot].clone(), self.v[layer][row, :, slot].clone()
+
+    def write_column(self, layer: int, row: int, slot: int, k_GE: torch.Tensor, v_GE: torch.Tensor):
+        self.k[layer][row, :, slot] = k_GE
+        self.v[layer][row, :, slot] = v_GE
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        """Keep only these batch rows (in this order): finished requests leave the batch."""
+        self.k = [k.index_select(0, rows) for k in self.k]
+        self.v = [v.index_select(0, rows) for v in self.v]
+
+
+class LlamaLM(torch.nn.Module):
+    """Causal LM forward over a KV cache. Parameters are plain tensors named as in the HF
+    checkpoint, so `from_pretrained` loads the same safetensors the reference model loads."""
+
+    def __init__(self, config: LlamaConfig, weights: dict[str, torch.Tensor], attn: str = "sdpa"):
+        super().__init__()
+        self.config = config
+        self.attn = attn
+        self.w = weights
+        # Optional numerics hook: a callable(name, tensor) -> tensor run on matmul weights once.
+        self.layers = config.num_hidden_layers
+
+    # --- loading -----------------------------------------------------------------------
+    @classmethod
+    def from_pretrained(cls, local_dir: str | Path, *, dtype: torch.dtype = torch.float32,
+                        device: str | torch.device = "cpu", attn: str = "sdpa",
+                        weight_transform=None) -> "LlamaLM":
+        """Load config.json + *.safetensors. weight_transform(dict) -> dict runs on the fp32
+        weights before the cast to `dtype` (numerics: fake-quantization)."""
+        d = Path(local_dir)
+        cfg_path = d / "config.json"
+        if not cfg_path.is_file():
+            raise ModelError("no config.json", where=str(d), fix="point at a save_pretrained directory")
+        try:
+            cfg = json.loads(cfg_path.read_text())
+        except json.JSONDecodeError as e:
+            raise ModelError(f"config.json is not valid JSON ({e.msg})", where=f"{cfg_path}:{e.lineno}") from e
+        config = LlamaConfig.from_dict(cfg, where=str(cfg_path))
+        files = sorted(d.glob("*.safetensors"))
+        if not files:
+            raise ModelError("no *.safetensors weights (pickle checkpoints are refused)", where=str(d),
+                             fix="re-save the model with save_pretrained(..., safe_serialization=True)")
+        raw: dict[str, torch.Tensor] = {}
+        for f in files:
+            try:
+                raw.update(load_file(str(f), device="cpu"))
+            except Exception as e:  # safetensors raises its own error types on truncation
+                raise ModelError(f"cannot read weights ({e})", where=str(f),
+                                 fix="the file may be truncated; rebuild or re-copy it") from e
+        weights = {(k[len("model."):] if k.startswith("model.") else k): t.float() for k, t in raw.items()}
+        if "lm_head.weight" not in weights:
+            if not config.tie_word_embeddings:
+                raise ModelError("lm_head.weight missing and embeddings are not tied", where=str(d))
+            weights["lm_head.weight"] = weights["embed_tokens.weight"]
+        missing = [n for n in cls.expected_weight_names(config) if n not in weights]
+        if missing:
+            raise ModelError(f"missing weights {missing[:3]}{'...' if len(missing) > 3 else ''}", where=str(d))
+        if weight_transform is not None:
+            weights = weight_transform(weights)
+        weights = {k: t.to(device=device, dtype=dtype) for k, t in weights.items()}
+        return cls(config, weights, attn=attn)
+
+    @staticmethod
+    def expected_weight_names(c: LlamaConfig) -> list[str]:
+        names = ["embed_tokens.weight", "norm.weight", "lm_head.weight"]
+        for i in range(c.num_hidden_layers):
+            p = f"layers.{i}."
+            names += [p + n for n in ("input_layernorm.weight", "post_attention_layernorm.weight",
+                                      "self_attn.q_proj.weight", "self_attn.k_proj.weight",
+                                      "self_attn.v_proj.weight", "self_attn.o_proj.weight",
+                                      "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")]
+        return names
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.w["embed_tokens.weight"].dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.w["embed_tokens.weight"].device
+
+    def new_cache(self, batch: int, max_slots: int, write_hook=None) -> KVCache:
+        c = self.config
+        return KVCache(c.num_hidden_layers, batch, c.num_key_value_heads, max_slots, c.head_dim,
+                       self.dtype, self.device, write_hook)
+
+    # --- forward -----------------------------------------------------------------------
+    def _linear(self, x, name):
+        b = self.w.get(name.replace(".weight", ".bias"))
+        return F.linear(x, self.w[name], b)
+
+    def _attention(self, q_BHTE, k_BGSE, v_BGSE, mask_BTS):
+        c = self.config
+        rep = c.num_attention_heads // c.num_key_value_heads
+        if rep > 1:
+            k_BGSE = k_BGSE.repeat_interleave(rep, dim=1)
+            v_BGSE = v_BGSE.repeat_interleave(rep, dim=1)
+        scale = 1.0 / math.sqrt(c.head_dim)
+        if self.attn == "sdpa":
+            return F.scaled_dot_product_attention(q_BHTE, k_BGSE, v_BGSE, attn_mask=mask_BTS[:, None], scale=scale)
+        if self.attn == "eager":  # transformers' eager path: softmax in fp32, cast back
+            scores = torch.matmul(q_BHTE, k_BGSE.transpose(-1, -2)) * scale
+            scores = scores.masked_fill(~mask_BTS[:, None], torch.finfo(scores.dtype).min)
+            probs = torch.softmax(scores.float(), dim=-1).to(q_BHTE.dtype)
+            return torch.matmul(probs, v_BGSE)
+        raise ValueError(f"unknown attention implementation {self.attn!r} (sdpa | eager)")
+
+    def forward(self, tokens_BT: torch.Tensor, pos_BT: torch.Tensor, cache: KVCache | None = None,
+                hidden_layer: int | None = None):
+        """Run tokens at absolute positions pos_BT. With a cache, their K/V are written to
+        slots pos_BT and each query attends to slots <= its position; without one, to the
+        tokens of this call (causal). Returns (logits_BTV fp32, hidden_BTD or None).
+
+        hidden_layer: None = no hidden states; -1 = the final-norm output (what lm_head sees);
+        i >= 0 = the residual stream after layer i."""
+        c, w = self.config, self.w
+        B, T = tokens_BT.shape
+        x = F.embedding(tokens_BT, w["embed_tokens.weight"])
+        cos, sin = rope_cos_sin(pos_BT, c.head_dim, c.rope_theta, x.dtype)
+        if cache is None:
+            slots = pos_BT  # keys are this call's tokens
+            mask_BTS = pos_BT[:, None, :] <= pos_BT[:, :, None]
+        else:
+            S = int(pos_BT.max().item()) + 1
+            mask_BTS = torch.arange(S, device=x.device)[None, None, :] <= pos_BT[:, :, None]
+        hidden = None
+        for i in range(c.num_hidden_layers):
+            p = f"layers.{i}."
+            h = rms_norm(x, w[p + "input_layernorm.weight"], c.rms_norm_eps)
+            q = self._linear(h, p + "self_attn.q_proj.weight").view(B, T, c.num_attention_heads, c.head_dim).transpose(1, 2)
+            k = self._linear(h, p + "self_attn.k_proj.weight").view(B, T, c.num_key_value_heads, c.head_dim).transpose(1, 2)
+            v = self._linear(h, p + "self_attn.v_proj.weight").view(B, T, c.num_key_value_heads, c.head_dim).transpose(1, 2)
+            if c.qk_norm:
+                q = rms_norm(q, w[p + "self_attn.q_norm.weight"], c.rms_norm_eps)
+                k = rms_norm(k, w[p + "self_attn.k_norm.weight"], c.rms_norm_eps)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            if cache is None:
+                keys, vals = k, v
+            else:
+                cache.write(i, k, v, pos_BT)
+                keys, vals = cache.k[i][:, :, :S], cache.v[i][:, :, :S]
+            a = self._attention(q, keys, vals, mask_BTS).transpose(1, 2).reshape(B, T, -1)
+            x = x + self._linear(a, p + "self_attn.o_proj.weight")
+            h = rms_norm(x, w[p + "post_attention_layernorm.weight"], c.rms_norm_eps)
+            gate = self._linear(h, p + "mlp.gate_proj.weight")
+            up = self._linear(h, p + "mlp.up_proj.weight")
+            x = x + self._linear(F.silu(gate) * up, p + "mlp.down_proj.weight")
+            if hidden_layer == i:
+                hidden = x
+        x = rms_norm(x, w["norm.weight"], c.rms_norm_eps)
+        if hidden_layer == -1:
+            hidden = x
+        logits_BTV = F.linear(x, w["lm_head.weight"]).float()
+        return logits_BTV, hidden

@@ -1,0 +1,88 @@
+"""Load a causal LM and its tokenizer from a local Hugging Face directory (safetensors only).
+
+`load_model(dir, numerics, device, impl)` returns the lean forward (models/llama.py) by default
+or the transformers model (impl="hf", the reference). `model_info(dir)` identifies a model and
+tokenizer by name and content hash, so claims made for another model are refused.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from verinfer.errors import ModelError
+from verinfer.models.llama import LlamaLM
+from verinfer.numerics import Numerics
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    name: str            # what claims put in their `model` field
+    path: str
+    vocab_size: int
+    max_positions: int
+    weights_sha256: str  # of the safetensors bytes (first 16 hex digits)
+    tokenizer_sha256: str | None
+    eos_token_id: int | None
+
+
+def _sha(paths: list[Path]) -> str:
+    h = hashlib.sha256()
+    for p in paths:
+        with open(p, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                h.update(chunk)
+    return h.hexdigest()[:16]
+
+
+def model_info(local_dir: str | Path) -> ModelInfo:
+    d = Path(local_dir)
+    if not (d / "config.json").is_file():
+        raise ModelError("no config.json here", where=str(d), fix="pass a save_pretrained directory")
+    cfg = json.loads((d / "config.json").read_text())
+    tok = d / "tokenizer.json"
+    eos = cfg.get("eos_token_id")
+    if isinstance(eos, list):
+        eos = eos[0] if eos else None
+    name = cfg.get("_name_or_path") or ""
+    name = name if name and not name.startswith("/") else d.name
+    return ModelInfo(
+        name=cfg.get("verinfer_name", name),
+        path=str(d),
+        vocab_size=int(cfg["vocab_size"]),
+        max_positions=int(cfg.get("max_position_embeddings", 2048)),
+        weights_sha256=_sha(sorted(d.glob("*.safetensors"))),
+        tokenizer_sha256=_sha([tok]) if tok.is_file() else None,
+        eos_token_id=eos,
+    )
+
+
+def load_model(local_dir: str | Path, numerics: Numerics = Numerics(), device: str | torch.device = "cpu",
+               impl: str = "lean"):
+    """The model as `numerics` would compute it. impl='lean' (fast, KV-cache engine path) or
+    'hf' (transformers, the reference; numerics dtype and fake-quant weights are applied too)."""
+    d = Path(local_dir)
+    if impl == "lean":
+        return LlamaLM.from_pretrained(d, dtype=numerics.torch_dtype, device=device, attn=numerics.attn,
+                                       weight_transform=numerics.apply_weights)
+    if impl == "hf":
+        from transformers import AutoModelForCausalLM
+
+        m = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32, attn_implementation=numerics.attn)
+        sd = {k: v for k, v in m.state_dict().items()}
+        m.load_state_dict(numerics.apply_weights(sd))
+        return m.to(device=device, dtype=numerics.torch_dtype).eval()
+    raise ValueError(f"impl must be 'lean' or 'hf', got {impl!r}")
+
+
+def load_tokenizer(local_dir: str | Path):
+    from transformers import AutoTokenizer
+
+    d = Path(local_dir)
+    if not (d / "tokenizer.json").is_file() and not (d / "tokenizer_config.json").is_file():
+        raise ModelError("no tokenizer here", where=str(d), fix="save the tokenizer with save_pretrained beside the model")
+    return AutoTokenizer.from_pretrained(d)

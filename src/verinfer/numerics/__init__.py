@@ -1,0 +1,3 @@
+from verinfer.numerics.config import Numerics
+
+__all__ = ["Numerics"]
