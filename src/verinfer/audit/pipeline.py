@@ -1,0 +1,173 @@
+"""The audit pipeline as functions the CLI, the demo and the benchmarks share:
+generate claims (simulated providers) -> score (replay) -> calibrate (honest only) -> audit -> report.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from verinfer.audit.claims import Claim, check_claims_fit, read_claims, write_claims
+from verinfer.audit.detector import ClippedMeanDetector
+from verinfer.audit.metrics import split_tokens
+from verinfer.audit.providers import HONEST, PROVIDERS, get_provider, run_provider
+from verinfer.audit.replay import read_scores, score_claims
+from verinfer.audit.scores import divergence
+from verinfer.engine.engine import Engine
+from verinfer.errors import ClaimError
+from verinfer.models.load import load_model, model_info
+from verinfer.numerics import Numerics
+from verinfer.sampling.params import SamplingParams
+
+# The advertised specification of the demo (the paper's reference: T=1, top-k 50, top-p 0.95).
+DEFAULT_SPEC = dict(temperature=1.0, top_k=50, top_p=0.95, min_p=0.0, noise="vllm-cpu")
+VERIFIER_NUMERICS = Numerics(dtype="bf16", attn="sdpa")
+
+
+@contextmanager
+def progress_bar(description: str, total: int, enabled: bool = True):
+    """A rich progress bar; yields advance(n)."""
+    if not enabled:
+        yield lambda n=1: None
+        return
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+                  transient=True) as prog:
+        task = prog.add_task(description, total=total)
+        yield lambda n=1: prog.advance(task, n)
+
+
+def prompts_for(model_dir: str | Path, n: int, seed: int, max_prompt_tokens: int = 48) -> list[list[int]]:
+    from verinfer.models.corpus import eval_prompts
+    from verinfer.models.load import load_tokenizer
+
+    return eval_prompts(load_tokenizer(model_dir), n, seed, max_prompt_tokens)
+
+
+def generate(provider: str, model_dir: str | Path, out: str | Path, *, n: int = 32, max_tokens: int = 64,
+             seed: int = 0, spec: dict | None = None, device: str = "cpu", show_progress: bool = True) -> list[Claim]:
+    cfg = get_provider(provider)
+    spec = {**DEFAULT_SPEC, **(spec or {})}
+    advertised = SamplingParams(seed=0, max_tokens=max_tokens, **spec)
+    prompts = prompts_for(model_dir, n, seed)
+    with progress_bar(f"generate {provider}", len(prompts), show_progress) as adv:
+        claims = run_provider(cfg, model_dir, prompts, advertised, base_seed=seed, device=device, progress=adv)
+    write_claims(out, claims)
+    return claims
+
+
+def verifier_engine(model_dir: str | Path, numerics: Numerics = VERIFIER_NUMERICS, device: str = "cpu") -> Engine:
+    info = model_info(model_dir)
+    return Engine(load_model(model_dir, numerics, device), numerics, eos_token_id=info.eos_token_id)
+
+
+def score(claims_path: str | Path, model_dir: str | Path, out: str | Path, *, engine: Engine | None = None,
+          device: str = "cpu", show_progress: bool = True) -> pa.Table:
+    claims = read_claims(claims_path)
+    info = model_info(model_dir)
+    check_claims_fit(claims, claims_path, model_name=info.name, vocab_size=info.vocab_size,
+                     max_positions=info.max_positions)
+    engine = engine or verifier_engine(model_dir, device=device)
+    total = sum(len(c.output_token_ids) for c in claims)
+    with progress_bar(f"score {Path(claims_path).name}", total, show_progress) as adv:
+        return score_claims(claims, engine, out, model_sha=info.weights_sha256, progress=adv)
+
+
+def load_score_tables(paths: list[str | Path]) -> pa.Table:
+    return pa.concat_tables([read_scores(p) for p in paths])
+
+
+def provider_values(table: pa.Table, provider: str, score_name: str = "margin") -> np.ndarray:
+    sub = table.filter(pc.equal(table["provider"], provider))
+    return divergence(sub, score_name)
+
+
+def calibrate(table: pa.Table, honest: list[str], *, score_name: str = "margin", clip_quantile: float = 0.999,
+              target_fpr: float = 0.01, seed: int = 0) -> tuple[ClippedMeanDetector, dict[str, np.ndarray]]:
+    """Fit a detector on the train half of the honest tokens; return it and each honest
+    provider's held-out test half (for auditing honest providers without reusing train data)."""
+    rng = np.random.default_rng(seed)
+    train, test = [], {}
+    for name in honest:
+        v = provider_values(table, name, score_name)
+        if len(v) == 0:
+            raise ClaimError(f"no scored tokens for honest provider {name!r}", fix="score its claims first")
+        tr, te = split_tokens(len(v), rng)
+        train.append(v[tr])
+        test[name] = v[te]
+    det = ClippedMeanDetector(score=score_name, clip_quantile=clip_quantile, target_fpr=target_fpr,
+                              random_state=seed).fit(np.concatenate(train))
+    return det, test
+
+
+def audit(table: pa.Table, detector: ClippedMeanDetector, providers: list[str],
+          held_out: dict[str, np.ndarray] | None = None, max_tokens: int | None = None) -> list[dict]:
+    verdicts = []
+    for name in providers:
+        v = held_out[name] if held_out and name in held_out else provider_values(table, name, detector.score)
+        if max_tokens:
+            v = v[:max_tokens]
+        d = detector.verdict(v)
+        d["provider"] = name
+        d["honest"] = name in HONEST if name in PROVIDERS else None
+        verdicts.append(d)
+    return verdicts
+
+
+def print_verdicts(verdicts: list[dict]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title="verinfer audit: Token-DiFR verdicts")
+    for col in ("provider", "truth", "verdict", "tokens", "pooled", "threshold", "p-value", "FPR target"):
+        t.add_column(col)
+    for d in verdicts:
+        truth = {True: "honest", False: "misconfigured", None: "?"}[d.get("honest")]
+        t.add_row(d["provider"], truth, "[red]FLAGGED[/red]" if d["flagged"] else "[green]ok[/green]",
+                  str(d["n_tokens"]), f"{d['pooled']:.4f}", f"{d['threshold']:.4f}", f"{d['p_value']:.2g}",
+                  f"{d['target_fpr']:.0%}")
+    Console().print(t)
+
+
+@dataclass
+class DemoResult:
+    verdicts: list[dict]
+    report: Path
+    seconds: float
+
+
+def demo(out_dir: str | Path = "runs/demo", *, model_dir: str | Path | None = None, n: int = 48,
+         max_tokens: int = 64, seed: int = 0, audit_tokens: int = 1000, show_progress: bool = True) -> DemoResult:
+    """Generate honest and misconfigured claims on the testbed, score, calibrate, audit, report."""
+    from verinfer.audit.report import compute_auc_curves, write_report
+    from verinfer.models.testbed import TARGET_DIR
+
+    t0 = time.perf_counter()
+    model_dir = Path(model_dir or TARGET_DIR)
+    out = Path(out_dir)
+    engine = verifier_engine(model_dir)
+    paths = []
+    for name in PROVIDERS:
+        cpath, spath = out / "claims" / f"{name}.jsonl", out / "scores" / f"{name}.parquet"
+        if not cpath.is_file():  # resumable: finished steps are kept
+            generate(name, model_dir, cpath, n=n, max_tokens=max_tokens, seed=seed, show_progress=show_progress)
+        if not spath.is_file():
+            score(cpath, model_dir, spath, engine=engine, show_progress=show_progress)
+        paths.append(spath)
+    table = load_score_tables(paths)
+    honest = list(HONEST)
+    det, held_out = calibrate(table, honest, seed=seed)
+    det.save(out / "detector.json")
+    verdicts = audit(table, det, list(PROVIDERS), held_out, max_tokens=audit_tokens)
+    (out / "verdicts.json").write_text(json.dumps(verdicts, indent=1, default=float))
+    curves = compute_auc_curves(table, honest, seed=seed)
+    report = write_report(table, out, honest, verdicts, curves)
+    return DemoResult(verdicts, report, time.perf_counter() - t0)

@@ -1,0 +1,178 @@
+"""The `verinfer` command: parses arguments and dispatches; the logic lives in the packages."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+
+from verinfer.errors import VerinferError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True,
+                  help="Make LLM inference checkable: audit providers with DiFR on a shipped testbed or your own model.")
+testbed_app = typer.Typer(no_args_is_help=True, help="The shipped testbed models (tokenizer, target, draft).")
+app.add_typer(testbed_app, name="testbed")
+
+
+def _fail(e: Exception) -> None:
+    typer.secho(f"error: {e.message if isinstance(e, VerinferError) else e}", fg="red", err=True)
+    raise typer.Exit(2)
+
+
+def _default_model() -> Path:
+    from verinfer.models.testbed import TARGET_DIR
+
+    return TARGET_DIR
+
+
+@app.command()
+def demo(out: Path = typer.Option(Path("runs/demo"), help="Output directory (resumes if it exists)."),
+         n: int = typer.Option(48, help="Requests per provider."),
+         max_tokens: int = typer.Option(64, help="Output tokens per request."),
+         seed: int = typer.Option(0), audit_tokens: int = typer.Option(1000, help="Tokens per audited provider."),
+         quiet: bool = typer.Option(False, help="No progress bars.")):
+    """Generate honest and misconfigured claims on the testbed, score, calibrate, audit, report."""
+    from verinfer.audit.pipeline import demo as run_demo, print_verdicts
+
+    try:
+        res = run_demo(out, n=n, max_tokens=max_tokens, seed=seed, audit_tokens=audit_tokens, show_progress=not quiet)
+    except (VerinferError, ValueError) as e:
+        _fail(e)
+    print_verdicts(res.verdicts)
+    typer.echo(f"report: {res.report}   ({res.seconds:.0f} s)")
+
+
+@app.command()
+def generate(provider: str = typer.Argument(..., help="Simulated provider, e.g. honest-bf16-b8, int4, fp8-kv, "
+                                                       "temp-1.1, wrong-seed, sampling-bug."),
+             out: Path = typer.Option(..., "--out", "-o", help="Claims JSONL to write."),
+             model: Optional[Path] = typer.Option(None, help="Model directory (default: testbed target)."),
+             n: int = typer.Option(32, help="Number of requests."), max_tokens: int = typer.Option(64),
+             seed: int = typer.Option(0), temperature: float = typer.Option(1.0), top_k: int = typer.Option(50),
+             top_p: float = typer.Option(0.95), min_p: float = typer.Option(0.0),
+             noise: str = typer.Option("vllm-cpu", help="vllm-cpu | vllm-v1-exponential | keyed | inverse-cdf"),
+             device: str = typer.Option("cpu")):
+    """Write claims JSONL from a simulated (honest or misconfigured) provider."""
+    from verinfer.audit.pipeline import generate as run
+
+    try:
+        claims = run(provider, model or _default_model(), out, n=n, max_tokens=max_tokens, seed=seed, device=device,
+                     spec=dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, noise=noise))
+    except (VerinferError, ValueError) as e:
+        _fail(e)
+    typer.echo(f"wrote {len(claims)} claims, {sum(len(c.output_token_ids) for c in claims)} tokens -> {out}")
+
+
+@app.command()
+def score(claims: Path = typer.Argument(..., help="Claims JSONL."),
+          out: Path = typer.Option(..., "--out", "-o", help="Scores Parquet to write (resumes)."),
+          model: Optional[Path] = typer.Option(None), device: str = typer.Option("cpu")):
+    """Replay claims with the trusted model: one Parquet row per token with every score."""
+    from verinfer.audit.pipeline import score as run
+
+    try:
+        t = run(claims, model or _default_model(), out, device=device)
+    except (VerinferError, ValueError) as e:
+        _fail(e)
+    typer.echo(f"scored {t.num_rows} tokens -> {out}")
+
+
+@app.command()
+def calibrate(scores: List[Path] = typer.Argument(..., help="Scores Parquet files of honest runs."),
+              out: Path = typer.Option(..., "--out", "-o", help="Detector JSON to write."),
+              score_name: str = typer.Option("margin", "--score"), clip_quantile: float = typer.Option(0.999),
+              target_fpr: float = typer.Option(0.01), seed: int = typer.Option(0)):
+    """Fit a detector on honest scores: winsorize, batch mean, threshold at a target FPR."""
+    from verinfer.audit.pipeline import calibrate as run, load_score_tables
+
+    try:
+        table = load_score_tables(scores)
+        honest = sorted(set(table["provider"].to_pylist()))
+        det, _ = run(table, honest, score_name=score_name, clip_quantile=clip_quantile, target_fpr=target_fpr,
+                     seed=seed)
+        det.save(out)
+    except (VerinferError, ValueError) as e:
+        _fail(e)
+    typer.echo(f"detector ({score_name}, clip {det.clip_:.4g} at q={clip_quantile}, FPR {target_fpr}) -> {out}")
+
+
+@app.command()
+def audit(inputs: List[Path] = typer.Argument(..., help="Scores Parquet or claims JSONL files."),
+          detector: Path = typer.Option(..., "--detector", "-d"),
+          model: Optional[Path] = typer.Option(None, help="Model for claims inputs (default: testbed target)."),
+          json_out: Optional[Path] = typer.Option(None, "--json", help="Also write verdicts as JSON."),
+          max_tokens: Optional[int] = typer.Option(None, help="Use at most this many tokens per provider.")):
+    """Verdict per provider: flagged or not, tokens used, tail probability under the honest null."""
+    from verinfer.audit.detector import ClippedMeanDetector
+    from verinfer.audit.pipeline import audit as run, load_score_tables, print_verdicts, score as run_score
+
+    try:
+        det = ClippedMeanDetector.load(detector)
+        paths = []
+        for p in inputs:
+            if p.suffix == ".jsonl":
+                sp = p.with_suffix(".scores.parquet")
+                run_score(p, model or _default_model(), sp)
+                paths.append(sp)
+            else:
+                paths.append(p)
+        table = load_score_tables(paths)
+        providers = sorted(set(table["provider"].to_pylist()))
+        verdicts = run(table, det, providers, max_tokens=max_tokens)
+    except (VerinferError, ValueError) as e:
+        _fail(e)
+    print_verdicts(verdicts)
+    if json_out:
+        from verinfer.audit.claims import atomic_write_text
+
+        atomic_write_text(json_out, json.dumps(verdicts, indent=1, default=float))
+    if any(v["flagged"] for v in verdicts):
+        raise typer.Exit(1)
+
+
+@app.command()
+def report(scores: List[Path] = typer.Argument(...), out: Path = typer.Option(Path("runs/report"), "--out", "-o"),
+           honest: List[str] = typer.Option(None, help="Honest provider names (default: names starting 'honest').")):
+    """HTML report with AUC@1%FPR-vs-tokens curves and score histograms."""
+    from verinfer.audit.pipeline import load_score_tables
+    from verinfer.audit.report import compute_auc_curves, write_report
+
+    try:
+        table = load_score_tables(scores)
+        names = sorted(set(table["provider"].to_pylist()))
+        hon = honest or [n for n in names if n.startswith("honest")]
+        if not hon:
+            raise VerinferError("no honest provider among the scores", fix="pass --honest NAME")
+        path = write_report(table, out, hon, None, compute_auc_curves(table, hon))
+    except (VerinferError, ValueError) as e:
+        _fail(e)
+    typer.echo(f"report: {path}")
+
+
+@testbed_app.command("build")
+def testbed_build(seed: int = typer.Option(0), out: Optional[Path] = typer.Option(None, help="Default: the shipped dir."),
+                  budget: str = typer.Option("full", help="full | tiny")):
+    """Retrain the testbed tokenizer, target and draft from a seed (about 15 minutes on 2 cores)."""
+    from verinfer.models import testbed
+
+    info = testbed.build(seed, out or testbed.TESTBED_DIR, budget=budget)
+    typer.echo(json.dumps(info, indent=1, default=str))
+
+
+@testbed_app.command("info")
+def testbed_info():
+    """Print the shipped testbed's model card numbers."""
+    from verinfer.models import testbed
+
+    typer.echo((testbed.TESTBED_DIR / "build_info.json").read_text())
+
+
+def main() -> None:  # pragma: no cover
+    app()
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,74 @@
+import json
+
+import pytest
+
+from verinfer.audit.claims import Claim, check_claims_fit, read_claims, write_claims
+from verinfer.errors import ClaimError
+from verinfer.sampling.params import SamplingParams
+
+GOOD = {"id": "a", "model": "m", "prompt_token_ids": [1, 2, 3], "output_token_ids": [4, 5],
+        "sampling": {"temperature": 1.0, "top_k": 50, "top_p": 0.95, "min_p": 0.0, "seed": 7, "noise": "vllm-cpu"}}
+
+
+def _write(tmp_path, lines, end="\n"):
+    p = tmp_path / "c.jsonl"
+    p.write_text(end.join(lines) + end)
+    return p
+
+
+def test_round_trip(tmp_path):
+    c = Claim("x", "m", [1, 2], [3], SamplingParams(seed=3, max_tokens=1, top_k=5), provider="p")
+    write_claims(tmp_path / "o.jsonl", [c])
+    (back,) = read_claims(tmp_path / "o.jsonl")
+    assert back.to_json() == c.to_json()
+
+
+@pytest.mark.parametrize("mutate,match", [
+    (lambda d: d.pop("sampling"), "missing field `sampling`"),
+    (lambda d: d["sampling"].pop("seed"), "sampling.seed` is missing"),
+    (lambda d: d.__setitem__("output_token_ids", "hello"), "list of integer token ids"),
+    (lambda d: d.__setitem__("output_token_ids", []), "empty"),
+    (lambda d: d["sampling"].__setitem__("noise", "mystery"), "not a known noise backend"),
+    (lambda d: d["sampling"].__setitem__("top_p", 1.5), "top_p"),
+    (lambda d: d["sampling"].__setitem__("temperature", -1), "temperature"),
+])
+def test_bad_fields_name_line_and_field(tmp_path, mutate, match):
+    bad = json.loads(json.dumps(GOOD))
+    mutate(bad)
+    p = _write(tmp_path, [json.dumps(GOOD), json.dumps({**bad, "id": "b"})])
+    with pytest.raises(ClaimError, match=match) as e:
+        read_claims(p)
+    assert f"{p}:2" in str(e.value)
+
+
+def test_greedy_needs_no_seed(tmp_path):
+    d = json.loads(json.dumps(GOOD))
+    d["sampling"] = {"temperature": 0.0}
+    (c,) = read_claims(_write(tmp_path, [json.dumps(d)]))
+    assert c.sampling.greedy and c.sampling.seed is None
+
+
+def test_malformed_and_truncated_lines(tmp_path):
+    p = _write(tmp_path, [json.dumps(GOOD), "{not json"])
+    with pytest.raises(ClaimError, match=r"c.jsonl:2.*not valid JSON") as e:
+        read_claims(p)
+    p = tmp_path / "t.jsonl"
+    p.write_text(json.dumps(GOOD) + "\n" + json.dumps({**GOOD, "id": "b"})[:40])
+    with pytest.raises(ClaimError, match="truncated"):
+        read_claims(p)
+
+
+def test_duplicate_ids(tmp_path):
+    with pytest.raises(ClaimError, match="duplicate claim id 'a' \\(first at line 1\\)"):
+        read_claims(_write(tmp_path, [json.dumps(GOOD), json.dumps(GOOD)]))
+
+
+def test_fit_checks_model_vocab_and_context(tmp_path):
+    (c,) = read_claims(_write(tmp_path, [json.dumps(GOOD)]))
+    check_claims_fit([c], "f", model_name="m", vocab_size=10, max_positions=10)
+    with pytest.raises(ClaimError, match="is for model 'm'"):
+        check_claims_fit([c], "f", model_name="other", vocab_size=10, max_positions=10)
+    with pytest.raises(ClaimError, match="token id 5 outside the vocabulary"):
+        check_claims_fit([c], "f", model_name="m", vocab_size=5, max_positions=10)
+    with pytest.raises(ClaimError, match="over the model's context"):
+        check_claims_fit([c], "f", model_name="m", vocab_size=10, max_positions=4)

@@ -1,0 +1,138 @@
+import json
+import math
+
+import numpy as np
+import pytest
+from scipy.stats import binom, kstest, norm
+
+from verinfer.audit.detector import MAX_NULL_SAMPLE, ClippedMeanDetector
+from verinfer.errors import VerinferError
+
+
+@pytest.fixture(scope="module")
+def honest():
+    rng = np.random.default_rng(0)
+    v = rng.exponential(1.0, 300_000)
+    v[rng.random(v.size) < 1e-3] = np.inf  # filtered-out claimed tokens
+    return v
+
+
+@pytest.fixture(scope="module")
+def det(honest):
+    return ClippedMeanDetector(score="margin", clip_quantile=0.999, target_fpr=0.01).fit(honest)
+
+
+def test_fit_learned_attributes(det, honest):
+    fin = honest[np.isfinite(honest)]
+    assert det.clip_ == pytest.approx(np.quantile(fin, 0.999))
+    assert det.null_sample_.size == MAX_NULL_SAMPLE and det.n_train_ == honest.size  # subsampled
+    assert det.null_sample_.max() == det.clip_ and np.isfinite(det.null_sample_).all()
+    assert det.null_mean_ == pytest.approx(det.null_sample_.mean())
+    assert det.null_std_ == pytest.approx(det.null_sample_.std(ddof=1))
+    again = ClippedMeanDetector().fit(honest)  # deterministic
+    assert np.array_equal(again.null_sample_, det.null_sample_) and again.threshold(50) == det.threshold(50)
+    with pytest.raises(Exception):
+        det.clip_quantile = 0.5  # frozen config
+    assert det.pooled([0.0, np.inf]) == pytest.approx(det.clip_ / 2)
+
+
+def test_fpr_on_fresh_honest_batches_is_target(det):
+    rng = np.random.default_rng(1)
+    n, b = 3000, 100
+    x = rng.exponential(1.0, (n, b))
+    x[rng.random(x.shape) < 1e-3] = np.inf
+    flagged = sum(det.predict(row) for row in x)
+    # binomial 99.9% interval around the target, widened for the threshold's own resampling error
+    lo, hi = binom.ppf([0.0005, 0.9995], n, det.target_fpr)
+    assert lo - 10 <= flagged <= hi + 10, flagged
+    assert 0.003 < flagged / n < 0.02
+
+
+def test_p_values_uniform_under_null(det):
+    rng = np.random.default_rng(2)
+    p = np.array([det.p_value(rng.exponential(1.0, 40)) for _ in range(600)])
+    assert kstest(p, "uniform").pvalue > 1e-3
+    assert abs(np.mean(p <= 0.05) - 0.05) < 0.03
+
+
+def test_flags_shifted_distribution(det):
+    rng = np.random.default_rng(3)
+    bad = det.verdict(rng.exponential(1.3, 1000))
+    assert bad["flagged"] and bad["p_value"] < 1e-3 and bad["p_value_method"] == "normal"
+    assert bad["p_value"] <= 1 / (det.n_null_batches + 1)
+    ok = det.verdict(rng.exponential(1.0, 1000))
+    assert not ok["flagged"] and ok["p_value_method"] == "resampled" and ok["p_value"] > 0.01
+    assert set(ok) == {"flagged", "pooled", "threshold", "p_value", "p_value_method", "n_tokens", "target_fpr",
+                       "score", "clip"}
+    assert ok["n_tokens"] == 1000 and ok["score"] == "margin" and ok["clip"] == det.clip_
+    # a resampled p-value is (1 + #null means >= observed) / (1 + B)
+    null = det.null_means(1000)
+    assert ok["p_value"] == (1 + np.sum(null >= ok["pooled"])) / (1 + null.size)
+    assert ok["threshold"] == pytest.approx(np.quantile(null, 0.99))
+
+
+def test_threshold_resampled_matches_normal_approximation(det):
+    n = 10_000  # 2000 x 10k draws: still resampled; 20k tokens switch to the CLT
+    normal = det.null_mean_ + norm.isf(0.01) * det.null_std_ / math.sqrt(n)
+    assert det.threshold(n) == pytest.approx(normal, abs=0.1 * det.null_std_ / math.sqrt(n))
+    big = det.verdict(np.full(20_000, det.null_mean_ + 0.1))
+    assert big["threshold"] == pytest.approx(det.null_mean_ + norm.isf(0.01) * det.null_std_ / math.sqrt(20_000))
+    assert big["p_value_method"] == "normal" and big["flagged"]
+
+
+def test_degenerate_null_all_zero():
+    d = ClippedMeanDetector().fit(np.zeros(1000))
+    assert d.threshold(10) == 0.0 and not d.predict(np.zeros(10)) and d.p_value(np.zeros(10)) == 1.0
+    assert d.predict([0.0] * 9 + [np.inf]) is False  # inf clipped to 0: nothing to see at this clip
+    d2 = ClippedMeanDetector(clip_quantile=1.0).fit(np.r_[np.zeros(999), 1.0])
+    assert d2.predict(np.r_[np.zeros(5), 1.0, 1.0]) and d2.p_value(np.ones(10)) == 0.0
+
+
+def test_save_load_round_trip(det, tmp_path):
+    path = tmp_path / "sub" / "det.json"
+    det.save(path)
+    back = ClippedMeanDetector.load(path)
+    assert back == det and back.config() == det.config()
+    assert np.array_equal(back.null_sample_, det.null_sample_)
+    for k in ("clip_", "null_mean_", "null_std_", "n_train_"):
+        assert getattr(back, k) == getattr(det, k)
+    x = np.random.default_rng(4).exponential(1.1, 700)
+    assert back.verdict(x) == det.verdict(x)
+    assert [p.name for p in path.parent.iterdir()] == ["det.json"]  # no temp file left behind
+    d = json.loads(path.read_text())
+    assert d["format"] == "verinfer.ClippedMeanDetector" and d["version"] == 1
+
+
+def test_load_errors_name_the_file(det, tmp_path):
+    path = tmp_path / "det.json"
+    det.save(path)
+    text = path.read_text()
+    path.write_text(text[: len(text) // 2])  # truncated
+    with pytest.raises(VerinferError, match="not valid JSON.*truncated") as e:
+        ClippedMeanDetector.load(path)
+    assert str(path) in str(e.value)
+    d = json.loads(text)
+    d["version"] = 99
+    path.write_text(json.dumps(d))
+    with pytest.raises(VerinferError, match="version 99") as e:
+        ClippedMeanDetector.load(path)
+    assert str(path) in str(e.value)
+    d["version"] = 1
+    d["fitted"]["null_sample_f8_base64"] = d["fitted"]["null_sample_f8_base64"][:-400]
+    path.write_text(json.dumps(d))
+    with pytest.raises(VerinferError, match="malformed detector"):
+        ClippedMeanDetector.load(path)
+    with pytest.raises(VerinferError, match="no such detector file"):
+        ClippedMeanDetector.load(tmp_path / "missing.json")
+
+
+def test_unfitted_and_bad_input():
+    with pytest.raises(VerinferError, match="not fitted"):
+        ClippedMeanDetector().threshold(10)
+    with pytest.raises(ValueError):
+        ClippedMeanDetector(score="bogus")
+    d = ClippedMeanDetector().fit(np.arange(100.0))
+    with pytest.raises(ValueError, match="empty"):
+        d.verdict([])
+    with pytest.raises(ValueError, match="NaN"):
+        d.verdict([np.nan])

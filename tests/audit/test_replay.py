@@ -1,0 +1,78 @@
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from verinfer.audit import replay as replay_mod
+from verinfer.audit.providers import ProviderConfig, run_provider
+from verinfer.audit.replay import read_scores, score_claims
+from verinfer.engine.engine import Engine
+from verinfer.errors import VerinferError
+from verinfer.models.load import load_model
+from verinfer.numerics import Numerics
+from verinfer.sampling.params import SamplingParams
+
+FP32 = Numerics(dtype="fp32")
+SPEC = SamplingParams(temperature=1.0, top_k=20, top_p=0.95, seed=0, max_tokens=16)
+
+
+def _prompts(n):
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(3, 97, (int(torch.randint(4, 12, (1,), generator=g)),), generator=g).tolist() for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def verifier(tiny_llama_dir):
+    return Engine(load_model(tiny_llama_dir, FP32), FP32)
+
+
+def test_honest_fp32_provider_replays_exactly(tiny_llama_dir, verifier, tmp_path):
+    cfg = ProviderConfig("same", FP32, batch_size=1)
+    claims = run_provider(cfg, tiny_llama_dir, _prompts(6), SPEC)
+    t = score_claims(claims, verifier, tmp_path / "s.parquet")
+    assert t.num_rows == 6 * 16
+    assert np.all(t["exact_match"].to_numpy(zero_copy_only=False))
+    assert np.allclose(t["margin"].to_numpy(), 0.0)
+    assert np.all(np.isfinite(t["cross_entropy"].to_numpy()))
+
+
+def test_wrong_seed_and_int4_diverge(tiny_llama_dir, verifier, tmp_path):
+    honest = score_claims(run_provider(ProviderConfig("h", FP32, batch_size=3), tiny_llama_dir, _prompts(8), SPEC),
+                          verifier, tmp_path / "h.parquet")
+    wrong = score_claims(run_provider(ProviderConfig("w", FP32, seed_offset=1, honest=False), tiny_llama_dir,
+                                      _prompts(8), SPEC), verifier, tmp_path / "w.parquet")
+    em = lambda t: t["exact_match"].to_numpy(zero_copy_only=False).mean()  # noqa: E731
+    assert em(honest) > 0.95 and em(wrong) < 0.8
+    assert np.mean(np.minimum(wrong["margin"].to_numpy(), 10)) > np.mean(honest["margin"].to_numpy())
+
+
+def test_resume_skips_finished_parts_and_output_is_atomic(tiny_llama_dir, verifier, tmp_path, monkeypatch):
+    claims = run_provider(ProviderConfig("h", FP32, batch_size=4), tiny_llama_dir, _prompts(8), SPEC)
+    out = tmp_path / "s.parquet"
+    calls = {"n": 0}
+    real = replay_mod.scores_table
+
+    def dying(c, r, sigma):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise KeyboardInterrupt("killed")
+        return real(c, r, sigma)
+
+    monkeypatch.setattr(replay_mod, "scores_table", dying)
+    with pytest.raises(KeyboardInterrupt):
+        score_claims(claims, verifier, out, chunk_claims=4)
+    assert not out.exists()  # nothing half-written
+    assert len(list(out.with_name(out.name + ".parts").glob("part-*.parquet"))) == 1
+    calls["n"] = 10  # the rerun must only compute the missing chunk
+    full = score_claims(claims, verifier, out, chunk_claims=4)
+    assert calls["n"] == 11 and full.num_rows == 8 * 16
+    assert pq.read_table(out).equals(full)
+
+
+def test_truncated_parquet_is_a_clear_error(tmp_path, tiny_llama_dir, verifier):
+    claims = run_provider(ProviderConfig("h", FP32), tiny_llama_dir, _prompts(2), SPEC)
+    out = tmp_path / "s.parquet"
+    score_claims(claims, verifier, out)
+    out.write_bytes(out.read_bytes()[:200])
+    with pytest.raises(VerinferError, match="truncated or not Parquet"):
+        read_scores(out)
