@@ -97,7 +97,7 @@ class Engine:
         return self.model.device
 
     # --- prefill / decode ------------------------------------------------------------
-    @torch.inference_mode()
+    @torch.no_grad()
     def prefill(self, requests: list[Request], extra_slots: int | None = None) -> Batch:
         """Run the prompts (right-padded, optionally in chunks) and return the decoding state."""
         B = len(requests)
@@ -132,7 +132,7 @@ class Engine:
                    for b, r in enumerate(requests)]
         return Batch(requests, cache, len_B, last_BV, streams, [[] for _ in range(B)], [False] * B, [None] * B)
 
-    @torch.inference_mode()
+    @torch.no_grad()
     def sample(self, batch: Batch, sampler=None) -> torch.Tensor:
         """Sample each row's next token from batch.logits_BV with its own params and noise.
         `sampler(logits_BV, params, noises, batch)` may replace the honest sampler
@@ -142,7 +142,7 @@ class Engine:
         fn = sampler or (lambda logits, p, n, _b: sample_batch(logits, p, n))
         return fn(batch.logits_BV, params, noises, batch)
 
-    @torch.inference_mode()
+    @torch.no_grad()
     def extend(self, batch: Batch, tokens_BT: torch.Tensor, hidden_layer: int | None = None):
         """Append tokens_BT to every row (at its own positions) and return (logits_BTV, hidden)."""
         B, T = tokens_BT.shape
@@ -156,7 +156,7 @@ class Engine:
         """Forget the last n_B[b] tokens of each row (their cache slots are overwritten later)."""
         batch.len_B = batch.len_B - n_B.to(batch.len_B.device)
 
-    @torch.inference_mode()
+    @torch.no_grad()
     def decode_step(self, batch: Batch, sampler=None) -> torch.Tensor:
         """Sample one token per unfinished row, record it, and run it through the model."""
         tokens_B = self.sample(batch, sampler).to(self.device)
@@ -192,7 +192,7 @@ class Engine:
         return out
 
     # --- replay ------------------------------------------------------------------------
-    @torch.inference_mode()
+    @torch.no_grad()
     def score(self, pairs: list[tuple[list[int], list[int]]], batch_tokens: int = 8192,
               hidden_layer: int | None = None) -> list[Replay]:
         """Teacher-forced replay: for each (prompt, output) one forward over prompt+output[:-1]
