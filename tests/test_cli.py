@@ -1,0 +1,71 @@
+"""The CLI end to end on the shipped testbed: generate -> score -> calibrate -> audit, and bad input."""
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from verinfer.cli import app
+from verinfer.models.testbed import TARGET_DIR
+
+pytestmark = pytest.mark.skipif(not (TARGET_DIR / "config.json").is_file(), reason="testbed not built")
+runner = CliRunner()
+
+
+def run(*args):
+    return runner.invoke(app, [str(a) for a in args], catch_exceptions=False)
+
+
+@pytest.fixture(scope="module")
+def scored(tmp_path_factory):
+    d = tmp_path_factory.mktemp("cli")
+    out = {}
+    for name in ("honest-bf16-b8", "honest-fp32-b4", "wrong-seed"):
+        r = run("generate", name, "--out", d / f"{name}.jsonl", "--n", 6, "--max-tokens", 24)
+        assert r.exit_code == 0, r.output
+        r = run("score", d / f"{name}.jsonl", "--out", d / f"{name}.parquet")
+        assert r.exit_code == 0, r.output
+        out[name] = d / f"{name}.parquet"
+    return d, out
+
+
+def test_generate_score_calibrate_audit(scored):
+    d, p = scored
+    r = run("calibrate", p["honest-bf16-b8"], p["honest-fp32-b4"], "--out", d / "det.json")
+    assert r.exit_code == 0, r.output
+    r = run("audit", p["wrong-seed"], "--detector", d / "det.json", "--json", d / "v.json")
+    assert r.exit_code == 1  # flagged -> non-zero exit, like a failing check
+    (v,) = json.loads((d / "v.json").read_text())
+    assert v["provider"] == "wrong-seed" and v["flagged"] and v["n_tokens"] == 6 * 24 and v["p_value"] < 0.01
+    claims = [json.loads(line) for line in (d / "wrong-seed.jsonl").read_text().splitlines()]
+    assert all(c["model"] == claims[0]["model"] and "seed" in c["sampling"] for c in claims)
+
+
+def test_bad_claims_exit_2_with_file_line_field(scored, tmp_path):
+    d, _ = scored
+    lines = (d / "honest-bf16-b8.jsonl").read_text().splitlines()
+    bad = json.loads(lines[1])
+    bad["output_token_ids"][3] = 10**6
+    f = tmp_path / "bad.jsonl"
+    f.write_text("\n".join([lines[0], json.dumps(bad)]) + "\n")
+    r = run("score", f, "--out", tmp_path / "s.parquet")
+    assert r.exit_code == 2 and "outside the vocabulary" in r.output and not (tmp_path / "s.parquet").exists()
+    bad = json.loads(lines[1])
+    bad["model"] = "some-other-model"
+    f.write_text(json.dumps(bad) + "\n")
+    r = run("score", f, "--out", tmp_path / "s.parquet")
+    assert r.exit_code == 2 and "some-other-model" in r.output
+    f.write_text(lines[0] + "\n" + lines[1][: len(lines[1]) // 2])
+    r = run("score", f, "--out", tmp_path / "s.parquet")
+    assert r.exit_code == 2 and f"{f}:2" in r.output and "truncated" in r.output
+    (tmp_path / "t.parquet").write_bytes(b"PAR1garbage")
+    r = run("audit", tmp_path / "t.parquet", "--detector", d / "det.json")
+    assert r.exit_code == 2
+
+
+def test_demo_small(tmp_path):
+    r = run("demo", "--out", tmp_path / "demo", "--n", 6, "--max-tokens", 16, "--quiet", "--audit-tokens", 48)
+    assert r.exit_code == 0, r.output
+    assert (tmp_path / "demo" / "report.html").is_file()
+    verdicts = json.loads((tmp_path / "demo" / "verdicts.json").read_text())
+    assert len(verdicts) == 10 and {v["provider"] for v in verdicts} >= {"int4", "honest-bf16-b8"}
