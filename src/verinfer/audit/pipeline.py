@@ -132,9 +132,9 @@ def print_verdicts(verdicts: list[dict]) -> None:
     for d in verdicts:
         truth = {True: "honest", False: "misconfigured", None: "?"}[d.get("honest")]
         t.add_row(d["provider"], truth, "[red]FLAGGED[/red]" if d["flagged"] else "[green]ok[/green]",
-                  str(d["n_tokens"]), f"{d['pooled']:.4f}", f"{d['threshold']:.4f}", f"{d['p_value']:.2g}",
+                  str(d["n_tokens"]), f"{d['pooled']:.4f}", f"{d['threshold']:.4f}", (f"{d['p_value']:.2g}" if d["p_value"] > 0 else "<1e-300"),
                   f"{d['target_fpr']:.0%}")
-    Console().print(t)
+    Console(width=max(120, Console().width)).print(t)
 
 
 @dataclass
