@@ -83,7 +83,8 @@ def test_threshold_resampled_matches_normal_approximation(det):
 def test_degenerate_null_all_zero():
     d = ClippedMeanDetector().fit(np.zeros(1000))
     assert d.threshold(10) == 0.0 and not d.predict(np.zeros(10)) and d.p_value(np.zeros(10)) == 1.0
-    assert d.predict([0.0] * 9 + [np.inf]) is False  # inf clipped to 0: nothing to see at this clip
+    assert d.clip_ == 1.0  # no spread in the honest data: clip one unit above it, not at 0
+    assert d.predict([0.0] * 9 + [np.inf]) is True  # a filtered-out claim is visible
     d2 = ClippedMeanDetector(clip_quantile=1.0).fit(np.r_[np.zeros(999), 1.0])
     assert d2.predict(np.r_[np.zeros(5), 1.0, 1.0]) and d2.p_value(np.ones(10)) == 0.0
 

@@ -134,3 +134,11 @@ def test_likelihood_divergence_and_sigma():
     margins = np.r_[np.zeros(50_000), np.abs(rng.normal(0, np.sqrt(2) * 0.2, 20_000)), [np.inf]]
     assert fit_sigma(margins) == pytest.approx(0.2, rel=0.03)
     assert fit_sigma(np.zeros(10), default=0.3) == 0.3
+
+
+def test_clip_never_collapses_every_score_to_one_constant():
+    # 99.9% zeros: the plain quantile would be 0 and wipe out every mismatch
+    v = np.r_[np.zeros(5000), [0.5, 2.0, np.inf]]
+    assert clip_at_quantile(v, 0.999) == pytest.approx(np.quantile([0.5, 2.0], 0.999))
+    assert clip_at_quantile(np.zeros(100), 0.999) == 1.0
+    assert clip_at_quantile(np.r_[np.zeros(100), np.arange(1, 101.0)], 0.5) == pytest.approx(0.5)  # normal case untouched

@@ -98,3 +98,14 @@ def test_prompt_over_context_is_refused(tiny_llama_dir):
     eng = _engine(tiny_llama_dir)
     with pytest.raises(ValueError, match="context"):
         eng.prefill([Request("x", [3] * 120, SamplingParams(temperature=0.0, max_tokens=20))])
+
+
+def test_nan_logits_are_a_clear_error(tiny_llama_dir):
+    from verinfer.errors import NumericsError
+
+    eng = _engine(tiny_llama_dir)
+    eng.model.w["layers.1.mlp.down_proj.weight"][0, 0] = float("nan")
+    with pytest.raises(NumericsError, match="replay of claim #0"):
+        eng.score([([3, 4, 5], [6, 7])])
+    with pytest.raises(NumericsError, match="prefill logits"):
+        eng.prefill([Request("r", [3, 4, 5], SamplingParams(temperature=0.0, max_tokens=2))])

@@ -250,3 +250,82 @@ def test_inverse_cdf_interval_contains_the_replayed_uniform():
     assert (widths[~keep] == 0).all() and (widths[keep] > 0).all()
     with pytest.raises(NoiseKindError):
         inverse_cdf_interval(logits, replay, SamplingParams(temperature=1.0, seed=1))
+
+
+def test_score_claimed_equals_per_claim_margin_and_logprob():
+    """The vectorized many-claims scorer equals postgumbel_margin + log_softmax claim by claim,
+    for a mix of backends, temperatures, filters and greedy claims."""
+    import math
+
+    from verinfer.sampling.sampler import postgumbel_margin, score_claimed
+    from verinfer.sampling.filters import filter_logits
+
+    g = torch.Generator().manual_seed(11)
+    V = 64
+    specs = [SamplingParams(temperature=1.0, top_k=10, top_p=0.9, seed=1, noise="vllm-cpu"),
+             SamplingParams(temperature=0.7, seed=2, noise="keyed"),
+             SamplingParams(temperature=0.0),
+             SamplingParams(temperature=1.2, top_p=0.8, min_p=0.05, seed=3, noise="vllm-v1-exponential"),
+             SamplingParams(temperature=1.0, top_k=5, seed=4, noise="vllm-cpu")]
+    logits, claimed, starts = [], [], []
+    for i, p in enumerate(specs):
+        T = 7 + i
+        logits.append(torch.randn(T, V, generator=g) * 3)
+        claimed.append(torch.randint(0, V, (T,), generator=g))
+        starts.append(3 + i)
+    m, r, k, lp = score_claimed(logits, claimed, specs, starts)
+    o = 0
+    for l_TV, y_T, p, s in zip(logits, claimed, specs, starts):
+        T = len(y_T)
+        m1, r1, k1 = postgumbel_margin(l_TV, y_T, p, s)
+        assert torch.equal(r[o:o + T], r1) and torch.equal(k[o:o + T], k1)
+        assert torch.allclose(m[o:o + T], m1, atol=1e-9, equal_nan=True) or torch.equal(m[o:o + T], m1)
+        if p.greedy:
+            ref = torch.log_softmax(l_TV.double(), -1).gather(1, y_T[:, None])[:, 0]
+        else:
+            f = filter_logits(l_TV, torch.full((T,), p.temperature), torch.full((T,), p.top_k),
+                              torch.full((T,), p.top_p), torch.full((T,), p.min_p))
+            ref = torch.log_softmax(f.double(), -1).gather(1, y_T[:, None])[:, 0]
+        fin = torch.isfinite(ref)
+        assert torch.allclose(lp[o:o + T][fin], ref[fin], atol=1e-9)
+        assert torch.all(~torch.isfinite(lp[o:o + T][~fin]))
+        o += T
+    assert math.isinf(m[~k].max()) if (~k).any() else True
+
+
+@pytest.mark.parametrize("quantize", [None, 8.0, 2.0])
+def test_score_claimed_topk_block_path_equals_per_claim(quantize):
+    """All rows top-k filtered (the paper's reference spec): the [N, k+1] block path must equal
+    the per-claim full-vocabulary computation; with coarse logits (ties at the k-th value) the
+    block path must step aside."""
+    from verinfer.sampling import sampler as S
+
+    g = torch.Generator().manual_seed(5)
+    V = 300
+    specs = [SamplingParams(temperature=1.0, top_k=50, top_p=0.95, seed=10 + i, noise=("vllm-cpu", "keyed")[i % 2])
+             for i in range(4)] + [SamplingParams(temperature=0.8, top_k=7, top_p=0.5, seed=99)]
+    logits, claimed, starts = [], [], []
+    for i, p in enumerate(specs):
+        l = torch.randn(40, V, generator=g) * 2.5
+        if quantize:  # bf16-like ties; at step 1/2 the tie runs outgrow the block's slack
+            l = torch.round(l * quantize) / quantize
+        logits.append(l)
+        y = torch.randint(0, V, (40,), generator=g)
+        y[::3] = l[::3].argmax(-1)  # plenty of kept and replay-equal claims
+        claimed.append(y)
+        starts.append(5 * i)
+    rows_p = [p for p, l in zip(specs, logits) for _ in range(l.shape[0])]
+    assert (S._topk_block(torch.cat(logits), rows_p) is None) == (quantize == 2.0)
+    m, r, k, lp = S.score_claimed(logits, claimed, specs, starts)
+    assert k.any() and (~k).any() and (m == 0).any()
+    o = 0
+    for l_TV, y_T, p, s in zip(logits, claimed, specs, starts):
+        m1, r1, k1 = S.postgumbel_margin(l_TV, y_T, p, s)
+        sl = slice(o, o + 40)
+        assert torch.equal(r[sl], r1) and torch.equal(k[sl], k1)
+        fin = torch.isfinite(m1)
+        assert torch.equal(torch.isfinite(m[sl]), fin) and torch.allclose(m[sl][fin], m1[fin], atol=1e-9)
+        keep, scaled = S._filtered(l_TV, p)
+        ref = torch.log_softmax(scaled.double(), -1).gather(1, y_T[:, None])[:, 0]
+        assert torch.allclose(lp[sl][k1], ref[k1], atol=1e-9)
+        o += 40

@@ -56,7 +56,16 @@ def clip_at_quantile(honest_train, q: float) -> float:
     v = v[np.isfinite(v)]
     if v.size == 0:
         raise ValueError("no finite honest values to take a clipping quantile of")
-    return float(np.quantile(v, q))
+    clip = float(np.quantile(v, q))
+    lo = float(v.min())
+    if clip <= lo:
+        # Degenerate: (almost) every finite honest value sits at the minimum (e.g. a small honest
+        # set whose finite margins are all 0), so clipping there would map every score to one
+        # constant and the detector could see nothing. Clip at the q-quantile of the values above
+        # the minimum instead, or one unit above it when there are none.
+        above = v[v > lo]
+        clip = float(np.quantile(above, q)) if above.size else lo + 1.0
+    return clip
 
 
 def tail_pool(values, clip_hi: float, zero_below: float) -> np.ndarray:

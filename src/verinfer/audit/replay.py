@@ -16,7 +16,6 @@ import hashlib
 import json
 import math
 import shutil
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -28,8 +27,7 @@ from verinfer.audit.claims import Claim, atomic_write_text
 from verinfer.audit.scores import likelihood_score
 from verinfer.engine.engine import Engine, Replay
 from verinfer.errors import VerinferError
-from verinfer.sampling.filters import filter_logits
-from verinfer.sampling.sampler import postgumbel_margin
+from verinfer.sampling.sampler import score_claimed
 
 SCORE_SCHEMA = pa.schema([
     ("claim_id", pa.string()), ("provider", pa.string()), ("position", pa.int32()), ("token_id", pa.int32()),
@@ -39,46 +37,28 @@ SCORE_SCHEMA = pa.schema([
 DEFAULT_SIGMA = 0.1
 
 
-@dataclass
-class TokenScores:
-    margin_T: np.ndarray
-    replay_T: np.ndarray
-    exact_T: np.ndarray
-    xent_T: np.ndarray
-
-
-def token_scores(replay: Replay, claim: Claim) -> TokenScores:
-    """Per-token Token-DiFR margin, replayed token, exact match and cross-entropy of one claim."""
-    p = claim.sampling
-    logits_TV = replay.logits_TV
-    claimed_T = torch.tensor(claim.output_token_ids, dtype=torch.long)
-    margin_T, replay_T, kept_T = postgumbel_margin(logits_TV, claimed_T, p, len(claim.prompt_token_ids))
-    if p.greedy:
-        logp_TV = torch.log_softmax(logits_TV.double(), -1)
-    else:
-        logp_TV = torch.log_softmax(replay.filtered(p).double(), -1)
-    xent_T = -logp_TV.gather(1, claimed_T[:, None])[:, 0]
-    xent_T = torch.where(kept_T, xent_T, torch.full_like(xent_T, math.inf))
-    return TokenScores(np.asarray(margin_T, dtype=np.float64), replay_T.numpy(),
-                       (replay_T == claimed_T).numpy(), xent_T.numpy())
-
-
 def scores_table(claims: list[Claim], replays: list[Replay], sigma: float = DEFAULT_SIGMA) -> pa.Table:
-    cols = {k: [] for k in SCORE_SCHEMA.names}
-    for c, r in zip(claims, replays):
-        s = token_scores(r, c)
-        n = len(c.output_token_ids)
-        cols["claim_id"] += [c.id] * n
-        cols["provider"] += [c.provider or "unknown"] * n
-        cols["position"].append(np.arange(n, dtype=np.int32))
-        cols["token_id"].append(np.asarray(c.output_token_ids, dtype=np.int32))
-        cols["replay_token_id"].append(s.replay_T.astype(np.int32))
-        cols["margin"].append(s.margin_T)
-        cols["exact_match"].append(s.exact_T)
-        cols["cross_entropy"].append(s.xent_T)
-        cols["likelihood"].append(likelihood_score(s.margin_T, sigma))
-    arrays = {k: (np.concatenate(v) if v and isinstance(v[0], np.ndarray) else v) for k, v in cols.items()}
-    return pa.table(arrays, schema=SCORE_SCHEMA)
+    """One row per claimed token: Token-DiFR margin, replayed token, exact match, cross-entropy
+    (-log p_y under the verifier's filtered sampling distribution, +inf if filtered out) and
+    the likelihood score. All claims of the chunk are scored in one vectorized pass."""
+    margin_N, replay_N, kept_N, logp_N = score_claimed(
+        [r.logits_TV for r in replays], [torch.tensor(c.output_token_ids, dtype=torch.long) for c in claims],
+        [c.sampling for c in claims], [len(c.prompt_token_ids) for c in claims])
+    n_i = [len(c.output_token_ids) for c in claims]
+    token_N = np.concatenate([np.asarray(c.output_token_ids, dtype=np.int32) for c in claims]) if claims else np.zeros(0, np.int32)
+    margin = margin_N.numpy()
+    xent = np.where(kept_N.numpy(), -logp_N.numpy(), math.inf)
+    return pa.table({
+        "claim_id": np.repeat(np.array([c.id for c in claims], dtype=object), n_i),
+        "provider": np.repeat(np.array([c.provider or "unknown" for c in claims], dtype=object), n_i),
+        "position": np.concatenate([np.arange(n, dtype=np.int32) for n in n_i]) if claims else np.zeros(0, np.int32),
+        "token_id": token_N,
+        "replay_token_id": replay_N.numpy().astype(np.int32),
+        "margin": margin,
+        "exact_match": replay_N.numpy() == token_N,
+        "cross_entropy": xent,
+        "likelihood": likelihood_score(margin, sigma),
+    }, schema=SCORE_SCHEMA)
 
 
 def atomic_write_parquet(table: pa.Table, path: Path) -> None:

@@ -211,15 +211,25 @@ class Engine:
             for b, s in enumerate(seqs):
                 tokens_BT[b, : len(s)] = torch.tensor(s)
             pos_BT = torch.arange(T).expand(len(seqs), -1)
+            b_N = torch.cat([torch.full((len(pairs[i][1]),), b) for b, i in enumerate(group)])
+            t_N = torch.cat([torch.arange(len(pairs[i][0]) - 1, len(pairs[i][0]) - 1 + len(pairs[i][1]))
+                             for i in group])
             with self.numerics.threads_ctx():
-                logits_BTV, hidden_BTD = self.model(tokens_BT.to(self.device), pos_BT.to(self.device), None,
-                                                    hidden_layer=hidden_layer)
-            for b, i in enumerate(group):
-                p, o = len(pairs[i][0]), len(pairs[i][1])
-                lg = logits_BTV[b, p - 1 : p - 1 + o]
-                check_finite(lg, f"replay of claim #{i}")
-                hid = hidden_BTD[b, p - 1 : p - 1 + o].float() if hidden_BTD is not None else None
-                results[i] = Replay(lg.float().cpu(), None if hid is None else hid.cpu())
+                logits_NV, hidden_ND = self.model(tokens_BT.to(self.device), pos_BT.to(self.device), None,
+                                                  hidden_layer=hidden_layer,
+                                                  select=(b_N.to(self.device), t_N.to(self.device)))
+            if not torch.isfinite(logits_NV).all():
+                bad = int((~torch.isfinite(logits_NV)).any(-1).nonzero()[0, 0])
+                b = int(b_N[bad])
+                check_finite(logits_NV[bad], f"replay of claim #{group[b]} at output position "
+                                              f"{int(t_N[bad]) - len(pairs[group[b]][0]) + 1}")
+            logits_NV = logits_NV.cpu()
+            hidden_ND = hidden_ND.float().cpu() if hidden_ND is not None else None
+            o = 0
+            for i in group:
+                n = len(pairs[i][1])
+                results[i] = Replay(logits_NV[o : o + n], None if hidden_ND is None else hidden_ND[o : o + n])
+                o += n
             group.clear()
 
         longest = 0

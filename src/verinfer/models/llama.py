@@ -218,14 +218,22 @@ class LlamaLM(torch.nn.Module):
         return F.linear(x, self.w[name], b)
 
     def _attention(self, q_BHTE, k_BGSE, v_BGSE, mask_BTS):
+        """mask_BTS None means plain causal over this call's tokens (replay of whole sequences)."""
         c = self.config
         rep = c.num_attention_heads // c.num_key_value_heads
+        scale = 1.0 / math.sqrt(c.head_dim)
+        if self.attn == "sdpa":
+            if mask_BTS is None:
+                return F.scaled_dot_product_attention(q_BHTE, k_BGSE, v_BGSE, is_causal=True, scale=scale,
+                                                      enable_gqa=rep > 1)
+            return F.scaled_dot_product_attention(q_BHTE, k_BGSE, v_BGSE, attn_mask=mask_BTS[:, None], scale=scale,
+                                                  enable_gqa=rep > 1)
         if rep > 1:
             k_BGSE = k_BGSE.repeat_interleave(rep, dim=1)
             v_BGSE = v_BGSE.repeat_interleave(rep, dim=1)
-        scale = 1.0 / math.sqrt(c.head_dim)
-        if self.attn == "sdpa":
-            return F.scaled_dot_product_attention(q_BHTE, k_BGSE, v_BGSE, attn_mask=mask_BTS[:, None], scale=scale)
+        if mask_BTS is None:
+            T = q_BHTE.shape[2]
+            mask_BTS = torch.ones(T, T, dtype=torch.bool, device=q_BHTE.device).tril()[None]
         if self.attn == "eager":  # transformers' eager path: softmax in fp32, cast back
             scores = torch.matmul(q_BHTE, k_BGSE.transpose(-1, -2)) * scale
             scores = scores.masked_fill(~mask_BTS[:, None], torch.finfo(scores.dtype).min)
@@ -234,20 +242,22 @@ class LlamaLM(torch.nn.Module):
         raise ValueError(f"unknown attention implementation {self.attn!r} (sdpa | eager)")
 
     def forward(self, tokens_BT: torch.Tensor, pos_BT: torch.Tensor, cache: KVCache | None = None,
-                hidden_layer: int | None = None):
+                hidden_layer: int | None = None, select: tuple[torch.Tensor, torch.Tensor] | None = None):
         """Run tokens at absolute positions pos_BT. With a cache, their K/V are written to
         slots pos_BT and each query attends to slots <= its position; without one, to the
         tokens of this call (causal). Returns (logits_BTV fp32, hidden_BTD or None).
 
         hidden_layer: None = no hidden states; -1 = the final-norm output (what lm_head sees);
-        i >= 0 = the residual stream after layer i."""
+        i >= 0 = the residual stream after layer i.
+        select=(b_N, t_N): compute logits (and hidden states) only at these (row, time) pairs and
+        return them flattened, logits_NV and hidden_ND (replay needs only the output positions)."""
         c, w = self.config, self.w
         B, T = tokens_BT.shape
         x = F.embedding(tokens_BT, w["embed_tokens.weight"])
         cos, sin = rope_cos_sin(pos_BT, c.head_dim, c.rope_theta, x.dtype)
-        if cache is None:
-            slots = pos_BT  # keys are this call's tokens
-            mask_BTS = pos_BT[:, None, :] <= pos_BT[:, :, None]
+        if cache is None:  # keys are this call's tokens; plain causal when positions are 0..T-1
+            arange = bool((pos_BT == torch.arange(T, device=pos_BT.device)).all())
+            mask_BTS = None if arange else pos_BT[:, None, :] <= pos_BT[:, :, None]
         else:
             S = int(pos_BT.max().item()) + 1
             mask_BTS = torch.arange(S, device=x.device)[None, None, :] <= pos_BT[:, :, None]
@@ -275,8 +285,11 @@ class LlamaLM(torch.nn.Module):
             x = x + self._linear(F.silu(gate) * up, p + "mlp.down_proj.weight")
             if hidden_layer == i:
                 hidden = x
+        if select is not None:
+            x = x[select]
+            hidden = hidden[select] if hidden is not None else None
         x = rms_norm(x, w["norm.weight"], c.rms_norm_eps)
         if hidden_layer == -1:
             hidden = x
-        logits_BTV = F.linear(x, w["lm_head.weight"]).float()
-        return logits_BTV, hidden
+        logits = F.linear(x, w["lm_head.weight"]).float()
+        return logits, hidden
