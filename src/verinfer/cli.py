@@ -99,6 +99,18 @@ def calibrate(scores: List[Path] = typer.Argument(..., help="Scores Parquet file
     typer.echo(f"detector ({score_name}, clip {det.clip_:.4g} at q={clip_quantile}, FPR {target_fpr}) -> {out}")
 
 
+def _load_detector(path: Path):
+    """A ClippedMeanDetector or LikelihoodRatioDetector file, told apart by its "format" field."""
+    from verinfer.audit.combined import FORMAT as LR_FORMAT, LikelihoodRatioDetector
+    from verinfer.audit.detector import ClippedMeanDetector
+
+    try:
+        fmt = json.loads(path.read_text(encoding="utf-8")).get("format") if path.is_file() else None
+    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
+        fmt = None
+    return LikelihoodRatioDetector.load(path) if fmt == LR_FORMAT else ClippedMeanDetector.load(path)
+
+
 @app.command()
 def audit(inputs: List[Path] = typer.Argument(..., help="Scores Parquet or claims JSONL files."),
           detector: Path = typer.Option(..., "--detector", "-d"),
@@ -110,7 +122,7 @@ def audit(inputs: List[Path] = typer.Argument(..., help="Scores Parquet or claim
     from verinfer.audit.pipeline import audit as run, load_score_tables, print_verdicts, score as run_score
 
     try:
-        det = ClippedMeanDetector.load(detector)
+        det = _load_detector(detector)
         paths = []
         for p in inputs:
             if p.suffix == ".jsonl":

@@ -137,3 +137,19 @@ def test_unfitted_and_bad_input():
         d.verdict([])
     with pytest.raises(ValueError, match="NaN"):
         d.verdict([np.nan])
+
+
+def test_verdict_reports_confidence(det, honest):
+    rng = np.random.default_rng(5)
+    fin = honest[np.isfinite(honest)]
+    v = det.verdict(rng.choice(fin, 200) + 0.05, confidence=True)  # small excess
+    assert v["tail_probability"] == v["p_value"] and v["threshold_fpr"] <= 0.02
+    if not v["flagged"]:
+        assert v["more_tokens_needed"] is None or v["more_tokens_needed"] >= 1
+    pooled = det.null_mean_ + 0.1
+    n_star = det.tokens_to_flag(pooled, 100)
+    assert n_star == math.ceil((norm.isf(0.01) * det.null_std_ / 0.1) ** 2)
+    d = det.verdict_from_pooled(pooled, 100)
+    assert not d["flagged"] and d["more_tokens_needed"] == n_star - 100 and "not enough evidence" in d["decision"]
+    assert det.verdict_from_pooled(det.null_mean_ - 0.1, 100)["more_tokens_needed"] is None
+    assert det.verdict_from_pooled(det.null_mean_ + 2.0, 100)["flagged"]

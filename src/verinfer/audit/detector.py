@@ -148,14 +148,65 @@ class ClippedMeanDetector:
         v = _as_values(values, "values")
         return bool(self.pooled(v) > self.threshold(v.size))
 
-    def verdict(self, values) -> dict:
-        """Everything a report states about one batch of tokens."""
+    _BASIC = ("flagged", "pooled", "threshold", "p_value", "p_value_method", "n_tokens", "target_fpr", "score")
+
+    def verdict(self, values, confidence: bool = False) -> dict:
+        """Everything a report states about one batch of tokens; with confidence=True also the
+        threshold's FPR on the honest null, the tail probability and how many more tokens a
+        decision would need (see `verdict_from_pooled`)."""
         v = _as_values(values, "values")
-        pooled, thr = self.pooled(v), self.threshold(v.size)
-        p, method = self._p_value(pooled, v.size)
-        return {"flagged": bool(pooled > thr), "pooled": pooled, "threshold": thr, "p_value": p,
-                "p_value_method": method, "n_tokens": int(v.size), "target_fpr": self.target_fpr,
-                "score": self.score, "clip": self.clip_}
+        d = self.verdict_from_pooled(self.pooled(v), v.size)
+        if not confidence:
+            d = {k: d[k] for k in self._BASIC}
+        d["clip"] = self.clip_
+        return d
+
+    def threshold_fpr(self, n_tokens: int) -> float:
+        """False-positive rate of threshold(n) on the honest null: the fraction of resampled honest
+        batch means above it (the normal tail beyond MAX_RESAMPLED_TOKENS)."""
+        thr = self.threshold(n_tokens)
+        if self._normal_approx(int(n_tokens)):
+            se = self.null_std_ / math.sqrt(n_tokens)
+            return float(norm.sf(thr, self.null_mean_, se)) if se > 0 else 0.0
+        return float(np.mean(self.null_means(n_tokens) > thr))
+
+    def tokens_to_flag(self, pooled: float, n_tokens: int) -> int | None:
+        """Batch size at which a per-token mean of `pooled` would cross the threshold, by the normal
+        approximation n* = (z_{1-fpr} sigma / (pooled - null_mean))^2; None if pooled <= null_mean
+        (no excess over honest: more tokens would not flag it)."""
+        self._check_fitted()
+        excess = pooled - self.null_mean_
+        if not excess > 0:
+            return None
+        if self.null_std_ == 0:
+            return int(n_tokens)
+        return max(1, math.ceil((norm.isf(self.target_fpr) * self.null_std_ / excess) ** 2))
+
+    def verdict_from_pooled(self, pooled: float, n_tokens: int) -> dict:
+        """Verdict with confidence for a pooled score over n_tokens tokens: flagged, threshold, the
+        FPR the threshold was set at (target) and its FPR on the honest null, the tail probability
+        (p-value) of the pooled score under the honest null, and, when not flagged, how many more
+        tokens would be needed to flag it if the observed per-token excess persisted
+        (`more_tokens_needed`; None = no excess over honest) and the smallest per-token excess this
+        batch size can detect."""
+        n = int(n_tokens)
+        thr = self.threshold(n)
+        p, method = self._p_value(pooled, n)
+        flagged = bool(pooled > thr)
+        more = None
+        if not flagged:
+            n_star = self.tokens_to_flag(pooled, n)
+            more = None if n_star is None else max(1, n_star - n)
+        if flagged:
+            decision = "flagged: inconsistent with honest inference"
+        elif more is None:
+            decision = "not flagged: no excess over honest"
+        else:
+            decision = f"not flagged: not enough evidence yet (~{more} more tokens if the excess persists)"
+        return {"flagged": flagged, "pooled": float(pooled), "threshold": thr, "p_value": p,
+                "tail_probability": p, "p_value_method": method, "n_tokens": n, "target_fpr": self.target_fpr,
+                "threshold_fpr": self.threshold_fpr(n), "more_tokens_needed": more,
+                "detectable_excess": float(thr - self.null_mean_), "decision": decision, "score": self.score}
 
     # -- persistence -----------------------------------------------------------------------------
     def config(self) -> dict:

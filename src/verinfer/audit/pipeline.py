@@ -110,12 +110,20 @@ def calibrate(table: pa.Table, honest: list[str], *, score_name: str = "margin",
 
 def audit(table: pa.Table, detector: ClippedMeanDetector, providers: list[str],
           held_out: dict[str, np.ndarray] | None = None, max_tokens: int | None = None) -> list[dict]:
+    """Verdicts with confidence per provider. `detector` is a ClippedMeanDetector (one score
+    column) or a combined.LikelihoodRatioDetector (reads margin, exact match, cross-entropy)."""
+    from verinfer.audit.combined import LikelihoodRatioDetector
+
     verdicts = []
     for name in providers:
-        v = held_out[name] if held_out and name in held_out else provider_values(table, name, detector.score)
-        if max_tokens:
-            v = v[:max_tokens]
-        d = detector.verdict(v)
+        if isinstance(detector, LikelihoodRatioDetector):
+            sub = table.filter(pc.equal(table["provider"], name))
+            d = detector.verdict(sub.slice(0, max_tokens) if max_tokens else sub)
+        else:
+            v = held_out[name] if held_out and name in held_out else provider_values(table, name, detector.score)
+            if max_tokens:
+                v = v[:max_tokens]
+            d = detector.verdict(v, confidence=True)
         d["provider"] = name
         d["honest"] = name in HONEST if name in PROVIDERS else None
         verdicts.append(d)
@@ -127,14 +135,23 @@ def print_verdicts(verdicts: list[dict]) -> None:
     from rich.table import Table
 
     t = Table(title="verinfer audit: Token-DiFR verdicts")
-    for col in ("provider", "truth", "verdict", "tokens", "pooled", "threshold", "p-value", "FPR target"):
+    for col in ("provider", "truth", "verdict", "tokens", "pooled", "threshold", "p-value", "FPR target",
+                "FPR of threshold", "more tokens"):
         t.add_column(col)
     for d in verdicts:
         truth = {True: "honest", False: "misconfigured", None: "?"}[d.get("honest")]
         t.add_row(d["provider"], truth, "[red]FLAGGED[/red]" if d["flagged"] else "[green]ok[/green]",
                   str(d["n_tokens"]), f"{d['pooled']:.4f}", f"{d['threshold']:.4f}", (f"{d['p_value']:.2g}" if d["p_value"] > 0 else "<1e-300"),
-                  f"{d['target_fpr']:.0%}")
+                  f"{d['target_fpr']:.0%}", (f"{d['threshold_fpr']:.2%}" if "threshold_fpr" in d else "-"),
+                  _more_tokens(d))
     Console(width=max(120, Console().width)).print(t)
+
+
+def _more_tokens(d: dict) -> str:
+    """'-' when flagged, 'none (no excess)' when more tokens would not flag it, else ~N."""
+    if d.get("flagged") or "more_tokens_needed" not in d:
+        return "-"
+    return "none (no excess)" if d["more_tokens_needed"] is None else f"~{d['more_tokens_needed']}"
 
 
 @dataclass

@@ -116,3 +116,15 @@ def run_provider(cfg: ProviderConfig, model_dir: str | Path, prompts: list[list[
     completions = engine.generate(requests, batch_size=cfg.batch_size, sampler=sampler, progress=progress)
     return [Claim(c.id, info.name, c.prompt_token_ids, c.output_token_ids, p, provider=cfg.name)
             for c, p in zip(completions, claimed)]
+
+
+# Honest configurations kept OUT of detector calibration (issue 4: a detector must hold its
+# false-positive rate on honest set-ups it never saw). Not in PROVIDERS: the demo is unchanged.
+HELDOUT_HONEST = {
+    "heldout-bf16-b3": ProviderConfig("heldout-bf16-b3", Numerics(dtype="bf16"), batch_size=3,
+                                      description="bf16, batches of 3 (held out of calibration)"),
+    "heldout-bf16-t1-b12": ProviderConfig("heldout-bf16-t1-b12", Numerics(dtype="bf16", threads=1), batch_size=12,
+                                          description="bf16, 1 thread, batches of 12 (held out)"),
+    "heldout-fp32-eager-b6": ProviderConfig("heldout-fp32-eager-b6", Numerics(dtype="fp32", attn="eager"),
+                                            batch_size=6, description="fp32, eager attention, batches of 6 (held out)"),
+}

@@ -409,3 +409,33 @@ class _GatheredTape:
 
     def gumbel_pairs(self, t_N, j_N, exact=True):
         return self.tape.gumbel_pairs(t_N, self.ids_NK[t_N, j_N], exact)
+
+
+def postgumbel_gaps(logits_TV: torch.Tensor, claimed_T: torch.Tensor, params: SamplingParams,
+                    start_position: int, k: int = 16) -> torch.Tensor:
+    """gaps_Tk float64: for the k strongest kept competitors c != y of each step (descending),
+    (l_c + T*G_c) - (l_y + T*G_y) on the raw-logit scale, -inf padded when fewer are kept; a row
+    of +inf when the claimed y was filtered out. Where y is not the replayed token, gaps[:, 0] is
+    the Token-DiFR margin; Monte-Carlo DiFR perturbs these gaps (audit.variants.mc_difr).
+    Gumbel backends only (vllm-cpu, keyed, vllm-v1-exponential)."""
+    if params.greedy or get_backend(params.noise).kind != "gumbel":
+        raise NoiseKindError(f"postgumbel_gaps needs per-token Gumbel noise and temperature > 0; "
+                             f"got noise={params.noise!r}, temperature={params.temperature}")
+    T, V = logits_TV.shape
+    claimed_T = claimed_T.to(device=logits_TV.device, dtype=torch.int64)
+    if claimed_T.shape != (T,):
+        raise ValueError(f"claimed_T must have shape [{T}], got {tuple(claimed_T.shape)}")
+    out_Tk = torch.full((T, k), float("-inf"), dtype=torch.float64)
+    if T == 0:
+        return out_Tk
+    keep_TV, scaled_TV = _filtered(logits_TV, params)
+    ids_TK, valid_TK = _candidates(scaled_TV, keep_TV)
+    ids_TJ = torch.cat([ids_TK, claimed_T[:, None]], dim=1)
+    g_TJ = _tape_gumbel(_tape(params, T, V, start_position), ids_TJ)
+    s_TJ = logits_TV.gather(1, ids_TJ).to(torch.float64) + _temperature32(params) * g_TJ
+    comp_TK = (s_TJ[:, :-1] - s_TJ[:, -1:]).masked_fill(~valid_TK | (ids_TK == claimed_T[:, None]), float("-inf"))
+    kk = min(k, comp_TK.shape[1])
+    out_Tk[:, :kk] = comp_TK.topk(kk, dim=-1).values.cpu()
+    kept_T = keep_TV.gather(1, claimed_T[:, None])[:, 0].cpu()
+    out_Tk[~kept_T] = float("inf")
+    return out_Tk

@@ -1,0 +1,152 @@
+"""Every DiFR score variant as a pure function of replay outputs (DiFR appendix A, B, E).
+
+Shape key: N = tokens, K = competitors kept per token.
+
+Inputs come from one replay of the claims with the verifier (`features_table`):
+    margin, exact_match, cross_entropy   as in `replay.scores_table`
+    gap_0 .. gap_{K-1}                   post-Gumbel gaps of the K strongest competitors
+                                         (`sampling.sampler.postgumbel_gaps`; Gumbel backends)
+    ipt_lo, ipt_hi, ipt_u                the claimed token's CDF interval and the step's uniform
+                                         (`sampling.sampler.inverse_cdf_interval`; inverse-cdf)
+
+Every function returns a per-token divergence (higher = more divergent, +inf allowed); batch
+statistics clip / pool them (`metrics`).
+
+    clipped_margin(margin, clip)            min(margin, clip)           (Token-DiFR, DiFR eq. 1)
+    ipt_difr(lo, hi, u, sigma)              -log(P[u + sigma Z in [lo, hi)] + eps)   (appendix B)
+    mc_difr(gaps, sigma, n_trials, rng)     -log((#wins + eps) / (n_trials + eps)): the claimed
+                                            token wins a trial when the Gaussian-perturbed logits
+                                            (std sigma per logit) still rank it first (appendix B.1)
+    tail_pooled(values, clip_hi, zero_below)  tail-focused pooling transform (appendix E)
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pyarrow as pa
+import torch
+from scipy.special import ndtr
+from scipy.stats import norm
+
+from verinfer.audit.metrics import tail_pool, winsorize
+from verinfer.audit.replay import scores_table
+
+MC_EPS = 1.0
+IPT_EPS = 1e-12
+
+
+def clipped_margin(margin, clip: float) -> np.ndarray:
+    """Token-DiFR margin winsorized at `clip` (+inf, a filtered-out claimed token, becomes clip)."""
+    return winsorize(margin, clip)
+
+
+def tail_pooled(values, clip_hi: float, zero_below: float) -> np.ndarray:
+    """Appendix E: clip at clip_hi (honest 99.999th percentile), zero below zero_below (99.99th)."""
+    return tail_pool(values, clip_hi, zero_below)
+
+
+# --- IPT-DiFR -------------------------------------------------------------------------------------
+def ipt_distance(lo, hi, u) -> np.ndarray:
+    """How far the shared uniform u lies outside the claimed interval [lo, hi) (0 inside)."""
+    lo, hi, u = (np.asarray(x, dtype=np.float64) for x in (lo, hi, u))
+    return np.maximum(np.maximum(lo - u, u - hi), 0.0)
+
+
+def fit_ipt_sigma(lo, hi, u, default: float = 1e-6) -> float:
+    """Kernel width for `ipt_difr` from honest tokens: the robust half-normal scale of the nonzero
+    distances of u outside the claimed interval (median / Phi^-1(3/4)), `default` if none."""
+    d = ipt_distance(lo, hi, u)
+    d = d[np.isfinite(d) & (d > 0)]
+    return float(np.median(d) / norm.ppf(0.75)) if d.size else float(default)
+
+
+def ipt_difr(lo, hi, u, sigma: float, eps: float = IPT_EPS) -> np.ndarray:
+    """-log(Phi((hi - u)/sigma) - Phi((lo - u)/sigma) + eps): minus the log of the mass of a
+    Gaussian kernel N(u, sigma^2) inside the claimed interval. ~0 when u is well inside,
+    -log(eps) when the interval is empty (claimed token filtered out) or far from u."""
+    if not sigma > 0:
+        raise ValueError(f"sigma must be > 0, got {sigma}")
+    lo, hi, u = (np.asarray(x, dtype=np.float64) for x in (lo, hi, u))
+    mass = np.clip(ndtr((hi - u) / sigma) - ndtr((lo - u) / sigma), 0.0, 1.0)
+    return -np.log(mass + eps)
+
+
+# --- Monte-Carlo DiFR -----------------------------------------------------------------------------
+def mc_difr(gaps_NK, sigma: float, n_trials: int = 100, rng: np.random.Generator | None = None,
+            eps: float = MC_EPS, chunk: int = 4096) -> np.ndarray:
+    """Monte-Carlo DiFR from the post-Gumbel gaps of the K strongest competitors (gap_k =
+    s_k - s_y, s = raw logit + T * Gumbel). Each trial adds independent N(0, sigma^2) to every
+    logit; the claimed token wins iff max_k(gap_k + sigma (Z_k - Z_y)) < 0. Score =
+    -log((wins + eps) / (n_trials + eps)); +inf gaps (claimed token filtered out) never win."""
+    if not sigma > 0:
+        raise ValueError(f"sigma must be > 0, got {sigma}")
+    g = np.asarray(gaps_NK, dtype=np.float64)
+    if g.ndim != 2:
+        raise ValueError(f"gaps_NK must be 2-D [tokens, competitors], got shape {g.shape}")
+    rng = rng if rng is not None else np.random.default_rng(0)
+    N, K = g.shape
+    wins = np.empty(N)
+    for s in range(0, N, chunk):
+        gs = g[s : s + chunk]
+        z = rng.standard_normal((gs.shape[0], n_trials, K + 1))
+        pert = gs[:, None, :] + sigma * (z[:, :, 1:] - z[:, :, :1])   # -inf stays -inf, +inf stays +inf
+        wins[s : s + chunk] = (pert.max(axis=-1) < 0).sum(axis=1) if K else n_trials
+    return -np.log((wins + eps) / (n_trials + eps))
+
+
+def mc_difr_loop(gaps_NK, sigma: float, n_trials: int, rng: np.random.Generator, eps: float = MC_EPS) -> np.ndarray:
+    """Reference for `mc_difr`: one token and one trial at a time, drawing the same normals in the
+    same order (so equal to mc_difr with chunk >= N and the same rng state)."""
+    g = np.asarray(gaps_NK, dtype=np.float64)
+    N, K = g.shape
+    z_all = rng.standard_normal((N, n_trials, K + 1))
+    out = np.empty(N)
+    for i in range(N):
+        wins = 0
+        for t in range(n_trials):
+            z_y = z_all[i, t, 0]
+            best = -math.inf
+            for k in range(K):
+                best = max(best, g[i, k] + sigma * (z_all[i, t, k + 1] - z_y))
+            wins += best < 0
+        out[i] = -math.log((wins + eps) / (n_trials + eps))
+    return out
+
+
+# --- one replay -> every feature --------------------------------------------------------------------
+def features_table(claims, replays, k: int = 16) -> pa.Table:
+    """`replay.scores_table` plus the gap_* columns (Gumbel claims; NaN otherwise) and the
+    ipt_lo / ipt_hi / ipt_u columns (inverse-cdf claims; NaN otherwise)."""
+    from verinfer.sampling.noise import get_backend
+    from verinfer.sampling.sampler import inverse_cdf_interval, postgumbel_gaps
+
+    base = scores_table(claims, replays)
+    N = base.num_rows
+    gaps = np.full((N, k), np.nan)
+    ipt = np.full((N, 3), np.nan)
+    off = 0
+    for c, r in zip(claims, replays):
+        n = len(c.output_token_ids)
+        y = torch.tensor(c.output_token_ids, dtype=torch.long)
+        p = c.sampling
+        if not p.greedy and get_backend(p.noise).kind == "gumbel":
+            gaps[off : off + n] = postgumbel_gaps(r.logits_TV, y, p, len(c.prompt_token_ids), k).numpy()
+        elif not p.greedy and p.noise == "inverse-cdf":
+            lo, hi, u = inverse_cdf_interval(r.logits_TV, y, p, len(c.prompt_token_ids))
+            ipt[off : off + n] = torch.stack([lo, hi, u], 1).cpu().numpy()
+        off += n
+    cols = {f"gap_{j}": gaps[:, j] for j in range(k)}
+    cols.update(ipt_lo=ipt[:, 0], ipt_hi=ipt[:, 1], ipt_u=ipt[:, 2])
+    for name, v in cols.items():
+        base = base.append_column(name, pa.array(v, pa.float64()))
+    return base
+
+
+def gaps_of(table: pa.Table) -> np.ndarray:
+    """The gap_* columns of a features table as an [N, K] float64 array."""
+    names = sorted((c for c in table.column_names if c.startswith("gap_")), key=lambda s: int(s[4:]))
+    if not names:
+        raise KeyError("no gap_* columns: build the table with variants.features_table")
+    return np.stack([table[c].to_numpy() for c in names], axis=1)

@@ -1,0 +1,75 @@
+import math
+
+import numpy as np
+import pytest
+import torch
+from scipy.stats import norm
+
+from verinfer.audit.variants import (fit_ipt_sigma, ipt_difr, ipt_distance, mc_difr, mc_difr_loop,
+                                     tail_pooled, clipped_margin)
+from verinfer.sampling.params import SamplingParams
+from verinfer.sampling.sampler import postgumbel_gaps, postgumbel_margin
+
+
+def test_mc_difr_vectorized_equals_loop():
+    rng = np.random.default_rng(0)
+    g = rng.normal(-1.0, 1.0, (40, 5))
+    g[3] = -np.inf          # no competitor: always wins
+    g[4, 2:] = -np.inf      # padding
+    g[5] = np.inf           # filtered out: never wins
+    fast = mc_difr(g, 0.5, 30, np.random.default_rng(1), chunk=1000)
+    slow = mc_difr_loop(g, 0.5, 30, np.random.default_rng(1))
+    np.testing.assert_allclose(fast, slow, rtol=0, atol=1e-12)
+    assert fast[3] == pytest.approx(0.0) and fast[5] == pytest.approx(-math.log(1 / 31))
+
+
+def test_mc_difr_frequency_matches_the_gaussian_probability():
+    # one competitor at gap d: P(win) = P(d + sigma (Z1 - Z0) < 0) = Phi(-d / (sqrt(2) sigma))
+    d, sigma, n = 0.3, 0.4, 200_000
+    s = mc_difr(np.array([[d]]), sigma, n, np.random.default_rng(2))
+    p = (math.exp(-s[0]) * (n + 1)) - 1
+    assert p / n == pytest.approx(norm.cdf(-d / (math.sqrt(2) * sigma)), abs=3e-3)
+
+
+def test_ipt_difr_values_and_sigma():
+    lo, hi = np.array([0.2, 0.2, 0.5, 0.3]), np.array([0.4, 0.4, 0.5, 0.6])
+    u = np.array([0.3, 0.41, 0.5, 0.9])
+    s = ipt_difr(lo, hi, u, 0.01)
+    assert s[0] == pytest.approx(-math.log(norm.cdf(10) - norm.cdf(-10) + 1e-12))
+    assert s[1] == pytest.approx(-math.log(norm.cdf(-1) - norm.cdf(-21) + 1e-12))
+    assert s[2] == pytest.approx(-math.log(1e-12))          # empty interval: filtered out
+    assert s[3] > s[1] > s[0]
+    np.testing.assert_allclose(ipt_distance(lo, hi, u), [0, 0.01, 0, 0.3], atol=1e-15)
+    d = np.abs(np.random.default_rng(0).normal(0, 0.02, 10_000))
+    assert fit_ipt_sigma(np.zeros_like(d), np.zeros_like(d), d) == pytest.approx(0.02, rel=0.05)
+    with pytest.raises(ValueError, match="sigma"):
+        ipt_difr(lo, hi, u, 0.0)
+
+
+def test_tail_pooled_and_clip():
+    v = np.array([0.0, 0.5, 2.0, np.inf])
+    np.testing.assert_array_equal(tail_pooled(v, 1.5, 1.0), [0, 0, 1.5, 1.5])
+    np.testing.assert_array_equal(clipped_margin(v, 1.0), [0, 0.5, 1, 1])
+
+
+@pytest.mark.parametrize("noise", ["vllm-cpu", "keyed"])
+def test_postgumbel_gaps_agree_with_the_margin(noise):
+    torch.manual_seed(0)
+    T, V = 64, 300
+    logits = torch.randn(T, V) * 3
+    p = SamplingParams(temperature=0.8, top_k=40, top_p=0.95, min_p=0.0, seed=123, max_tokens=T, noise=noise)
+    from verinfer.sampling.sampler import replay_tokens
+
+    replay = replay_tokens(logits, p, 5)
+    claimed = replay.clone()
+    flip = torch.arange(T) % 3 == 0
+    claimed[flip] = logits.topk(3, -1).indices[flip, 1]    # a competitor, usually kept
+    claimed[7] = logits.argmin(-1)[7]                       # filtered out
+    gaps = postgumbel_gaps(logits, claimed, p, 5, k=8)
+    margin, rep, kept = postgumbel_margin(logits, claimed, p, 5)
+    mism = (claimed != rep) & kept
+    assert mism.sum() > 5
+    np.testing.assert_allclose(gaps[mism, 0].numpy(), margin[mism].numpy(), rtol=0, atol=1e-9)
+    assert (gaps[(claimed == rep), 0] <= 1e-9).all()
+    assert torch.isinf(gaps[7]).all() and (gaps[7] > 0).all()
+    assert (gaps[:, :-1] >= gaps[:, 1:]).all()               # descending
