@@ -1,0 +1,24 @@
+import pytest
+
+from verinfer.determinism.invariant import batch_invariant
+from verinfer.engine.engine import Engine
+from verinfer.models.load import load_model
+from verinfer.models.testbed import TARGET_DIR
+from verinfer.numerics import Numerics
+
+BF16 = Numerics(dtype="bf16")
+
+
+@pytest.fixture(scope="session")
+def bf16_model():
+    return load_model(TARGET_DIR, BF16)
+
+
+@pytest.fixture(scope="session")
+def det_engine(bf16_model):
+    return Engine(batch_invariant(bf16_model), BF16, eos_token_id=None)
+
+
+@pytest.fixture(scope="session")
+def fast_engine(bf16_model):
+    return Engine(bf16_model, BF16.with_(prefill_chunk=16), eos_token_id=None)
