@@ -15,6 +15,8 @@ app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Make LLM inference checkable: audit providers with DiFR on a shipped testbed or your own model.")
 testbed_app = typer.Typer(no_args_is_help=True, help="The shipped testbed models (tokenizer, target, draft).")
 app.add_typer(testbed_app, name="testbed")
+determinism_app = typer.Typer(no_args_is_help=True, help="Batched greedy decoding equal to the batch-size-1 answer.")
+app.add_typer(determinism_app, name="determinism")
 
 
 def _fail(e: Exception) -> None:
@@ -46,18 +48,32 @@ def demo(out: Path = typer.Option(Path("runs/demo"), help="Output directory (res
 
 
 @app.command()
-def generate(provider: str = typer.Argument(..., help="Simulated provider, e.g. honest-bf16-b8, int4, fp8-kv, "
-                                                       "temp-1.1, wrong-seed, sampling-bug."),
+def generate(provider: str = typer.Argument("honest-bf16-b8", help="Simulated provider, e.g. honest-bf16-b8, int4, "
+                                                                   "fp8-kv, temp-1.1, wrong-seed, sampling-bug."),
              out: Path = typer.Option(..., "--out", "-o", help="Claims JSONL to write."),
              model: Optional[Path] = typer.Option(None, help="Model directory (default: testbed target)."),
              n: int = typer.Option(32, help="Number of requests."), max_tokens: int = typer.Option(64),
              seed: int = typer.Option(0), temperature: float = typer.Option(1.0), top_k: int = typer.Option(50),
              top_p: float = typer.Option(0.95), min_p: float = typer.Option(0.0),
              noise: str = typer.Option("vllm-cpu", help="vllm-cpu | vllm-v1-exponential | keyed | inverse-cdf"),
-             device: str = typer.Option("cpu")):
+             device: str = typer.Option("cpu"),
+             deterministic: Optional[str] = typer.Option(None, help="Greedy batched decoding equal to the "
+                                                         "batch-size-1 answer: margingate | best | llm42 | "
+                                                         "batch_invariant (ignores the provider)."),
+             tau_file: Path = typer.Option(Path("runs/margingate_tau.json"), help="From `determinism calibrate`.")):
     """Write claims JSONL from a simulated (honest or misconfigured) provider."""
     from verinfer.audit.pipeline import generate as run
 
+    if deterministic is not None:
+        from verinfer.determinism.api import generate as det_generate
+
+        try:
+            rows = det_generate(model or _default_model(), out, policy=deterministic, n=n, max_tokens=max_tokens,
+                                seed=seed, tau_file=tau_file, device=device)
+        except (VerinferError, ValueError) as e:
+            _fail(e)
+        typer.echo(f"wrote {len(rows)} {deterministic} greedy completions -> {out}")
+        return
     try:
         claims = run(provider, model or _default_model(), out, n=n, max_tokens=max_tokens, seed=seed, device=device,
                      spec=dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, noise=noise))
@@ -162,6 +178,22 @@ def report(scores: List[Path] = typer.Argument(...), out: Path = typer.Option(Pa
     except (VerinferError, ValueError) as e:
         _fail(e)
     typer.echo(f"report: {path}")
+
+
+@determinism_app.command("calibrate")
+def determinism_calibrate(model: Optional[Path] = typer.Option(None, help="Model directory (default: testbed target)."),
+                          out: Path = typer.Option(Path("runs/margingate_tau.json"), "--out", "-o"),
+                          n: int = typer.Option(16, help="Calibration (arithmetic) prompts."),
+                          max_batch: int = typer.Option(16), seed: int = typer.Option(0),
+                          device: str = typer.Option("cpu")):
+    """Estimate eps_pert, sweep tau, write the smallest tau with 100% sequence determinism."""
+    from verinfer.determinism.api import run_calibrate
+
+    try:
+        rec = run_calibrate(model or _default_model(), out, n=n, max_batch=max_batch, seed=seed, device=device)
+    except (VerinferError, ValueError) as e:
+        _fail(e)
+    typer.echo(f"tau = {rec['tau']:.4g} for {rec['model']} bf16 (max eps_pert {rec['eps_pert_max']:.4g}) -> {out}")
 
 
 @testbed_app.command("build")

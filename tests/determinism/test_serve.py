@@ -49,3 +49,21 @@ def test_margingate_rates_and_zero_tau_is_bf16_after_det_prefill(fast_engine, de
     mg, st = Server(fast_engine, det_engine, "margingate", tau=1e9, max_batch=5).run(reqs)
     assert st.triggered == st.protected_steps - len(reqs)  # every step but the det-prefill first one
     assert 0 <= st.repaired <= st.triggered
+
+
+def test_cli_generate_deterministic(tmp_path):
+    import json
+
+    from typer.testing import CliRunner
+
+    from verinfer.cli import app
+
+    out = tmp_path / "c.jsonl"
+    r = CliRunner().invoke(app, ["generate", "--deterministic", "llm42", "-o", str(out), "--n", "2",
+                                 "--max-tokens", "6"])
+    assert r.exit_code == 0, r.output
+    rows = [json.loads(x) for x in out.read_text().splitlines()]
+    assert len(rows) == 2 and all(len(x["output_token_ids"]) == 6 for x in rows)
+    r = CliRunner().invoke(app, ["generate", "--deterministic", "margingate", "-o", str(out),
+                                 "--tau-file", str(tmp_path / "none.json")])
+    assert r.exit_code == 2 and "calibrate" in r.output

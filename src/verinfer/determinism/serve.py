@@ -13,7 +13,9 @@ Policies (the reference for protected requests is the batch-invariant path run a
   a protected row whose top1-top2 logit margin is < tau has its step recomputed by the
   deterministic verifier (all triggered rows in one forward); if the verifier's token differs,
   its logits replace the row's and its K/V column overwrites the row's current column (native
-  repair: one column, no rollback). r_verify = triggered / protected steps, r_repair = repaired
+  repair: one column, no rollback). With `commit_verified` (default) a verified commit also
+  writes the verifier's column (the paper keeps the bf16 one; on this testbed bf16 logits tie
+  often and bf16 columns left in the cache break exactness). r_verify = triggered / protected steps, r_repair = repaired
   / protected steps.
 - `llm42` (always-on decode-verify-rollback, microsoft/llm-42): every protected row's unverified
   tokens are replayed on the deterministic path once any row has `window` unverified tokens or
@@ -21,10 +23,11 @@ Policies (the reference for protected requests is the batch-invariant path run a
   mode fills a verify batch with not-yet-ready requests); at the first mismatch the output is
   truncated, the verifier token emitted, and decoding resumes from there; verified K/V columns
   replace the bf16 ones.
-- `best`: margin-gated windowed verification: a protected row is only armed by a near-tie step
-  (margin < tau); once an armed row has `window` tokens since its first near-tie (or finished),
-  all armed rows are replayed from their first near-tie in one deterministic pass, with
-  rollback from the first mismatch as in llm42. Steps before a near-tie stay on bf16.
+- `best`: margin-gated lazy decode-verify-rollback: a protected row is only armed by a near-tie
+  step (margin < tau); once an armed row has `window` tokens since its first near-tie (or
+  finished), all armed rows replay their unverified tokens (since their last verified one) in
+  one deterministic pass, with rollback from the first mismatch as in llm42. A row with no
+  near-tie since its last verification is never replayed (e.g. a sequence's high-margin tail).
 
 Shape key: B=batch rows, T=tokens, V=vocab.
 """
@@ -74,12 +77,13 @@ class Row:
 
 class Server:
     def __init__(self, fast: Engine, det: Engine, policy: str = "bf16", tau: float = 0.0, window: int = 64,
-                 max_batch: int = 16, record_margins: bool = False):
+                 max_batch: int = 16, record_margins: bool = False, commit_verified: bool = True):
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
         self.fast, self.det, self.policy = fast, det, policy
         self.tau, self.window, self.max_batch = tau, window, max_batch
         self.record_margins = record_margins
+        self.commit_verified = commit_verified
         self.slots = fast.max_positions + 1
 
     # --- batch management -------------------------------------------------------------
@@ -171,11 +175,13 @@ class Server:
         fast_tok = batch.logits_BV[trig].argmax(-1)
         ver_tok = v_N.argmax(-1)
         for i, b in enumerate(trig):
+            slot = int(pos[i, 0])
             if int(ver_tok[i]) != int(fast_tok[i]):
                 st.repaired += 1
-                slot = int(pos[i, 0])
                 sub.commit(i, slot, slot + 1)
                 batch.logits_BV[b] = v_N[i]
+            elif self.commit_verified:  # verified commit also keeps the verifier's column
+                sub.commit(i, slot, slot + 1)
 
     def _arm(self, batch: Batch, rows, prot_B, st: Stats) -> None:
         m_B = top2_margin(batch.logits_BV)
@@ -192,8 +198,11 @@ class Server:
         if self.policy == "llm42":
             start = {b: rows[b].verified for b, p in enumerate(prot_B) if p and len(batch.outputs[b]) > rows[b].verified}
         else:
-            start = {b: rows[b].armed_at for b, p in enumerate(prot_B) if p and rows[b].armed_at is not None}
-        ready = [b for b, s in start.items() if batch.done_B[b] or len(batch.outputs[b]) - s >= W]
+            # armed rows replay everything since their last verified token (so every column a
+            # later step reads was written by the deterministic path or by a high-margin step)
+            start = {b: rows[b].verified for b, p in enumerate(prot_B) if p and rows[b].armed_at is not None}
+        ready = [b for b, s in start.items() if batch.done_B[b] or
+                 len(batch.outputs[b]) - (rows[b].armed_at if self.policy == "best" else s) >= W]
         if not ready:
             return
         todo = sorted(start)

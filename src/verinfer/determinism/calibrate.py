@@ -1,0 +1,165 @@
+"""Tau calibration for MarginGate (paper section 4 / appendix A) and the shared harness pieces.
+
+1. eps_pert: along each calibration sequence's synchronous prefix (steps before its first
+   divergence from the reference), max |logits_bf16_batched - logits_ref| over the reference's
+   top-50 tokens.
+2. sweep tau over [0, 2 * max eps_pert] (extended if no point reaches 1.0), run MarginGate
+   end to end on the calibration prompts, and pick the smallest tau whose sequence-level
+   determinism is 1.0. The chosen tau is then fixed for held-out prompts of another kind.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from verinfer.determinism.invariant import batch_invariant
+from verinfer.determinism.serve import Server
+from verinfer.engine.engine import Engine, Request
+from verinfer.models.load import load_model, model_info
+from verinfer.numerics import Numerics
+from verinfer.sampling.params import SamplingParams
+
+TOP_K_EPS = 50
+
+
+@dataclass
+class Engines:
+    fast: Engine   # bf16 default, chunked prefill
+    det: Engine    # batch-invariant reference path
+    layercast: Engine
+
+
+def make_engines(model_dir, device="cpu", prefill_chunk: int = 16, threads: int | None = None) -> Engines:
+    from verinfer.determinism.invariant import layercast
+
+    num = Numerics(dtype="bf16", threads=threads)
+    m = load_model(model_dir, num, device)
+    return Engines(Engine(m, num.with_(prefill_chunk=prefill_chunk), eos_token_id=None),
+                   Engine(batch_invariant(m), num, eos_token_id=None),
+                   Engine(layercast(m), num.with_(dtype="fp32", prefill_chunk=prefill_chunk), eos_token_id=None))
+
+
+def split_prompts(model_dir, n: int, seed: int, max_prompt_tokens: int = 48) -> tuple[list, list]:
+    """(code prompts, arithmetic prompts), n of each (eval_prompts alternates the two kinds)."""
+    from verinfer.audit.pipeline import prompts_for
+
+    ps = prompts_for(model_dir, 2 * n, seed, max_prompt_tokens)
+    return ps[0::2], ps[1::2]
+
+
+def make_requests(prompts, tag: str, max_tokens: tuple[int, int], seed: int) -> list[Request]:
+    g = torch.Generator().manual_seed(seed)
+    lo, hi = max_tokens
+    return [Request(f"{tag}{i}", p, SamplingParams(temperature=0.0, max_tokens=int(torch.randint(lo, hi + 1, (1,),
+                                                                                                  generator=g))))
+            for i, p in enumerate(prompts)]
+
+
+def reference(eng: Engines, reqs, max_batch: int = 16) -> dict[str, list[int]]:
+    """The batch-size-1 answer of the deterministic path. Computed batched: the path is
+    batch-invariant (tests/determinism/test_invariant.py checks it bitwise)."""
+    out, _ = Server(eng.det, eng.det, "batch_invariant", max_batch=max_batch).run(reqs)
+    return out
+
+
+def determinism(out: dict, ref: dict, ids) -> float:
+    ids = list(ids)
+    return sum(out[i] == ref[i] for i in ids) / max(len(ids), 1)
+
+
+def flip_stats(out: dict, ref: dict, ids) -> dict:
+    """Flip rate per synchronous step: first divergences / steps compared while prefixes agreed."""
+    sync, flips, where = 0, 0, []
+    for i in ids:
+        a, b = out[i], ref[i]
+        j = next((t for t in range(min(len(a), len(b))) if a[t] != b[t]), None)
+        sync += (j + 1) if j is not None else min(len(a), len(b))
+        if j is not None:
+            flips += 1
+            where.append(j)
+    return dict(flip_rate=flips / max(sync, 1), diverged=flips, synchronous_steps=sync, first_flip_steps=where)
+
+
+def eps_pert(eng: Engines, reqs, ref: dict, max_batch: int) -> list[float]:
+    """Per-step eps over the reference's top-50, along the synchronous prefix of bf16 batched runs."""
+    seen: dict[str, list[torch.Tensor]] = {}
+
+    def capture(logits_BV, params, noises, batch):
+        for b, r in enumerate(batch.requests):
+            if not batch.done_B[b]:
+                seen.setdefault(r.id, []).append(logits_BV[b].clone())
+        return logits_BV.argmax(-1)
+
+    out, _ = Server(eng.fast, eng.det, "bf16", max_batch=max_batch).run(reqs, sampler=capture)
+    by_id = {r.id: r for r in reqs}
+    eps: list[float] = []
+    model = eng.det.model
+    for rid, logits in seen.items():
+        r, a, b = by_id[rid], out[rid], ref[rid]
+        j = next((t for t in range(len(a)) if a[t] != b[t]), len(a))
+        n = min(j + 1, len(logits))
+        seq = r.prompt_token_ids + b[: n - 1]
+        P = len(r.prompt_token_ids)
+        cache = model.new_cache(1, eng.det.max_positions + 1)
+        with torch.no_grad():
+            lg, _ = model(torch.tensor([seq]), torch.arange(len(seq))[None], cache)
+        ref_TV = lg[0, P - 1 : P - 1 + n]
+        for t in range(n):
+            top = ref_TV[t].topk(TOP_K_EPS).indices
+            eps.append(float((logits[t][top] - ref_TV[t][top]).abs().max()))
+    return eps
+
+
+def sweep_tau(eng: Engines, reqs, ref: dict, taus, max_batch: int, progress=None) -> list[dict]:
+    rows = []
+    for tau in taus:
+        out, st = Server(eng.fast, eng.det, "margingate", tau=float(tau), max_batch=max_batch).run(reqs)
+        rows.append(dict(tau=float(tau), determinism=determinism(out, ref, ref), **st.rates()))
+        if progress is not None:
+            progress(1)
+    return rows
+
+
+def calibrate(model_dir, n: int = 16, max_tokens=(48, 128), max_batch: int = 16, seed: int = 0, points: int = 9,
+              device="cpu", eng: Engines | None = None, progress=None) -> dict:
+    """Calibrate tau on arithmetic prompts. Returns the full record (eps, sweep, chosen tau)."""
+    eng = eng or make_engines(model_dir, device)
+    _, arith = split_prompts(model_dir, n, seed)
+    reqs = make_requests(arith, "cal", max_tokens, seed)
+    ref = reference(eng, reqs, max_batch)
+    eps = eps_pert(eng, reqs, ref, max_batch)
+    hi = 2 * max(eps)
+    taus = [hi * i / (points - 1) for i in range(points)]
+    sweep = sweep_tau(eng, reqs, ref, taus, max_batch, progress)
+    ok = [r for r in sweep if r["determinism"] == 1.0]
+    while not ok and hi < 64:  # no point of the paper's range is deterministic: widen it
+        hi *= 2
+        more = sweep_tau(eng, reqs, ref, [hi], max_batch, progress)
+        sweep += more
+        ok = [r for r in more if r["determinism"] == 1.0]
+    return dict(model=model_info(model_dir).name, dtype="bf16", calibration="arithmetic", n_prompts=len(reqs),
+                max_batch=max_batch, eps_pert_max=max(eps), eps_pert_mean=sum(eps) / len(eps),
+                eps_pert_p99=sorted(eps)[int(0.99 * (len(eps) - 1))], sweep_range=2 * max(eps), sweep=sweep,
+                tau=min(r["tau"] for r in ok) if ok else None)
+
+
+def write_tau(path, record: dict) -> None:
+    """Merge {model: {dtype: record}} into a JSON file."""
+    p = Path(path)
+    data = json.loads(p.read_text()) if p.is_file() else {}
+    data.setdefault(record["model"], {})[record["dtype"]] = record
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text(json.dumps(data, indent=1))
+
+
+def read_tau(path, model: str, dtype: str = "bf16") -> float:
+    p = Path(path)
+    try:
+        return float(json.loads(p.read_text())[model][dtype]["tau"])
+    except (FileNotFoundError, KeyError, TypeError) as e:
+        raise ValueError(f"no calibrated tau for model {model!r} dtype {dtype} in {p}; "
+                         f"run `verinfer determinism calibrate` first") from e
