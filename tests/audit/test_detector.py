@@ -153,3 +153,21 @@ def test_verdict_reports_confidence(det, honest):
     assert not d["flagged"] and d["more_tokens_needed"] == n_star - 100 and "not enough evidence" in d["decision"]
     assert det.verdict_from_pooled(det.null_mean_ - 0.1, 100)["more_tokens_needed"] is None
     assert det.verdict_from_pooled(det.null_mean_ + 2.0, 100)["flagged"]
+
+
+def test_stratified_null_holds_fpr_for_every_honest_group(tmp_path):
+    """Two honest configurations with different noise levels: a pooled null flags the noisier one
+    far more often than target_fpr; the stratified null keeps each at or below it."""
+    rng = np.random.default_rng(3)
+    quiet, noisy = rng.exponential(1.0, 20_000), rng.exponential(1.25, 20_000)
+    pooled = ClippedMeanDetector(clip_quantile=1.0).fit(np.r_[quiet, noisy])
+    strat = ClippedMeanDetector(clip_quantile=1.0).fit(np.r_[quiet, noisy], groups=["q"] * 20_000 + ["n"] * 20_000)
+    fresh = rng.exponential(1.25, (400, 300))  # fresh batches of the noisy honest configuration
+    fpr_pooled = np.mean([pooled.predict(b) for b in fresh])
+    fpr_strat = np.mean([strat.predict(b) for b in fresh])
+    assert fpr_pooled > 0.2 and fpr_strat <= 0.03
+    assert strat.threshold(300) > pooled.threshold(300)
+    assert strat.p_value(fresh[0]) >= pooled.p_value(fresh[0])
+    strat.save(tmp_path / "d.json")
+    back = ClippedMeanDetector.load(tmp_path / "d.json")
+    assert back.null_group_sizes_ == strat.null_group_sizes_ and back.threshold(300) == strat.threshold(300)

@@ -71,16 +71,34 @@ class ClippedMeanDetector:
             object.__setattr__(self, k, v)
         self._cache.clear()
 
-    def fit(self, honest_values) -> "ClippedMeanDetector":
-        """Learn clip_, null_sample_, null_mean_, null_std_, n_train_ from honest (train) scores."""
+    def fit(self, honest_values, groups=None) -> "ClippedMeanDetector":
+        """Learn clip_, null_sample_, null_group_sizes_, null_mean_, null_std_, n_train_ from honest
+        (train) scores. `groups` (one label per value, e.g. the honest configuration) makes the
+        null stratified: each honest configuration keeps its own resampled null, and the threshold
+        and p-value take the worst one, so no honest configuration is flagged more often than
+        target_fpr (a pooled null understates the variation *between* honest configurations)."""
         v = _as_values(honest_values, "honest_values")
         clip = clip_at_quantile(v, self.clip_quantile)
         w = winsorize(v, clip)
-        if w.size > MAX_NULL_SAMPLE:
-            w = np.sort(np.random.default_rng(self.random_state).choice(w, MAX_NULL_SAMPLE, replace=False))
-        self._set(clip_=clip, null_sample_=w, null_mean_=float(w.mean()),
-                  null_std_=float(w.std(ddof=1)) if w.size > 1 else 0.0, n_train_=int(v.size))
+        labels = np.zeros(v.size, dtype=np.int64) if groups is None else np.unique(np.asarray(groups), return_inverse=True)[1]
+        if labels.size != v.size:
+            raise ValueError(f"groups has {labels.size} labels for {v.size} values")
+        rng = np.random.default_rng(self.random_state)
+        n_groups = int(labels.max()) + 1
+        cap = max(1, MAX_NULL_SAMPLE // n_groups)
+        parts = []
+        for g in range(n_groups):
+            wg = w[labels == g]
+            parts.append(np.sort(rng.choice(wg, cap, replace=False)) if wg.size > cap else wg)
+        sample = np.concatenate(parts)
+        self._set(clip_=clip, null_sample_=sample, null_group_sizes_=[int(p.size) for p in parts],
+                  null_mean_=float(sample.mean()), null_std_=float(sample.std(ddof=1)) if sample.size > 1 else 0.0,
+                  n_train_=int(v.size))
         return self
+
+    def _groups(self) -> list[np.ndarray]:
+        sizes = getattr(self, "null_group_sizes_", None) or [self.null_sample_.size]
+        return np.split(self.null_sample_, np.cumsum(sizes)[:-1])
 
     def _check_fitted(self) -> None:
         if not hasattr(self, "null_sample_"):
@@ -97,42 +115,64 @@ class ClippedMeanDetector:
 
     def null_means(self, n_tokens: int) -> np.ndarray:
         """n_null_batches honest batch means of n_tokens tokens, resampled (with replacement) from
-        null_sample_; deterministic in (random_state, n_tokens) and cached."""
+        null_sample_; deterministic in (random_state, n_tokens) and cached. With a stratified
+        null, the means of the honest group whose (1 - target_fpr)-quantile is highest."""
+        return self._group_means(n_tokens)[self._worst_group(n_tokens)]
+
+    def _group_means(self, n_tokens: int) -> list[np.ndarray]:
         self._check_fitted()
         n = int(n_tokens)
         if n < 1:
             raise ValueError(f"n_tokens must be >= 1, got {n_tokens}")
         if n not in self._cache:
             rng = np.random.default_rng([self.random_state, n])
-            s = self.null_sample_
             per_chunk = max(1, _CHUNK // n)
-            means = []
-            for start in range(0, self.n_null_batches, per_chunk):
-                k = min(per_chunk, self.n_null_batches - start)
-                means.append(s[rng.integers(0, s.size, (k, n))].mean(axis=1))
-            self._cache[n] = np.concatenate(means)
+            out = []
+            for s in self._groups():
+                means = []
+                for start in range(0, self.n_null_batches, per_chunk):
+                    k = min(per_chunk, self.n_null_batches - start)
+                    means.append(s[rng.integers(0, s.size, (k, n))].mean(axis=1))
+                out.append(np.concatenate(means))
+            self._cache[n] = out
         return self._cache[n]
+
+    def _group_stats(self) -> list[tuple[float, float]]:
+        return [(float(s.mean()), float(s.std(ddof=1)) if s.size > 1 else 0.0) for s in self._groups()]
+
+    def _worst_group(self, n_tokens: int) -> int:
+        n = int(n_tokens)
+        if self._normal_approx(n):
+            z = norm.isf(self.target_fpr) / math.sqrt(n)
+            return int(np.argmax([m + z * sd for m, sd in self._group_stats()]))
+        return int(np.argmax([np.quantile(g, 1.0 - self.target_fpr) for g in self._group_means(n)]))
 
     def threshold(self, n_tokens: int) -> float:
         """(1 - target_fpr)-quantile of honest batch means of n_tokens tokens (resampled; the
-        normal approximation N(null_mean_, null_std_^2 / n) beyond MAX_RESAMPLED_TOKENS)."""
+        normal approximation N(mean, std^2 / n) beyond MAX_RESAMPLED_TOKENS); with a stratified
+        null, the highest over the honest groups."""
         self._check_fitted()
-        if self._normal_approx(int(n_tokens)):
-            return float(self.null_mean_ + norm.isf(self.target_fpr) * self.null_std_ / math.sqrt(n_tokens))
-        return float(np.quantile(self.null_means(n_tokens), 1.0 - self.target_fpr))
+        n = int(n_tokens)
+        if self._normal_approx(n):
+            m, sd = self._group_stats()[self._worst_group(n)]
+            return float(m + norm.isf(self.target_fpr) * sd / math.sqrt(n))
+        return float(np.quantile(self.null_means(n), 1.0 - self.target_fpr))
 
     def _p_value(self, pooled: float, n: int) -> tuple[float, str]:
-        se = self.null_std_ / math.sqrt(n)
-        p_norm = float(norm.sf(pooled, loc=self.null_mean_, scale=se)) if se > 0 else \
-            (0.0 if pooled > self.null_mean_ else 1.0)
-        if self._normal_approx(n):
-            return p_norm, "normal"
-        null = self.null_means(n)
-        k = int(np.count_nonzero(null >= pooled))
-        if k > 0:
-            return (k + 1) / (null.size + 1), "resampled"
-        # Beyond every resampled mean: the resampling only says p < 1/(B+1); refine with the CLT.
-        return min(p_norm, 1.0 / (null.size + 1)), "normal"
+        """The largest tail probability over the honest groups (one group unless stratified)."""
+        best = (-1.0, "normal")
+        for (m, sd), null in zip(self._group_stats(), [None] * len(self._groups()) if self._normal_approx(n)
+                                 else self._group_means(n)):
+            se = sd / math.sqrt(n)
+            p_norm = float(norm.sf(pooled, loc=m, scale=se)) if se > 0 else (0.0 if pooled > m else 1.0)
+            if null is None:
+                cand = (p_norm, "normal")
+            else:
+                k = int(np.count_nonzero(null >= pooled))
+                # beyond every resampled mean the resampling only says p < 1/(B+1): refine with the CLT
+                cand = ((k + 1) / (null.size + 1), "resampled") if k > 0 else (min(p_norm, 1.0 / (null.size + 1)), "normal")
+            best = max(best, cand, key=lambda t: t[0])
+        return best
 
     def p_value(self, values) -> float:
         """P(honest batch mean >= observed pooled score) for a batch of len(values) tokens:
@@ -166,9 +206,10 @@ class ClippedMeanDetector:
         batch means above it (the normal tail beyond MAX_RESAMPLED_TOKENS)."""
         thr = self.threshold(n_tokens)
         if self._normal_approx(int(n_tokens)):
-            se = self.null_std_ / math.sqrt(n_tokens)
-            return float(norm.sf(thr, self.null_mean_, se)) if se > 0 else 0.0
-        return float(np.mean(self.null_means(n_tokens) > thr))
+            m, sd = self._group_stats()[self._worst_group(n_tokens)]
+            se = sd / math.sqrt(n_tokens)
+            return float(norm.sf(thr, m, se)) if se > 0 else 0.0
+        return float(max(np.mean(g > thr) for g in self._group_means(n_tokens)))
 
     def tokens_to_flag(self, pooled: float, n_tokens: int) -> int | None:
         """Batch size at which a per-token mean of `pooled` would cross the threshold, by the normal
@@ -218,6 +259,7 @@ class ClippedMeanDetector:
         return {"format": FORMAT, "version": FORMAT_VERSION, "config": self.config(),
                 "fitted": {"clip_": self.clip_, "null_mean_": self.null_mean_, "null_std_": self.null_std_,
                            "n_train_": self.n_train_, "null_sample_size": int(s.size),
+                           "null_group_sizes": list(getattr(self, "null_group_sizes_", None) or [int(s.size)]),
                            "null_sample_f8_base64": base64.b64encode(s.tobytes()).decode("ascii")}}
 
     def save(self, path: str | Path) -> None:
@@ -239,8 +281,11 @@ class ClippedMeanDetector:
             s = np.frombuffer(base64.b64decode(f["null_sample_f8_base64"], validate=True), dtype="<f8")
             if s.size != f["null_sample_size"] or s.size == 0:
                 raise ValueError(f"null sample has {s.size} values, header says {f['null_sample_size']}")
-            det._set(clip_=float(f["clip_"]), null_sample_=s.astype(np.float64), null_mean_=float(f["null_mean_"]),
-                     null_std_=float(f["null_std_"]), n_train_=int(f["n_train_"]))
+            sizes = [int(x) for x in f.get("null_group_sizes", [s.size])]
+            if sum(sizes) != s.size or min(sizes) < 1:
+                raise ValueError(f"null group sizes {sizes} do not add up to the {s.size} null values")
+            det._set(clip_=float(f["clip_"]), null_sample_=s.astype(np.float64), null_group_sizes_=sizes,
+                     null_mean_=float(f["null_mean_"]), null_std_=float(f["null_std_"]), n_train_=int(f["n_train_"]))
         except (KeyError, TypeError, ValueError) as e:
             raise bad(f"malformed detector ({type(e).__name__}: {e})") from e
         return det

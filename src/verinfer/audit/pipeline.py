@@ -95,16 +95,18 @@ def calibrate(table: pa.Table, honest: list[str], *, score_name: str = "margin",
     """Fit a detector on the train half of the honest tokens; return it and each honest
     provider's held-out test half (for auditing honest providers without reusing train data)."""
     rng = np.random.default_rng(seed)
-    train, test = [], {}
+    train, groups, test = [], [], {}
     for name in honest:
         v = provider_values(table, name, score_name)
         if len(v) == 0:
             raise ClaimError(f"no scored tokens for honest provider {name!r}", fix="score its claims first")
         tr, te = split_tokens(len(v), rng)
         train.append(v[tr])
+        groups += [name] * len(tr)
         test[name] = v[te]
+    # stratified null: every honest configuration must pass at the target FPR, not just their pool
     det = ClippedMeanDetector(score=score_name, clip_quantile=clip_quantile, target_fpr=target_fpr,
-                              random_state=seed).fit(np.concatenate(train))
+                              random_state=seed).fit(np.concatenate(train), groups=groups)
     return det, test
 
 
