@@ -216,12 +216,15 @@ class ClippedMeanDetector:
         approximation n* = (z_{1-fpr} sigma / (pooled - null_mean))^2; None if pooled <= null_mean
         (no excess over honest: more tokens would not flag it)."""
         self._check_fitted()
-        excess = pooled - self.null_mean_
+        m, sd = self._group_stats()[self._worst_group(n_tokens)]  # the honest group setting the threshold
+        excess = pooled - m
         if not excess > 0:
             return None
-        if self.null_std_ == 0:
+        if sd == 0:
             return int(n_tokens)
-        return max(1, math.ceil((norm.isf(self.target_fpr) * self.null_std_ / excess) ** 2))
+        n_star = math.ceil((norm.isf(self.target_fpr) * sd / excess) ** 2)
+        # the resampled threshold can sit above the normal one: never claim fewer tokens than used
+        return max(int(n_tokens) + 1, n_star)
 
     def verdict_from_pooled(self, pooled: float, n_tokens: int) -> dict:
         """Verdict with confidence for a pooled score over n_tokens tokens: flagged, threshold, the

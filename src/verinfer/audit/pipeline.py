@@ -137,16 +137,16 @@ def print_verdicts(verdicts: list[dict]) -> None:
     from rich.table import Table
 
     t = Table(title="verinfer audit: Token-DiFR verdicts")
-    for col in ("provider", "truth", "verdict", "tokens", "pooled", "threshold", "p-value", "FPR target",
-                "FPR of threshold", "more tokens"):
-        t.add_column(col)
+    for col in ("provider", "truth", "verdict", "tokens", "pooled", "threshold", "p-value", "FPR target / at thr.",
+                "more tokens"):
+        t.add_column(col, no_wrap=True)
     for d in verdicts:
         truth = {True: "honest", False: "misconfigured", None: "?"}[d.get("honest")]
+        fpr = f"{d['target_fpr']:.0%}" + (f" / {d['threshold_fpr']:.2%}" if "threshold_fpr" in d else "")
         t.add_row(d["provider"], truth, "[red]FLAGGED[/red]" if d["flagged"] else "[green]ok[/green]",
-                  str(d["n_tokens"]), f"{d['pooled']:.4f}", f"{d['threshold']:.4f}", (f"{d['p_value']:.2g}" if d["p_value"] > 0 else "<1e-300"),
-                  f"{d['target_fpr']:.0%}", (f"{d['threshold_fpr']:.2%}" if "threshold_fpr" in d else "-"),
-                  _more_tokens(d))
-    Console(width=max(120, Console().width)).print(t)
+                  str(d["n_tokens"]), f"{d['pooled']:.2g}", f"{d['threshold']:.2g}",
+                  (f"{d['p_value']:.2g}" if d["p_value"] > 0 else "<1e-300"), fpr, _more_tokens(d))
+    Console(width=max(160, Console().width)).print(t)
 
 
 def _more_tokens(d: dict) -> str:
