@@ -73,3 +73,33 @@ def test_postgumbel_gaps_agree_with_the_margin(noise):
     assert (gaps[(claimed == rep), 0] <= 1e-9).all()
     assert torch.isinf(gaps[7]).all() and (gaps[7] > 0).all()
     assert (gaps[:, :-1] >= gaps[:, 1:]).all()               # descending
+
+
+def test_alternative_evidence_vectorized_equals_loop():
+    from verinfer.audit.variants import alternative_evidence, alternative_evidence_loop
+
+    rng = np.random.default_rng(3)
+    m = np.where(rng.random(500) < 0.9, 0.0, rng.exponential(0.5, 500))
+    m[3] = np.inf
+    alts = [np.where(rng.random(500) < 0.9, 0.0, rng.exponential(0.5, 500)) for _ in range(2)]
+    alts[0][4] = np.inf
+    np.testing.assert_allclose(alternative_evidence(m, alts, 1.0), alternative_evidence_loop(m, alts, 1.0))
+    # a claim the alternative reproduces exactly scores twice its clipped honest margin
+    assert alternative_evidence(np.array([0.4]), [np.array([0.0])], 1.0)[0] == pytest.approx(0.8)
+
+
+def test_temperature_margin_is_zero_at_the_claimed_temperature():
+    import dataclasses
+
+    from verinfer.audit.claims import Claim
+    from verinfer.audit.variants import temperature_margin
+    from verinfer.engine.engine import Replay
+    from verinfer.sampling.sampler import replay_tokens
+
+    torch.manual_seed(1)
+    logits = torch.randn(300, 200) * 2
+    p = SamplingParams(temperature=1.5, top_k=50, top_p=0.95, min_p=0.0, seed=9, max_tokens=300, noise="vllm-cpu")
+    y = replay_tokens(logits, p, 3).tolist()         # tokens an honest T=1.1 sampler draws
+    c = Claim("c", "m", [1, 2, 3], y, dataclasses.replace(p, temperature=1.0))
+    assert (temperature_margin([c], [Replay(logits)], 1.5) == 0).all()
+    assert (temperature_margin([c], [Replay(logits)], 1.0) > 0).any()

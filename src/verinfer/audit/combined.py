@@ -5,11 +5,15 @@ is in the mismatches: how far the claimed token was from winning (margin) and ho
 under the verifier (cross-entropy). Each token falls in one bin:
 
     bin 0                    exact match (margin 0)
-    bins 1 + 4 * i + j       mismatch with margin in band i and cross-entropy in band j
+    bins 1 + 8 * i + 4 * k + j   mismatch with margin in band i, direction k and cross-entropy band j
     margin bands i (7)       [0, q50) [q50, q90) [q90, q99) [q99, m] (m, 4m] (4m, inf) filtered-out,
                              q.. = quantiles of the honest train nonzero finite margins, m = their max
     cross-entropy bands j (4) [0, c50) [c50, c90) [c90, c_max] (c_max, inf],  quantiles of the honest
                              train mismatch cross-entropies
+    direction k (2)          1 if the claimed token's raw logit is below the replayed token's
+                             (logit_gap > 0), else 0. A too-high temperature only ever flips towards
+                             lower-logit tokens (too low: higher), honest noise flips both ways.
+                             Column logit_gap; without it (use_direction=False) k = 0.
 
 fit:     p0_ = honest bin frequencies (additive smoothing alpha per bin);
          p1_ = equal-weight mixture of the alternatives' bin frequencies (misconfigured train data,
@@ -39,25 +43,27 @@ from verinfer.audit.scores import _column
 from verinfer.errors import VerinferError
 
 FORMAT = "verinfer.LikelihoodRatioDetector"
-FORMAT_VERSION = 1
-N_MARGIN_BANDS, N_CE_BANDS = 7, 4
-N_BINS = 1 + N_MARGIN_BANDS * N_CE_BANDS
+FORMAT_VERSION = 2
+N_MARGIN_BANDS, N_DIRECTIONS, N_CE_BANDS = 7, 2, 4
+N_BINS = 1 + N_MARGIN_BANDS * N_DIRECTIONS * N_CE_BANDS
 
 
-def _arrays(table) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _arrays(table, use_direction: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     m = _column(table, "margin")
     em = _column(table, "exact_match") > 0.5
     ce = _column(table, "cross_entropy")
     if np.isnan(m).any() or np.isnan(ce).any():
         raise ValueError("margin / cross_entropy contain NaN")
-    return m, em, ce
+    gap = _column(table, "logit_gap") if use_direction else np.zeros_like(m)
+    return m, em, ce, gap
 
 
-def token_bins(margin, exact_match, cross_entropy, margin_edges, ce_edges) -> np.ndarray:
+def token_bins(margin, exact_match, cross_entropy, margin_edges, ce_edges, logit_gap=None) -> np.ndarray:
     """Bin index of every token (see the module docstring); vectorized."""
     m = np.asarray(margin, dtype=np.float64)
     em = np.asarray(exact_match, dtype=bool)
     ce = np.asarray(cross_entropy, dtype=np.float64)
+    k = (np.asarray(logit_gap, dtype=np.float64) > 0) if logit_gap is not None else np.zeros(m.shape, bool)
     q50, q90, q99, mx = margin_edges
     band = np.searchsorted(np.array([q50, q90, q99]), m, side="right")   # 0..3 below / at m
     band = np.where(m > mx, 4, band)
@@ -66,15 +72,16 @@ def token_bins(margin, exact_match, cross_entropy, margin_edges, ce_edges) -> np
     c50, c90, cmx = ce_edges
     cband = np.searchsorted(np.array([c50, c90]), ce, side="right")
     cband = np.where(ce > cmx, 3, cband)
-    return np.where(em, 0, 1 + band * N_CE_BANDS + cband).astype(np.int64)
+    return np.where(em, 0, 1 + (band * N_DIRECTIONS + k) * N_CE_BANDS + cband).astype(np.int64)
 
 
-def token_bins_loop(margin, exact_match, cross_entropy, margin_edges, ce_edges) -> np.ndarray:
+def token_bins_loop(margin, exact_match, cross_entropy, margin_edges, ce_edges, logit_gap=None) -> np.ndarray:
     """Reference for `token_bins`, one token at a time."""
     q50, q90, q99, mx = margin_edges
     c50, c90, cmx = ce_edges
     out = []
-    for m, em, ce in zip(margin, exact_match, cross_entropy):
+    gaps = logit_gap if logit_gap is not None else [0.0] * len(margin)
+    for m, em, ce, g in zip(margin, exact_match, cross_entropy, gaps):
         if em:
             out.append(0)
             continue
@@ -87,7 +94,7 @@ def token_bins_loop(margin, exact_match, cross_entropy, margin_edges, ce_edges) 
         else:
             i = sum(m >= e for e in (q50, q90, q99))
         j = 3 if ce > cmx else sum(ce >= e for e in (c50, c90))
-        out.append(1 + i * N_CE_BANDS + j)
+        out.append(1 + (i * N_DIRECTIONS + int(g > 0)) * N_CE_BANDS + j)
     return np.array(out, dtype=np.int64)
 
 
@@ -105,6 +112,7 @@ class LikelihoodRatioDetector:
     target_fpr: float = 0.01
     alpha: float = 0.5
     generic_mismatch: float = 0.05
+    use_direction: bool = True
     n_null_batches: int = 2000
     random_state: int = 0
     _null: dict = field(default_factory=dict, init=False, repr=False, compare=False)
@@ -121,7 +129,7 @@ class LikelihoodRatioDetector:
     def fit(self, honest, alternatives=()) -> "LikelihoodRatioDetector":
         """Learn margin_edges_, ce_edges_, p0_, p1_, weights_ and the honest null from honest (train)
         tokens; `alternatives`: score tables of misconfigured train tokens (optional)."""
-        m, em, ce = _arrays(honest)
+        m, em, ce, gap = _arrays(honest, self.use_direction)
         if m.size == 0:
             raise ValueError("honest is empty: no scored tokens")
         nz = m[~em & np.isfinite(m) & (m > 0)]
@@ -131,8 +139,8 @@ class LikelihoodRatioDetector:
         margin_edges = tuple(float(x) for x in (*np.quantile(nz, [0.5, 0.9, 0.99]), nz.max()))
         cem = ce[~em & np.isfinite(ce)]
         ce_edges = tuple(float(x) for x in (*np.quantile(cem, [0.5, 0.9]), cem.max()))
-        p0 = _freq(token_bins(m, em, ce, margin_edges, ce_edges), self.alpha)
-        alts = [_freq(token_bins(*_arrays(a), margin_edges, ce_edges), self.alpha) for a in alternatives]
+        p0 = _freq(token_bins(m, em, ce, margin_edges, ce_edges, gap), self.alpha)
+        alts = [_freq(self._bins(a, margin_edges, ce_edges), self.alpha) for a in alternatives]
         if alts:
             p1 = np.mean(alts, axis=0)
         else:
@@ -152,6 +160,10 @@ class LikelihoodRatioDetector:
                          p1_=np.asarray(p1), weights_=np.log(np.asarray(p1) / np.asarray(p0)), **extra).items():
             object.__setattr__(self, k, v)
 
+    def _bins(self, table, margin_edges=None, ce_edges=None) -> np.ndarray:
+        m, em, ce, gap = _arrays(table, self.use_direction)
+        return token_bins(m, em, ce, margin_edges or self.margin_edges_, ce_edges or self.ce_edges_, gap)
+
     def _check_fitted(self) -> None:
         if not hasattr(self, "weights_") or "det" not in self._null:
             raise VerinferError("the detector is not fitted", fix="call fit(honest_scores) or load a detector file")
@@ -161,7 +173,7 @@ class LikelihoodRatioDetector:
         """Per-token log-likelihood ratio log(p1/p0) of each token's bin."""
         if not hasattr(self, "weights_"):
             raise VerinferError("the detector is not fitted", fix="call fit(honest_scores) first")
-        return self.weights_[token_bins(*_arrays(table), self.margin_edges_, self.ce_edges_)]
+        return self.weights_[self._bins(table)]
 
     def pooled(self, table) -> float:
         w = self.token_scores(table)
@@ -242,3 +254,149 @@ def _subsample(w: np.ndarray, seed: int, cap: int = 200_000) -> np.ndarray:
     if w.size <= cap:
         return np.sort(w)
     return np.sort(np.random.default_rng(seed).choice(w, cap, replace=False))
+
+
+@dataclass(frozen=True)
+class ReplayLibraryDetector:
+    """Token-DiFR against a library of alternative configurations: a max-of-z (GLRT-style) test.
+
+    Besides the honest verifier's margin b = min(margin, clip_), the claims are replayed under each
+    alternative A of the library (e.g. 4-bit weights; temperature 0.9 / 1.1 rescoring) and
+    column A holds `variants.alternative_evidence(margin, [margin_A], clip_)` = 2b - min(margin_A, clip_)
+    (high when A's replay reproduces tokens the honest replay does not). Column 0 is b alone, so
+    misconfigurations outside the library are still tested by the plain clipped margin.
+    Batch statistic: max over columns of the z-score sqrt(n) (column mean - mu_c) / sd_c, with
+    mu_c, sd_c from honest train tokens; threshold and tail probability from n_null_batches honest
+    train batches resampled with replacement (the max of correlated columns has no closed form).
+    Fit on honest tokens only."""
+
+    alternatives: tuple = ("margin_int4", "margin_t0.9", "margin_t1.1")
+    clip_quantile: float = 0.999
+    target_fpr: float = 0.01
+    n_null_batches: int = 2000
+    random_state: int = 0
+    _cache: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def fit(self, honest, groups=None) -> "ReplayLibraryDetector":
+        """Learn clip_, mu_, sd_, the null sample(s) and, with `groups` (one label per honest token,
+        e.g. its honest configuration), the between-configuration spread tau_ of the column means.
+        With groups the threshold guards a NEW honest configuration (random-effects null):
+        max over groups of that group's resampled (1 - fpr)-quantile, plus z_{1-fpr} sqrt(n) max_c
+        (tau_c / sd_c): honest configurations differ in their mean, and a pooled null would flag
+        the noisier ones more and more often as batches grow."""
+        from verinfer.audit.metrics import clip_at_quantile
+
+        m = _column(honest, "margin")
+        object.__setattr__(self, "clip_", clip_at_quantile(m, self.clip_quantile))
+        x = self.token_columns(honest)
+        object.__setattr__(self, "mu_", x.mean(axis=0))
+        object.__setattr__(self, "sd_", np.maximum(x.std(axis=0, ddof=1), 1e-12))
+        labels = np.zeros(len(x), np.int64) if groups is None else np.unique(np.asarray(groups), return_inverse=True)[1]
+        if labels.size != len(x):
+            raise ValueError(f"groups has {labels.size} labels for {len(x)} tokens")
+        rng = np.random.default_rng(self.random_state)
+        n_groups = int(labels.max()) + 1
+        cap = max(1, 200_000 // n_groups)
+        samples = []
+        for g in range(n_groups):
+            xg = x[labels == g]
+            samples.append(xg[np.sort(rng.choice(len(xg), cap, replace=False))] if len(xg) > cap else xg)
+        means = np.array([xg.mean(axis=0) for xg in samples])
+        tau = means.std(axis=0, ddof=1) if n_groups > 1 else np.zeros(x.shape[1])
+        object.__setattr__(self, "null_samples_", samples)
+        object.__setattr__(self, "null_sample_", np.concatenate(samples))
+        object.__setattr__(self, "tau_", tau)
+        self._cache.clear()
+        return self
+
+    def _check_fitted(self) -> None:
+        if not hasattr(self, "null_sample_"):
+            raise VerinferError("the detector is not fitted", fix="call fit(honest_scores) first")
+
+    def token_columns(self, table) -> np.ndarray:
+        """[N, 1 + len(alternatives)] per-token evidence columns (see the class docstring)."""
+        from verinfer.audit.variants import alternative_evidence
+        from verinfer.audit.metrics import winsorize
+
+        if not hasattr(self, "clip_"):
+            raise VerinferError("the detector is not fitted", fix="call fit(honest_scores) first")
+        m = _column(table, "margin")
+        cols = [winsorize(m, self.clip_)] + [alternative_evidence(m, [_column(table, a)], self.clip_)
+                                             for a in self.alternatives]
+        return np.stack(cols, axis=1)
+
+    def statistic_of_means(self, means_BC: np.ndarray, n_tokens: int) -> np.ndarray:
+        """max over columns of sqrt(n) (mean - mu_) / sd_, for rows of column means."""
+        return (np.sqrt(n_tokens) * (np.asarray(means_BC) - self.mu_) / self.sd_).max(axis=-1)
+
+    def statistic(self, table) -> float:
+        x = self.token_columns(table)
+        if len(x) == 0:
+            raise ValueError("no scored tokens")
+        return float(self.statistic_of_means(x.mean(axis=0), len(x)))
+
+    def batch_statistics(self, columns_NC: np.ndarray, n_tokens: int, n_batches: int,
+                         rng: np.random.Generator) -> np.ndarray:
+        """Statistics of n_batches batches of n_tokens rows drawn with replacement from columns_NC."""
+        x = np.asarray(columns_NC, dtype=np.float64)
+        per = max(1, 2_000_000 // n_tokens)
+        out = []
+        for s in range(0, n_batches, per):
+            k = min(per, n_batches - s)
+            out.append(self.statistic_of_means(x[rng.integers(0, len(x), (k, n_tokens))].mean(axis=1), n_tokens))
+        return np.concatenate(out)
+
+    def null_statistics(self, n_tokens: int) -> np.ndarray:
+        """Resampled honest batch statistics of the group whose (1 - fpr)-quantile is highest,
+        shifted by the between-group allowance (0 without groups)."""
+        self._check_fitted()
+        n = int(n_tokens)
+        if n not in self._cache:
+            from scipy.stats import norm
+
+            rng = np.random.default_rng([self.random_state, n])
+            per = [self.batch_statistics(xg, n, self.n_null_batches, rng) for xg in self.null_samples_]
+            worst = per[int(np.argmax([np.quantile(p, 1.0 - self.target_fpr) for p in per]))]
+            allowance = float(norm.isf(self.target_fpr) * np.sqrt(n) * np.max(self.tau_ / self.sd_))
+            self._cache[n] = worst + allowance
+        return self._cache[n]
+
+    def threshold(self, n_tokens: int) -> float:
+        return float(np.quantile(self.null_statistics(n_tokens), 1.0 - self.target_fpr))
+
+    def token_scores(self, table) -> np.ndarray:
+        """The evidence columns (for batch statistics use `batch_statistics` / `statistic`)."""
+        return self.token_columns(table)
+
+    def predict(self, table) -> bool:
+        x = self.token_columns(table)
+        return bool(self.statistic_of_means(x.mean(axis=0), len(x)) > self.threshold(len(x)))
+
+    def score(self, table) -> float:
+        return self.statistic(table)
+
+    def verdict(self, table) -> dict:
+        """flagged, the statistic and threshold, the FPR the threshold was set at and its rate on
+        the resampled honest null, the tail probability (p-value) under the honest null, and, when
+        not flagged, the tokens a decision would need if the per-token excess persisted (z grows as
+        sqrt(n): n* = n (threshold / statistic)^2; None when the statistic is <= 0)."""
+        x = self.token_columns(table)
+        n = len(x)
+        if n == 0:
+            raise ValueError("no scored tokens")
+        stat = float(self.statistic_of_means(x.mean(axis=0), n))
+        null = self.null_statistics(n)
+        thr = float(np.quantile(null, 1.0 - self.target_fpr))
+        k = int(np.count_nonzero(null >= stat))
+        p = (k + 1) / (null.size + 1)
+        flagged = stat > thr
+        more = None
+        if not flagged and stat > 0 and thr > 0:
+            more = max(1, int(np.ceil(n * (thr / stat) ** 2)) - n)
+        decision = ("flagged: inconsistent with honest inference" if flagged else
+                    "not flagged: no excess over honest" if more is None else
+                    f"not flagged: not enough evidence yet (~{more} more tokens if the excess persists)")
+        return {"flagged": bool(flagged), "pooled": stat, "threshold": thr, "p_value": p, "tail_probability": p,
+                "p_value_method": "resampled", "n_tokens": n, "target_fpr": self.target_fpr,
+                "threshold_fpr": float(np.mean(null > thr)), "more_tokens_needed": more, "decision": decision,
+                "score": "replay-library max-z(" + ", ".join(("margin", *self.alternatives)) + ")"}

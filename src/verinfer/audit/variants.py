@@ -8,6 +8,7 @@ Inputs come from one replay of the claims with the verifier (`features_table`):
                                          (`sampling.sampler.postgumbel_gaps`; Gumbel backends)
     ipt_lo, ipt_hi, ipt_u                the claimed token's CDF interval and the step's uniform
                                          (`sampling.sampler.inverse_cdf_interval`; inverse-cdf)
+    logit_gap                            raw logit of the replayed minus the claimed token
 
 Every function returns a per-token divergence (higher = more divergent, +inf allowed); batch
 statistics clip / pool them (`metrics`).
@@ -124,6 +125,15 @@ def features_table(claims, replays, k: int = 16) -> pa.Table:
 
     base = scores_table(claims, replays)
     N = base.num_rows
+    # raw-logit gap of the replayed over the claimed token (> 0: the claimed token had the lower logit,
+    # as a too-high temperature produces; honest flips go either way)
+    if N:
+        l_NV = torch.cat([r.logits_TV for r in replays]).to(torch.float64)
+        y_N = torch.tensor(base["token_id"].to_numpy(), dtype=torch.long)
+        r_N = torch.tensor(base["replay_token_id"].to_numpy(), dtype=torch.long)
+        logit_gap = (l_NV.gather(1, r_N[:, None]) - l_NV.gather(1, y_N[:, None]))[:, 0].numpy()
+    else:
+        logit_gap = np.zeros(0)
     gaps = np.full((N, k), np.nan)
     ipt = np.full((N, 3), np.nan)
     off = 0
@@ -138,7 +148,7 @@ def features_table(claims, replays, k: int = 16) -> pa.Table:
             ipt[off : off + n] = torch.stack([lo, hi, u], 1).cpu().numpy()
         off += n
     cols = {f"gap_{j}": gaps[:, j] for j in range(k)}
-    cols.update(ipt_lo=ipt[:, 0], ipt_hi=ipt[:, 1], ipt_u=ipt[:, 2])
+    cols.update(ipt_lo=ipt[:, 0], ipt_hi=ipt[:, 1], ipt_u=ipt[:, 2], logit_gap=logit_gap)
     for name, v in cols.items():
         base = base.append_column(name, pa.array(v, pa.float64()))
     return base
@@ -150,3 +160,40 @@ def gaps_of(table: pa.Table) -> np.ndarray:
     if not names:
         raise KeyError("no gap_* columns: build the table with variants.features_table")
     return np.stack([table[c].to_numpy() for c in names], axis=1)
+
+
+# --- replay under alternative hypotheses ------------------------------------------------------------
+def temperature_margin(claims, replays, temperature: float) -> np.ndarray:
+    """Token-DiFR margins of the claims as if they had been sampled at `temperature` (same logits,
+    same seeds): the evidence for a temperature misconfiguration. Raw-logit scale, +inf if filtered."""
+    from dataclasses import replace
+
+    from verinfer.sampling.sampler import score_claimed
+
+    m, _, _, _ = score_claimed([r.logits_TV for r in replays],
+                               [torch.tensor(c.output_token_ids, dtype=torch.long) for c in claims],
+                               [replace(c.sampling, temperature=temperature) for c in claims],
+                               [len(c.prompt_token_ids) for c in claims])
+    return m.numpy()
+
+
+def alternative_evidence(margin, alt_margins, clip: float) -> np.ndarray:
+    """Per-token evidence of a library of alternative configurations: the clipped honest margin
+    plus, for each alternative A, how much better A's replay explains the claimed token,
+    min(margin, clip) - min(margin_A, clip). For an honest claim the A terms are <= 0 (A's replay
+    flips tokens the honest one reproduces); for a claim produced by A they are > 0; for a
+    misconfiguration outside the library they are ~0 and the clipped margin remains."""
+    base = winsorize(margin, clip)
+    out = base.copy()
+    for a in alt_margins:
+        out += base - winsorize(a, clip)
+    return out
+
+
+def alternative_evidence_loop(margin, alt_margins, clip: float) -> np.ndarray:
+    """Reference for `alternative_evidence`, one token at a time."""
+    out = []
+    for i, m in enumerate(margin):
+        b = min(m, clip)
+        out.append(b + sum(b - min(a[i], clip) for a in alt_margins))
+    return np.array(out)

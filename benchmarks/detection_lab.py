@@ -1,0 +1,588 @@
+"""DiFR detection study on the shipped testbed (issue 4): every score variant x misconfiguration x
+batch size, the temperature-tuning attack, and a combined detector (`best`) that needs fewer
+tokens than the 99.9-clipped Token-DiFR margin.
+
+    .venv/bin/python benchmarks/detection_lab.py            # data (cached) + grid + report
+
+Stages (each resumable; claims and per-token features cached under benchmarks/.cache/detection_lab/):
+  data     generate claims for every configuration (the slow part, ~1400 tokens/s)
+  features replay every claim set with the verifier and store per-token features (Parquet)
+  grid     AUC@1%FPR per score x misconfiguration x batch size, tokens to detect, the attack
+           table, the `best` detector and its held-out honest FPR; writes
+           benchmarks/results/detection_lab.{json,md} and detection_lab_*.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from verinfer.audit.claims import read_claims, write_claims
+from verinfer.audit.pipeline import DEFAULT_SPEC, prompts_for, verifier_engine
+from verinfer.audit.providers import HELDOUT_HONEST, HONEST, MISCONFIGURED, ProviderConfig, run_provider
+from verinfer.models.testbed import TARGET_DIR
+from verinfer.sampling.params import SamplingParams
+
+ROOT = Path(__file__).resolve().parent
+CACHE = ROOT / ".cache" / "detection_lab"
+RESULTS = ROOT / "results"
+BATCH_SIZES = (1, 3, 10, 30, 100, 300, 1000, 3000, 10000)
+MAX_TOKENS = 64
+N_HONEST, N_MISCONF, N_HELDOUT, N_IPT = 320, 640, 320, 320
+ATTACK_TEMPS = (0.95, 1.0, 1.025, 1.05, 1.075, 1.1)
+N_ATTACK_PROBE = 96
+
+
+def lab_configs() -> list[dict]:
+    """Every claim set of the study: key, provider config, requests, base seed, noise backend, role."""
+    out = []
+    for i, (name, cfg) in enumerate(HONEST.items()):  # calibration pool: distinct prompts/seeds per config
+        out.append(dict(key=name, cfg=cfg, n=N_HONEST, seed=10 + i, noise="vllm-cpu", role="honest"))
+    for name, cfg in MISCONFIGURED.items():
+        out.append(dict(key=name, cfg=cfg, n=N_MISCONF, seed=0, noise="vllm-cpu", role="misconf"))
+    for i, (name, cfg) in enumerate(HELDOUT_HONEST.items()):
+        out.append(dict(key=name, cfg=cfg, n=N_HELDOUT, seed=30 + i, noise="vllm-cpu", role="heldout"))
+    # IPT-DiFR needs inverse-CDF sampling (one uniform per step): a smaller honest pool and grid
+    for i, name in enumerate(("honest-bf16-b8", "honest-fp32-b4", "honest-bf16-eager-t1")):
+        out.append(dict(key=f"icdf-{name}", cfg=HONEST[name], n=N_IPT, seed=20 + i, noise="inverse-cdf",
+                        role="icdf-honest"))
+    for name, cfg in MISCONFIGURED.items():
+        out.append(dict(key=f"icdf-{name}", cfg=cfg, n=N_IPT, seed=0, noise="inverse-cdf", role="icdf-misconf"))
+    return out
+
+
+def claims_path(key: str) -> Path:
+    return CACHE / "claims" / f"{key}.jsonl"
+
+
+def ensure_claims(key: str, cfg: ProviderConfig, n: int, seed: int, noise: str, log=print):
+    p = claims_path(key)
+    if p.is_file():
+        return read_claims(p)
+    t0 = time.perf_counter()
+    advertised = SamplingParams(seed=0, max_tokens=MAX_TOKENS, **{**DEFAULT_SPEC, "noise": noise})
+    claims = run_provider(cfg, TARGET_DIR, prompts_for(TARGET_DIR, n, seed), advertised, base_seed=seed)
+    claims = [replace(c, provider=key) for c in claims]
+    write_claims(p, claims)
+    tok = sum(len(c.output_token_ids) for c in claims)
+    log(f"generated {key}: {tok} tokens in {time.perf_counter() - t0:.0f}s")
+    return claims
+
+
+def mean_cross_entropy(claims, engine) -> float:
+    from verinfer.audit.replay import scores_table
+
+    xs = []
+    for s in range(0, len(claims), 64):
+        chunk = claims[s : s + 64]
+        t = scores_table(chunk, engine.score([(c.prompt_token_ids, c.output_token_ids) for c in chunk]))
+        x = t["cross_entropy"].to_numpy()
+        xs.append(x[np.isfinite(x)])
+    return float(np.concatenate(xs).mean())
+
+
+def attack_temperature(engine, log=print) -> dict:
+    """The temperature at which the int4 provider's mean verifier cross-entropy matches the honest
+    mean: int4 probe runs at several temperatures on the SAME prompts and seeds as the first
+    N_ATTACK_PROBE claims of honest-bf16-b8, linear interpolation of mean CE in temperature."""
+    f = CACHE / "attack_temperature.json"
+    if f.is_file():
+        return json.loads(f.read_text())
+    honest = ensure_claims("honest-bf16-b8", HONEST["honest-bf16-b8"], N_HONEST, 10, "vllm-cpu", log)
+    ce_honest = mean_cross_entropy(honest[:N_ATTACK_PROBE], engine)
+    probes = {}
+    for t in ATTACK_TEMPS:
+        cfg = replace(MISCONFIGURED["int4"], name=f"int4-T{t}", temperature=t)
+        c = ensure_claims(f"probe-int4-T{t}", cfg, N_ATTACK_PROBE, 10, "vllm-cpu", log)
+        probes[t] = mean_cross_entropy(c, engine)
+    ts, ces = np.array(list(probes)), np.array(list(probes.values()))
+    order = np.argsort(ces)
+    t_star = float(np.interp(ce_honest, ces[order], ts[order]))
+    out = {"honest_mean_cross_entropy_same_prompts": ce_honest,
+           "probe_mean_cross_entropy": {str(k): v for k, v in probes.items()}, "temperature": round(t_star, 4),
+           "inside_probe_range": bool(ces.min() <= ce_honest <= ces.max())}
+    f.write_text(json.dumps(out, indent=1))
+    log(f"attack temperature {t_star:.4f} (honest CE {ce_honest:.4f}, probes {probes})")
+    return out
+
+
+def stage_data(log=print, attack_first: bool = False) -> None:
+    """Generate every claim set (skipping cached ones). attack_first: the attack, then the other
+    sets in reverse order (a second worker meeting the first one in the middle)."""
+    engine = verifier_engine(TARGET_DIR)
+
+    def attack():
+        at = attack_temperature(engine, log)
+        cfg = replace(MISCONFIGURED["int4"], name="int4-tuned", temperature=at["temperature"])
+        ensure_claims("int4-tuned", cfg, N_HONEST, 0, "vllm-cpu", log)
+
+    configs = lab_configs()
+    if attack_first:
+        attack()
+        configs = configs[::-1]
+    for c in configs:
+        ensure_claims(c["key"], c["cfg"], c["n"], c["seed"], c["noise"], log)
+    attack()
+
+
+# --- features: one verifier replay per claim set -----------------------------------------------------
+def features_path(key: str) -> Path:
+    return CACHE / "features" / f"{key}.parquet"
+
+
+def stage_features(log=print) -> None:
+    import pyarrow as pa
+
+    from verinfer.audit.replay import atomic_write_parquet
+    from verinfer.audit.variants import features_table
+
+    engine = verifier_engine(TARGET_DIR)
+    keys = [c["key"] for c in lab_configs()] + ["int4-tuned"]
+    for key in keys:
+        out = features_path(key)
+        if out.is_file():
+            continue
+        if not claims_path(key).is_file():
+            log(f"skip {key}: no claims yet (run --stage data)")
+            continue
+        t0 = time.perf_counter()
+        claims = read_claims(claims_path(key))
+        parts = []
+        for s in range(0, len(claims), 64):
+            chunk = claims[s : s + 64]
+            parts.append(features_table(chunk, engine.score([(c.prompt_token_ids, c.output_token_ids) for c in chunk])))
+        out.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_parquet(pa.concat_tables(parts), out)
+        log(f"features {key}: {sum(p.num_rows for p in parts)} tokens in {time.perf_counter() - t0:.0f}s")
+
+
+# --- alternative replays (the `best` detector's hypothesis library) ----------------------------------
+ALT_NUMERICS = {"margin_int4": dict(weight_bits=4), "margin_fp8kv": dict(kv_cache="fp8_e4m3")}
+ALT_TEMPERATURES = {"margin_t0.9": 0.9, "margin_t1.1": 1.1}
+
+
+def alt_path(key: str) -> Path:
+    return CACHE / "alternatives" / f"{key}.parquet"
+
+
+def stage_alternatives(log=print) -> None:
+    """Margins of every Gumbel claim set under each alternative of the library: replays with 4-bit
+    weights and with an fp8 KV cache (the verifier's own simulated kernels), and rescoring of the
+    honest replay's logits at temperatures 0.9 and 1.1."""
+    import pyarrow as pa
+
+    from verinfer.audit.pipeline import VERIFIER_NUMERICS
+    from verinfer.audit.replay import atomic_write_parquet, scores_table
+    from verinfer.audit.variants import temperature_margin
+
+    base = verifier_engine(TARGET_DIR)
+    alts = {n: verifier_engine(TARGET_DIR, VERIFIER_NUMERICS.with_(**kw)) for n, kw in ALT_NUMERICS.items()}
+    keys = [c["key"] for c in lab_configs() if c["noise"] == "vllm-cpu"] + ["int4-tuned"]
+    for key in keys:
+        out = alt_path(key)
+        if out.is_file() or not claims_path(key).is_file():
+            continue
+        t0 = time.perf_counter()
+        claims = read_claims(claims_path(key))
+        cols = {n: [] for n in [*ALT_NUMERICS, *ALT_TEMPERATURES]}
+        for s in range(0, len(claims), 64):
+            chunk = claims[s : s + 64]
+            pairs = [(c.prompt_token_ids, c.output_token_ids) for c in chunk]
+            reps = base.score(pairs)
+            for n, t in ALT_TEMPERATURES.items():
+                cols[n].append(temperature_margin(chunk, reps, t))
+            for n, eng in alts.items():
+                cols[n].append(scores_table(chunk, eng.score(pairs))["margin"].to_numpy())
+        out.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_parquet(pa.table({n: np.concatenate(v) for n, v in cols.items()}), out)
+        log(f"alternatives {key}: {sum(len(c.output_token_ids) for c in claims)} tokens in {time.perf_counter() - t0:.0f}s")
+
+
+# --- grid -----------------------------------------------------------------------------------------------
+CLIPS = {"margin_clip99": 0.99, "margin_clip99.9": 0.999, "margin_clip99.99": 0.9999, "margin_clip99.999": 0.99999}
+FINE_SIZES = (1, 2, 3, 5, 10, 20, 30, 50, 100, 200, 300, 500, 1000, 2000, 3000, 5000, 10000)
+N_BATCHES = 1000
+MC_TRIALS = 100
+
+
+def load_features(key: str) -> dict:
+    import pyarrow.parquet as pq
+
+    from verinfer.audit.variants import gaps_of
+
+    t = pq.read_table(features_path(key))
+    d = {c: t[c].to_numpy(zero_copy_only=False) for c in ("margin", "exact_match", "cross_entropy",
+                                                           "ipt_lo", "ipt_hi", "ipt_u")}
+    d["exact_match"] = d["exact_match"].astype(bool)
+    d["gaps"] = gaps_of(t)
+    d["logit_gap"] = t["logit_gap"].to_numpy()
+    if alt_path(key).is_file():
+        a = pq.read_table(alt_path(key))
+        d.update({c: a[c].to_numpy() for c in a.column_names})
+    return d
+
+
+def take(d: dict, idx) -> dict:
+    return {k: v[idx] for k, v in d.items()}
+
+
+def cat(ds: list[dict]) -> dict:
+    return {k: np.concatenate([d[k] for d in ds]) for k in ds[0]}
+
+
+class Scorer:
+    """Per-token divergences of every score variant, with parameters fitted on honest train tokens
+    only (clip percentiles, sigma, IPT kernel width)."""
+
+    def __init__(self, honest_train: dict, ipt: bool = False):
+        from verinfer.audit.metrics import clip_at_quantile
+        from verinfer.audit.scores import fit_sigma
+        from verinfer.audit.variants import fit_ipt_sigma
+
+        h = honest_train
+        self.ipt = ipt
+        self.fit = {}
+        if ipt:
+            self.fit["ipt_sigma"] = fit_ipt_sigma(h["ipt_lo"], h["ipt_hi"], h["ipt_u"])
+            self.names = ("ipt_difr", "exact_match", "cross_entropy")
+        else:
+            self.fit["sigma"] = fit_sigma(h["margin"])
+            self.names = (*CLIPS, "likelihood", "exact_match", "cross_entropy", "mc_difr", "tail")
+        raw = {n: self.raw(n, h) for n in self.names}
+        self.clip = {}
+        for n, v in raw.items():
+            if n == "exact_match":
+                continue
+            q = CLIPS.get(n, 0.999)
+            if n == "tail":
+                self.clip[n] = (clip_at_quantile(v, 0.99999), clip_at_quantile(v, 0.9999))
+            else:
+                self.clip[n] = clip_at_quantile(v, q)
+
+    def raw(self, name: str, d: dict) -> np.ndarray:
+        from verinfer.audit.scores import likelihood_score
+        from verinfer.audit.variants import ipt_difr, mc_difr
+
+        if name in CLIPS or name == "tail":
+            return d["margin"]
+        if name == "likelihood":
+            return -likelihood_score(d["margin"], self.fit["sigma"])
+        if name == "exact_match":
+            return 1.0 - d["exact_match"].astype(np.float64)
+        if name == "cross_entropy":
+            return d["cross_entropy"]
+        if name == "mc_difr":
+            return mc_difr(d["gaps"], self.fit["sigma"], MC_TRIALS, np.random.default_rng(7))
+        if name == "ipt_difr":
+            return ipt_difr(d["ipt_lo"], d["ipt_hi"], d["ipt_u"], self.fit["ipt_sigma"])
+        raise ValueError(name)
+
+    def values(self, name: str, d: dict) -> np.ndarray:
+        from verinfer.audit.variants import clipped_margin, tail_pooled
+
+        v = self.raw(name, d)
+        if name == "exact_match":
+            return v
+        if name == "tail":
+            return tail_pooled(v, *self.clip[name])
+        return clipped_margin(v, self.clip[name])
+
+
+def auc_curve(h: np.ndarray, m: np.ndarray, sizes, seed: int) -> dict:
+    from verinfer.audit.metrics import auc_at_fpr, batch_means
+
+    rng = np.random.default_rng(seed)
+    out = {}
+    for b in sizes:
+        if b > min(h.size, m.size):
+            out[b] = None
+            continue
+        out[b] = auc_at_fpr(batch_means(h, b, N_BATCHES, rng), batch_means(m, b, N_BATCHES, rng), 0.01)
+    return out
+
+
+def best_curve(det, h: dict, m: dict, sizes, seed: int) -> dict:
+    """auc_curve for the ReplayLibraryDetector: its batch statistic (max-z over evidence columns) on
+    batches drawn with replacement from each test split."""
+    from verinfer.audit.metrics import auc_at_fpr
+
+    rng = np.random.default_rng(seed)
+    hx, mx = det.token_columns(h), det.token_columns(m)
+    out = {}
+    for b in sizes:
+        if b > min(len(hx), len(mx)):
+            out[b] = None
+            continue
+        out[b] = auc_at_fpr(det.batch_statistics(hx, b, N_BATCHES, rng), det.batch_statistics(mx, b, N_BATCHES, rng), 0.01)
+    return out
+
+
+def heldout_fpr(det, sets: dict, sizes, seed: int = 3) -> dict:
+    """Flag rate of a fitted detector on random batches of honest configurations it never saw."""
+    rng = np.random.default_rng(seed)
+    out = {}
+    for key, vals in sets.items():
+        row = {}
+        for b in sizes:
+            thr = det.threshold(b)
+            if hasattr(det, "batch_statistics"):
+                stats = det.batch_statistics(det.token_columns(vals), b, 200, rng)
+                row[b] = float(np.mean(stats > thr))
+                continue
+            if hasattr(det, "token_scores"):
+                w = det.token_scores(vals)
+            else:
+                from verinfer.audit.metrics import winsorize
+
+                w = winsorize(vals, det.clip_)
+            means = w[rng.integers(0, w.size, (200, b))].mean(axis=1) if b <= 3000 else \
+                np.array([w[rng.integers(0, w.size, b)].mean() for _ in range(200)])
+            row[b] = float(np.mean(means > thr))
+        out[key] = row
+    return out
+
+
+def stage_grid(log=print) -> dict:
+    from verinfer.audit.combined import LikelihoodRatioDetector, ReplayLibraryDetector
+    from verinfer.audit.detector import ClippedMeanDetector
+    from verinfer.audit.metrics import split_tokens, tokens_to_detect
+
+    t0 = time.perf_counter()
+    rng = np.random.default_rng(0)
+    configs = {c["key"]: c for c in lab_configs()}
+    data = {k: load_features(k) for k in [*configs, "int4-tuned"] if features_path(k).is_file()}
+    split = {k: split_tokens(len(d["margin"]), rng) for k, d in data.items()}
+    tr = {k: take(d, split[k][0]) for k, d in data.items()}
+    te = {k: take(d, split[k][1]) for k, d in data.items()}
+    honest = [k for k, c in configs.items() if c["role"] == "honest" and k in data]
+    misconf = [k for k, c in configs.items() if c["role"] == "misconf" and k in data]
+    heldout = [k for k, c in configs.items() if c["role"] == "heldout" and k in data]
+    h_tr, h_te = cat([tr[k] for k in honest]), cat([te[k] for k in honest])
+    log(f"honest train {h_tr['margin'].size} / test {h_te['margin'].size} tokens; misconfigs {misconf}")
+
+    sc = Scorer(h_tr)
+    h_groups = np.concatenate([np.full(len(tr[k]["margin"]), k) for k in honest])
+    best = ReplayLibraryDetector().fit(h_tr, groups=h_groups)  # random-effects null over honest configs
+    curves = {m: {} for m in misconf}
+    fine = {m: {} for m in misconf}
+    h_vals = {n: sc.values(n, h_te) for n in sc.names}
+    for m in misconf:
+        for n in sc.names:
+            curves[m][n] = auc_curve(h_vals[n], sc.values(n, te[m]), BATCH_SIZES, seed=1)
+        # lr_combined: binned likelihood ratio over (margin, direction, cross-entropy), honest train +
+        # the OTHER misconfigurations' train halves (leave-one-misconfiguration-out)
+        lrd = LikelihoodRatioDetector().fit(h_tr, [tr[o] for o in misconf if o != m])
+        curves[m]["lr_combined"] = auc_curve(lrd.token_scores(h_te), lrd.token_scores(te[m]), BATCH_SIZES, seed=1)
+        # best: Token-DiFR against the replay library, fit on honest train tokens only
+        curves[m]["best"] = best_curve(best, h_te, te[m], BATCH_SIZES, seed=1)
+        fine[m]["margin_clip99.9"] = auc_curve(h_vals["margin_clip99.9"], sc.values("margin_clip99.9", te[m]),
+                                               FINE_SIZES, seed=2)
+        fine[m]["lr_combined"] = auc_curve(lrd.token_scores(h_te), lrd.token_scores(te[m]), FINE_SIZES, seed=2)
+        fine[m]["best"] = best_curve(best, h_te, te[m], FINE_SIZES, seed=2)
+        log(f"grid {m}: " + ", ".join(f"{n}={tokens_to_detect(c)}" for n, c in curves[m].items()))
+
+    # IPT-DiFR grid on the inverse-CDF claim sets
+    ipt_h = [k for k, c in configs.items() if c["role"] == "icdf-honest" and k in data]
+    ipt_m = [k for k, c in configs.items() if c["role"] == "icdf-misconf" and k in data]
+    ipt_curves = {}
+    if ipt_h and ipt_m:
+        ih_tr, ih_te = cat([tr[k] for k in ipt_h]), cat([te[k] for k in ipt_h])
+        isc = Scorer(ih_tr, ipt=True)
+        ih_vals = {n: isc.values(n, ih_te) for n in isc.names}
+        for k in ipt_m:
+            m = k.removeprefix("icdf-")
+            ipt_curves[m] = {n: auc_curve(ih_vals[n], isc.values(n, te[k]), BATCH_SIZES, seed=1) for n in isc.names}
+            log(f"ipt grid {m}: " + ", ".join(f"{n}={tokens_to_detect(c)}" for n, c in ipt_curves[m].items()))
+
+    ttd = {}
+    for n in [*sc.names, "lr_combined", "best"]:
+        ttd[n] = {m: tokens_to_detect(curves[m][n]) for m in misconf}
+    ttd["ipt_difr"] = {m: tokens_to_detect(ipt_curves[m]["ipt_difr"]) if m in ipt_curves else None for m in misconf}
+    ttd_fine = {n: {m: tokens_to_detect(fine[m][n]) for m in misconf} for n in ("margin_clip99.9", "lr_combined", "best")}
+
+    # held-out honest configurations (never used in any fit): flag rates at a 1% target
+    det_all = LikelihoodRatioDetector().fit(h_tr, [tr[m] for m in misconf])
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    det_all.save(RESULTS / "detection_lab_lr_detector.json")
+    fpr_sizes = (10, 30, 100, 300, 1000, 3000, 10000)
+    ho = {k: data[k] for k in heldout}
+    fpr_best = heldout_fpr(best, ho, fpr_sizes)
+    fpr_lr = heldout_fpr(det_all, ho, fpr_sizes)
+    cm = ClippedMeanDetector(clip_quantile=0.999).fit(h_tr["margin"])
+    fpr_margin = heldout_fpr(cm, {k: v["margin"] for k, v in ho.items()}, fpr_sizes)
+    mean_fpr = lambda f: float(np.mean([v for row in f.values() for v in row.values()])) if f else None  # noqa: E731
+
+    # temperature-tuning attack at 1000 tokens
+    attack = None
+    if "int4-tuned" in data:
+        at = json.loads((CACHE / "attack_temperature.json").read_text())
+        rows = {}
+        for key in ("int4-tuned", "int4"):
+            det_loo = LikelihoodRatioDetector().fit(h_tr, [tr[o] for o in misconf if o != "int4"])
+            row = {n: auc_curve(h_vals[n], sc.values(n, te[key]), (1000,), seed=4)[1000]
+                   for n in ("cross_entropy", "margin_clip99.9", "likelihood", "exact_match")}
+            row["lr_combined"] = auc_curve(det_loo.token_scores(h_te), det_loo.token_scores(te[key]), (1000,), seed=4)[1000]
+            row["best"] = best_curve(best, h_te, te[key], (1000,), seed=4)[1000]
+            ce = data[key]["cross_entropy"]
+            row["mean_cross_entropy"] = float(ce[np.isfinite(ce)].mean())
+            rows[key] = row
+        hce = cat([data[k] for k in honest])["cross_entropy"]
+        attack = {"temperature": at["temperature"], "search": at, "honest_mean_cross_entropy": float(hce[np.isfinite(hce)].mean()),
+                  "auc_at_1pct_fpr_1000_tokens": rows}
+
+    margin = ttd["margin_clip99.9"]
+    check = {}
+    for m in misconf:
+        a, b = margin[m], ttd["best"][m]
+        if a is not None and 10 < a <= 10000:
+            ok = b is not None and b <= a / 2
+        elif a is not None and a <= 10:
+            ok = b is not None and b <= a
+        else:
+            ok = None  # margin never detects within 10000: no requirement
+        check[m] = {"margin_clip99.9": a, "best": b, "ok": ok}
+    result = {
+        "tokens_to_detect": ttd,
+        "heldout_honest_fpr": mean_fpr(fpr_best),
+        "heldout_honest_fpr_max_cell": max(v for row in fpr_best.values() for v in row.values()) if fpr_best else None,
+        "heldout_honest_fpr_by_config": fpr_best,
+        "heldout_honest_fpr_margin_clip99.9": mean_fpr(fpr_margin),
+        "heldout_honest_fpr_lr_combined": mean_fpr(fpr_lr),
+        "heldout_honest_fpr_lr_combined_by_config": fpr_lr,
+        "heldout_honest_fpr_margin_by_config": fpr_margin,
+        "best_vs_margin": check,
+        "tokens_to_detect_fine_grid": ttd_fine,
+        "attack": attack,
+        "auc_at_1pct_fpr": {m: {n: {str(b): v for b, v in c.items()} for n, c in by.items()} for m, by in curves.items()},
+        "auc_at_1pct_fpr_ipt": {m: {n: {str(b): v for b, v in c.items()} for n, c in by.items()} for m, by in ipt_curves.items()},
+        "auc_at_1pct_fpr_fine": {m: {n: {str(b): v for b, v in c.items()} for n, c in by.items()} for m, by in fine.items()},
+        "setup": {"tokens": {k: int(len(d["margin"])) for k, d in data.items()}, "honest_pool": honest,
+                  "heldout_honest": heldout, "fitted": {**sc.fit, **(isc.fit if ipt_curves else {})},
+                  "clips": {k: v for k, v in sc.clip.items()}, "batches_per_size": N_BATCHES, "mc_trials": MC_TRIALS,
+                  "split": "token-level 50/50 train/test per configuration (seeded)",
+                  "best": "ReplayLibraryDetector: Token-DiFR margin clipped at the honest-train 99.9th percentile plus, "
+                          "per alternative replay (4-bit weights, fp8 KV cache, temperature 0.9 and 1.1 rescoring), "
+                          "how much better it explains each token, max-z over these evidence columns; fit on honest train tokens only, threshold from a random-effects null over the 5 honest calibration configurations. NOTE: the library's "
+                          "int4 / fp8-KV replays use the same simulated kernels as the misconfigured providers",
+                  "lr_combined": "LikelihoodRatioDetector over (margin band, logit direction, cross-entropy band), "
+                                 "honest train + train halves of the OTHER misconfigurations (leave-one-out)",
+                  "machine": f"torch {torch.__version__}, {torch.get_num_threads()} thread(s)",
+                  "command": "python benchmarks/detection_lab.py", "seconds": time.perf_counter() - t0},
+    }
+    out = RESULTS
+    out.mkdir(parents=True, exist_ok=True)
+    from verinfer.audit.claims import atomic_write_text
+
+    atomic_write_text(out / "detection_lab.json", json.dumps(result, indent=1, default=float))
+    plot_curves(curves, out / "detection_lab_auc.png", "Token-DiFR variants (Gumbel sampling, vllm-cpu)")
+    if ipt_curves:
+        plot_curves(ipt_curves, out / "detection_lab_ipt.png", "IPT-DiFR (inverse-CDF sampling)")
+    plot_curves({m: {n: fine[m][n] for n in fine[m]} for m in fine}, out / "detection_lab_best.png",
+                "best (likelihood ratio) vs margin clipped at 99.9, fine batch grid")
+    atomic_write_text(out / "detection_lab.md", markdown(result))
+    log(markdown(result))
+    return result
+
+
+def _fmt(v) -> str:
+    return "-" if v is None else (f"{v:.3f}" if isinstance(v, float) else str(v))
+
+
+def markdown(r: dict) -> str:
+    ttd = r["tokens_to_detect"]
+    ms = list(next(iter(ttd.values())))
+    L = ["# DiFR detection study on the shipped testbed", "", f"Command: `{r['setup']['command']}`  ",
+         f"Tokens per configuration: {r['setup']['tokens']}", "",
+         "## Tokens to detect (smallest batch with AUC@1%FPR >= 0.99; '-' = not within 10000)", "",
+         "| score | " + " | ".join(ms) + " |", "|---|" + "---|" * len(ms)]
+    for n, by in ttd.items():
+        L.append(f"| {n} | " + " | ".join(_fmt(by[m]) for m in ms) + " |")
+    L += ["", "## best vs margin clipped at 99.9 (done-when: best <= half where 10 < margin <= 10000)", "",
+          "| misconfiguration | margin_clip99.9 | best | ok |", "|---|---|---|---|"]
+    for m, c in r["best_vs_margin"].items():
+        L.append(f"| {m} | {_fmt(c['margin_clip99.9'])} | {_fmt(c['best'])} | {_fmt(c['ok'])} |")
+    L += ["", f"Fine grid {FINE_SIZES}: " + json.dumps(r["tokens_to_detect_fine_grid"]), "",
+          f"Held-out honest FPR of `best` at a 1% target: mean {_fmt(r['heldout_honest_fpr'])}, worst cell "
+          f"{_fmt(r['heldout_honest_fpr_max_cell'])}; margin_clip99.9 detector: {_fmt(r['heldout_honest_fpr_margin_clip99.9'])}", "",
+          "| held-out config | " + " | ".join(f"b={b}" for b in next(iter(r["heldout_honest_fpr_by_config"].values()))) + " |",
+          "|---|" + "---|" * len(next(iter(r["heldout_honest_fpr_by_config"].values())))]
+    for k, row in r["heldout_honest_fpr_by_config"].items():
+        L.append(f"| {k} | " + " | ".join(f"{v:.3f}" for v in row.values()) + " |")
+    for title, key in (("AUC@1%FPR, Token-DiFR variants", "auc_at_1pct_fpr"), ("AUC@1%FPR, IPT-DiFR (inverse-CDF sampling)", "auc_at_1pct_fpr_ipt")):
+        for m, by in r[key].items():
+            L += ["", f"### {title}: {m}", "", "| score | " + " | ".join(str(b) for b in BATCH_SIZES) + " |",
+                  "|---|" + "---|" * len(BATCH_SIZES)]
+            for n, c in by.items():
+                L.append(f"| {n} | " + " | ".join(_fmt(c.get(str(b))) for b in BATCH_SIZES) + " |")
+    a = r.get("attack")
+    if a:
+        L += ["", "## Temperature-tuning attack (4-bit weights, temperature tuned to match honest cross-entropy)", "",
+              f"Tuned temperature {a['temperature']} (honest mean cross-entropy {a['honest_mean_cross_entropy']:.4f}).", "",
+              "| provider | mean CE | cross_entropy | margin_clip99.9 (Token-DiFR) | likelihood | exact_match | lr_combined | best |",
+              "|---|---|---|---|---|---|---|---|"]
+        for k, row in a["auc_at_1pct_fpr_1000_tokens"].items():
+            L.append(f"| {k} | {row['mean_cross_entropy']:.4f} | " + " | ".join(
+                _fmt(row[n]) for n in ("cross_entropy", "margin_clip99.9", "likelihood", "exact_match", "lr_combined", "best")) + " |")
+        L.append("")
+        L.append("AUC@1%FPR at 1000 tokens.")
+    L += ["", "## Plots", "", "![Token-DiFR variants](detection_lab_auc.png)", "", "![IPT-DiFR](detection_lab_ipt.png)", "",
+          "![best vs margin](detection_lab_best.png)", ""]
+    return "\n".join(L) + "\n"
+
+
+def plot_curves(curves: dict, path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(curves), figsize=(4 * len(curves), 3.6), sharey=True)
+    for ax, (m, by) in zip(np.atleast_1d(axes), curves.items()):
+        for n, c in by.items():
+            xs = [int(b) for b, v in c.items() if v is not None]
+            ax.plot(xs, [c[b] for b in c if c[b] is not None], marker="o", ms=3, label=n,
+                    lw=2.2 if n == "best" else 1.2)
+        ax.set_xscale("log")
+        ax.axhline(0.99, color="grey", lw=0.8, ls="--")
+        ax.set_title(m)
+        ax.set_xlabel("tokens per batch")
+    np.atleast_1d(axes)[0].set_ylabel("AUC @ 1% FPR")
+    np.atleast_1d(axes)[-1].legend(fontsize=6, loc="lower right")
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--stage", choices=("data", "features", "grid", "all"), default="all")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch threads (1: on a shared 2-core machine 2 threads oversubscribe and run ~30x slower)")
+    ap.add_argument("--attack-first", action="store_true", help="data stage: attack first, then sets in reverse")
+    ap.add_argument("--cache", type=Path, default=None, help="cache directory (default benchmarks/.cache/detection_lab)")
+    ap.add_argument("--out", type=Path, default=None, help="results directory (default benchmarks/results)")
+    a = ap.parse_args(argv)
+    torch.set_num_threads(a.threads)
+    global CACHE, RESULTS
+    CACHE = a.cache or CACHE
+    RESULTS = a.out or RESULTS
+    log = lambda s: print(s, flush=True)  # noqa: E731
+    if a.stage in ("data", "all"):
+        stage_data(log, a.attack_first)
+    if a.stage in ("features", "all"):
+        stage_features(log)
+        stage_alternatives(log)
+    if a.stage in ("grid", "all"):
+        stage_grid(log)
+
+
+if __name__ == "__main__":
+    main()
