@@ -109,3 +109,18 @@ def test_nan_logits_are_a_clear_error(tiny_llama_dir):
         eng.score([([3, 4, 5], [6, 7])])
     with pytest.raises(NumericsError, match="prefill logits"):
         eng.prefill([Request("r", [3, 4, 5], SamplingParams(temperature=0.0, max_tokens=2))])
+
+
+@pytest.mark.parametrize("layer", [-1, 1])
+def test_generate_records_the_hidden_states_score_replays(tiny_llama_dir, layer):
+    """Hidden row t of a generation is the state that produced output token t: the same row
+    teacher-forced `score` returns (fp32: equal up to float reordering)."""
+    eng = _engine(tiny_llama_dir)
+    prompts = _prompts(4, seed=3)
+    reqs = [Request(str(i), p, SamplingParams(temperature=1.0, seed=i, max_tokens=7)) for i, p in enumerate(prompts)]
+    got = eng.generate(reqs, batch_size=3, hidden_layer=layer)
+    reps = eng.score([(c.prompt_token_ids, c.output_token_ids) for c in got], hidden_layer=layer)
+    for c, r in zip(got, reps):
+        assert c.hidden_TD.shape == r.hidden_TD.shape == (7, eng.model.config.hidden_size)
+        torch.testing.assert_close(c.hidden_TD, r.hidden_TD, atol=1e-4, rtol=1e-4)
+    assert eng.generate(reqs[:1])[0].hidden_TD is None

@@ -32,6 +32,7 @@ class Claim:
     sampling: SamplingParams
     provider: str | None = None
     extra: dict = field(default_factory=dict)  # activations, spec, anything else carried along
+    source: str | None = field(default=None, compare=False, repr=False)  # "file:line" it was read from
 
     def to_json(self) -> dict:
         s = self.sampling
@@ -111,6 +112,7 @@ def read_claims(path: str | Path) -> list[Claim]:
                 hint = "the file looks truncated (last line cut off)" if not line.endswith("\n") else "fix or drop the line"
                 raise ClaimError(f"not valid JSON ({e.msg} at column {e.colno})", where=where, fix=hint) from e
             c = parse_claim(obj, where)
+            c.source = where
             if c.id in seen:
                 raise ClaimError(f"duplicate claim id {c.id!r} (first at line {seen[c.id]})", where=where)
             seen[c.id] = lineno

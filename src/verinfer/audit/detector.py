@@ -28,7 +28,7 @@ from scipy.stats import norm
 
 from verinfer.audit.claims import atomic_write_text
 from verinfer.audit.metrics import clip_at_quantile, winsorize
-from verinfer.audit.scores import SCORES
+from verinfer.audit.scores import ALL_SCORES as SCORES
 from verinfer.errors import VerinferError
 
 FORMAT = "verinfer.ClippedMeanDetector"

@@ -53,13 +53,15 @@ def prompts_for(model_dir: str | Path, n: int, seed: int, max_prompt_tokens: int
 
 
 def generate(provider: str, model_dir: str | Path, out: str | Path, *, n: int = 32, max_tokens: int = 64,
-             seed: int = 0, spec: dict | None = None, device: str = "cpu", show_progress: bool = True) -> list[Claim]:
+             seed: int = 0, spec: dict | None = None, device: str = "cpu", show_progress: bool = True,
+             fingerprint=None) -> list[Claim]:
     cfg = get_provider(provider)
     spec = {**DEFAULT_SPEC, **(spec or {})}
     advertised = SamplingParams(seed=0, max_tokens=max_tokens, **spec)
     prompts = prompts_for(model_dir, n, seed)
     with progress_bar(f"generate {provider}", len(prompts), show_progress) as adv:
-        claims = run_provider(cfg, model_dir, prompts, advertised, base_seed=seed, device=device, progress=adv)
+        claims = run_provider(cfg, model_dir, prompts, advertised, base_seed=seed, device=device, progress=adv,
+                              fingerprint=fingerprint)
     write_claims(out, claims)
     return claims
 

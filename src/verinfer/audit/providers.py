@@ -97,8 +97,12 @@ def _bug_sampler(cfg: ProviderConfig, seed: int):
 
 
 def run_provider(cfg: ProviderConfig, model_dir: str | Path, prompts: list[list[int]], advertised: SamplingParams,
-                 *, base_seed: int = 0, device: str = "cpu", progress=None) -> list[Claim]:
-    """Generate claims for these prompts as provider `cfg` would, advertising `advertised`."""
+                 *, base_seed: int = 0, device: str = "cpu", progress=None, fingerprint=None,
+                 keep_hidden: bool = False) -> list[Claim]:
+    """Generate claims for these prompts as provider `cfg` would, advertising `advertised`.
+    fingerprint (audit.fingerprint.FingerprintSpec): attach Activation-DiFR fingerprints of the
+    provider's own hidden states as the claim field `activations`. keep_hidden: also keep the raw
+    hidden states (fp32, T x D) in `claim.hidden_TD` (benchmarks; never serialized)."""
     info = model_info(model_dir)
     engine = Engine(load_model(model_dir, cfg.numerics, device), cfg.numerics, eos_token_id=info.eos_token_id)
     requests, claimed = [], []
@@ -113,9 +117,20 @@ def run_provider(cfg: ProviderConfig, model_dir: str | Path, prompts: list[list[
         claimed.append(claim_p)
     sampler = _bug_sampler(cfg, base_seed + 7919) if cfg.bug_rate > 0 else None
     # Mixed-length batches: sort nothing, so each batch holds whatever prompts arrived together.
-    completions = engine.generate(requests, batch_size=cfg.batch_size, sampler=sampler, progress=progress)
-    return [Claim(c.id, info.name, c.prompt_token_ids, c.output_token_ids, p, provider=cfg.name)
-            for c, p in zip(completions, claimed)]
+    layer = fingerprint.layer if fingerprint is not None else (-1 if keep_hidden else None)
+    completions = engine.generate(requests, batch_size=cfg.batch_size, sampler=sampler, progress=progress,
+                                  hidden_layer=layer)
+    claims = []
+    for c, p in zip(completions, claimed):
+        claim = Claim(c.id, info.name, c.prompt_token_ids, c.output_token_ids, p, provider=cfg.name)
+        if fingerprint is not None:
+            from verinfer.audit.fingerprint import encode
+
+            claim.extra["activations"] = encode(c.hidden_TD, fingerprint)
+        if keep_hidden:
+            claim.hidden_TD = c.hidden_TD  # type: ignore[attr-defined]
+        claims.append(claim)
+    return claims
 
 
 # Honest configurations kept OUT of detector calibration (issue 4: a detector must hold its

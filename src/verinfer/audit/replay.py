@@ -3,7 +3,9 @@
 Columns: claim_id, provider, position, token_id, replay_token_id, margin (Token-DiFR post-Gumbel
 margin; +inf if the claimed token was filtered out), exact_match, cross_entropy (-log p_y under
 the verifier's filtered sampling distribution; +inf if filtered out), likelihood
-(log Phi(-margin / (sqrt(2) sigma))).
+(log Phi(-margin / (sqrt(2) sigma))), fp_l2 (Activation-DiFR: L2 distance between the claim's
+fingerprint and the verifier's recomputation at logged positions; null at unlogged positions and
+for claims without `activations`).
 
 Long runs resume: claims are scored in chunks, each written atomically as a part file under
 `<out>.parts/` beside a manifest of what is being scored; a rerun skips finished parts; the
@@ -32,12 +34,45 @@ from verinfer.sampling.sampler import score_claimed
 SCORE_SCHEMA = pa.schema([
     ("claim_id", pa.string()), ("provider", pa.string()), ("position", pa.int32()), ("token_id", pa.int32()),
     ("replay_token_id", pa.int32()), ("margin", pa.float64()), ("exact_match", pa.bool_()),
-    ("cross_entropy", pa.float64()), ("likelihood", pa.float64()),
+    ("cross_entropy", pa.float64()), ("likelihood", pa.float64()), ("fp_l2", pa.float64()),
 ])
 DEFAULT_SIGMA = 0.1
 
 
-def scores_table(claims: list[Claim], replays: list[Replay], sigma: float = DEFAULT_SIGMA) -> pa.Table:
+def fingerprints_of(claims: list[Claim], hidden_size: int) -> tuple[list, int | None]:
+    """Parse and validate every claim's `activations` before any compute (bad input fails fast,
+    naming file:line and field); return them (None where absent) and the hidden layer to replay."""
+    from verinfer.audit.fingerprint import parse_fingerprint
+
+    fps, layer, first = [], None, None
+    for i, c in enumerate(claims):
+        obj = c.extra.get("activations")
+        if obj is None:
+            fps.append(None)
+            continue
+        where = c.source or f"claim {c.id!r}"
+        fp = parse_fingerprint(obj, where, n_output=len(c.output_token_ids), hidden_size=hidden_size,
+                               expect=first.spec if first is not None else None)
+        first = first or fp
+        layer = fp.spec.layer
+        fps.append(fp)
+    return fps, layer
+
+
+def fingerprint_distances(claims: list[Claim], replays: list[Replay], fps: list) -> np.ndarray:
+    from verinfer.audit.fingerprint import l2_distances
+
+    out = []
+    for c, r, fp in zip(claims, replays, fps):
+        d = np.full(len(c.output_token_ids), np.nan)
+        if fp is not None:
+            d[fp.positions] = l2_distances(fp, r.hidden_TD)
+        out.append(d)
+    return np.concatenate(out) if out else np.zeros(0)
+
+
+def scores_table(claims: list[Claim], replays: list[Replay], sigma: float = DEFAULT_SIGMA,
+                 fp_l2: np.ndarray | None = None) -> pa.Table:
     """One row per claimed token: Token-DiFR margin, replayed token, exact match, cross-entropy
     (-log p_y under the verifier's filtered sampling distribution, +inf if filtered out) and
     the likelihood score. All claims of the chunk are scored in one vectorized pass."""
@@ -58,6 +93,8 @@ def scores_table(claims: list[Claim], replays: list[Replay], sigma: float = DEFA
         "exact_match": replay_N.numpy() == token_N,
         "cross_entropy": xent,
         "likelihood": likelihood_score(margin, sigma),
+        "fp_l2": (pa.array(fp_l2, mask=np.isnan(fp_l2), type=pa.float64()) if fp_l2 is not None
+                  else pa.nulls(token_N.size, pa.float64())),
     }, schema=SCORE_SCHEMA)
 
 
@@ -84,7 +121,7 @@ def read_scores(path: str | Path) -> pa.Table:
 
 def _manifest(claims_sha: str, model_sha: str, numerics: dict, sigma: float, chunk: int) -> dict:
     return {"claims_sha256": claims_sha, "model_weights_sha256": model_sha, "numerics": numerics,
-            "sigma": sigma, "chunk_claims": chunk, "format": 1}
+            "sigma": sigma, "chunk_claims": chunk, "format": 2}
 
 
 def score_claims(claims: list[Claim], engine: Engine, out: str | Path, *, claims_sha: str | None = None,
@@ -106,6 +143,7 @@ def score_claims(claims: list[Claim], engine: Engine, out: str | Path, *, claims
             shutil.rmtree(parts)
     parts.mkdir(parents=True, exist_ok=True)
     atomic_write_text(mpath, json.dumps(manifest, indent=1))
+    fps, layer = fingerprints_of(claims, engine.model.config.hidden_size)
     tables = []
     for k, start in enumerate(range(0, len(claims), chunk_claims)):
         chunk = claims[start : start + chunk_claims]
@@ -117,8 +155,10 @@ def score_claims(claims: list[Claim], engine: Engine, out: str | Path, *, claims
             except Exception:
                 t = None  # a broken part from a killed run: recompute it
         if t is None:
-            replays = engine.score([(c.prompt_token_ids, c.output_token_ids) for c in chunk], batch_tokens=batch_tokens)
-            t = scores_table(chunk, replays, sigma)
+            replays = engine.score([(c.prompt_token_ids, c.output_token_ids) for c in chunk], batch_tokens=batch_tokens,
+                                   hidden_layer=layer)
+            fp_l2 = fingerprint_distances(chunk, replays, fps[start : start + chunk_claims]) if layer is not None else None
+            t = scores_table(chunk, replays, sigma, fp_l2=fp_l2) if fp_l2 is not None else scores_table(chunk, replays, sigma)
             atomic_write_parquet(t, part)
         tables.append(t)
         if progress is not None:

@@ -22,7 +22,9 @@ import pyarrow as pa
 from scipy.special import log_ndtr
 from scipy.stats import norm
 
-SCORES = ("margin", "likelihood", "exact_match", "cross_entropy")
+SCORES = ("margin", "likelihood", "exact_match", "cross_entropy")  # Token-DiFR family (one per token)
+ACTIVATION_SCORES = ("fp_l2",)  # Activation-DiFR: one per logged token (NaN elsewhere)
+ALL_SCORES = SCORES + ACTIVATION_SCORES
 
 
 def likelihood_score(margin, sigma: float) -> np.ndarray:
@@ -55,8 +57,16 @@ def divergence(table_or_dict, score_name: str) -> np.ndarray:
     """The score column `score_name` as float64, oriented so that higher = more divergent from the
     honest reference: margin, cross_entropy as is; 1 - exact_match; -likelihood (so >= 0, +inf
     where the likelihood is -inf)."""
-    if score_name not in SCORES:
-        raise ValueError(f"unknown score {score_name!r}; choose one of {', '.join(SCORES)}")
+    if score_name not in ALL_SCORES:
+        raise ValueError(f"unknown score {score_name!r}; choose one of {', '.join(ALL_SCORES)}")
+    if score_name == "fp_l2":  # Activation-DiFR: only logged tokens carry a distance (null/NaN elsewhere)
+        if isinstance(table_or_dict, (pa.Table, pa.RecordBatch)):
+            if "fp_l2" not in table_or_dict.column_names:
+                raise KeyError("score column 'fp_l2' not in table: the claims carried no fingerprints")
+            v = table_or_dict["fp_l2"].drop_null().to_numpy().astype(np.float64)
+        else:
+            v = np.asarray(table_or_dict["fp_l2"], dtype=np.float64)
+        return v[~np.isnan(v)]
     v = _column(table_or_dict, score_name)
     if score_name == "exact_match":
         return 1.0 - v

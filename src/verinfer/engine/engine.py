@@ -39,6 +39,7 @@ class Completion:
     output_token_ids: list[int]
     params: SamplingParams
     finish_reason: str  # "length" | "stop"
+    hidden_TD: torch.Tensor | None = None  # with generate(hidden_layer=...): row t produced output token t
 
 
 @dataclass
@@ -71,6 +72,9 @@ class Batch:
     outputs: list[list[int]] = field(default_factory=list)
     done_B: list[bool] = field(default_factory=list)
     finish: list[str | None] = field(default_factory=list)
+    hidden_layer: int | None = None   # record hidden states (activation fingerprints)
+    hidden_BD: torch.Tensor | None = None  # hidden state that produced logits_BV
+    hiddens: list[list[torch.Tensor]] = field(default_factory=list)  # per row: one D-vector per output token
 
     @property
     def finished(self) -> bool:
@@ -98,8 +102,11 @@ class Engine:
 
     # --- prefill / decode ------------------------------------------------------------
     @torch.no_grad()
-    def prefill(self, requests: list[Request], extra_slots: int | None = None) -> Batch:
-        """Run the prompts (right-padded, optionally in chunks) and return the decoding state."""
+    def prefill(self, requests: list[Request], extra_slots: int | None = None,
+                hidden_layer: int | None = None) -> Batch:
+        """Run the prompts (right-padded, optionally in chunks) and return the decoding state.
+        With hidden_layer set, decode_step records, per row, the hidden state at the position
+        that produced each sampled token (the rows `score(..., hidden_layer)` returns)."""
         B = len(requests)
         lens = [len(r.prompt_token_ids) for r in requests]
         for r, n in zip(requests, lens):
@@ -118,19 +125,25 @@ class Engine:
         len_B = torch.tensor(lens, device=self.device)
         chunk = self.numerics.prefill_chunk or T
         last_BV = torch.empty(B, self.vocab_size, device=self.device)
+        last_BD = None
         with self.numerics.threads_ctx():
             for c0 in range(0, T, chunk):
                 c1 = min(T, c0 + chunk)
                 pos_BT = torch.arange(c0, c1, device=self.device).expand(B, -1)
-                logits_BTV, _ = self.model(tokens_BT[:, c0:c1], pos_BT, cache)
+                logits_BTV, hidden_BTD = self.model(tokens_BT[:, c0:c1], pos_BT, cache, hidden_layer=hidden_layer)
+                if hidden_BTD is not None and last_BD is None:
+                    last_BD = torch.empty(B, hidden_BTD.shape[-1], dtype=torch.float32, device=self.device)
                 for b in range(B):
                     if c0 <= lens[b] - 1 < c1:
                         last_BV[b] = logits_BTV[b, lens[b] - 1 - c0]
+                        if hidden_BTD is not None:
+                            last_BD[b] = hidden_BTD[b, lens[b] - 1 - c0].float()
         check_finite(last_BV, "prefill logits")
         streams = [None if r.params.greedy else
                    get_backend(r.params.noise).stream(r.params.seed, self.vocab_size, start_position=lens[b])
                    for b, r in enumerate(requests)]
-        return Batch(requests, cache, len_B, last_BV, streams, [[] for _ in range(B)], [False] * B, [None] * B)
+        return Batch(requests, cache, len_B, last_BV, streams, [[] for _ in range(B)], [False] * B, [None] * B,
+                     hidden_layer, last_BD, [[] for _ in range(B)])
 
     @torch.no_grad()
     def sample(self, batch: Batch, sampler=None) -> torch.Tensor:
@@ -165,28 +178,34 @@ class Engine:
                 continue
             tok = int(tokens_B[b])
             batch.outputs[b].append(tok)
+            if batch.hidden_BD is not None:
+                batch.hiddens[b].append(batch.hidden_BD[b].cpu())
             if self.eos_token_id is not None and tok == self.eos_token_id:
                 batch.done_B[b], batch.finish[b] = True, "stop"
             elif len(batch.outputs[b]) >= r.params.max_tokens:
                 batch.done_B[b], batch.finish[b] = True, "length"
         if not batch.finished:
-            logits_BTV, _ = self.extend(batch, tokens_B[:, None])
+            logits_BTV, hidden_BTD = self.extend(batch, tokens_B[:, None], hidden_layer=batch.hidden_layer)
             batch.logits_BV = logits_BTV[:, 0]
+            if hidden_BTD is not None:
+                batch.hidden_BD = hidden_BTD[:, 0].float()
             check_finite(batch.logits_BV[[b for b in range(len(batch.requests)) if not batch.done_B[b]]],
                          "decode logits")
         return tokens_B
 
     def generate(self, requests: list[Request], batch_size: int = 8, sampler=None,
-                 progress=None) -> list[Completion]:
-        """Generate every request, `batch_size` at a time (static batches, in order)."""
+                 progress=None, hidden_layer: int | None = None) -> list[Completion]:
+        """Generate every request, `batch_size` at a time (static batches, in order). With
+        hidden_layer, each Completion carries hidden_TD (fp32), the rows `score` replays."""
         out: list[Completion] = []
         for i in range(0, len(requests), batch_size):
             group = requests[i : i + batch_size]
-            batch = self.prefill(group)
+            batch = self.prefill(group, hidden_layer=hidden_layer)
             while not batch.finished:
                 self.decode_step(batch, sampler)
             for b, r in enumerate(group):
-                out.append(Completion(r.id, list(r.prompt_token_ids), batch.outputs[b], r.params, batch.finish[b]))
+                h = torch.stack(batch.hiddens[b]) if hidden_layer is not None else None
+                out.append(Completion(r.id, list(r.prompt_token_ids), batch.outputs[b], r.params, batch.finish[b], h))
             if progress is not None:
                 progress(len(group))
         return out
