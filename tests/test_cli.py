@@ -69,3 +69,29 @@ def test_demo_small(tmp_path):
     assert (tmp_path / "demo" / "report.html").is_file()
     verdicts = json.loads((tmp_path / "demo" / "verdicts.json").read_text())
     assert len(verdicts) == 10 and {v["provider"] for v in verdicts} >= {"int4", "honest-bf16-b8"}
+
+
+def test_fingerprints_generate_calibrate_and_combined_audit(tmp_path):
+    """generate --fingerprint, score (fp_l2), calibrate --score fp_l2, audit with Token-DiFR and
+    Activation-DiFR detectors combined."""
+    p = {}
+    for name in ("honest-bf16-b8", "honest-bf16-b1", "int4"):
+        r = run("generate", name, "--out", tmp_path / f"{name}.jsonl", "--n", 4, "--max-tokens", 16,
+                "--fingerprint", "k=8,stride=2")
+        assert r.exit_code == 0, r.output
+        r = run("score", tmp_path / f"{name}.jsonl", "--out", tmp_path / f"{name}.parquet")
+        assert r.exit_code == 0, r.output
+        p[name] = tmp_path / f"{name}.parquet"
+    c = json.loads((tmp_path / "int4.jsonl").read_text().splitlines()[0])
+    assert c["activations"]["k"] == 8 and c["activations"]["positions"] == list(range(0, 16, 2))
+    honest = [p["honest-bf16-b8"], p["honest-bf16-b1"]]
+    assert run("calibrate", *honest, "--out", tmp_path / "tok.json", "--target-fpr", 0.005).exit_code == 0
+    r = run("calibrate", *honest, "--out", tmp_path / "fp.json", "--score", "fp_l2", "--target-fpr", 0.005)
+    assert r.exit_code == 0, r.output
+    r = run("audit", p["int4"], "-d", tmp_path / "tok.json", "-d", tmp_path / "fp.json", "--json", tmp_path / "v.json")
+    assert r.exit_code == 1, r.output
+    v = {d["provider"]: d for d in json.loads((tmp_path / "v.json").read_text())}
+    assert v["int4 [fp_l2]"]["flagged"] and v["int4 [fp_l2]"]["n_tokens"] == 4 * 8
+    assert v["int4 [combined]"]["flagged"] and v["int4 [combined]"]["target_fpr"] == pytest.approx(0.01)
+    r = run("generate", "int4", "--out", tmp_path / "x.jsonl", "--fingerprint", "k=8,strid=2")
+    assert r.exit_code == 2 and "unknown key" in r.output

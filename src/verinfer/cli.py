@@ -60,9 +60,17 @@ def generate(provider: str = typer.Argument("honest-bf16-b8", help="Simulated pr
              deterministic: Optional[str] = typer.Option(None, help="Greedy batched decoding equal to the "
                                                          "batch-size-1 answer: margingate | best | llm42 | "
                                                          "batch_invariant (ignores the provider)."),
-             tau_file: Path = typer.Option(Path("runs/margingate_tau.json"), help="From `determinism calibrate`.")):
+             tau_file: Path = typer.Option(Path("runs/margingate_tau.json"), help="From `determinism calibrate`."),
+             fingerprint: Optional[str] = typer.Option(None, help="Attach Activation-DiFR fingerprints: "
+                                                       "k=16,stride=4[,layer=-1,seed=0,dtype=fp16|int8]")):
     """Write claims JSONL from a simulated (honest or misconfigured) provider."""
+    from verinfer.audit.fingerprint import FingerprintSpec
     from verinfer.audit.pipeline import generate as run
+
+    try:
+        fp_spec = FingerprintSpec.parse(fingerprint) if fingerprint else None
+    except ValueError as e:
+        _fail(e)
 
     if deterministic is not None:
         from verinfer.determinism.api import generate as det_generate
@@ -76,7 +84,8 @@ def generate(provider: str = typer.Argument("honest-bf16-b8", help="Simulated pr
         return
     try:
         claims = run(provider, model or _default_model(), out, n=n, max_tokens=max_tokens, seed=seed, device=device,
-                     spec=dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, noise=noise))
+                     spec=dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, noise=noise),
+                     fingerprint=fp_spec)
     except (VerinferError, ValueError) as e:
         _fail(e)
     typer.echo(f"wrote {len(claims)} claims, {sum(len(c.output_token_ids) for c in claims)} tokens -> {out}")
@@ -129,7 +138,9 @@ def _load_detector(path: Path):
 
 @app.command()
 def audit(inputs: List[Path] = typer.Argument(..., help="Scores Parquet or claims JSONL files."),
-          detector: Path = typer.Option(..., "--detector", "-d"),
+          detector: List[Path] = typer.Option(..., "--detector", "-d",
+                                              help="Detector JSON; repeat to combine (e.g. Token-DiFR margin and "
+                                                   "Activation-DiFR fp_l2, from `calibrate --score fp_l2`)."),
           model: Optional[Path] = typer.Option(None, help="Model for claims inputs (default: testbed target)."),
           json_out: Optional[Path] = typer.Option(None, "--json", help="Also write verdicts as JSON."),
           max_tokens: Optional[int] = typer.Option(None, help="Use at most this many tokens per provider.")):
@@ -138,7 +149,7 @@ def audit(inputs: List[Path] = typer.Argument(..., help="Scores Parquet or claim
     from verinfer.audit.pipeline import audit as run, load_score_tables, print_verdicts, score as run_score
 
     try:
-        det = _load_detector(detector)
+        dets = [_load_detector(d) for d in detector]
         paths = []
         for p in inputs:
             if p.suffix == ".jsonl":
@@ -149,7 +160,9 @@ def audit(inputs: List[Path] = typer.Argument(..., help="Scores Parquet or claim
                 paths.append(p)
         table = load_score_tables(paths)
         providers = sorted(set(table["provider"].to_pylist()))
-        verdicts = run(table, det, providers, max_tokens=max_tokens)
+        from verinfer.audit.pipeline import combine_verdicts
+
+        verdicts = combine_verdicts([run(table, det, providers, max_tokens=max_tokens) for det in dets])
     except (VerinferError, ValueError) as e:
         _fail(e)
     print_verdicts(verdicts)

@@ -128,17 +128,41 @@ def audit(table: pa.Table, detector: ClippedMeanDetector, providers: list[str],
             if max_tokens:
                 v = v[:max_tokens]
             d = detector.verdict(v, confidence=True)
+            d["score"] = detector.score
         d["provider"] = name
         d["honest"] = name in HONEST if name in PROVIDERS else None
         verdicts.append(d)
     return verdicts
 
 
+def combine_verdicts(per_detector: list[list[dict]]) -> list[dict]:
+    """Token-DiFR + Activation-DiFR (or any detectors) on the same providers: one row per
+    provider and detector (provider shown as `name [score]`) plus a `name [combined]` row that is
+    flagged when any detector flags it (union bound: its false-positive rate is at most the sum of
+    the detectors' targets, so calibrate each at target/m) with Bonferroni p = min(1, m * min p)."""
+    if len(per_detector) == 1:
+        return per_detector[0]
+    m, rows = len(per_detector), []
+    for i, name_rows in enumerate(zip(*per_detector)):
+        for d in name_rows:
+            rows.append({**d, "provider": f"{d['provider']} [{d.get('score', '?')}]"})
+        best = min(name_rows, key=lambda d: d["p_value"])
+        rows.append({**best, "provider": f"{best['provider']} [combined]",
+                     "flagged": any(d["flagged"] for d in name_rows),
+                     "p_value": min(1.0, m * best["p_value"]),
+                     "target_fpr": sum(d["target_fpr"] for d in name_rows),
+                     "n_tokens": max(d["n_tokens"] for d in name_rows),
+                     "scores": [d.get("score") for d in name_rows]})
+        rows[-1].pop("threshold_fpr", None)
+        rows[-1].pop("more_tokens_needed", None)
+    return rows
+
+
 def print_verdicts(verdicts: list[dict]) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    t = Table(title="verinfer audit: Token-DiFR verdicts")
+    t = Table(title="verinfer audit: DiFR verdicts")
     for col in ("provider", "truth", "verdict", "tokens", "pooled", "threshold", "p-value", "FPR target / at thr.",
                 "more tokens"):
         t.add_column(col, no_wrap=True)
