@@ -1,0 +1,246 @@
+"""The draft/verify loop of speculative decoding over two engines (target and draft), batched,
+plus plain autoregressive decoding with the same stop logic (the target-only baseline).
+
+One round, per active row with committed sequence s (prompt + output so far, length n):
+  draft:  cache rolled back to n-2 tokens; extend with s[n-2:n] (re-writing slot n-2 with the
+          same token is harmless, and it makes every row feed 2 tokens whatever was accepted
+          before), sample x_1 from q_1; then gamma-1 one-token extends give q_2..q_G, x_2..x_G.
+  target: cache rolled back to n-1 tokens; ONE extend with [s[n-1], x_1..x_G] gives p_1..p_{G+1}.
+  verify: rules.verify -> a accepted drafts plus one target token (correction or bonus).
+  commit: x_1..x_a, y (cut at a stop token or max_tokens). Both caches are "rolled back" by
+          setting their lengths before the next round: slots past the valid prefix are
+          overwritten later and never attended to (key slot <= query position).
+
+Counters: one target forward per round per row (prefill excluded). MAT = emitted tokens /
+target forwards, and it COUNTS the token the target contributes itself in every round (the
+correction after a rejection or the bonus after full acceptance), as in Leviathan et al.
+Each output token carries an event: 'a' accepted draft token, 'r' target token after a
+rejection (correction), 'b' bonus token after a fully accepted block; plain decoding emits 't'.
+
+Shape key: B = active rows, G = gamma, V = vocab, D = hidden dim.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from verinfer.engine.engine import Engine, Request, check_finite
+from verinfer.models.llama import LlamaLM
+from verinfer.sampling.params import SamplingParams
+from verinfer.speculative.rules import Rule, verify
+
+
+@dataclass
+class SpecOutput:
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    events: str                 # one char per output token: a (accepted), r (correction), b (bonus), t (plain)
+    finish_reason: str          # "stop" | "length"
+    target_forwards: int = 0    # decode-time target forwards this row took part in
+    draft_forwards: int = 0
+    drafted: int = 0            # draft tokens proposed
+    accepted: int = 0           # draft tokens accepted (before any stop/length cut)
+    kl_BG: list[float] = field(default_factory=list)  # optional diagnostics
+
+    @property
+    def mat(self) -> float:
+        return len(self.output_token_ids) / max(1, self.target_forwards)
+
+
+def _probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    return torch.softmax(logits.float() / (temperature if temperature > 0 else 1.0), dim=-1)
+
+
+class _Rows:
+    """Per-row bookkeeping of a batch (the tensors live in the engines' Batch objects)."""
+
+    def __init__(self, prompts, max_tokens):
+        self.seqs = [list(p) for p in prompts]
+        self.outs = [SpecOutput(list(p), [], "", "length") for p in prompts]
+        self.max_tokens = max_tokens
+
+
+class SpeculativeDecoder:
+    """Speculative decoding with a pluggable acceptance rule. `device` is where both models live
+    (any torch device); the per-row torch.Generators stay on the CPU."""
+
+    def __init__(self, target: LlamaLM, draft: LlamaLM, rule: Rule = Rule(), gamma: int = 4,
+                 temperature: float = 0.0, stop_token_ids: tuple[int, ...] = (), eos_token_id: int | None = None):
+        if gamma < 1:
+            raise ValueError(f"gamma (draft tokens per round) must be >= 1, got {gamma}")
+        if target.config.vocab_size != draft.config.vocab_size:
+            raise ValueError(f"target and draft vocabularies differ ({target.config.vocab_size} vs "
+                             f"{draft.config.vocab_size}): speculative decoding needs one tokenizer")
+        if temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {temperature}")
+        self.target, self.draft = Engine(target), Engine(draft)
+        self.rule, self.gamma, self.temperature = rule, gamma, temperature
+        self.stop = set(stop_token_ids) | ({eos_token_id} if eos_token_id is not None else set())
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def _prefill(self, engine: Engine, prompts, max_tokens, hidden: bool):
+        reqs = [Request(str(i), p, SamplingParams(temperature=0.0, max_tokens=max_tokens)) for i, p in enumerate(prompts)]
+        return engine.prefill(reqs, extra_slots=max_tokens + self.gamma + 2, hidden_layer=-1 if hidden else None)
+
+    def _generators(self, n: int, seeds) -> list[torch.Generator] | None:
+        if self.greedy:
+            return None
+        if seeds is None or len(seeds) != n:
+            raise ValueError(f"sampling (temperature {self.temperature}) needs one seed per prompt ({n})")
+        return [torch.Generator().manual_seed(int(s)) for s in seeds]
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], max_tokens: int, seeds: list[int] | None = None,
+                 batch_size: int = 8) -> list[SpecOutput]:
+        """Generate every prompt, `batch_size` rows at a time. Row r's randomness comes only from
+        torch.Generator(seed r), so batched and batch-1 runs draw the same numbers."""
+        for i, p in enumerate(prompts):
+            if len(p) < 2:
+                raise ValueError(f"prompt #{i} has {len(p)} token(s); speculative decoding needs at least 2 "
+                                 "(prepend a BOS token)")
+        gens = self._generators(len(prompts), seeds)
+        out: list[SpecOutput] = []
+        for i in range(0, len(prompts), batch_size):
+            out += self._generate_batch(prompts[i : i + batch_size], max_tokens,
+                                        None if gens is None else gens[i : i + batch_size])
+        return out
+
+    def _generate_batch(self, prompts, max_tokens, gens) -> list[SpecOutput]:
+        G, T = self.gamma, self.temperature
+        hidden = self.rule.needs_hidden
+        tb = self._prefill(self.target, prompts, max_tokens, hidden)
+        db = self._prefill(self.draft, prompts, max_tokens, hidden)
+        rows = _Rows(prompts, max_tokens)
+        active = list(range(len(prompts)))
+        dev = self.target.device
+        while active:
+            B = len(active)
+            n_B = torch.tensor([len(rows.seqs[r]) for r in active], device=dev)
+            # --- draft gamma tokens
+            db.len_B = n_B - 2
+            last2 = torch.tensor([rows.seqs[r][-2:] for r in active], device=dev)
+            logits, h = self.draft.extend(db, last2, hidden_layer=-1 if hidden else None)
+            lg, hd = logits[:, -1], (h[:, -1] if h is not None else None)
+            xs, qs, hds = [], [], []
+            for i in range(G):
+                q = _probs(lg, T)
+                if self.greedy:
+                    x = lg.argmax(-1)
+                else:
+                    qc = q.double().cpu()
+                    x = torch.tensor([int(torch.multinomial(qc[b], 1, generator=gens[r]))
+                                      for b, r in enumerate(active)], device=dev)
+                xs.append(x)
+                qs.append(q)
+                hds.append(hd)
+                if i < G - 1:
+                    logits, h = self.draft.extend(db, x[:, None], hidden_layer=-1 if hidden else None)
+                    lg, hd = logits[:, 0], (h[:, 0] if h is not None else None)
+            x_BG = torch.stack(xs, 1)
+            q_BGV = torch.stack(qs, 1)
+            # --- verify with one target forward over [last, x_1..x_G]
+            tb.len_B = n_B - 1
+            last = torch.tensor([rows.seqs[r][-1] for r in active], device=dev)
+            tlogits, th = self.target.extend(tb, torch.cat([last[:, None], x_BG], 1), hidden_layer=-1 if hidden else None)
+            check_finite(tlogits, "target verification logits")
+            p_BGpV = _probs(tlogits, T)
+            feats = None
+            if hidden:
+                feats = torch.cat([th[:, :G].float(), torch.stack(hds, 1).float()], -1)
+            n_acc, nxt, _ = verify(self.rule, p_BGpV, q_BGV, x_BG, self.greedy,
+                                   None if gens is None else [gens[r] for r in active], feats)
+            x_cpu = x_BG.cpu()
+            keep = []
+            for b, r in enumerate(active):
+                a = int(n_acc[b])
+                o = rows.outs[r]
+                o.target_forwards += 1
+                o.draft_forwards += G
+                o.drafted += G
+                o.accepted += a
+                new = x_cpu[b, :a].tolist() + [int(nxt[b])]
+                ev = "a" * a + ("b" if a == G else "r")
+                done = False
+                for tok, e in zip(new, ev):
+                    o.output_token_ids.append(tok)
+                    o.events += e
+                    rows.seqs[r].append(tok)
+                    if tok in self.stop:
+                        o.finish_reason, done = "stop", True
+                        break
+                    if len(o.output_token_ids) >= max_tokens:
+                        o.finish_reason, done = "length", True
+                        break
+                if not done:
+                    keep.append(b)
+            if len(keep) < B:
+                idx = torch.tensor(keep, dtype=torch.long, device=dev)
+                for bt in (tb, db):
+                    bt.cache.select_rows(idx)
+                active = [active[b] for b in keep]
+        return rows.outs
+
+
+@torch.no_grad()
+def autoregressive(target: LlamaLM, prompts: list[list[int]], max_tokens: int, temperature: float = 0.0,
+                   seeds: list[int] | None = None, stop_token_ids: tuple[int, ...] = (), batch_size: int = 8,
+                   eos_token_id: int | None = None) -> list[SpecOutput]:
+    """Target-only decoding (one target forward per token) with the same stop logic and the same
+    per-row generators as SpeculativeDecoder: the baseline speculative decoding is timed against."""
+    eng = Engine(target)
+    stop = set(stop_token_ids) | ({eos_token_id} if eos_token_id is not None else set())
+    if temperature > 0 and (seeds is None or len(seeds) != len(prompts)):
+        raise ValueError(f"sampling (temperature {temperature}) needs one seed per prompt ({len(prompts)})")
+    out: list[SpecOutput] = []
+    for i0 in range(0, len(prompts), batch_size):
+        group = prompts[i0 : i0 + batch_size]
+        gens = None if temperature == 0 else [torch.Generator().manual_seed(int(s)) for s in seeds[i0 : i0 + batch_size]]
+        reqs = [Request(str(i), p, SamplingParams(temperature=0.0, max_tokens=max_tokens)) for i, p in enumerate(group)]
+        batch = eng.prefill(reqs, extra_slots=max_tokens + 1)
+        outs = [SpecOutput(list(p), [], "", "length") for p in group]
+        active = list(range(len(group)))
+        logits = batch.logits_BV
+        while active:
+            if temperature == 0:
+                tok = logits.argmax(-1).cpu()
+            else:
+                pc = _probs(logits, temperature).double().cpu()
+                tok = torch.tensor([int(torch.multinomial(pc[b], 1, generator=gens[r])) for b, r in enumerate(active)])
+            keep = []
+            for b, r in enumerate(active):
+                o = outs[r]
+                t = int(tok[b])
+                o.output_token_ids.append(t)
+                o.events += "t"
+                o.target_forwards += 1
+                if t in stop:
+                    o.finish_reason = "stop"
+                elif len(o.output_token_ids) >= max_tokens:
+                    o.finish_reason = "length"
+                else:
+                    keep.append(b)
+            if not keep:
+                break
+            if len(keep) < len(active):
+                idx = torch.tensor(keep, dtype=torch.long, device=eng.device)
+                batch.cache.select_rows(idx)
+                batch.len_B = batch.len_B[idx]
+                tok = tok[keep]
+                active = [active[b] for b in keep]
+            lg, _ = eng.extend(batch, tok[:, None].to(eng.device))
+            logits = lg[:, 0]
+        # the forward that would follow a finished row's last token is never run: count matches
+        out += outs
+    return out
+
+
+def timed(fn, *args, **kwargs):
+    t0 = time.perf_counter()
+    r = fn(*args, **kwargs)
+    return r, time.perf_counter() - t0

@@ -1,0 +1,134 @@
+"""The draft/verify loop on the shipped testbed: lossless (chi-square), batched == batch-1,
+greedy standard speculative decoding == transformers' greedy generate of the target."""
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from verinfer.models.llama import LlamaLM
+from verinfer.models.testbed import DRAFT_DIR, TARGET_DIR, load_tokenizer
+from verinfer.speculative.loop import SpeculativeDecoder, autoregressive
+from verinfer.speculative.rules import Rule
+
+
+@pytest.fixture(scope="module")
+def models():
+    torch.set_num_threads(1)
+    return LlamaLM.from_pretrained(TARGET_DIR), LlamaLM.from_pretrained(DRAFT_DIR), load_tokenizer()
+
+
+def _exact_two_token_dist(target, prompt):
+    """P_target(y1, y2 | prompt) for every y1 (and every y2), by full forwards."""
+    with torch.no_grad():
+        lg, _ = target(torch.tensor([prompt]), torch.arange(len(prompt))[None])
+        p1 = torch.softmax(lg[0, -1].double(), -1)
+        top = p1.topk(64).indices  # y1 outside these carries < the leftover mass, binned as "other"
+        seqs = torch.tensor([prompt + [int(y)] for y in top])
+        lg2, _ = target(seqs, torch.arange(len(prompt) + 1).expand(len(top), -1))
+        p2 = torch.softmax(lg2[:, -1].double(), -1)
+    return p1, top, p2
+
+
+def _chi2(target, outs, prompt, n):
+    p1, top, p2 = _exact_two_token_dist(target, prompt)
+    joint = p1[top][:, None] * p2  # [64, V]
+    counts: dict[tuple[int, int], int] = {}
+    for o in outs:
+        k = tuple(o.output_token_ids[:2])
+        counts[k] = counts.get(k, 0) + 1
+    flat = joint.flatten()
+    order = flat.argsort(descending=True)
+    obs, exp = [], []
+    V = joint.shape[1]
+    for j in order.tolist():
+        e = n * flat[j].item()
+        if e < 5:
+            break
+        key = (int(top[j // V]), j % V)
+        obs.append(counts.pop(key, 0))
+        exp.append(e)
+    obs.append(n - sum(obs))
+    exp.append(n - sum(exp))
+    return chisquare(obs, exp), len(obs)
+
+
+PROMPT = "    def __init__(self"
+
+
+def test_standard_speculative_sampling_is_lossless(models):
+    """Chi-square of the first two sampled tokens against the exact target distribution; the KL
+    judge (lossy) on the same draws must be rejected by the same test (the test has power)."""
+    target, draft, tok = models
+    prompt = tok.encode(PROMPT, add_special_tokens=False)
+    n = 2000
+    res = {}
+    for name, rule in [("standard", Rule("standard")), ("kl", Rule("kl", 2.0))]:
+        dec = SpeculativeDecoder(target, draft, rule, gamma=3, temperature=1.0)
+        outs = dec.generate([prompt] * n, max_tokens=2, seeds=list(range(n)), batch_size=n)
+        (stat, pval), bins = _chi2(target, outs, prompt, n)
+        res[name] = (stat, pval, bins, sum(o.accepted for o in outs) / sum(o.drafted for o in outs))
+    assert res["standard"][2] >= 20  # enough bins to be a real test
+    print(res)
+    assert res["standard"][1] > 1e-3, res
+    assert res["kl"][1] < 1e-6, res
+    assert res["kl"][3] > res["standard"][3]  # and the lossy rule accepts more
+
+
+def test_target_only_sampler_is_the_target_distribution(models):
+    target, _, tok = models
+    prompt = tok.encode(PROMPT, add_special_tokens=False)
+    n = 2000
+    outs = autoregressive(target, [prompt] * n, 2, temperature=1.0, seeds=list(range(n)), batch_size=n)
+    (_, pval), _ = _chi2(target, outs, prompt, n)
+    assert pval > 1e-3
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.parametrize("rule", [Rule("standard"), Rule("kl", 0.5)])
+def test_batched_loop_equals_batch1_loop(models, temperature, rule):
+    target, draft, tok = models
+    texts = ["Q: 37+45=\nA: ", "import os\nimport ", "Q: 7*245=\nA: ", "    return self._", "class A:\n    def "]
+    prompts = [tok.encode(t, add_special_tokens=False) for t in texts]
+    dec = SpeculativeDecoder(target, draft, rule, gamma=3, temperature=temperature)
+    seeds = [11, 12, 13, 14, 15]
+    one = dec.generate(prompts, 12, seeds=seeds, batch_size=1)
+    many = dec.generate(prompts, 12, seeds=seeds, batch_size=5)
+    assert [o.output_token_ids for o in one] == [o.output_token_ids for o in many]
+    assert [o.events for o in one] == [o.events for o in many]
+    assert [o.target_forwards for o in one] == [o.target_forwards for o in many]
+    for o in many:
+        assert len(o.events) == len(o.output_token_ids) == 12
+        assert o.target_forwards == o.events.count("r") + o.events.count("b") + (o.events[-1] == "a")
+
+
+def test_greedy_standard_equals_transformers_greedy_target(models):
+    """Lossless in the greedy limit, against the reference implementation (HF generate)."""
+    from transformers import AutoModelForCausalLM
+
+    target, draft, tok = models
+    hf = AutoModelForCausalLM.from_pretrained(TARGET_DIR, dtype=torch.float32).eval()
+    texts = ["Q: 37+45=\nA: ", "import os\nimport ", "    def __init__(self"]
+    prompts = [tok.encode(t, add_special_tokens=False) for t in texts]
+    for g in (1, 4):
+        outs = SpeculativeDecoder(target, draft, Rule("standard"), gamma=g).generate(prompts, 16, batch_size=3)
+        for p, o in zip(prompts, outs):
+            with torch.no_grad():
+                ref = hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                                  max_new_tokens=16, do_sample=False, pad_token_id=0)[0, len(p):].tolist()
+            assert o.output_token_ids == ref
+            assert o.mat >= 1.0
+
+
+def test_stop_tokens_and_errors(models):
+    target, draft, tok = models
+    nl = tuple(i for i in range(len(tok)) if "\n" in tok.decode([i]))
+    p = tok.encode("Q: 9-7=\nA: ", add_special_tokens=False)
+    o = SpeculativeDecoder(target, draft, Rule("kl", 1.0), gamma=4, stop_token_ids=nl).generate([p], 20)[0]
+    assert o.finish_reason == "stop" and o.output_token_ids[-1] in nl
+    assert not any(t in nl for t in o.output_token_ids[:-1])
+    with pytest.raises(ValueError, match="at least 2"):
+        SpeculativeDecoder(target, draft).generate([[5]], 4)
+    with pytest.raises(ValueError, match="one seed per prompt"):
+        SpeculativeDecoder(target, draft, temperature=1.0).generate([p], 4)
+    with pytest.raises(ValueError, match="gamma"):
+        SpeculativeDecoder(target, draft, gamma=0)
