@@ -17,6 +17,8 @@ testbed_app = typer.Typer(no_args_is_help=True, help="The shipped testbed models
 app.add_typer(testbed_app, name="testbed")
 determinism_app = typer.Typer(no_args_is_help=True, help="Batched greedy decoding equal to the batch-size-1 answer.")
 app.add_typer(determinism_app, name="determinism")
+bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks that regenerate benchmarks/results.")
+app.add_typer(bench_app, name="bench")
 
 
 def _fail(e: Exception) -> None:
@@ -62,8 +64,33 @@ def generate(provider: str = typer.Argument("honest-bf16-b8", help="Simulated pr
                                                          "batch_invariant (ignores the provider)."),
              tau_file: Path = typer.Option(Path("runs/margingate_tau.json"), help="From `determinism calibrate`."),
              fingerprint: Optional[str] = typer.Option(None, help="Attach Activation-DiFR fingerprints: "
-                                                       "k=16,stride=4[,layer=-1,seed=0,dtype=fp16|int8]")):
+                                                       "k=16,stride=4[,layer=-1,seed=0,dtype=fp16|int8]"),
+             speculative: Optional[str] = typer.Option(None, help="Speculative decoding with this acceptance rule "
+                                                       "(ignores the provider): standard | kl | topk | "
+                                                       "target_entropy | draft_entropy | autojudge. Claims carry "
+                                                       "a `spec` field; filters off, temperature only."),
+             threshold: float = typer.Option(0.5, help="Threshold of the speculative rule (kl: KL nats)."),
+             gamma: int = typer.Option(4, help="Draft tokens per speculative round."),
+             draft: Optional[Path] = typer.Option(None, help="Draft model directory (default: testbed draft)."),
+             judge: Optional[Path] = typer.Option(None, help="Judge JSON for --speculative autojudge.")):
     """Write claims JSONL from a simulated (honest or misconfigured) provider."""
+    if speculative is not None:
+        from verinfer.models.testbed import DRAFT_DIR
+        from verinfer.speculative.audit import generate_claims_file
+
+        try:
+            claims = generate_claims_file(model or _default_model(), draft or DRAFT_DIR, out, rule=speculative,
+                                          threshold=threshold, gamma=gamma, n=n, max_tokens=max_tokens, seed=seed,
+                                          temperature=temperature, judge_path=judge, device=device)
+        except (VerinferError, ValueError) as e:
+            _fail(e)
+        toks = sum(len(c.output_token_ids) for c in claims)
+        acc = sum(c.extra["spec"]["events"].count("a") for c in claims)
+        rounds = sum(c.extra["spec"]["events"].count("r") + c.extra["spec"]["events"].count("b") for c in claims)
+        typer.echo(f"wrote {len(claims)} speculative ({speculative}, threshold {threshold}, gamma {gamma}) claims, "
+                   f"{toks} tokens, {acc} accepted draft tokens, ~{toks / max(1, rounds):.2f} tokens per target "
+                   f"forward -> {out}")
+        return
     from verinfer.audit.fingerprint import FingerprintSpec
     from verinfer.audit.pipeline import generate as run
 
@@ -94,11 +121,28 @@ def generate(provider: str = typer.Argument("honest-bf16-b8", help="Simulated pr
 @app.command()
 def score(claims: Path = typer.Argument(..., help="Claims JSONL."),
           out: Path = typer.Option(..., "--out", "-o", help="Scores Parquet to write (resumes)."),
-          model: Optional[Path] = typer.Option(None), device: str = typer.Option("cpu")):
+          model: Optional[Path] = typer.Option(None), device: str = typer.Option("cpu"),
+          draft: Optional[Path] = typer.Option(None, help="Draft model for speculative claims (default: testbed draft).")):
     """Replay claims with the trusted model: one Parquet row per token with every score."""
     from verinfer.audit.pipeline import score as run
 
     try:
+        from verinfer.audit.claims import read_claims
+        from verinfer.speculative.audit import has_spec
+
+        if has_spec(read_claims(claims)):  # speculative claims: check each token under its mode (DiFR app. F)
+            from verinfer.models.testbed import DRAFT_DIR
+            from verinfer.speculative.audit import score_file
+
+            r = score_file(claims, model or _default_model(), draft or DRAFT_DIR, out, device=device)
+            typer.echo(f"speculative claims: {r['tokens']} tokens, accepted fraction {r['accepted_fraction']:.3f}, "
+                       f"mean accept -log min(1,p/q) {r['mean_accept_nll']:.4f}, {r['violations']} violations of "
+                       f"standard speculative sampling -> {out}")
+            for cid in r["claims_with_violations"][:10]:
+                typer.echo(f"  violation in claim {cid}")
+            if r["violations"]:
+                raise typer.Exit(1)
+            return
         t = run(claims, model or _default_model(), out, device=device)
     except (VerinferError, ValueError) as e:
         _fail(e)
@@ -233,3 +277,18 @@ def main() -> None:  # pragma: no cover
 
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(main())
+
+
+@bench_app.command("speculative")
+def bench_speculative(out: Path = typer.Option(Path("benchmarks/results"), "--out", "-o"),
+                      quick: bool = typer.Option(False, help="Small smoke run (minutes), not the committed numbers."),
+                      repeats: int = typer.Option(5, help="Interleaved timing repeats (median reported)."),
+                      device: str = typer.Option("cpu")):
+    """KL judge vs vanilla speculative sampling and the judge baselines: MAT, accuracy, tokens/s."""
+    from verinfer.speculative.bench import run
+
+    try:
+        res = run(out, device=device, quick=quick, repeats=repeats, log=typer.echo)
+    except (VerinferError, ValueError) as e:
+        _fail(e)
+    typer.echo(f"wrote {out / 'kl_judge.json'}, kl_judge.md, kl_judge_frontier.png; criteria: {res.get('criteria')}")
