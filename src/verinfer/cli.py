@@ -237,6 +237,73 @@ def report(scores: List[Path] = typer.Argument(...), out: Path = typer.Option(Pa
     typer.echo(f"report: {path}")
 
 
+@app.command()
+def serve(model: Optional[Path] = typer.Option(None, help="A model directory, or a directory of model directories "
+                                               "(default: testbed target). Requests name models; names never "
+                                               "become paths."),
+          host: str = typer.Option("127.0.0.1"), port: int = typer.Option(8000),
+          misconfig: Optional[str] = typer.Option(None, help="Serve a misconfigured model to test audits: int4 | "
+                                                  "fp8-kv | temp-1.1 | wrong-seed | sampling-bug."),
+          noise: str = typer.Option("vllm-cpu", help="Noise backend of the sampler."),
+          threads: Optional[int] = typer.Option(None, help="torch threads (default: torch's choice)."),
+          max_concurrent: int = typer.Option(2, help="Generations running at once."),
+          max_waiting: int = typer.Option(64, help="Queued generations before HTTP 503."),
+          max_tokens: int = typer.Option(1024, help="Largest max_tokens a request may ask for."),
+          max_body_bytes: int = typer.Option(1 << 20), device: str = typer.Option("cpu"),
+          log_level: str = typer.Option("info")):
+    """OpenAI-compatible server: /v1/completions, /v1/chat/completions (SSE streaming), /v1/models."""
+    try:
+        from verinfer.server.app import ServeConfig, serve as run
+        from verinfer.server.protocol import Limits
+
+        cfg = ServeConfig(model or _default_model(), misconfig=misconfig, noise=noise, device=device,
+                          limits=Limits(max_body_bytes=max_body_bytes, max_tokens=max_tokens,
+                                        max_concurrent=max_concurrent, max_waiting=max_waiting))
+        run(cfg, host=host, port=port, threads=threads, log_level=log_level)
+    except ImportError as e:
+        _fail(VerinferError(f"the server needs the [server] extra ({e})", fix='pip install -e ".[server]"'))
+    except (VerinferError, ValueError) as e:
+        _fail(e)
+
+
+@app.command("audit-api")
+def audit_api(base_url: str = typer.Option(..., help="OpenAI-compatible base URL, e.g. http://127.0.0.1:8000/v1"),
+              model: str = typer.Option(..., help="The model name the endpoint serves."),
+              model_dir: Optional[Path] = typer.Option(None, help="Trusted local copy of that model "
+                                                       "(default: testbed target)."),
+              out: Path = typer.Option(Path("runs/audit-api"), "--out", "-o", help="Output directory (resumes)."),
+              n: int = typer.Option(32, help="Prompts to send."), max_tokens: int = typer.Option(64),
+              seed: int = typer.Option(0), mode: str = typer.Option("auto", help="auto | seeded | greedy"),
+              temperature: float = typer.Option(1.0), top_k: int = typer.Option(50), top_p: float = typer.Option(0.95),
+              min_p: float = typer.Option(0.0), noise: str = typer.Option("vllm-cpu"),
+              ignore_eos: bool = typer.Option(False, help="Send vLLM's ignore_eos (fixed-length outputs)."),
+              api_key: str = typer.Option("EMPTY", envvar="OPENAI_API_KEY"),
+              timeout: float = typer.Option(120.0), calib_n: Optional[int] = typer.Option(None),
+              honest: List[str] = typer.Option(None, help="Honest configurations to calibrate on (default: all)."),
+              detector: Optional[Path] = typer.Option(None, help="Calibrated detector to reuse (created if missing)."),
+              device: str = typer.Option("cpu"),
+              threads: Optional[int] = typer.Option(None, help="torch threads of the auditor.")):
+    """Audit an OpenAI-compatible endpoint: seeded (or temperature-0) prompts, replay, verdict, report."""
+    try:
+        from verinfer.audit.openai_api import ApiAuditConfig, audit_api as run
+        from verinfer.audit.pipeline import print_verdicts
+
+        kw = dict(honest=tuple(honest)) if honest else {}
+        cfg = ApiAuditConfig(base_url, model, model_dir or _default_model(), out, n=n, max_tokens=max_tokens,
+                             seed=seed, mode=mode, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                             noise=noise, ignore_eos=ignore_eos, api_key=api_key, timeout=timeout, calib_n=calib_n,
+                             detector=detector, device=device, threads=threads, **kw)
+        res = run(cfg)
+    except (VerinferError, ValueError) as e:
+        _fail(e)
+    print_verdicts([res.verdict])
+    typer.echo(f"mode {res.mode}: {res.n_claims} claims, {res.n_tokens} tokens, exact match {res.exact_match:.4f}"
+               + (f", nearest reference band: {res.verdict['nearest_band']}" if res.bands else "")
+               + f"\nreport: {res.report}")
+    if res.verdict["flagged"]:
+        raise typer.Exit(1)
+
+
 @determinism_app.command("calibrate")
 def determinism_calibrate(model: Optional[Path] = typer.Option(None, help="Model directory (default: testbed target)."),
                           out: Path = typer.Option(Path("runs/margingate_tau.json"), "--out", "-o"),

@@ -1,0 +1,412 @@
+"""Audit any OpenAI-compatible endpoint (verinfer serve, vLLM, a provider's API).
+
+    collect  seeded prompts (token ids) go out through the official `openai` client; the
+             endpoint's prompt and output token ids come back (vLLM's `return_token_ids`; verinfer
+             serve always sends them) and become claims. Text is never re-tokenized: an endpoint
+             that returns no token ids cannot be audited and says so.
+    replay   the trusted local model replays the claims (audit/replay.py)
+    audit    a detector calibrated on verinfer's own honest runs (audit/providers.py HONEST, same
+             prompt distribution and sampling settings, other prompts) gives the verdict.
+
+Modes (`mode`):
+- `seeded`: temperature > 0 with a per-request seed; the claims name the noise backend the
+  endpoint samples with (vllm-cpu for vLLM on CPU and for verinfer serve).
+- `greedy`: temperature 0, for endpoints that do not honour seeds (DiFR appendix D): no seed
+  synchronization is needed; besides the verdict, the endpoint's mean clipped margin and
+  cross-entropy are placed among reference bands from verinfer's own bf16, fp8-KV and 4-bit
+  greedy runs replayed by the same bf16 verifier.
+- `auto`: send the first prompt twice with the same seed; identical token ids -> seeded,
+  otherwise greedy.
+
+Claims are written atomically (whole file replaced) after every response, next to a manifest of
+the audit's settings: a dead endpoint costs nothing already collected, and rerunning the same
+command resumes where it stopped.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from verinfer.audit.claims import Claim, atomic_write_text, read_claims, write_claims
+from verinfer.audit.detector import ClippedMeanDetector
+from verinfer.audit.providers import HONEST, MISCONFIGURED, request_seed, run_provider
+from verinfer.audit.scores import divergence
+from verinfer.errors import VerinferError
+from verinfer.models.load import model_info
+from verinfer.sampling.params import SamplingParams
+
+MODES = ("auto", "seeded", "greedy")
+BANDS = {"bf16": "honest-bf16-b8", "fp8-kv": "fp8-kv", "int4": "int4"}  # reference band -> local provider
+CALIB_SEED_OFFSET = 1_000_003  # calibration prompts: another sample of the same distribution
+
+
+class EndpointError(VerinferError):
+    """The endpoint could not be reached or answered something unusable."""
+
+
+@dataclass(frozen=True)
+class ApiAuditConfig:
+    base_url: str
+    model: str                        # the name the endpoint serves
+    model_dir: Path                   # the trusted local copy of that model
+    out_dir: Path
+    n: int = 32
+    max_tokens: int = 64
+    seed: int = 0
+    mode: str = "auto"
+    temperature: float = 1.0
+    top_k: int = 50
+    top_p: float = 0.95
+    min_p: float = 0.0
+    noise: str = "vllm-cpu"
+    ignore_eos: bool = False          # vLLM / verinfer serve extension; fixed-length outputs
+    api_key: str = "EMPTY"
+    timeout: float = 120.0
+    max_retries: int = 2
+    honest: tuple[str, ...] = tuple(HONEST)
+    calib_n: int | None = None        # prompts per honest calibration run (default: max(n, 64))
+    detector: Path | None = None      # reuse (or create) a calibrated detector here
+    target_fpr: float = 0.01
+    device: str = "cpu"
+    threads: int | None = None        # torch threads of the auditor (None: torch's default)
+
+    @property
+    def n_calib(self) -> int:
+        return self.calib_n or max(self.n, 64)
+
+    def __post_init__(self):
+        if self.mode not in MODES:
+            raise ValueError(f"--mode must be one of {MODES}, got {self.mode!r}")
+        if self.n < 1 or self.max_tokens < 1:
+            raise ValueError(f"need n >= 1 and max_tokens >= 1, got {self.n}, {self.max_tokens}")
+        unknown = [h for h in self.honest if h not in HONEST]
+        if unknown:
+            raise ValueError(f"unknown honest configurations {unknown}; choose from {', '.join(HONEST)}")
+        if self.mode != "greedy" and self.temperature <= 0:
+            raise ValueError("temperature must be > 0 for a seeded audit; use --mode greedy for temperature 0")
+
+
+@dataclass
+class ApiAuditResult:
+    verdict: dict
+    mode: str
+    claims: Path
+    scores: Path
+    report: Path
+    n_claims: int
+    n_tokens: int
+    exact_match: float
+    bands: dict | None = None
+    timings: dict = field(default_factory=dict)
+
+
+# --- the endpoint -----------------------------------------------------------------------------
+def _client(cfg: ApiAuditConfig):
+    try:
+        import openai
+    except ImportError as e:  # pragma: no cover - the [server] extra brings it
+        raise VerinferError("the `openai` package is not installed",
+                            fix='pip install -e ".[server]" (the [server] extra has the official openai client)') from e
+    return openai.OpenAI(base_url=cfg.base_url, api_key=cfg.api_key, timeout=cfg.timeout,
+                         max_retries=cfg.max_retries)
+
+
+def request_completion(client, cfg: ApiAuditConfig, prompt: list[int], params: SamplingParams) -> tuple[list[int], list[int], str]:
+    """One completion; returns (prompt ids, output ids, finish reason) as the endpoint reports them."""
+    import openai
+
+    extra = {"return_token_ids": True}
+    if params.top_k > 0:
+        extra["top_k"] = params.top_k
+    if params.min_p > 0:
+        extra["min_p"] = params.min_p
+    if cfg.ignore_eos:
+        extra["ignore_eos"] = True
+    kwargs = dict(model=cfg.model, prompt=prompt, max_tokens=params.max_tokens, temperature=params.temperature,
+                  top_p=params.top_p, extra_body=extra)
+    if params.seed is not None:
+        kwargs["seed"] = params.seed
+    try:
+        resp = client.completions.create(**kwargs)
+    except (openai.APIConnectionError, openai.APITimeoutError) as e:
+        raise EndpointError(f"cannot reach {cfg.base_url} ({type(e).__name__}: {e})", where=cfg.base_url,
+                            fix="start the server or check --base-url; rerun the same command to resume") from e
+    except openai.APIStatusError as e:
+        raise EndpointError(f"the endpoint answered HTTP {e.status_code}: {_err_message(e)}", where=cfg.base_url,
+                            fix="check --model and the sampling options the endpoint accepts") from e
+    choice = resp.choices[0]
+    extra_fields = choice.model_extra or {}
+    out_ids, prompt_ids = extra_fields.get("token_ids"), extra_fields.get("prompt_token_ids")
+    if out_ids is None:
+        raise EndpointError("the endpoint returned no output token ids (choices[0].token_ids)", where=cfg.base_url,
+                            fix="verinfer never re-tokenizes text: audit an endpoint that returns token ids "
+                                "(verinfer serve; vLLM >= 0.10.2 with return_token_ids)")
+    if prompt_ids is None:
+        prompt_ids = (resp.model_extra or {}).get("prompt_token_ids") or prompt
+    return list(prompt_ids), list(out_ids), choice.finish_reason or "length"
+
+
+def _err_message(e) -> str:
+    try:
+        body = e.response.json()
+        return body.get("error", {}).get("message") or body.get("message") or e.response.text[:300]
+    except Exception:
+        return str(e)[:300]
+
+
+def probe_seeds(client, cfg: ApiAuditConfig, prompt: list[int]) -> bool:
+    """True if the endpoint gives the same tokens twice for the same seed at temperature > 0."""
+    p = SamplingParams(max(cfg.temperature, 1.0), cfg.top_k, cfg.top_p, cfg.min_p, request_seed(cfg.seed, 10**6),
+                       min(16, cfg.max_tokens), cfg.noise)
+    a = request_completion(client, cfg, prompt, p)[1]
+    b = request_completion(client, cfg, prompt, p)[1]
+    return a == b
+
+
+# --- collection with resume -------------------------------------------------------------------
+def _manifest(cfg: ApiAuditConfig, mode: str, prompts: list[list[int]]) -> dict:
+    h = hashlib.sha256(json.dumps(prompts).encode()).hexdigest()[:16]
+    return {"base_url": cfg.base_url, "model": cfg.model, "mode": mode, "n": cfg.n, "max_tokens": cfg.max_tokens,
+            "seed": cfg.seed, "temperature": cfg.temperature if mode == "seeded" else 0.0, "top_k": cfg.top_k,
+            "top_p": cfg.top_p, "min_p": cfg.min_p, "noise": cfg.noise, "ignore_eos": cfg.ignore_eos,
+            "prompts_sha256": h}
+
+
+def claimed_params(cfg: ApiAuditConfig, mode: str, i: int) -> SamplingParams:
+    if mode == "greedy":
+        return SamplingParams(0.0, -1, 1.0, 0.0, None, cfg.max_tokens, cfg.noise)
+    return SamplingParams(cfg.temperature, cfg.top_k, cfg.top_p, cfg.min_p, request_seed(cfg.seed, i),
+                          cfg.max_tokens, cfg.noise)
+
+
+def collect_claims(client, cfg: ApiAuditConfig, mode: str, prompts: list[list[int]], local_name: str,
+                   progress=None) -> tuple[Path, list[Claim]]:
+    """Query every prompt not yet in out_dir/claims.jsonl and save after each answer."""
+    out = Path(cfg.out_dir)
+    path, mpath = out / "claims.jsonl", out / "collect.json"
+    manifest = _manifest(cfg, mode, prompts)
+    claims: list[Claim] = []
+    if path.is_file():
+        old = json.loads(mpath.read_text()) if mpath.is_file() else None
+        if old != manifest:
+            diff = sorted(k for k in manifest if old is None or old.get(k) != manifest[k])
+            raise VerinferError(f"{out} holds claims of another audit (different {', '.join(diff)})", where=str(path),
+                                fix="use a new --out directory, or delete this one to start over")
+        claims = read_claims(path)
+    else:
+        atomic_write_text(mpath, json.dumps(manifest, indent=1))
+    done = {c.id for c in claims}
+    skipped = 0
+    for i, prompt in enumerate(prompts):
+        cid = f"api-{i:05d}"
+        if cid in done:
+            if progress:
+                progress(1)
+            continue
+        params = claimed_params(cfg, mode, i)
+        try:
+            p_ids, o_ids, finish = request_completion(client, cfg, prompt, params)
+        except EndpointError as e:
+            raise EndpointError(f"{e.what} ({len(claims)} of {len(prompts)} claims collected, saved in {path})",
+                                where=e.where, fix=e.fix) from e
+        if p_ids != list(prompt):
+            raise EndpointError(f"the endpoint reports prompt token ids that differ from the ones sent "
+                                f"(request {i}: sent {len(prompt)} ids, got {len(p_ids)})", where=cfg.base_url,
+                                fix="the endpoint re-tokenized or templated the prompt; audit a raw completions endpoint")
+        if not o_ids:
+            skipped += 1
+            continue
+        claims.append(Claim(cid, local_name, p_ids, o_ids, params, provider=f"api:{cfg.model}",
+                            extra={"finish_reason": finish}))
+        write_claims(path, claims)
+        if progress:
+            progress(1)
+    if not claims:
+        raise EndpointError(f"the endpoint returned no output tokens for any of {len(prompts)} prompts",
+                            where=cfg.base_url, fix="check max_tokens and the model the endpoint serves")
+    write_claims(path, claims)
+    return path, claims
+
+
+# --- calibration and reference bands ----------------------------------------------------------
+def _local_claims(names: list[str], cfg: ApiAuditConfig, mode: str, prompts: list[list[int]], out: Path,
+                  base_seed: int) -> list[Path]:
+    """Claims of verinfer's own simulated providers on these prompts (cached in `out`)."""
+    advertised = claimed_params(cfg, mode, 0)
+    paths = []
+    for name in names:
+        p = out / f"{name}.jsonl"
+        if not p.is_file():
+            from verinfer.audit.providers import PROVIDERS
+
+            claims = run_provider(PROVIDERS[name], cfg.model_dir, prompts, advertised, base_seed=base_seed,
+                                  device=cfg.device)
+            write_claims(p, [c for c in claims if c.output_token_ids])
+        paths.append(p)
+    return paths
+
+
+def _detector_meta(cfg: ApiAuditConfig, mode: str, info) -> dict:
+    return {"mode": mode, "model_weights_sha256": info.weights_sha256, "max_tokens": cfg.max_tokens,
+            "temperature": cfg.temperature if mode == "seeded" else 0.0, "top_k": cfg.top_k, "top_p": cfg.top_p,
+            "min_p": cfg.min_p, "noise": cfg.noise, "honest": list(cfg.honest)}
+
+
+def calibrated_detector(cfg: ApiAuditConfig, mode: str, info, engine, score_fn) -> tuple[ClippedMeanDetector, dict]:
+    """A detector fit on verinfer's honest runs; loaded from cfg.detector if it exists and was made
+    for the same model and settings (its `.meta.json` sidecar says), else fit and saved there."""
+    from verinfer.audit.pipeline import calibrate, load_score_tables, prompts_for
+
+    meta = _detector_meta(cfg, mode, info)
+    det_path = Path(cfg.detector) if cfg.detector else Path(cfg.out_dir) / "detector.json"
+    meta_path = det_path.with_name(det_path.name + ".meta.json")
+    if det_path.is_file():
+        old = json.loads(meta_path.read_text()) if meta_path.is_file() else None
+        if old != meta:
+            raise VerinferError("this detector was calibrated for other settings "
+                                f"({'no .meta.json sidecar' if old is None else 'different ' + ', '.join(k for k in meta if old.get(k) != meta[k])})",
+                                where=str(det_path), fix="pass another --detector path (it is created if missing)")
+        return ClippedMeanDetector.load(det_path), {}
+    calib_dir = Path(cfg.out_dir) / f"calibration-{mode}"
+    base = cfg.seed + CALIB_SEED_OFFSET
+    prompts = prompts_for(cfg.model_dir, cfg.n_calib, base)
+    t0 = time.perf_counter()
+    paths = _local_claims(list(cfg.honest), cfg, mode, prompts, calib_dir, base)
+    t1 = time.perf_counter()
+    spaths = [score_fn(p, p.with_suffix(".parquet")) for p in paths]
+    table = load_score_tables(spaths)
+    det, _ = calibrate(table, list(cfg.honest), target_fpr=cfg.target_fpr, seed=cfg.seed)
+    det.save(det_path)
+    atomic_write_text(meta_path, json.dumps(meta, indent=1))
+    return det, {"calibration_generate_s": t1 - t0, "calibration_score_s": time.perf_counter() - t1}
+
+
+def reference_bands(cfg: ApiAuditConfig, det: ClippedMeanDetector, score_fn, n_boot: int = 1000) -> dict:
+    """Greedy mode: mean clipped margin and mean cross-entropy (with a 95% bootstrap interval over
+    claims) of verinfer's own bf16, fp8-KV and 4-bit greedy runs replayed by the bf16 verifier."""
+    from verinfer.audit.pipeline import load_score_tables, prompts_for
+
+    base = cfg.seed + CALIB_SEED_OFFSET
+    prompts = prompts_for(cfg.model_dir, cfg.n_calib, base)
+    paths = _local_claims(list(BANDS.values()), cfg, "greedy", prompts, Path(cfg.out_dir) / "bands", base)
+    bands = {}
+    for band, path in zip(BANDS, paths):
+        t = load_score_tables([score_fn(path, path.with_suffix(".parquet"))])
+        bands[band] = summarize(t, det, n_boot=n_boot, seed=cfg.seed)
+    return bands
+
+
+def summarize(table, det: ClippedMeanDetector, n_boot: int = 1000, seed: int = 0) -> dict:
+    """Mean clipped margin, mean cross-entropy and mismatch rate, with 95% bootstrap intervals over
+    claims. Cross-entropy is averaged over finite values (a claimed token the verifier's filters
+    exclude has +inf; their count is `n_filtered_out`)."""
+    ids = np.asarray(table["claim_id"].to_pylist())
+    margin = np.minimum(divergence(table, "margin"), det.clip_)
+    xent = divergence(table, "cross_entropy")
+    em = divergence(table, "exact_match")
+    _, inv = np.unique(ids, return_inverse=True)
+    rng = np.random.default_rng(seed)
+    k = inv.max() + 1
+    out = {"n_tokens": int(len(margin)), "n_filtered_out": int((~np.isfinite(xent)).sum())}
+    xent = np.where(np.isfinite(xent), xent, 0.0)
+    fin = np.isfinite(divergence(table, "cross_entropy")).astype(np.float64)
+    for name, v, w in (("margin", margin, None), ("cross_entropy", xent, fin), ("mismatch", em, None)):
+        sums, counts = np.bincount(inv, v, k), np.bincount(inv, w, k)
+        boots = []
+        for _ in range(n_boot):
+            pick = rng.integers(0, k, k)
+            boots.append(sums[pick].sum() / max(counts[pick].sum(), 1))
+        out[name] = {"mean": float(sums.sum() / max(counts.sum(), 1)), "ci95": [float(np.quantile(boots, 0.025)), float(np.quantile(boots, 0.975))]}
+    return out
+
+
+def nearest_band(point: dict, bands: dict) -> str:
+    return min(bands, key=lambda b: abs(bands[b]["margin"]["mean"] - point["margin"]["mean"]))
+
+
+# --- the whole audit --------------------------------------------------------------------------
+def audit_api(cfg: ApiAuditConfig, *, progress=None) -> ApiAuditResult:
+    from verinfer.audit.pipeline import load_score_tables, prompts_for, score, verifier_engine
+
+    t0 = time.perf_counter()
+    if cfg.threads is not None:
+        import torch
+
+        torch.set_num_threads(cfg.threads)
+    out = Path(cfg.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    info = model_info(cfg.model_dir)
+    prompts = prompts_for(cfg.model_dir, cfg.n, cfg.seed)
+    client = _client(cfg)
+    mode = cfg.mode
+    mode_file = out / "mode.json"
+    if mode == "auto":
+        if mode_file.is_file():
+            mode = json.loads(mode_file.read_text())["mode"]
+        else:
+            mode = "seeded" if probe_seeds(client, cfg, prompts[0]) else "greedy"
+            atomic_write_text(mode_file, json.dumps({"mode": mode, "probe": "same seed twice"}))
+    t_probe = time.perf_counter()
+    claims_path, claims = collect_claims(client, cfg, mode, prompts, info.name, progress)
+    t_collect = time.perf_counter()
+    engine = verifier_engine(cfg.model_dir, device=cfg.device)
+
+    def score_fn(cpath: Path, spath: Path) -> Path:
+        if not spath.is_file():
+            score(cpath, cfg.model_dir, spath, engine=engine, show_progress=False)
+        return spath
+
+    scores_path = score_fn(claims_path, out / "scores.parquet")
+    t_score = time.perf_counter()
+    det, ctimes = calibrated_detector(cfg, mode, info, engine, score_fn)
+    table = load_score_tables([scores_path])
+    values = divergence(table, det.score)
+    verdict = det.verdict(values, confidence=True)
+    verdict.update(provider=f"api:{cfg.model}", honest=None, score=det.score)
+    bands = None
+    point = summarize(table, det, seed=cfg.seed)
+    if mode == "greedy":
+        bands = reference_bands(cfg, det, score_fn)
+        verdict["nearest_band"] = nearest_band(point, bands)
+    timings = {"probe_s": t_probe - t0, "collect_s": t_collect - t_probe, "score_s": t_score - t_collect, **ctimes,
+               "total_s": time.perf_counter() - t0}
+    exact = float(np.mean(np.asarray(table["exact_match"].to_numpy(zero_copy_only=False), dtype=bool)))
+    report = {"base_url": cfg.base_url, "model": cfg.model, "trusted_model": info.name,
+              "trusted_weights_sha256": info.weights_sha256, "mode": mode, "verdict": verdict,
+              "n_claims": len(claims), "n_tokens": int(table.num_rows), "exact_match": exact, "endpoint": point,
+              "reference_bands": bands, "settings": {k: (str(v) if isinstance(v, Path) else v)
+                                                     for k, v in asdict(cfg).items() if k != "api_key"},
+              "timings": timings}
+    rpath = out / "report.json"
+    atomic_write_text(rpath, json.dumps(report, indent=1, default=float) + "\n")
+    atomic_write_text(out / "report.md", render_markdown(report))
+    return ApiAuditResult(verdict, mode, claims_path, scores_path, rpath, len(claims), int(table.num_rows), exact,
+                          bands, timings)
+
+
+def render_markdown(r: dict) -> str:
+    v = r["verdict"]
+    lines = [f"# verinfer audit of {r['model']} at {r['base_url']}", "",
+             f"Mode: {r['mode']}; trusted model {r['trusted_model']} (weights sha256 {r['trusted_weights_sha256']}).", "",
+             "| verdict | tokens | pooled | threshold | p-value | exact match |", "|---|---|---|---|---|---|",
+             f"| {'FLAGGED' if v['flagged'] else 'ok'} | {v['n_tokens']} | {v['pooled']:.4g} | {v['threshold']:.4g} | "
+             f"{v['p_value']:.3g} | {r['exact_match']:.4f} |", "", v.get("decision", ""), ""]
+    if r.get("reference_bands"):
+        lines += ["Reference bands (verinfer's own greedy runs, replayed by the bf16 verifier; 95% bootstrap CI):", "",
+                  "| run | mean clipped margin | mean cross-entropy |", "|---|---|---|"]
+        rows = {**r["reference_bands"], f"**{r['model']}**": r["endpoint"]}
+        for name, b in rows.items():
+            lines.append(f"| {name} | {b['margin']['mean']:.4g} [{b['margin']['ci95'][0]:.3g}, {b['margin']['ci95'][1]:.3g}] | "
+                         f"{b['cross_entropy']['mean']:.4g} [{b['cross_entropy']['ci95'][0]:.3g}, "
+                         f"{b['cross_entropy']['ci95'][1]:.3g}] |")
+        lines += ["", f"Nearest band: {v.get('nearest_band')}", ""]
+    return "\n".join(lines)
+
+
+__all__ = ["ApiAuditConfig", "ApiAuditResult", "audit_api", "collect_claims", "probe_seeds", "MISCONFIGURED"]

@@ -1,0 +1,433 @@
+"""`verinfer serve`: an OpenAI-compatible HTTP server (FastAPI + uvicorn) over the engine.
+
+Endpoints: POST /v1/completions, POST /v1/chat/completions (both with `stream` as server-sent
+events), GET /v1/models, GET /health. Every choice carries the token ids (vLLM's fields:
+`prompt_token_ids` and `token_ids`; chat puts `prompt_token_ids` at the top level) so an auditor
+never re-tokenizes text, and every response states the seed and noise backend it sampled with
+(`sampling`; a request with temperature > 0 and no seed gets a random one, reported there).
+
+Errors are OpenAI-shaped JSON (`{"error": {"message", "type", "param", "code"}}`): 400 for bad
+parameters (what was wrong and what to send), 404 for a model the server does not serve (names
+are looked up in a table, never used as paths), 413 for an oversized body, 503 when more than
+`Limits.max_waiting` generations are queued. Generations run in worker threads, at most
+`Limits.max_concurrent` at once, each request alone with its own cache and noise stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import time
+import uuid
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import AsyncIterator
+
+from verinfer.sampling.params import NOISE_BACKENDS, SamplingParams
+from verinfer.server.generation import Step, generate_steps
+from verinfer.server.protocol import ChatCompletionRequest, CompletionRequest, Limits
+from verinfer.server.registry import ServedModel, load_registry
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, type_: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.message, self.param, self.type = status, message, param, type_
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.status}}
+
+
+@dataclass
+class ServeConfig:
+    model_dir: Path
+    misconfig: str | None = None
+    noise: str = "vllm-cpu"
+    device: str = "cpu"
+    limits: Limits = field(default_factory=Limits)
+
+    def __post_init__(self):
+        if self.noise not in NOISE_BACKENDS:
+            raise ValueError(f"--noise must be one of {NOISE_BACKENDS}, got {self.noise!r}")
+
+
+class Slots:
+    """At most `max_concurrent` generations at once and `max_waiting` queued behind them."""
+
+    def __init__(self, limits: Limits):
+        self.limits = limits
+        self.sem = asyncio.Semaphore(limits.max_concurrent)
+        self.waiting = 0
+
+    def check(self) -> None:
+        if self.waiting >= self.limits.max_waiting:
+            raise APIError(503, f"server busy: {self.waiting} requests already queued (limit "
+                                f"{self.limits.max_waiting}); retry later", type_="server_busy")
+
+    @asynccontextmanager
+    async def hold(self):
+        self.check()
+        self.waiting += 1
+        try:
+            await self.sem.acquire()
+        finally:
+            self.waiting -= 1
+        try:
+            yield
+        finally:
+            self.sem.release()
+
+
+@dataclass
+class Job:
+    prompt_ids: list[int]
+    params: SamplingParams
+    logprobs: int | None
+    ignore_eos: bool
+
+
+# --- request preparation ----------------------------------------------------------------------
+def _lookup(registry: dict[str, ServedModel], name: str) -> ServedModel:
+    model = registry.get(name)
+    if model is None:
+        raise APIError(404, f"model {name!r} is not served here; available: {sorted(registry)}", "model",
+                       "model_not_found")
+    return model
+
+
+def _check_ids(model: ServedModel, ids: list[int], param: str) -> list[int]:
+    V = model.info.vocab_size
+    bad = [t for t in ids if not 0 <= t < V]
+    if bad:
+        raise APIError(400, f"token id {bad[0]} is outside the vocabulary [0, {V}) of {model.name}", param)
+    if not ids:
+        raise APIError(400, "the prompt is empty (no tokens)", param)
+    return ids
+
+
+def _encode(model: ServedModel, text: str, limits: Limits, param: str) -> list[int]:
+    if len(text) > limits.max_prompt_chars:
+        raise APIError(400, f"prompt has {len(text)} characters; this server accepts at most "
+                            f"{limits.max_prompt_chars}", param)
+    return _check_ids(model, model.tokenizer.encode(text), param)
+
+
+def chat_prompt_ids(model: ServedModel, messages, limits: Limits) -> list[int]:
+    """The model's chat template if its tokenizer has one; otherwise the plain template
+    `<bos>` + "role: content\\n" per message + "assistant:" (the testbed has no chat template)."""
+    total = sum(len(m.content) for m in messages)
+    if total > limits.max_prompt_chars:
+        raise APIError(400, f"messages hold {total} characters; this server accepts at most "
+                            f"{limits.max_prompt_chars}", "messages")
+    tok = model.tokenizer
+    msgs = [{"role": m.role, "content": m.content} for m in messages]
+    if getattr(tok, "chat_template", None):
+        ids = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+        if isinstance(ids, dict):
+            ids = ids["input_ids"]
+        return _check_ids(model, list(ids), "messages")
+    text = "".join(f"{m['role']}: {m['content']}\n" for m in msgs) + "assistant:"
+    bos = [tok.bos_token_id] if tok.bos_token_id is not None else []
+    return _check_ids(model, bos + tok.encode(text, add_special_tokens=False), "messages")
+
+
+def _params(body, model: ServedModel, max_tokens: int | None, n_prompt: int, noise: str, limits: Limits):
+    room = model.context - n_prompt
+    if room < 1:
+        raise APIError(400, f"the prompt has {n_prompt} tokens, the whole context of {model.name} "
+                            f"({model.context}); shorten it", "prompt")
+    if max_tokens is None:
+        max_tokens = min(room, limits.max_tokens)
+    if max_tokens > limits.max_tokens:
+        raise APIError(400, f"max_tokens {max_tokens} is over this server's limit of {limits.max_tokens}",
+                       "max_tokens")
+    if max_tokens > room:
+        raise APIError(400, f"prompt ({n_prompt} tokens) + max_tokens ({max_tokens}) exceeds the context of "
+                            f"{model.name} ({model.context} positions); lower max_tokens to at most {room}",
+                       "max_tokens")
+    seed = body.seed
+    if body.temperature > 0 and seed is None:
+        seed = secrets.randbelow(2**63)
+    top_k = body.top_k if body.top_k > 0 else -1
+    try:
+        return SamplingParams(body.temperature, top_k, body.top_p, body.min_p, seed, max_tokens, noise)
+    except ValueError as e:
+        raise APIError(400, str(e)) from e
+
+
+def _logprobs_n(n: int | None, limits: Limits, param: str) -> int | None:
+    if n is not None and n > limits.max_logprobs:
+        raise APIError(400, f"{param} {n} is over this server's limit of {limits.max_logprobs}", param)
+    return n
+
+
+# --- text helpers -----------------------------------------------------------------------------
+class Detok:
+    """Incremental detokenization: emit text only once it no longer ends in a partial character."""
+
+    def __init__(self, tokenizer):
+        self.tok, self.ids, self.sent = tokenizer, [], 0
+
+    def add(self, token_id: int, final: bool = False) -> str:
+        self.ids.append(token_id)
+        text = self.tok.decode(self.ids, skip_special_tokens=True)
+        if text.endswith("\ufffd") and not final:
+            return ""
+        delta, self.sent = text[self.sent:], len(text)
+        return delta
+
+
+def _tok_str(model: ServedModel, token_id: int) -> str:
+    return model.tokenizer.decode([token_id])
+
+
+def completion_logprobs(model: ServedModel, steps: list[Step], offset0: int = 0) -> dict:
+    tokens = [_tok_str(model, s.token_id) for s in steps]
+    offsets, o = [], offset0
+    for t in tokens:
+        offsets.append(o)
+        o += len(t)
+    return {"tokens": tokens, "token_logprobs": [s.logprob for s in steps],
+            "top_logprobs": [({_tok_str(model, i): lp for i, lp in s.top} if s.top is not None else None)
+                             for s in steps],
+            "text_offset": offsets}
+
+
+def chat_logprobs(model: ServedModel, steps: list[Step]) -> dict:
+    def entry(i, lp):
+        s = _tok_str(model, i)
+        return {"token": s, "logprob": lp, "bytes": list(s.encode("utf-8"))}
+
+    return {"content": [{**entry(s.token_id, s.logprob),
+                         "top_logprobs": [entry(i, lp) for i, lp in (s.top or [])]} for s in steps]}
+
+
+def _sse(obj) -> bytes:
+    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n".encode()
+
+
+# --- the app ----------------------------------------------------------------------------------
+class _BodyTooLarge(Exception):
+    pass
+
+
+class BodyLimit:
+    """ASGI middleware: refuse request bodies over max_bytes (Content-Length or streamed) with 413."""
+
+    def __init__(self, app, max_bytes: int):
+        self.app, self.max_bytes = app, max_bytes
+
+    async def _reply(self, send, status: int, message: str):
+        body = json.dumps(APIError(status, message).body()).encode()
+        await send({"type": "http.response.start", "status": status,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        cl = dict(scope.get("headers") or []).get(b"content-length")
+        too_big = f"request body over this server's limit of {self.max_bytes} bytes; send a smaller request"
+        if cl is not None:
+            try:
+                n = int(cl)
+            except ValueError:
+                return await self._reply(send, 400, "invalid Content-Length header")
+            if n > self.max_bytes:
+                return await self._reply(send, 413, too_big)
+        seen = 0
+        started = False
+
+        async def limited_receive():
+            nonlocal seen
+            msg = await receive()
+            if msg["type"] == "http.request":
+                seen += len(msg.get("body", b""))
+                if seen > self.max_bytes:
+                    raise _BodyTooLarge()
+            return msg
+
+        async def tracking_send(msg):
+            nonlocal started
+            if msg["type"] == "http.response.start":
+                started = True
+            await send(msg)
+
+        try:
+            await self.app(scope, limited_receive, tracking_send)
+        except _BodyTooLarge:
+            if not started:
+                await self._reply(send, 413, too_big)
+
+
+def create_app(registry: dict[str, ServedModel], cfg: ServeConfig):
+    from fastapi import FastAPI, Request
+    from fastapi.exceptions import RequestValidationError
+    from fastapi.responses import JSONResponse, StreamingResponse
+    from starlette.concurrency import iterate_in_threadpool, run_in_threadpool
+
+    limits = cfg.limits
+    app = FastAPI(title="verinfer", description="OpenAI-compatible, auditable inference server")
+    state = {"slots": None}
+
+    def slots() -> Slots:
+        if state["slots"] is None:  # created inside the running event loop
+            state["slots"] = Slots(limits)
+        return state["slots"]
+
+    @app.exception_handler(APIError)
+    async def _api_error(_req: Request, e: APIError):
+        return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_req: Request, e: RequestValidationError):
+        errs = e.errors()
+        parts, param = [], None
+        for err in errs[:5]:
+            loc = [str(x) for x in err.get("loc", ()) if x not in ("body",)]
+            param = param or (loc[0] if loc else None)
+            msg = err.get("msg", "invalid value").removeprefix("Value error, ")
+            if err.get("type") == "extra_forbidden":
+                msg = "unknown field (not supported by this server)"
+            parts.append(f"{'.'.join(loc) or 'body'}: {msg}")
+        return JSONResponse(APIError(400, "invalid request: " + "; ".join(parts), param).body(), status_code=400)
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models():
+        created = int(time.time())
+        return {"object": "list", "data": [
+            {"id": name, "object": "model", "created": created, "owned_by": "verinfer", "root": m.name,
+             "max_model_len": m.context} for name, m in sorted(registry.items())]}
+
+    def meta(model: ServedModel, params: SamplingParams) -> dict:
+        return {"seed": params.seed, "noise": params.noise}
+
+    async def run_job(model: ServedModel, rid: str, job: Job) -> list[Step]:
+        async with slots().hold():
+            return await run_in_threadpool(lambda: list(generate_steps(
+                model, rid, job.prompt_ids, job.params, logprobs=job.logprobs, ignore_eos=job.ignore_eos)))
+
+    async def stream_job(model: ServedModel, rid: str, job: Job) -> AsyncIterator[Step]:
+        async with slots().hold():
+            it = generate_steps(model, rid, job.prompt_ids, job.params, logprobs=job.logprobs,
+                                ignore_eos=job.ignore_eos)
+            async for step in iterate_in_threadpool(it):
+                yield step
+
+    def usage(jobs: list[Job], outs: list[int]) -> dict:
+        p = sum(len(j.prompt_ids) for j in jobs)
+        return {"prompt_tokens": p, "completion_tokens": sum(outs), "total_tokens": p + sum(outs)}
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest):
+        model = _lookup(registry, body.model)
+        prompts = body.prompts()
+        if not prompts:
+            raise APIError(400, "`prompt` is empty", "prompt")
+        if len(prompts) > limits.max_prompts:
+            raise APIError(400, f"{len(prompts)} prompts in one request; this server accepts at most "
+                                f"{limits.max_prompts}", "prompt")
+        lp = _logprobs_n(body.logprobs, limits, "logprobs")
+        jobs = []
+        for p in prompts:
+            ids = _encode(model, p, limits, "prompt") if isinstance(p, str) else _check_ids(model, list(p), "prompt")
+            jobs.append(Job(ids, _params(body, model, body.max_tokens, len(ids), cfg.noise, limits), lp,
+                            body.ignore_eos))
+        rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        head = {"id": rid, "object": "text_completion", "created": created, "model": body.model}
+        if body.stream:
+            slots().check()
+
+            async def events():
+                outs = []
+                try:
+                    for i, job in enumerate(jobs):
+                        dt, n, first = Detok(model.tokenizer), 0, True
+                        async for s in stream_job(model, f"{rid}-{i}", job):
+                            n += 1
+                            choice = {"index": i, "text": dt.add(s.token_id, s.finish_reason is not None),
+                                      "logprobs": completion_logprobs(model, [s]) if job.logprobs is not None else None,
+                                      "finish_reason": s.finish_reason, "token_ids": [s.token_id]}
+                            if first:
+                                choice["prompt_token_ids"], first = job.prompt_ids, False
+                            yield _sse({**head, "choices": [choice], "sampling": meta(model, job.params)})
+                        outs.append(n)
+                    if body.include_usage:
+                        yield _sse({**head, "choices": [], "usage": usage(jobs, outs)})
+                except APIError as e:
+                    yield _sse(e.body())
+                yield b"data: [DONE]\n\n"
+
+            return StreamingResponse(events(), media_type="text/event-stream")
+        results = await asyncio.gather(*[run_job(model, f"{rid}-{i}", j) for i, j in enumerate(jobs)])
+        choices = []
+        for i, (job, steps) in enumerate(zip(jobs, results)):
+            ids = [s.token_id for s in steps]
+            choices.append({"index": i, "text": model.tokenizer.decode(ids, skip_special_tokens=True),
+                            "logprobs": completion_logprobs(model, steps) if job.logprobs is not None else None,
+                            "finish_reason": steps[-1].finish_reason, "prompt_token_ids": job.prompt_ids,
+                            "token_ids": ids})
+        return {**head, "choices": choices, "usage": usage(jobs, [len(r) for r in results]),
+                "sampling": meta(model, jobs[0].params)}
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatCompletionRequest):
+        model = _lookup(registry, body.model)
+        ids = chat_prompt_ids(model, body.messages, limits)
+        lp = _logprobs_n(body.n_logprobs, limits, "top_logprobs")
+        max_tokens = body.max_completion_tokens or body.max_tokens
+        job = Job(ids, _params(body, model, max_tokens, len(ids), cfg.noise, limits), lp, body.ignore_eos)
+        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        if body.stream:
+            slots().check()
+            head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": body.model}
+
+            async def events():
+                dt, n = Detok(model.tokenizer), 0
+                try:
+                    yield _sse({**head, "prompt_token_ids": ids, "sampling": meta(model, job.params),
+                                "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                             "logprobs": None, "finish_reason": None}]})
+                    async for s in stream_job(model, rid, job):
+                        n += 1
+                        yield _sse({**head, "choices": [{
+                            "index": 0, "delta": {"content": dt.add(s.token_id, s.finish_reason is not None)},
+                            "logprobs": chat_logprobs(model, [s]) if lp is not None else None,
+                            "finish_reason": s.finish_reason, "token_ids": [s.token_id]}]})
+                    if body.include_usage:
+                        yield _sse({**head, "choices": [], "usage": usage([job], [n])})
+                except APIError as e:
+                    yield _sse(e.body())
+                yield b"data: [DONE]\n\n"
+
+            return StreamingResponse(events(), media_type="text/event-stream")
+        steps = await run_job(model, rid, job)
+        out = [s.token_id for s in steps]
+        return {"id": rid, "object": "chat.completion", "created": created, "model": body.model,
+                "prompt_token_ids": ids, "sampling": meta(model, job.params),
+                "choices": [{"index": 0, "message": {"role": "assistant",
+                                                     "content": model.tokenizer.decode(out, skip_special_tokens=True)},
+                             "logprobs": chat_logprobs(model, steps) if lp is not None else None,
+                             "finish_reason": steps[-1].finish_reason, "token_ids": out}],
+                "usage": usage([job], [len(out)])}
+
+    return BodyLimit(app, limits.max_body_bytes)
+
+
+def serve(cfg: ServeConfig, host: str = "127.0.0.1", port: int = 8000, threads: int | None = None,
+          log_level: str = "info") -> None:
+    """Load the models (errors surface before the port opens) and run uvicorn until stopped."""
+    import torch
+    import uvicorn
+
+    if threads is not None:
+        torch.set_num_threads(threads)
+    registry = load_registry(cfg.model_dir, misconfig=cfg.misconfig, device=cfg.device)
+    app = create_app(registry, cfg)
+    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)

@@ -1,0 +1,124 @@
+"""OpenAI-compatible request bodies (pydantic) and the limits a server enforces.
+
+Supported: the OpenAI completions / chat completions fields that change what is sampled
+(model, prompt | messages, max_tokens, temperature, top_p, seed, logprobs, stream, n=1) plus
+vLLM's extensions top_k, min_p, ignore_eos and return_token_ids (token ids are always returned).
+Fields that would change sampling in ways verinfer does not implement (penalties, logit_bias,
+stop sequences, n > 1, echo, best_of) are accepted only at their no-op values, so a request is
+never silently answered with something else than it asked for; unknown fields are refused.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_body_bytes: int = 1 << 20        # request body
+    max_prompts: int = 16                # prompts in one completions request
+    max_prompt_chars: int = 100_000      # characters of one text prompt / all chat messages
+    max_tokens: int = 1024               # cap on max_tokens (also capped by the model's context)
+    max_logprobs: int = 20
+    max_concurrent: int = 2              # generations running at once
+    max_waiting: int = 64                # generations queued behind them; more get HTTP 503
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = Field(min_length=1, max_length=256)
+    temperature: float = Field(1.0, ge=0.0, le=100.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(-1, ge=-1, le=1_000_000)   # vLLM: -1 (or 0) = off
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    seed: Optional[int] = Field(None, ge=0, lt=2**63)
+    stream: bool = False
+    stream_options: Optional[dict] = None
+    n: int = 1
+    ignore_eos: bool = False
+    return_token_ids: Optional[bool] = None
+    stop: Optional[Union[str, list[str]]] = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: Optional[dict] = None
+    user: Optional[str] = Field(None, max_length=256)
+
+    @model_validator(mode="after")
+    def _no_ops_only(self):
+        bad = []
+        if self.n != 1:
+            bad.append(("n", "n must be 1 (one choice per request; send several requests with their own seeds)"))
+        if self.stop not in (None, "", []):
+            bad.append(("stop", "stop sequences are not supported; cut the text client-side"))
+        for name, neutral in (("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0)):
+            if getattr(self, name) != neutral:
+                bad.append((name, f"{name} is not supported; leave it at {neutral}"))
+        if self.logit_bias:
+            bad.append(("logit_bias", "logit_bias is not supported"))
+        if self.stream_options and set(self.stream_options) - {"include_usage", "continuous_usage_stats"}:
+            bad.append(("stream_options", "stream_options accepts include_usage only"))
+        if bad:
+            raise ValueError("; ".join(f"`{k}`: {m}" for k, m in bad))
+        return self
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.get("include_usage"))
+
+
+class CompletionRequest(_Body):
+    prompt: Union[str, list[int], list[str], list[list[int]]]
+    max_tokens: int = Field(16, ge=1)
+    logprobs: Optional[int] = Field(None, ge=0)
+    echo: bool = False
+    best_of: Optional[int] = None
+    suffix: Optional[str] = None
+
+    @model_validator(mode="after")
+    def _checks(self):
+        if self.echo:
+            raise ValueError("`echo`: echo is not supported (prompt_token_ids are returned instead)")
+        if self.best_of not in (None, 1):
+            raise ValueError("`best_of`: must be 1")
+        if self.suffix:
+            raise ValueError("`suffix`: not supported")
+        return self
+
+    def prompts(self) -> list[Union[str, list[int]]]:
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if p and all(isinstance(x, int) for x in p):
+            return [p]  # type: ignore[list-item]
+        return list(p)  # type: ignore[arg-type]
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: str = Field(max_length=1_000_000)
+    name: Optional[str] = None
+
+
+class ChatCompletionRequest(_Body):
+    messages: list[ChatMessage] = Field(min_length=1, max_length=256)
+    max_tokens: Optional[int] = Field(None, ge=1)
+    max_completion_tokens: Optional[int] = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: Optional[int] = Field(None, ge=0)
+
+    @model_validator(mode="after")
+    def _checks(self):
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("`top_logprobs`: needs logprobs=true")
+        return self
+
+    @property
+    def n_logprobs(self) -> Optional[int]:
+        return (self.top_logprobs or 0) if self.logprobs else None

@@ -1,0 +1,100 @@
+"""`verinfer audit-api` against real `verinfer serve` processes: right verdicts for an honest and
+a misconfigured (int4) server; a dead endpoint fails clearly and loses nothing collected."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+pytest.importorskip("openai")
+
+import json
+
+import openai
+
+from serverproc import free_port
+from typer.testing import CliRunner
+from verinfer.audit.claims import read_claims
+from verinfer.audit.openai_api import ApiAuditConfig, EndpointError, _client, collect_claims
+from verinfer.audit.pipeline import prompts_for
+from verinfer.cli import app
+from verinfer.models.testbed import TARGET_DIR
+
+# Calibration on four of the five honest configurations: honest-bf16-b1 (batch of one) alone costs
+# as much as the other four here, and the stratified null's threshold is set by the noisiest ones.
+AUDIT = ["--model", "verinfer-testbed-target", "--n", "24", "--max-tokens", "64", "--calib-n", "32", "--threads", "1",
+         "--honest", "honest-bf16-b8", "--honest", "honest-fp32-b4", "--honest", "honest-bf16-eager-t1",
+         "--honest", "honest-bf16-chunk16"]
+
+
+def audit_api(base_url: str, out, detector, *extra: str) -> tuple[int, dict | None, str]:
+    """`verinfer audit-api ...` (in this process: the servers are the real processes under test)."""
+    r = CliRunner().invoke(app, ["audit-api", "--base-url", base_url, "--out", str(out), "--detector", str(detector),
+                                 *AUDIT, *extra])
+    rpath = out / "report.json"
+    return r.exit_code, (json.loads(rpath.read_text()) if rpath.is_file() else None), r.output
+
+
+@pytest.fixture(scope="module")
+def detector_path(tmp_path_factory):
+    return tmp_path_factory.mktemp("detector") / "seeded.json"
+
+
+def test_honest_server_passes(honest_server, detector_path, tmp_path):
+    code, report, log = audit_api(honest_server.base_url, tmp_path / "honest", detector_path)
+    assert code == 0, log
+    v = report["verdict"]
+    assert report["mode"] == "seeded"  # auto mode found that the server honours seeds
+    assert not v["flagged"] and v["n_tokens"] >= 1200
+    assert report["exact_match"] >= 0.99
+    assert detector_path.is_file()  # calibrated once, reused below
+
+
+def test_int4_server_is_flagged(int4_server, detector_path, tmp_path):
+    code, report, log = audit_api(int4_server.base_url, tmp_path / "int4", detector_path)
+    assert code == 1, log
+    v = report["verdict"]
+    assert v["flagged"] and v["p_value"] < 1e-6, v
+    assert "FLAGGED" in log
+
+
+def test_dead_endpoint_fails_clearly(tmp_path, detector_path):
+    port = free_port()  # nothing listens there
+    code, report, log = audit_api(f"http://127.0.0.1:{port}/v1", tmp_path / "dead", detector_path,
+                                  "--mode", "seeded", "--timeout", "5")
+    assert code == 2 and report is None
+    assert f"cannot reach http://127.0.0.1:{port}/v1" in log and "0 of 24 claims collected" in log
+    assert "rerun the same command to resume" in log
+
+
+class _DiesAfter:
+    """An openai client whose endpoint dies after k answers."""
+
+    def __init__(self, client, k: int):
+        self.client, self.k = client, k
+        self.completions = self
+
+    def create(self, **kw):
+        if self.k == 0:
+            raise openai.APIConnectionError(request=None)  # type: ignore[arg-type]
+        self.k -= 1
+        return self.client.completions.create(**kw)
+
+
+def test_resume_after_the_endpoint_died(honest_server, tmp_path):
+    cfg = ApiAuditConfig(honest_server.base_url, "target", TARGET_DIR, tmp_path / "a", n=6, max_tokens=12)
+    prompts = prompts_for(TARGET_DIR, cfg.n, cfg.seed)
+    client = _client(cfg)
+    with pytest.raises(EndpointError, match=r"4 of 6 claims collected, saved in"):
+        collect_claims(_DiesAfter(client, 4), cfg, "seeded", prompts, "verinfer-testbed-target")
+    kept = read_claims(tmp_path / "a" / "claims.jsonl")
+    assert [c.id for c in kept] == [f"api-{i:05d}" for i in range(4)]
+    counter = _DiesAfter(client, 100)
+    _, claims = collect_claims(counter, cfg, "seeded", prompts, "verinfer-testbed-target")
+    assert counter.k == 98  # only the two missing prompts were sent again
+    assert claims[:4] == kept and len(claims) == 6
+    # the same directory refuses an audit with other settings instead of mixing claims
+    other = ApiAuditConfig(honest_server.base_url, "target", TARGET_DIR, tmp_path / "a", n=6, max_tokens=13)
+    with pytest.raises(Exception, match="holds claims of another audit"):
+        collect_claims(client, other, "seeded", prompts, "verinfer-testbed-target")
