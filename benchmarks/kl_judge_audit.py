@@ -1,0 +1,64 @@
+"""Audit link: a provider runs the lossy KL judge while claiming standard speculative sampling.
+How many output tokens does the audit need to catch it?
+
+    .venv/bin/python benchmarks/kl_judge_audit.py [--n 128] [--max-tokens 64]
+
+Honest provider: standard speculative sampling (gamma 4, temperature 1, audit prompts of
+models/corpus.eval_prompts). Misconfigured: the KL judge at each threshold, claims labelled
+"standard". Both send per-token events (a/r/b); the verifier (speculative/audit.py) scores every
+output token by -log min(1, p/q) on accepted draft tokens (0 otherwise, +inf on violations) and
+the DiFR protocol (audit/metrics.auc_vs_tokens: 50/50 token split, winsorize at the 0.999 honest
+quantile, batch means) gives AUC@1%FPR by batch size; tokens-to-detect = smallest batch reaching
+0.99. Writes benchmarks/results/kl_judge_audit.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+from verinfer.models.corpus import eval_prompts  # noqa: E402
+from verinfer.models.llama import LlamaLM  # noqa: E402
+from verinfer.models.testbed import DRAFT_DIR, TARGET_DIR, load_tokenizer  # noqa: E402
+from verinfer.speculative.audit import tokens_to_detect_kl_provider  # noqa: E402
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--n", type=int, default=128)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--thresholds", type=float, nargs="+", default=[0.1, 0.5, 2.0])
+    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    a = ap.parse_args()
+    torch.set_num_threads(1)
+    t0 = time.time()
+    tok = load_tokenizer()
+    target, draft = LlamaLM.from_pretrained(TARGET_DIR), LlamaLM.from_pretrained(DRAFT_DIR)
+    prompts = eval_prompts(tok, a.n, seed=11)
+    res = {"command": "benchmarks/kl_judge_audit.py " + " ".join(sys.argv[1:]), "by_threshold": {}}
+    for thr in a.thresholds:
+        r = tokens_to_detect_kl_provider(target, draft, prompts, threshold=thr, max_tokens=a.max_tokens, seed=0)
+        res["by_threshold"][str(thr)] = r
+        print(thr, r["tokens_to_detect"], r["kl_claims_standard"], flush=True)
+    res["seconds"] = time.time() - t0
+    a.out.mkdir(parents=True, exist_ok=True)
+    (a.out / "kl_judge_audit.json").write_text(json.dumps(res, indent=1))
+    L = ["# Audit: KL judge claimed as standard speculative sampling", "",
+         f"`{res['command']}`: {a.n} audit prompts x {a.max_tokens} tokens per provider, gamma 4, temperature 1.", "",
+         "| KL threshold | tokens-to-detect (AUC@1%FPR >= 0.99) | honest accepted frac | KL accepted frac | honest mean -log min(1,p/q) | KL mean | violations (honest / KL) | AUC by tokens |",
+         "|---:|---:|---:|---:|---:|---:|---|---|"]
+    for thr, r in res["by_threshold"].items():
+        h, k = r["honest_standard"], r["kl_claims_standard"]
+        curve = ", ".join(f"{b}: {v:.3f}" for b, v in r["auc_at_1pct_fpr_by_tokens"].items() if v is not None)
+        L.append(f"| {thr} | {r['tokens_to_detect']} | {h['accepted_fraction']:.3f} | {k['accepted_fraction']:.3f} | "
+                 f"{h['mean_accept_nll']:.4f} | {k['mean_accept_nll']:.4f} | {h['violations']} / {k['violations']} | {curve} |")
+    L += ["", "Tokens-to-detect None = not reached within the largest batch evaluated (limited by the test half of "
+          "the tokens).", f"Total {res['seconds']:.0f} s.", ""]
+    (a.out / "kl_judge_audit.md").write_text("\n".join(L))
