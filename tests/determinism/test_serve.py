@@ -30,16 +30,29 @@ def test_continuous_batching_bf16_matches_engine_generate_token_counts(fast_engi
     assert got == ref
 
 
-def test_llm42_and_best_at_infinite_tau_are_exact(fast_engine, det_engine):
+def test_llm42_and_gated_llm42_at_infinite_tau_are_exact(fast_engine, det_engine):
     reqs = _workload(seed=1)
     ref = _reference(det_engine, reqs)
     protected = {r.id for r in reqs[::2]}
-    for policy, kw in (("llm42", dict(window=5)), ("best", dict(window=3, tau=float("inf")))):
+    for policy, kw in (("llm42", dict(window=5)), ("gated_llm42", dict(window=3, tau=float("inf")))):
         got, st = Server(fast_engine, det_engine, policy, max_batch=5, **kw).run(reqs, protected)
         for rid in protected:
             assert got[rid] == ref[rid], (policy, rid)
         assert st.verify_passes > 0
         assert st.rates()["trigger_rate"] >= 0.9  # every protected token replayed
+
+
+def test_best_equals_the_reference_without_verifying(fast_engine, det_engine):
+    """best decodes on the fixed-shape path: protected rows equal the batch-size-1 reference in
+    every batch size, with nothing triggered; bf16 on the same workload is compared too."""
+    reqs = _workload(n=10, seed=3)
+    ref = _reference(det_engine, reqs)
+    protected = {r.id for r in reqs[1::2]}
+    for max_batch in (3, 10):
+        got, st = Server(fast_engine, det_engine, "best", max_batch=max_batch).run(reqs, protected)
+        assert {rid: got[rid] for rid in protected} == {rid: ref[rid] for rid in protected}
+        assert st.triggered == 0 and st.verify_passes == 0 and st.rolled_back == 0
+        assert st.protected_steps == sum(r.params.max_tokens for r in reqs if r.id in protected)
 
 
 def test_margingate_rates_and_zero_tau_is_bf16_after_det_prefill(fast_engine, det_engine):

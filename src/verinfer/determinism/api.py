@@ -31,7 +31,7 @@ def generate(model_dir, out, *, policy: str = "margingate", n: int = 8, max_toke
     if policy not in POLICIES:
         raise ValueError(f"--deterministic must be one of {POLICIES}, got {policy!r}")
     info = model_info(model_dir)
-    if policy in ("margingate", "best") and tau is None:
+    if policy in ("margingate", "gated_llm42") and tau is None:
         tau = read_tau(tau_file, info.name)
     eng = make_engines(model_dir, device)
     code, arith = split_prompts(model_dir, (n + 1) // 2, seed)
@@ -40,7 +40,8 @@ def generate(model_dir, out, *, policy: str = "margingate", n: int = 8, max_toke
     reqs = [Request(f"req-{i}", p, params) for i, p in enumerate(prompts)]
     protected = {r.id for r in reqs[::protect_every]}
     fast = eng.layercast if policy == "layercast" else eng.fast
-    outs, st = Server(fast, eng.det, policy, tau=tau or 0.0, window=window, max_batch=max_batch).run(reqs, protected)
+    det = eng.tiled if policy == "batch_invariant" else eng.det
+    outs, st = Server(fast, det, policy, tau=tau or 0.0, window=window, max_batch=max_batch).run(reqs, protected)
     rows = [dict(id=r.id, model=info.name, prompt_token_ids=r.prompt_token_ids, output_token_ids=outs[r.id],
                  sampling=dict(temperature=0.0, top_k=-1, top_p=1.0, min_p=0.0, seed=None, noise="vllm-cpu"),
                  deterministic=policy if r.id in protected else None) for r in reqs]

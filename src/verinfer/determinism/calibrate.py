@@ -29,16 +29,20 @@ TOP_K_EPS = 50
 @dataclass
 class Engines:
     fast: Engine   # bf16 default, chunked prefill
-    det: Engine    # batch-invariant reference path
+    det: Engine    # fixed-shape deterministic path: the reference and every verifier
+    tiled: Engine  # op-level batch-invariant kernels (the batch_invariant baseline; its own reference)
     layercast: Engine
 
 
 def make_engines(model_dir, device="cpu", prefill_chunk: int = 16, threads: int | None = None) -> Engines:
-    from verinfer.determinism.invariant import layercast
+    from verinfer.determinism.invariant import fixed_shape, layercast
 
     num = Numerics(dtype="bf16", threads=threads)
     m = load_model(model_dir, num, device)
+    with num.threads_ctx():  # certify the kernels at the thread count they will run with
+        det = fixed_shape(m)
     return Engines(Engine(m, num.with_(prefill_chunk=prefill_chunk), eos_token_id=None),
+                   Engine(det, num, eos_token_id=None),
                    Engine(batch_invariant(m), num, eos_token_id=None),
                    Engine(layercast(m), num.with_(dtype="fp32", prefill_chunk=prefill_chunk), eos_token_id=None))
 
@@ -59,10 +63,11 @@ def make_requests(prompts, tag: str, max_tokens: tuple[int, int], seed: int) -> 
             for i, p in enumerate(prompts)]
 
 
-def reference(eng: Engines, reqs, max_batch: int = 16) -> dict[str, list[int]]:
-    """The batch-size-1 answer of the deterministic path. Computed batched: the path is
-    batch-invariant (tests/determinism/test_invariant.py checks it bitwise)."""
-    out, _ = Server(eng.det, eng.det, "batch_invariant", max_batch=max_batch).run(reqs)
+def reference(eng: Engines, reqs, max_batch: int = 16, det: Engine | None = None) -> dict[str, list[int]]:
+    """The batch-size-1 answer of the deterministic path (`det`, default eng.det). Computed
+    batched: the path is batch-invariant (tests/determinism/test_invariant.py checks it bitwise)."""
+    det = det or eng.det
+    out, _ = Server(det, det, "batch_invariant", max_batch=max_batch).run(reqs)
     return out
 
 

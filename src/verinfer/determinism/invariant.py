@@ -17,6 +17,28 @@ co-batched requests, chunked prefill and token-by-token decode bitwise.
 
 `layercast(model)` is the LayerCast baseline: bf16-rounded weights, fp32 compute.
 
+`FixedShapeLM` is the second deterministic path, and the one verinfer decodes with: instead of
+replacing the library kernels it holds fixed every shape their reduction order depends on, after
+checking on this machine which shapes those are (`certify`):
+- attention reads a number of cache slots rounded up to a multiple of `slot_multiple` (64), masked
+  past each row's position, and gives every row the bits it would get reading all `key_slots` (the
+  model's context). The default path reads exactly as many slots as the longest row needs, and CPU
+  flash attention then changes a row's bits when its neighbours change: the kernel vectorizes the
+  softmax over the key block and computes a ragged tail with scalar code, so a row's last real keys
+  fall in the tail or not depending on the block length. With the block a multiple of 64 every real
+  key sits in a full vector and the masked ones add exact zeros (`certify` checks exactly this:
+  every multiple of 64 up to key_slots gives the same bits);
+- every query gets decode semantics, one query per attention item: a call with T > 1 tokens
+  (prefill, LLM-42 verification) packs its queries into the head axis (q [B, G*rep*T, 1, E]; GQA
+  maps each packed head to its kv head), so a token's attention is computed exactly as in a
+  one-token decode step (the kernel's T=1 and T>=2 paths differ in the last bits);
+- each linear layer is one GEMM over all rows (in chunks of at most `max_rows`): the per-row
+  result of the library GEMM was checked not to depend on the number of rows, for every weight
+  shape of the model at this dtype and thread count; a weight that fails the check falls back to
+  fixed `ROW_TILE`-row tiles.
+Its decode step costs about what the default decode step costs (benchmarks/margingate.py), so it
+is the reference, the verifier of margingate / llm42, and the decode path of the `best` policy.
+
 Shape key: B=batch, H=query heads, G=kv heads, T=tokens in a call, S=key slots, E=head dim.
 """
 
@@ -27,6 +49,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from verinfer.errors import NumericsError
 from verinfer.models.llama import KVCache, LlamaLM
 
 ROW_TILE = 64
@@ -82,6 +105,152 @@ class BatchInvariantLM(LlamaLM):
         out = torch.bmm(probs, v)  # [B*G*nT, rep*Q, E]
         out = out.view(B, G, nT, rep, Q, E).permute(0, 1, 3, 2, 4, 5).reshape(B, H, Tp, E)
         return out[:, :, :T]
+
+
+# --- FixedShapeLM ---------------------------------------------------------------------------
+_CERTIFIED: dict[tuple, bool] = {}
+PROBE_ROWS = (1, 2, 3, 5, 8, 13, 16, 17, 31, 32, 33, 64, 65, 100, 128, 129, 256, 512, 1024)
+
+
+def _gemm_row_invariant(out_f: int, in_f: int, dtype, device, seed: int = 0) -> bool:
+    """Does F.linear give every row the same bits whatever the number of rows (1..1024)?"""
+    key = ("gemm", out_f, in_f, dtype, str(device), torch.get_num_threads())
+    if key not in _CERTIFIED:
+        g = torch.Generator().manual_seed(seed)
+        W = (torch.randn(out_f, in_f, generator=g) / math.sqrt(in_f)).to(dtype=dtype, device=device)
+        X = torch.randn(max(PROBE_ROWS), in_f, generator=g).to(dtype=dtype, device=device)
+        one = torch.cat([F.linear(X[i : i + 1], W) for i in range(8)])
+        full = F.linear(X, W)
+        ok = torch.equal(full[:8], one)
+        for M in PROBE_ROWS:
+            ok = ok and torch.equal(F.linear(X[:M], W), full[:M])
+        _CERTIFIED[key] = ok
+    return _CERTIFIED[key]
+
+
+def _attention_item_invariant(heads: int, kv_heads: int, head_dim: int, slots: int, multiple: int, dtype,
+                              device, seed: int = 0) -> bool:
+    """Is a one-query attention item's result independent of the other items in the call, of
+    the number of slots read (any multiple of `multiple` covering its keys, up to `slots`), and
+    does head-packing T queries reproduce T one-query calls bitwise?"""
+    key = ("sdpa", heads, kv_heads, head_dim, slots, multiple, dtype, str(device), torch.get_num_threads())
+    if key not in _CERTIFIED:
+        g = torch.Generator().manual_seed(seed)
+        B, T = 6, 7
+        rnd = lambda *s: torch.randn(*s, generator=g).to(dtype=dtype, device=device)  # noqa: E731
+        k, v, q = rnd(B, kv_heads, slots, head_dim), rnd(B, kv_heads, slots, head_dim), rnd(B, heads, T, head_dim)
+        last_B = torch.cat([torch.tensor([slots - 1, T - 1]), torch.randint(T, slots, (B - 2,), generator=g)])
+        pos_BT = (last_B[:, None] - T + 1 + torch.arange(T)).to(device)
+        mask_BTS = torch.arange(slots, device=device)[None, None] <= pos_BT[:, :, None]
+        one = lambda b, t: _sdpa_one_query(q[b : b + 1, :, t : t + 1], k[b : b + 1], v[b : b + 1],  # noqa: E731
+                                           mask_BTS[b : b + 1, t : t + 1])
+        ref = torch.stack([torch.cat([one(b, t) for t in range(T)], 2)[0] for b in range(B)])
+        ok = torch.equal(_sdpa_packed(q, k, v, mask_BTS), ref)
+        ok = ok and torch.equal(_sdpa_one_query(q[:, :, :1], k, v, mask_BTS[:, :1]), ref[:, :, :1])
+        for b in range(B):  # fewer slots read: every multiple of `multiple` that covers the row
+            need = int(last_B[b]) + 1
+            for S in range(-(-need // multiple) * multiple, slots, multiple):
+                ok = ok and torch.equal(_sdpa_packed(q[b : b + 1], k[b : b + 1, :, :S], v[b : b + 1, :, :S],
+                                                     mask_BTS[b : b + 1, :, :S]), ref[b : b + 1])
+                ok = ok and torch.equal(_sdpa_one_query(q[b : b + 1, :, -1:], k[b : b + 1, :, :S],
+                                                        v[b : b + 1, :, :S], mask_BTS[b : b + 1, -1:, :S]),
+                                        ref[b : b + 1, :, -1:])
+        _CERTIFIED[key] = ok
+    return _CERTIFIED[key]
+
+
+def _sdpa_one_query(q_BH1E, k_BGSE, v_BGSE, mask_B1S):
+    return F.scaled_dot_product_attention(q_BH1E, k_BGSE, v_BGSE, attn_mask=mask_B1S[:, None],
+                                          scale=1.0 / math.sqrt(q_BH1E.shape[-1]), enable_gqa=True)
+
+
+def _sdpa_packed(q_BHTE, k_BGSE, v_BGSE, mask_BTS):
+    """T queries per row as T one-query attention items (packed into the head axis)."""
+    B, H, T, E = q_BHTE.shape
+    G, S = k_BGSE.shape[1], k_BGSE.shape[2]
+    rep = H // G
+    q = q_BHTE.reshape(B, G * rep * T, 1, E)  # packed head g*rep*T + r*T + t -> kv head g
+    m = mask_BTS[:, None, None].expand(B, G, rep, T, S).reshape(B, G * rep * T, 1, S)
+    out = F.scaled_dot_product_attention(q, k_BGSE, v_BGSE, attn_mask=m, scale=1.0 / math.sqrt(E),
+                                         enable_gqa=True)
+    return out.reshape(B, H, T, E)
+
+
+class FixedShapeLM(LlamaLM):
+    """The same weights as `base`, computed by the library kernels at fixed shapes (module doc)."""
+
+    def __init__(self, base: LlamaLM, key_slots: int | None = None, slot_multiple: int = 64, max_rows: int = 1024,
+                 certify: bool = True):
+        super().__init__(base.config, base.w, attn="sdpa")
+        c = base.config
+        self.key_slots = key_slots or c.max_position_embeddings
+        self.slot_multiple = slot_multiple
+        self.max_rows = max_rows
+        self.tiled: set[str] = set()  # weights whose GEMM failed the row-invariance check
+        if certify:
+            self.certify()
+
+    def certify(self) -> dict:
+        """Check the kernel properties this path relies on, at the current dtype/threads/device.
+        Weights whose GEMM fails get fixed tiles; attention failing is an error."""
+        c = self.config
+        self.tiled = {n for n, W in self.w.items() if W.dim() == 2 and n != "embed_tokens.weight"
+                      and not _gemm_row_invariant(W.shape[0], W.shape[1], W.dtype, W.device)}
+        if not _attention_item_invariant(c.num_attention_heads, c.num_key_value_heads, c.head_dim, self.key_slots,
+                                         self.slot_multiple, self.dtype, self.device):
+            raise NumericsError(
+                f"this machine's scaled_dot_product_attention is not item-invariant at {self.key_slots} key slots "
+                f"read in multiples of {self.slot_multiple} ({self.dtype}, {torch.get_num_threads()} threads)",
+                fix="use the tiled batch-invariant path (policy batch_invariant) or an always-on verifier (llm42)")
+        return dict(tiled=sorted(self.tiled), threads=torch.get_num_threads(), dtype=str(self.dtype))
+
+    def new_cache(self, batch: int, max_slots: int, write_hook=None) -> KVCache:
+        return super().new_cache(batch, max(max_slots, self.key_slots), write_hook)
+
+    def _key_slots(self, needed: int, cache: KVCache) -> int:
+        if needed > self.key_slots:
+            raise ValueError(f"position {needed - 1} is past the fixed-shape path's {self.key_slots} key slots")
+        S = min(self.key_slots, -(-needed // self.slot_multiple) * self.slot_multiple)
+        if cache.max_slots < S:
+            raise ValueError(f"the fixed-shape path reads {S} key slots but the cache has {cache.max_slots}; "
+                             f"create it with this model's new_cache")
+        return S
+
+    def _linear(self, x, name):
+        W = self.w[name]
+        b = self.w.get(name.replace(".weight", ".bias"))
+        lead = x.shape[:-1]
+        x_ND = x.reshape(-1, x.shape[-1])
+        N = x_ND.shape[0]
+        if name in self.tiled:
+            R = ROW_TILE
+            x_ND = F.pad(x_ND, (0, 0, 0, (-N) % R))
+            y = torch.cat([F.linear(x_ND[i : i + R], W, b) for i in range(0, x_ND.shape[0], R)])[:N]
+        elif N <= self.max_rows:
+            y = F.linear(x_ND, W, b)
+        else:
+            y = torch.cat([F.linear(x_ND[i : i + self.max_rows], W, b) for i in range(0, N, self.max_rows)])
+        return y.reshape(*lead, W.shape[0])
+
+    def _attention(self, q_BHTE, k_BGSE, v_BGSE, mask_BTS):
+        B, H, T, E = q_BHTE.shape
+        S, Sf = k_BGSE.shape[2], self.key_slots
+        if mask_BTS is None:  # no cache: this call's tokens, causal
+            mask_BTS = torch.ones(T, T, dtype=torch.bool, device=q_BHTE.device).tril()[None].expand(B, -1, -1)
+        Sm = min(Sf, -(-S // self.slot_multiple) * self.slot_multiple)
+        if S < Sm:  # cache-less call: pad the keys to a multiple of slot_multiple
+            k_BGSE = F.pad(k_BGSE, (0, 0, 0, Sm - S))
+            v_BGSE = F.pad(v_BGSE, (0, 0, 0, Sm - S))
+            mask_BTS = F.pad(mask_BTS, (0, Sm - S), value=False)
+        elif S > Sf:
+            raise ValueError(f"{S} key slots exceed the fixed key_slots={Sf}")
+        if T == 1:
+            return _sdpa_one_query(q_BHTE, k_BGSE, v_BGSE, mask_BTS)
+        return _sdpa_packed(q_BHTE, k_BGSE, v_BGSE, mask_BTS)
+
+
+def fixed_shape(model: LlamaLM, **kw) -> FixedShapeLM:
+    return model if isinstance(model, FixedShapeLM) else FixedShapeLM(model, **kw)
 
 
 def batch_invariant(model: LlamaLM, **kw) -> BatchInvariantLM:

@@ -23,11 +23,17 @@ Policies (the reference for protected requests is the batch-invariant path run a
   mode fills a verify batch with not-yet-ready requests); at the first mismatch the output is
   truncated, the verifier token emitted, and decoding resumes from there; verified K/V columns
   replace the bf16 ones.
-- `best`: margin-gated lazy decode-verify-rollback: a protected row is only armed by a near-tie
-  step (margin < tau); once an armed row has `window` tokens since its first near-tie (or
-  finished), all armed rows replay their unverified tokens (since their last verified one) in
-  one deterministic pass, with rollback from the first mismatch as in llm42. A row with no
-  near-tie since its last verification is never replayed (e.g. a sequence's high-margin tail).
+- `gated_llm42`: LLM-42's windowed decode-verify-rollback gated by the margin: a protected row is
+  only armed by a near-tie step (margin < tau); once an armed row has `window` tokens since its
+  first near-tie (or finished), all armed rows replay their unverified tokens (since their last
+  verified one) in one deterministic pass, with rollback from the first mismatch as in llm42. A
+  row with no near-tie since its last verification is never replayed.
+- `best` (verinfer's cheapest exact policy): protected prompts are prefilled and every decode
+  step runs on the fixed-shape deterministic path (`det`, determinism/invariant.FixedShapeLM):
+  the library's own fast kernels with the key-slot count and the query shape held fixed, after
+  `certify()` checked on this machine that nothing else changes a row's bits. Unprotected rows
+  share the same forward (their prefill stays on the fast chunked path). Exact by construction,
+  so nothing is verified, triggered or rolled back.
 
 Shape key: B=batch rows, T=tokens, V=vocab.
 """
@@ -43,7 +49,7 @@ import torch
 from verinfer.determinism.invariant import RowsCache
 from verinfer.engine.engine import Batch, Engine, Request
 
-POLICIES = ("bf16", "batch_invariant", "layercast", "margingate", "llm42", "best")
+POLICIES = ("bf16", "batch_invariant", "layercast", "margingate", "llm42", "gated_llm42", "best")
 
 
 def top2_margin(logits_BV: torch.Tensor) -> torch.Tensor:
@@ -71,7 +77,7 @@ class Stats:
 @dataclass
 class Row:
     verified: int = 0          # windowed policies: outputs[:verified] are verified
-    armed_at: int | None = None  # best: output index of the first unverified near-tie step
+    armed_at: int | None = None  # gated_llm42: output index of the first unverified near-tie step
     det_logits: bool = True    # the row's current logits came from the deterministic path
 
 
@@ -89,7 +95,7 @@ class Server:
     # --- batch management -------------------------------------------------------------
     def _prefill(self, reqs: list[Request], protected: set[str]) -> Batch:
         eng_for = lambda r: self.det if (self.policy in ("batch_invariant",) or  # noqa: E731
-                                          (r.id in protected and self.policy in ("margingate", "llm42", "best"))) \
+                                          (r.id in protected and self.policy in ("margingate", "llm42", "gated_llm42", "best"))) \
             else self.fast
         groups: dict[int, list[Request]] = {}
         engines = {}
@@ -113,7 +119,7 @@ class Server:
         rows: list[Row] = []
         results: dict[str, list[int]] = {}
         st = Stats()
-        step_engine = {"batch_invariant": self.det}.get(self.policy, self.fast)
+        step_engine = {"batch_invariant": self.det, "best": self.det}.get(self.policy, self.fast)
         t0 = time.perf_counter()
         while queue or batch is not None:
             free = self.max_batch - (len(batch.requests) if batch else 0)
@@ -125,15 +131,15 @@ class Server:
             prot_B = [r.id in protected for r in batch.requests]
             if self.policy == "margingate":
                 self._margingate(batch, rows, prot_B, st)
-            elif self.policy == "best":
+            elif self.policy == "gated_llm42":
                 self._arm(batch, rows, prot_B, st)
             elif self.record_margins:
                 self._record(batch, rows, prot_B, st)
             st.protected_steps += sum(p and not d for p, d in zip(prot_B, batch.done_B))
             step_engine.decode_step(batch, sampler)
             for row in rows:
-                row.det_logits = self.policy == "batch_invariant"
-            if self.policy in ("llm42", "best"):
+                row.det_logits = self.policy in ("batch_invariant", "best")
+            if self.policy in ("llm42", "gated_llm42"):
                 self._windowed(batch, rows, prot_B, st)
             done = [b for b, d in enumerate(batch.done_B) if d]
             if done:
@@ -193,7 +199,7 @@ class Server:
                 r.armed_at = len(batch.outputs[b])  # index of the token about to be emitted
 
     def _windowed(self, batch: Batch, rows, prot_B, st: Stats) -> None:
-        """Decode-verify-rollback for llm42 (every protected row) and best (armed rows)."""
+        """Decode-verify-rollback for llm42 (every protected row) and gated_llm42 (armed rows)."""
         W = self.window
         if self.policy == "llm42":
             start = {b: rows[b].verified for b, p in enumerate(prot_B) if p and len(batch.outputs[b]) > rows[b].verified}
@@ -202,7 +208,7 @@ class Server:
             # later step reads was written by the deterministic path or by a high-margin step)
             start = {b: rows[b].verified for b, p in enumerate(prot_B) if p and rows[b].armed_at is not None}
         ready = [b for b, s in start.items() if batch.done_B[b] or
-                 len(batch.outputs[b]) - (rows[b].armed_at if self.policy == "best" else s) >= W]
+                 len(batch.outputs[b]) - (rows[b].armed_at if self.policy == "gated_llm42" else s) >= W]
         if not ready:
             return
         todo = sorted(start)

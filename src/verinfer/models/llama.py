@@ -213,6 +213,11 @@ class LlamaLM(torch.nn.Module):
                        self.dtype, self.device, write_hook)
 
     # --- forward -----------------------------------------------------------------------
+    def _key_slots(self, needed: int, cache: KVCache) -> int:
+        """How many cache slots attention reads (>= needed). The default reads just what the
+        call needs, so the attention shape depends on the longest row in the batch."""
+        return needed
+
     def _linear(self, x, name):
         b = self.w.get(name.replace(".weight", ".bias"))
         return F.linear(x, self.w[name], b)
@@ -259,7 +264,7 @@ class LlamaLM(torch.nn.Module):
             arange = bool((pos_BT == torch.arange(T, device=pos_BT.device)).all())
             mask_BTS = None if arange else pos_BT[:, None, :] <= pos_BT[:, :, None]
         else:
-            S = int(pos_BT.max().item()) + 1
+            S = self._key_slots(int(pos_BT.max().item()) + 1, cache)
             mask_BTS = torch.arange(S, device=x.device)[None, None, :] <= pos_BT[:, :, None]
         hidden = None
         for i in range(c.num_hidden_layers):
