@@ -103,3 +103,55 @@ def test_temperature_margin_is_zero_at_the_claimed_temperature():
     c = Claim("c", "m", [1, 2, 3], y, dataclasses.replace(p, temperature=1.0))
     assert (temperature_margin([c], [Replay(logits)], 1.5) == 0).all()
     assert (temperature_margin([c], [Replay(logits)], 1.0) > 0).any()
+
+
+def test_perturbation_loglik_vectorized_equals_loop_and_values():
+    from verinfer.audit.variants import perturbation_loglik, perturbation_loglik_loop
+
+    d = np.array([-3.0, -0.1, 0.0, 0.05, 0.4, 2.0, np.inf, -np.inf])
+    for sigma, eps in ((0.05, 0.0), (0.05, 1e-3), (0.3, 0.02)):
+        fast = perturbation_loglik(d, sigma, eps, 0.02)
+        slow = perturbation_loglik_loop(d, sigma, eps, 0.02)
+        fin = np.isfinite(slow)
+        np.testing.assert_allclose(fast[fin], slow[fin], rtol=1e-9, atol=1e-12)
+        assert np.array_equal(np.isinf(fast), np.isinf(slow))
+    # a tie is a coin flip; a filtered-out token is an outlier; no competitor means a sure win
+    assert perturbation_loglik(np.array([0.0]), 0.1)[0] == pytest.approx(math.log(0.5))
+    assert perturbation_loglik(np.array([np.inf]), 0.1, 1e-3, 0.02)[0] == pytest.approx(math.log(2e-5))
+    assert perturbation_loglik(np.array([-np.inf]), 0.1)[0] == 0.0
+    # far tails stay finite where the loop underflows (log_ndtr)
+    assert np.isfinite(perturbation_loglik(np.array([50.0]), 0.05)).all()
+    with pytest.raises(ValueError, match="NaN"):
+        perturbation_loglik(np.array([np.nan]), 0.1)
+
+
+def test_fit_perturbation_recovers_sigma_and_eps():
+    from verinfer.audit.variants import fit_perturbation
+
+    rng = np.random.default_rng(0)
+    # exact model: d ~ the verifier's gap; the claimed token won under noise of std sqrt(2) sigma
+    n, sigma, eps = 400_000, 0.08, 2e-3
+    gap = rng.normal(0, 1.0, n)                               # verifier's signed gap of a random competitor
+    win = rng.random(n) < norm.cdf(-gap / (math.sqrt(2) * sigma))
+    d = np.where(win, gap, -gap)                              # otherwise the competitor is the claimed token
+    out = rng.random(n) < eps
+    d[out] = 3.0 + rng.exponential(1.0, out.sum())
+    s, e = fit_perturbation(d, 0.02)
+    assert s == pytest.approx(sigma, rel=0.05)
+    assert e == pytest.approx(eps, rel=0.15)
+
+
+def test_perturbation_llr_vectorized_equals_loop():
+    from verinfer.audit.variants import perturbation_llr, perturbation_llr_loop
+
+    rng = np.random.default_rng(2)
+    g = rng.normal(-1, 0.5, (300, 3))
+    g[rng.random(g.shape) < 0.05] = 0.3
+    g[5, 0] = np.inf
+    g[6, 1] = np.inf
+    grid = [(0, 0.1, 1e-3), (0, 0.05, 1e-2), (1, 0.05, 1e-3), (2, 0.05, 1e-3)]
+    fast = perturbation_llr(g, grid, (0.05, 1e-3))
+    np.testing.assert_allclose(fast, perturbation_llr_loop(g, grid, (0.05, 1e-3)), rtol=1e-9, atol=1e-12)
+    assert fast[5, 1] == pytest.approx(math.log(10))       # an outlier under 10x the outlier rate
+    assert fast[5, 0] == pytest.approx(0.0)                 # filtered out: sigma alone cannot explain it
+    assert (fast[:, 2][np.isfinite(g[:, 1]) & (g[:, 1] == g[:, 0])] == 0).all()

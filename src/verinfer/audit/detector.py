@@ -313,3 +313,286 @@ def _as_values(values, name: str) -> np.ndarray:
     if np.isnan(v).any():
         raise ValueError(f"{name} contains NaN scores")
     return v
+
+
+# --- the `best` detector: perturbation GLRT ---------------------------------------------------------
+GLRT_FORMAT = "verinfer.PerturbationGLRTDetector"
+GLRT_FORMAT_VERSION = 1
+
+
+def gap_columns(table, temperature_factors=()) -> np.ndarray:
+    """[N, 1 + len(temperature_factors)] signed gaps: column 0 at the claimed temperature (`gap_0`
+    of a features table, or `gap` of a score table), then `gapT_{r}` per factor r."""
+    from verinfer.audit.scores import _column
+    from verinfer.audit.variants import temperature_column
+
+    names = table.column_names if hasattr(table, "column_names") else list(table)
+    first = "gap_0" if "gap_0" in names else "gap"
+    cols = [_column(table, first)] + [_column(table, temperature_column(r)) for r in temperature_factors]
+    return np.stack(cols, axis=1)
+
+
+@dataclass(frozen=True)
+class PerturbationGLRTDetector:
+    """Token-DiFR as a likelihood-ratio test on the perturbation scale (max-z GLRT).
+
+    Per token, d = signed gap of the claimed token's post-Gumbel score to its strongest competitor
+    (`variants.temperature_gaps`; > 0: the Token-DiFR margin of a token the replay does not
+    reproduce, < 0: minus the runner-up gap of one it does). Model H(sigma, eps, r): the provider's
+    scores are the verifier's at r times the claimed temperature plus N(0, sigma^2) per logit, and a
+    fraction eps of tokens are outliers (`variants.perturbation_loglik`). fit: (sigma0_, eps0_) by
+    maximum likelihood on honest tokens; the alternatives `grid_` are a larger noise scale
+    (sigma0 * sigma_factors: quantization, KV-cache precision), more outliers (eps0 * eps_factors:
+    sampling bugs, rare large margins) and another temperature (r in temperature_factors, read from
+    the gapT_{r} columns). Column g of the per-token evidence is log L(theta_g) - log L(theta0):
+    reproduced tokens with wide gaps carry ~0, near ties and flips carry the evidence, and an
+    honest flip at a near tie costs little while a wide-margin flip counts heavily (capped by the
+    outlier term). No alternative uses a misconfigured provider's kernel.
+
+    Batch statistic: max over columns of sqrt(n) (column mean - mu_g) / sd_g with mu_, sd_ from
+    honest train tokens. Threshold and tail probability: n_null_batches honest batches resampled
+    with replacement per honest group (e.g. configuration); the worst group's (1 - fpr)-quantile
+    plus a random-effects allowance z_{1-fpr} sqrt(n) max_g(tau_g / sd_g), tau_g = spread of the
+    group means, so a NEW honest configuration keeps the target FPR (as `ClippedMeanDetector`'s
+    stratified null, in z units). Fit on honest tokens only.
+
+    Input: a table / dict with the signed-gap columns (`gap_0` or `gap`, and gapT_{r}).
+    """
+
+    sigma_factors: tuple = (1.5, 2.0, 3.0, 5.0)
+    eps_factors: tuple = (10.0, 100.0)
+    temperature_factors: tuple = (0.8, 0.9, 1.1, 1.2)
+    outlier_p: float = 0.02
+    center: bool = True
+    target_fpr: float = 0.01
+    n_null_batches: int = 2000
+    random_state: int = 0
+    max_null_tokens: int = 200_000
+    _cache: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        if not 0.0 < self.target_fpr < 1.0:
+            raise ValueError(f"target_fpr must be in (0, 1), got {self.target_fpr}")
+        if any(f <= 1.0 for f in (*self.sigma_factors, *self.eps_factors)):
+            raise ValueError("sigma_factors and eps_factors must be > 1 (alternatives beyond the honest fit)")
+        if any(r <= 0 or r == 1.0 for r in self.temperature_factors):
+            raise ValueError("temperature_factors must be > 0 and != 1")
+        if self.n_null_batches < 10:
+            raise ValueError(f"n_null_batches must be >= 10, got {self.n_null_batches}")
+
+    # -- fitting ---------------------------------------------------------------------------------
+    def _learn(self, **kw) -> None:
+        for k, v in kw.items():
+            object.__setattr__(self, k, v)
+        self._cache.clear()
+
+    def fit(self, honest, groups=None) -> "PerturbationGLRTDetector":
+        """Learn sigma0_, eps0_, grid_, mu_, sd_, tau_ and the per-group null samples from honest
+        (train) tokens; `groups`: one label per token (its honest configuration) for the
+        random-effects null."""
+        from verinfer.audit.variants import fit_perturbation
+
+        g = self._gaps(honest)
+        if len(g) < 100:
+            raise ValueError(f"only {len(g)} honest tokens; need >= 100 to fit the perturbation model")
+        s0, e0 = fit_perturbation(g[:, 0], self.outlier_p)
+        grid = [(0, s0 * f, e0) for f in self.sigma_factors] + [(0, s0, e0 * f) for f in self.eps_factors]
+        grid += [(j + 1, s0, e0) for j in range(len(self.temperature_factors))]
+        eps_max = max(e for _, _, e in grid)
+        if eps_max >= 1.0:
+            raise ValueError(f"eps0 * max(eps_factors) = {eps_max:.3g} >= 1: honest tokens look like outliers")
+        self._learn(sigma0_=s0, eps0_=e0, grid_=[(int(c), float(s), float(e)) for c, s, e in grid])
+        labels = np.zeros(len(g), np.int64) if groups is None else np.unique(np.asarray(groups), return_inverse=True)[1]
+        if labels.size != len(g):
+            raise ValueError(f"groups has {labels.size} labels for {len(g)} tokens")
+        rng = np.random.default_rng(self.random_state)
+        n_groups = int(labels.max()) + 1
+        cap = max(1, self.max_null_tokens // n_groups)
+        samples = []
+        for k in range(n_groups):
+            gk = g[labels == k]
+            samples.append(gk[np.sort(rng.choice(len(gk), cap, replace=False))] if len(gk) > cap else gk)
+        self._set_null(samples, n_train=len(g))
+        return self
+
+    def _set_null(self, gap_samples: list, n_train: int) -> None:
+        xs = [self._llr(s) for s in gap_samples]
+        x = np.concatenate(xs)
+        means = np.array([xg.mean(axis=0) for xg in xs])
+        self._learn(null_gaps_=gap_samples, null_samples_=xs, mu_=x.mean(axis=0),
+                    sd_=np.maximum(x.std(axis=0, ddof=1), 1e-12),
+                    tau_=means.std(axis=0, ddof=1) if len(xs) > 1 else np.zeros(x.shape[1]), n_train_=int(n_train))
+
+    def _check_fitted(self) -> None:
+        if not hasattr(self, "null_samples_"):
+            raise VerinferError("the detector is not fitted", fix="call fit(honest_scores) or load a detector file")
+
+    def _gaps(self, table) -> np.ndarray:
+        g = gap_columns(table, self.temperature_factors)
+        if np.isnan(g).any():
+            raise ValueError("signed-gap columns contain NaN: the perturbation GLRT needs Gumbel-noise claims "
+                             "(greedy and inverse-cdf claims have no post-Gumbel gap)")
+        return g
+
+    def _llr(self, gaps_NC: np.ndarray) -> np.ndarray:
+        from verinfer.audit.variants import perturbation_llr, perturbation_llr_centered
+
+        f = perturbation_llr_centered if self.center else perturbation_llr
+        return f(gaps_NC, self.grid_, (self.sigma0_, self.eps0_), self.outlier_p)
+
+    # -- scoring ---------------------------------------------------------------------------------
+    def token_columns(self, table) -> np.ndarray:
+        """[N, G] per-token log-likelihood ratios of the alternatives against the honest fit."""
+        if not hasattr(self, "grid_"):
+            raise VerinferError("the detector is not fitted", fix="call fit(honest_scores) or load a detector file")
+        return self._llr(self._gaps(table))
+
+    token_scores = token_columns
+
+    def statistic_of_means(self, means_BC: np.ndarray, n_tokens: int) -> np.ndarray:
+        """max over columns of sqrt(n) (mean - mu_) / sd_, for rows of column means."""
+        return (np.sqrt(n_tokens) * (np.asarray(means_BC) - self.mu_) / self.sd_).max(axis=-1)
+
+    def statistic(self, table) -> float:
+        x = self.token_columns(table)
+        if len(x) == 0:
+            raise ValueError("no scored tokens")
+        return float(self.statistic_of_means(x.mean(axis=0), len(x)))
+
+    score = statistic
+
+    def batch_statistics(self, columns_NC: np.ndarray, n_tokens: int, n_batches: int,
+                         rng: np.random.Generator) -> np.ndarray:
+        """Statistics of n_batches batches of n_tokens rows drawn with replacement from columns_NC."""
+        x = np.asarray(columns_NC, dtype=np.float64)
+        n = int(n_tokens)
+        per = max(1, 4_000_000 // (n * x.shape[1]))
+        out = []
+        for s in range(0, n_batches, per):
+            k = min(per, n_batches - s)
+            out.append(self.statistic_of_means(x[rng.integers(0, len(x), (k, n))].mean(axis=1), n))
+        return np.concatenate(out)
+
+    def allowance(self, n_tokens: int) -> float:
+        """Random-effects allowance (z units) for a new honest configuration: z_{1-fpr} sqrt(n) max(tau/sd)."""
+        return float(norm.isf(self.target_fpr) * math.sqrt(n_tokens) * np.max(self.tau_ / self.sd_))
+
+    def null_statistics(self, n_tokens: int) -> np.ndarray:
+        """Resampled honest batch statistics of the group whose (1 - fpr)-quantile is highest,
+        shifted by `allowance(n)` (0 without groups). Deterministic in (random_state, n); cached."""
+        self._check_fitted()
+        n = int(n_tokens)
+        if n < 1:
+            raise ValueError(f"n_tokens must be >= 1, got {n_tokens}")
+        if n not in self._cache:
+            rng = np.random.default_rng([self.random_state, n])
+            per = [self.batch_statistics(xg, n, self.n_null_batches, rng) for xg in self.null_samples_]
+            worst = per[int(np.argmax([np.quantile(p, 1.0 - self.target_fpr) for p in per]))]
+            self._cache[n] = worst + self.allowance(n)
+        return self._cache[n]
+
+    def threshold(self, n_tokens: int) -> float:
+        return float(np.quantile(self.null_statistics(n_tokens), 1.0 - self.target_fpr))
+
+    def predict(self, table) -> bool:
+        x = self.token_columns(table)
+        return bool(self.statistic_of_means(x.mean(axis=0), len(x)) > self.threshold(len(x)))
+
+    def tokens_to_flag(self, stat: float, n_tokens: int) -> int | None:
+        """Tokens at which a batch with the same per-token excess would be flagged: the statistic
+        grows as c sqrt(n) (c = stat / sqrt(n_tokens)), the threshold as q + b sqrt(n) (b sqrt(n) =
+        `allowance`, q = the rest, taken at n_tokens), so n* = (q / (c - b))^2; None if c <= b."""
+        n = int(n_tokens)
+        c = stat / math.sqrt(n)
+        b = self.allowance(1)
+        q = self.threshold(n) - self.allowance(n)
+        if not c > b:
+            return None
+        return max(n + 1, int(math.ceil((max(q, 0.0) / (c - b)) ** 2)))
+
+    def verdict(self, table) -> dict:
+        """flagged, the statistic and threshold, the FPR the threshold was set at and its rate on the
+        resampled honest null, the tail probability under the honest null (resampled, worst group
+        plus allowance), and, when not flagged, how many more tokens a decision would need if the
+        per-token excess persisted (`tokens_to_flag`; None = no excess over honest)."""
+        x = self.token_columns(table)
+        n = len(x)
+        if n == 0:
+            raise ValueError("no scored tokens")
+        stat = float(self.statistic_of_means(x.mean(axis=0), n))
+        null = self.null_statistics(n)
+        thr = float(np.quantile(null, 1.0 - self.target_fpr))
+        p = (int(np.count_nonzero(null >= stat)) + 1) / (null.size + 1)
+        flagged = stat > thr
+        more = None
+        if not flagged:
+            n_star = self.tokens_to_flag(stat, n)
+            more = None if n_star is None else max(1, n_star - n)
+        decision = ("flagged: inconsistent with honest inference" if flagged else
+                    "not flagged: no excess over honest" if more is None else
+                    f"not flagged: not enough evidence yet (~{more} more tokens if the excess persists)")
+        top = int(np.argmax(np.sqrt(n) * (x.mean(axis=0) - self.mu_) / self.sd_))
+        return {"flagged": bool(flagged), "pooled": stat, "threshold": thr, "p_value": p, "tail_probability": p,
+                "p_value_method": "resampled", "n_tokens": n, "target_fpr": self.target_fpr,
+                "threshold_fpr": float(np.mean(null > thr)), "more_tokens_needed": more, "decision": decision,
+                "strongest_alternative": self.describe(top), "score": "perturbation-glrt"}
+
+    def describe(self, g: int) -> str:
+        """The alternative of column g in words."""
+        c, s, e = self.grid_[g]
+        if c > 0:
+            return f"temperature x{self.temperature_factors[c - 1]:g}"
+        if s != self.sigma0_:
+            return f"noise sigma x{s / self.sigma0_:.3g}"
+        return f"outliers eps x{e / self.eps0_:.3g}"
+
+    # -- persistence -----------------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        self._check_fitted()
+        enc = lambda a: base64.b64encode(np.ascontiguousarray(a, dtype="<f8").tobytes()).decode("ascii")  # noqa: E731
+        cfg = {f.name: (list(getattr(self, f.name)) if isinstance(getattr(self, f.name), tuple) else getattr(self, f.name))
+               for f in fields(self) if f.init}
+        return {"format": GLRT_FORMAT, "version": GLRT_FORMAT_VERSION, "config": cfg,
+                "fitted": {"sigma0_": self.sigma0_, "eps0_": self.eps0_, "grid_": [list(t) for t in self.grid_],
+                           "n_train_": self.n_train_, "n_columns": int(self.null_gaps_[0].shape[1]),
+                           "null_gaps_f8_base64": [enc(s) for s in self.null_gaps_]}}
+
+    def save(self, path: str | Path) -> None:
+        """Write the detector as JSON (atomically). The null is stored as the honest tokens' signed
+        gaps (the log-likelihood-ratio columns are recomputed on load)."""
+        atomic_write_text(path, json.dumps(self.to_dict()) + "\n")
+
+    @classmethod
+    def from_dict(cls, d: dict, where: str = "<dict>") -> "PerturbationGLRTDetector":
+        if not isinstance(d, dict) or d.get("format") != GLRT_FORMAT or d.get("version") != GLRT_FORMAT_VERSION:
+            raise VerinferError(f"not a {GLRT_FORMAT} version {GLRT_FORMAT_VERSION} file", where=where,
+                                fix="refit the detector with `verinfer calibrate --detector glrt`")
+        try:
+            cfg = {k: tuple(v) if isinstance(v, list) else v for k, v in d["config"].items()}
+            det = cls(**cfg)
+            f = d["fitted"]
+            c = int(f["n_columns"])
+            if c != 1 + len(det.temperature_factors):
+                raise ValueError(f"{c} gap columns for {len(det.temperature_factors)} temperature factors")
+            gaps = [np.frombuffer(base64.b64decode(s, validate=True), dtype="<f8").astype(np.float64).reshape(-1, c)
+                    for s in f["null_gaps_f8_base64"]]
+            if not gaps or min(len(x) for x in gaps) < 1:
+                raise ValueError("empty null sample")
+            det._learn(sigma0_=float(f["sigma0_"]), eps0_=float(f["eps0_"]),
+                       grid_=[(int(a), float(b), float(e)) for a, b, e in f["grid_"]])
+            det._set_null(gaps, n_train=int(f["n_train_"]))
+        except (KeyError, TypeError, ValueError) as e:
+            raise VerinferError(f"malformed detector ({type(e).__name__}: {e})", where=where,
+                                fix="refit the detector with `verinfer calibrate --detector glrt`") from e
+        return det
+
+    @classmethod
+    def load(cls, path: str | Path) -> "PerturbationGLRTDetector":
+        p = Path(path)
+        if not p.is_file():
+            raise VerinferError("no such detector file", where=str(p), fix="fit one with `verinfer calibrate`")
+        try:
+            return cls.from_dict(json.loads(p.read_text(encoding="utf-8")), where=str(p))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise VerinferError(f"detector file is not valid JSON ({e})", where=str(p),
+                                fix="refit the detector with `verinfer calibrate --detector glrt`") from e

@@ -19,6 +19,16 @@ statistics clip / pool them (`metrics`).
                                             token wins a trial when the Gaussian-perturbed logits
                                             (std sigma per logit) still rank it first (appendix B.1)
     tail_pooled(values, clip_hi, zero_below)  tail-focused pooling transform (appendix E)
+
+Perturbation likelihood (the `best` detector, `detector.PerturbationGLRTDetector`):
+
+    temperature_gaps(claims, replays, factors)  signed top-competitor gap d at temperature r * T
+    perturbation_loglik(d, sigma, eps, q)       log[(1 - eps) Phi(-d / (sqrt(2) sigma)) + eps q]:
+                                                the claimed token wins under N(0, sigma^2) noise per
+                                                logit, or is an outlier (probability eps, then q)
+    fit_perturbation(d, q)                      (sigma, eps) by maximum likelihood on honest tokens
+    perturbation_llr(d_NT, grid, theta0, q)     per-token log-likelihood ratios [N, G] of each
+                                                alternative (temperature column, sigma, eps) vs theta0
 """
 
 from __future__ import annotations
@@ -28,7 +38,7 @@ import math
 import numpy as np
 import pyarrow as pa
 import torch
-from scipy.special import ndtr
+from scipy.special import log_ndtr, ndtr
 from scipy.stats import norm
 
 from verinfer.audit.metrics import tail_pool, winsorize
@@ -117,9 +127,10 @@ def mc_difr_loop(gaps_NK, sigma: float, n_trials: int, rng: np.random.Generator,
 
 
 # --- one replay -> every feature --------------------------------------------------------------------
-def features_table(claims, replays, k: int = 16) -> pa.Table:
-    """`replay.scores_table` plus the gap_* columns (Gumbel claims; NaN otherwise) and the
-    ipt_lo / ipt_hi / ipt_u columns (inverse-cdf claims; NaN otherwise)."""
+def features_table(claims, replays, k: int = 16, temperature_factors=()) -> pa.Table:
+    """`replay.scores_table` plus the gap_* columns (Gumbel claims; NaN otherwise), the
+    ipt_lo / ipt_hi / ipt_u columns (inverse-cdf claims; NaN otherwise) and, per factor r in
+    `temperature_factors`, the column `gapT_{r}` = `temperature_gaps` (Gumbel claims; NaN otherwise)."""
     from verinfer.sampling.noise import get_backend
     from verinfer.sampling.sampler import inverse_cdf_interval, postgumbel_gaps
 
@@ -149,6 +160,9 @@ def features_table(claims, replays, k: int = 16) -> pa.Table:
         off += n
     cols = {f"gap_{j}": gaps[:, j] for j in range(k)}
     cols.update(ipt_lo=ipt[:, 0], ipt_hi=ipt[:, 1], ipt_u=ipt[:, 2], logit_gap=logit_gap)
+    if temperature_factors:
+        tg = temperature_gaps(claims, replays, temperature_factors)
+        cols.update({temperature_column(r): tg[:, j] for j, r in enumerate(temperature_factors)})
     for name, v in cols.items():
         base = base.append_column(name, pa.array(v, pa.float64()))
     return base
@@ -197,3 +211,159 @@ def alternative_evidence_loop(margin, alt_margins, clip: float) -> np.ndarray:
         b = min(m, clip)
         out.append(b + sum(b - min(a[i], clip) for a in alt_margins))
     return np.array(out)
+
+
+# --- perturbation likelihood ----------------------------------------------------------------------
+def temperature_column(factor: float) -> str:
+    """Name of the signed-gap column at `factor` times the claimed temperature."""
+    return f"gapT_{float(factor):g}"
+
+
+def temperature_gaps(claims, replays, factors) -> np.ndarray:
+    """[N, len(factors)] signed top-competitor post-Gumbel gap d = max_{c != y, kept} s_c - s_y with
+    s = l + (r T) G, the claim's logits and seed but r times its temperature (filters applied at
+    r T): d > 0 is the Token-DiFR margin of a token the replay at r T does not reproduce, d < 0
+    minus the runner-up gap of one it does, +inf if the claimed token is filtered out at r T.
+    NaN rows for claims without Gumbel noise (greedy, inverse-cdf)."""
+    from dataclasses import replace
+
+    from verinfer.sampling.noise import get_backend
+    from verinfer.sampling.sampler import postgumbel_gaps
+
+    N = sum(len(c.output_token_ids) for c in claims)
+    out = np.full((N, len(factors)), np.nan)
+    off = 0
+    for c, r in zip(claims, replays):
+        n = len(c.output_token_ids)
+        p = c.sampling
+        if n and not p.greedy and get_backend(p.noise).kind == "gumbel":
+            y = torch.tensor(c.output_token_ids, dtype=torch.long)
+            for j, f in enumerate(factors):
+                q = replace(p, temperature=p.temperature * float(f))
+                out[off : off + n, j] = postgumbel_gaps(r.logits_TV, y, q, len(c.prompt_token_ids), 1)[:, 0].numpy()
+        off += n
+    return out
+
+
+def perturbation_loglik(gap, sigma: float, eps: float = 0.0, outlier_p: float = 0.02) -> np.ndarray:
+    """log[(1 - eps) Phi(-d / (sqrt(2) sigma)) + eps * outlier_p] per token, d = signed gap.
+
+    Model: the provider's post-Gumbel scores are the verifier's plus independent N(0, sigma^2) per
+    logit, so the claimed token beats its strongest competitor with probability
+    Phi(-d / (sqrt(2) sigma)) (near 1 for a reproduced token with a wide runner-up gap, 1/2 at a
+    tie, tiny for a large margin); with probability eps the token is an outlier that any of
+    1 / outlier_p candidates could be (a sampling bug drawing from the top-k). d = +inf (claimed
+    token filtered out) gives log(eps * outlier_p) (-inf if eps = 0); d = -inf (no competitor) 0."""
+    if not sigma > 0:
+        raise ValueError(f"sigma must be > 0, got {sigma}")
+    if not 0.0 <= eps < 1.0:
+        raise ValueError(f"eps must be in [0, 1), got {eps}")
+    d = np.asarray(gap, dtype=np.float64)
+    if np.isnan(d).any():
+        raise ValueError("gap contains NaN (claims without Gumbel noise have no signed gap)")
+    a = math.log1p(-eps) + log_ndtr(-d / (math.sqrt(2.0) * sigma))
+    if eps == 0.0:
+        return a
+    return np.logaddexp(a, math.log(eps * outlier_p))
+
+
+def perturbation_loglik_loop(gap, sigma: float, eps: float = 0.0, outlier_p: float = 0.02) -> np.ndarray:
+    """Reference for `perturbation_loglik`, one token at a time with math.erfc."""
+    out = []
+    for d in np.asarray(gap, dtype=np.float64).ravel():
+        p = (1.0 - eps) * 0.5 * math.erfc(d / (2.0 * sigma)) + eps * outlier_p
+        out.append(math.log(p) if p > 0 else -math.inf)
+    return np.array(out)
+
+
+def fit_perturbation(gap, outlier_p: float = 0.02, min_eps: float = 1e-6) -> tuple[float, float]:
+    """(sigma, eps) maximizing sum(perturbation_loglik(gap, sigma, eps, outlier_p)) over honest
+    tokens (L-BFGS-B on log sigma and logit eps, from the half-normal sigma of `scores.fit_sigma`);
+    eps >= min_eps so that a rare honest outlier the train set happened to lack keeps a finite cost."""
+    from scipy.optimize import minimize
+
+    from verinfer.audit.scores import fit_sigma
+
+    d = np.asarray(gap, dtype=np.float64)
+    d = d[~np.isnan(d)]
+    if d.size == 0:
+        raise ValueError("no signed gaps to fit the perturbation model on")
+    s0 = fit_sigma(d[np.isfinite(d) & (d > 0)])
+    e0 = max(min_eps, float(np.mean(np.isinf(d) & (d > 0))) + 1.0 / d.size)
+
+    def nll(x):
+        return -perturbation_loglik(d, math.exp(x[0]), min_eps + (1 - 2 * min_eps) / (1 + math.exp(-x[1])),
+                                    outlier_p).sum() / d.size
+
+    x0 = np.array([math.log(s0), math.log((e0 - min_eps) / (1 - e0 - min_eps) + 1e-300)])
+    r = minimize(nll, x0, method="L-BFGS-B", bounds=[(math.log(s0) - 5, math.log(s0) + 5), (-30.0, 5.0)])
+    return float(math.exp(r.x[0])), float(min_eps + (1 - 2 * min_eps) / (1 + math.exp(-r.x[1])))
+
+
+def perturbation_llr(gaps_NT, grid, theta0, outlier_p: float = 0.02) -> np.ndarray:
+    """[N, G] per-token log-likelihood ratios log L(theta_g) - log L(theta0). gaps_NT: signed gaps,
+    column 0 at the claimed temperature, further columns at other temperatures; grid: G tuples
+    (column, sigma, eps); theta0 = (sigma0, eps0) on column 0 (the honest fit)."""
+    g = np.asarray(gaps_NT, dtype=np.float64)
+    if g.ndim != 2:
+        raise ValueError(f"gaps_NT must be 2-D [tokens, temperature columns], got shape {g.shape}")
+    base = perturbation_loglik(g[:, 0], theta0[0], theta0[1], outlier_p)
+    out = np.empty((g.shape[0], len(grid)))
+    cache = {}
+    for j, (col, s, e) in enumerate(grid):
+        key = (int(col), float(s), float(e))
+        if key not in cache:
+            cache[key] = perturbation_loglik(g[:, int(col)], s, e, outlier_p) - base
+        out[:, j] = cache[key]
+    return out
+
+
+def perturbation_llr_loop(gaps_NT, grid, theta0, outlier_p: float = 0.02) -> np.ndarray:
+    """Reference for `perturbation_llr`: one token and one alternative at a time."""
+    g = np.asarray(gaps_NT, dtype=np.float64)
+    out = np.empty((g.shape[0], len(grid)))
+    for i in range(g.shape[0]):
+        b = perturbation_loglik_loop(g[i, :1], theta0[0], theta0[1], outlier_p)[0]
+        for j, (col, s, e) in enumerate(grid):
+            out[i, j] = perturbation_loglik_loop(g[i, int(col) : int(col) + 1], s, e, outlier_p)[0] - b
+    return out
+
+
+def perturbation_llr_centered(gaps_NT, grid, theta0, outlier_p: float = 0.02) -> np.ndarray:
+    """`perturbation_llr` minus its conditional expectation under theta0 given the token's pair gap
+    a = |d| (columns at the claimed temperature; temperature columns are returned as is).
+
+    Two-competitor picture: the verifier's pick leads its runner-up by a; under theta0 the provider
+    claims the runner-up (d = +a) with probability p = exp(perturbation_loglik(+a; theta0)) and the
+    pick (d = -a) otherwise, so E0[llr | a] = (1 - p) llr(-a) + p llr(+a). The centered column is
+    ~0 on tokens whose outcome was never in doubt and carries the surprise of near ties and flips:
+    a batch's sum no longer depends on how many near ties its prompts happened to contain."""
+    g = np.asarray(gaps_NT, dtype=np.float64)
+    raw = perturbation_llr(g, grid, theta0, outlier_p)
+    a = np.abs(g[:, :1])
+    pos = perturbation_llr(np.hstack([a, g[:, 1:]]), grid, theta0, outlier_p)
+    neg = perturbation_llr(np.hstack([-a, g[:, 1:]]), grid, theta0, outlier_p)
+    p = np.exp(perturbation_loglik(a[:, 0], theta0[0], theta0[1], outlier_p))[:, None]
+    centered = raw - ((1.0 - p) * neg + p * pos)
+    cols = np.array([int(c) == 0 for c, _, _ in grid])
+    return np.where(cols[None, :], centered, raw)
+
+
+def perturbation_llr_centered_loop(gaps_NT, grid, theta0, outlier_p: float = 0.02) -> np.ndarray:
+    """Reference for `perturbation_llr_centered`, one token and one alternative at a time."""
+    g = np.asarray(gaps_NT, dtype=np.float64)
+    out = np.empty((g.shape[0], len(grid)))
+    s0, e0 = theta0
+    for i in range(g.shape[0]):
+        d = g[i, 0]
+        a = abs(d)
+        p = math.exp(perturbation_loglik_loop([a], s0, e0, outlier_p)[0])
+        for j, (col, s, e) in enumerate(grid):
+            llr = lambda x: (perturbation_loglik_loop([x], s, e, outlier_p)[0]  # noqa: E731
+                             - perturbation_loglik_loop([x], s0, e0, outlier_p)[0])
+            if int(col) == 0:
+                out[i, j] = llr(d) - ((1 - p) * llr(-a) + p * llr(a))
+            else:
+                out[i, j] = (perturbation_loglik_loop(g[i, int(col) : int(col) + 1], s, e, outlier_p)[0]
+                             - perturbation_loglik_loop([d], s0, e0, outlier_p)[0])
+    return out
