@@ -95,3 +95,31 @@ def test_fingerprints_generate_calibrate_and_combined_audit(tmp_path):
     assert v["int4 [combined]"]["flagged"] and v["int4 [combined]"]["target_fpr"] == pytest.approx(0.01)
     r = run("generate", "int4", "--out", tmp_path / "x.jsonl", "--fingerprint", "k=8,strid=2")
     assert r.exit_code == 2 and "unknown key" in r.output
+
+
+def test_glrt_detector_calibrate_and_audit(scored, tmp_path):
+    """The detection lab's `best` (perturbation GLRT) through the CLI: score --gaps, calibrate
+    --detector glrt, audit of claims JSONL (rescored with gaps) with the verdict's confidence fields."""
+    d, _ = scored
+    honest = []
+    for name in ("honest-bf16-b8", "honest-fp32-b4"):
+        r = run("score", d / f"{name}.jsonl", "--out", tmp_path / f"{name}.parquet", "--gaps")
+        assert r.exit_code == 0, r.output
+        honest.append(tmp_path / f"{name}.parquet")
+    r = run("calibrate", *[d / "honest-bf16-b8.parquet"], "--out", tmp_path / "nogap.json", "--detector", "glrt")
+    assert r.exit_code == 2 and "--gaps" in r.output                     # scores without the gap columns
+    r = run("calibrate", *honest, "--out", tmp_path / "glrt.json", "--detector", "glrt")
+    assert r.exit_code == 0 and "perturbation GLRT" in r.output, r.output
+    assert json.loads((tmp_path / "glrt.json").read_text())["format"] == "verinfer.PerturbationGLRTDetector"
+    import shutil
+
+    shutil.copy(d / "wrong-seed.jsonl", tmp_path / "wrong-seed.jsonl")
+    r = run("audit", tmp_path / "wrong-seed.jsonl", "--detector", tmp_path / "glrt.json", "--json", tmp_path / "v.json")
+    assert r.exit_code == 1, r.output
+    (v,) = json.loads((tmp_path / "v.json").read_text())
+    assert v["flagged"] and v["n_tokens"] == 6 * 24 and v["p_value"] < 0.01 and v["target_fpr"] == 0.01
+    assert 0 <= v["threshold_fpr"] <= 0.011 and v["more_tokens_needed"] is None and v["score"] == "perturbation-glrt"
+    r = run("audit", honest[0], "--detector", tmp_path / "glrt.json", "--json", tmp_path / "h.json", "--max-tokens", 20)
+    (h,) = json.loads((tmp_path / "h.json").read_text())
+    assert r.exit_code == (1 if h["flagged"] else 0) and h["n_tokens"] == 20 and 0 < h["tail_probability"] <= 1
+    assert "more_tokens_needed" in h

@@ -138,7 +138,8 @@ def generate(provider: str = typer.Argument("honest-bf16-b8", help="Simulated pr
 def score(claims: Path = typer.Argument(..., help="Claims JSONL."),
           out: Path = typer.Option(..., "--out", "-o", help="Scores Parquet to write (resumes)."),
           model: Optional[Path] = typer.Option(None), device: str = typer.Option("cpu"),
-          draft: Optional[Path] = typer.Option(None, help="Draft model for speculative claims (default: testbed draft).")):
+          draft: Optional[Path] = typer.Option(None, help="Draft model for speculative claims (default: testbed draft)."),
+          gaps: bool = typer.Option(False, "--gaps", help="Also the signed-gap columns the glrt detector reads.")):
     """Replay claims with the trusted model: one Parquet row per token with every score."""
     from verinfer.audit.pipeline import score as run
 
@@ -159,7 +160,7 @@ def score(claims: Path = typer.Argument(..., help="Claims JSONL."),
             if r["violations"]:
                 raise typer.Exit(1)
             return
-        t = run(claims, model or _default_model(), out, device=device)
+        t = run(claims, model or _default_model(), out, device=device, gaps=gaps)
     except (VerinferError, ValueError) as e:
         _fail(e)
     typer.echo(f"scored {t.num_rows} tokens -> {out}")
@@ -169,7 +170,10 @@ def score(claims: Path = typer.Argument(..., help="Claims JSONL."),
 def calibrate(scores: List[Path] = typer.Argument(..., help="Scores Parquet files of honest runs."),
               out: Path = typer.Option(..., "--out", "-o", help="Detector JSON to write."),
               score_name: str = typer.Option("margin", "--score"), clip_quantile: float = typer.Option(0.999),
-              target_fpr: float = typer.Option(0.01), seed: int = typer.Option(0)):
+              target_fpr: float = typer.Option(0.01), seed: int = typer.Option(0),
+              kind: str = typer.Option("clipped-mean", "--detector",
+                                       help="clipped-mean (one --score column) | glrt (perturbation GLRT, the "
+                                            "detection lab's `best`; needs scores from `verinfer score --gaps`)")):
     """Fit a detector on honest scores: winsorize, batch mean, threshold at a target FPR."""
     from verinfer.audit.pipeline import calibrate as run, load_score_tables
 
@@ -177,22 +181,29 @@ def calibrate(scores: List[Path] = typer.Argument(..., help="Scores Parquet file
         table = load_score_tables(scores)
         honest = sorted(set(table["provider"].to_pylist()))
         det, _ = run(table, honest, score_name=score_name, clip_quantile=clip_quantile, target_fpr=target_fpr,
-                     seed=seed)
+                     seed=seed, detector=kind)
         det.save(out)
     except (VerinferError, ValueError) as e:
         _fail(e)
-    typer.echo(f"detector ({score_name}, clip {det.clip_:.4g} at q={clip_quantile}, FPR {target_fpr}) -> {out}")
+    if kind == "glrt":
+        typer.echo(f"detector (perturbation GLRT, sigma0 {det.sigma0_:.4g}, eps0 {det.eps0_:.3g}, FPR {target_fpr}) "
+                   f"-> {out}")
+    else:
+        typer.echo(f"detector ({score_name}, clip {det.clip_:.4g} at q={clip_quantile}, FPR {target_fpr}) -> {out}")
 
 
 def _load_detector(path: Path):
-    """A ClippedMeanDetector or LikelihoodRatioDetector file, told apart by its "format" field."""
+    """A ClippedMeanDetector, LikelihoodRatioDetector or PerturbationGLRTDetector file, told apart
+    by its "format" field."""
     from verinfer.audit.combined import FORMAT as LR_FORMAT, LikelihoodRatioDetector
-    from verinfer.audit.detector import ClippedMeanDetector
+    from verinfer.audit.detector import GLRT_FORMAT, ClippedMeanDetector, PerturbationGLRTDetector
 
     try:
         fmt = json.loads(path.read_text(encoding="utf-8")).get("format") if path.is_file() else None
     except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
         fmt = None
+    if fmt == GLRT_FORMAT:
+        return PerturbationGLRTDetector.load(path)
     return LikelihoodRatioDetector.load(path) if fmt == LR_FORMAT else ClippedMeanDetector.load(path)
 
 
@@ -205,16 +216,17 @@ def audit(inputs: List[Path] = typer.Argument(..., help="Scores Parquet or claim
           json_out: Optional[Path] = typer.Option(None, "--json", help="Also write verdicts as JSON."),
           max_tokens: Optional[int] = typer.Option(None, help="Use at most this many tokens per provider.")):
     """Verdict per provider: flagged or not, tokens used, tail probability under the honest null."""
-    from verinfer.audit.detector import ClippedMeanDetector
+    from verinfer.audit.detector import PerturbationGLRTDetector
     from verinfer.audit.pipeline import audit as run, load_score_tables, print_verdicts, score as run_score
 
     try:
         dets = [_load_detector(d) for d in detector]
+        gaps = any(isinstance(d, PerturbationGLRTDetector) for d in dets)
         paths = []
         for p in inputs:
             if p.suffix == ".jsonl":
                 sp = p.with_suffix(".scores.parquet")
-                run_score(p, model or _default_model(), sp)
+                run_score(p, model or _default_model(), sp, gaps=gaps)
                 paths.append(sp)
             else:
                 paths.append(p)

@@ -72,7 +72,7 @@ def verifier_engine(model_dir: str | Path, numerics: Numerics = VERIFIER_NUMERIC
 
 
 def score(claims_path: str | Path, model_dir: str | Path, out: str | Path, *, engine: Engine | None = None,
-          device: str = "cpu", show_progress: bool = True) -> pa.Table:
+          device: str = "cpu", show_progress: bool = True, gaps: bool = False) -> pa.Table:
     claims = read_claims(claims_path)
     info = model_info(model_dir)
     check_claims_fit(claims, claims_path, model_name=info.name, vocab_size=info.vocab_size,
@@ -80,7 +80,7 @@ def score(claims_path: str | Path, model_dir: str | Path, out: str | Path, *, en
     engine = engine or verifier_engine(model_dir, device=device)
     total = sum(len(c.output_token_ids) for c in claims)
     with progress_bar(f"score {Path(claims_path).name}", total, show_progress) as adv:
-        return score_claims(claims, engine, out, model_sha=info.weights_sha256, progress=adv)
+        return score_claims(claims, engine, out, model_sha=info.weights_sha256, progress=adv, gaps=gaps)
 
 
 def load_score_tables(paths: list[str | Path]) -> pa.Table:
@@ -93,19 +93,37 @@ def provider_values(table: pa.Table, provider: str, score_name: str = "margin") 
 
 
 def calibrate(table: pa.Table, honest: list[str], *, score_name: str = "margin", clip_quantile: float = 0.999,
-              target_fpr: float = 0.01, seed: int = 0) -> tuple[ClippedMeanDetector, dict[str, np.ndarray]]:
+              target_fpr: float = 0.01, seed: int = 0, detector: str = "clipped-mean"):
     """Fit a detector on the train half of the honest tokens; return it and each honest
-    provider's held-out test half (for auditing honest providers without reusing train data)."""
+    provider's held-out test half (for auditing honest providers without reusing train data).
+    detector: "clipped-mean" (one score column, `ClippedMeanDetector`) or "glrt"
+    (`PerturbationGLRTDetector` on the signed-gap columns of `verinfer score --gaps`; the held-out
+    halves are then score tables)."""
+    if detector not in ("clipped-mean", "glrt"):
+        raise ValueError(f"unknown detector {detector!r}; choose clipped-mean or glrt")
     rng = np.random.default_rng(seed)
     train, groups, test = [], [], {}
     for name in honest:
-        v = provider_values(table, name, score_name)
+        if detector == "glrt":
+            sub = table.filter(pc.equal(table["provider"], name))
+            if "gap" not in sub.column_names:
+                raise ClaimError("the scores have no signed-gap columns (gap, gapT_*)",
+                                 fix="rescore the honest claims with `verinfer score --gaps`")
+            v = sub
+        else:
+            v = provider_values(table, name, score_name)
         if len(v) == 0:
             raise ClaimError(f"no scored tokens for honest provider {name!r}", fix="score its claims first")
         tr, te = split_tokens(len(v), rng)
-        train.append(v[tr])
+        train.append(v.take(tr) if detector == "glrt" else v[tr])
         groups += [name] * len(tr)
-        test[name] = v[te]
+        test[name] = v.take(te) if detector == "glrt" else v[te]
+    if detector == "glrt":
+        from verinfer.audit.detector import PerturbationGLRTDetector
+
+        det = PerturbationGLRTDetector(target_fpr=target_fpr, random_state=seed).fit(pa.concat_tables(train),
+                                                                                      groups=groups)
+        return det, test
     # stratified null: every honest configuration must pass at the target FPR, not just their pool
     det = ClippedMeanDetector(score=score_name, clip_quantile=clip_quantile, target_fpr=target_fpr,
                               random_state=seed).fit(np.concatenate(train), groups=groups)
@@ -115,13 +133,19 @@ def calibrate(table: pa.Table, honest: list[str], *, score_name: str = "margin",
 def audit(table: pa.Table, detector: ClippedMeanDetector, providers: list[str],
           held_out: dict[str, np.ndarray] | None = None, max_tokens: int | None = None) -> list[dict]:
     """Verdicts with confidence per provider. `detector` is a ClippedMeanDetector (one score
-    column) or a combined.LikelihoodRatioDetector (reads margin, exact match, cross-entropy)."""
+    column), a combined.LikelihoodRatioDetector (reads margin, exact match, cross-entropy) or a
+    detector.PerturbationGLRTDetector (reads the signed-gap columns of `verinfer score --gaps`)."""
     from verinfer.audit.combined import LikelihoodRatioDetector
+    from verinfer.audit.detector import PerturbationGLRTDetector
 
     verdicts = []
     for name in providers:
-        if isinstance(detector, LikelihoodRatioDetector):
-            sub = table.filter(pc.equal(table["provider"], name))
+        if isinstance(detector, (LikelihoodRatioDetector, PerturbationGLRTDetector)):
+            sub = held_out[name] if held_out and name in held_out and isinstance(held_out[name], pa.Table) else \
+                table.filter(pc.equal(table["provider"], name))
+            if isinstance(detector, PerturbationGLRTDetector) and "gap" not in sub.column_names:
+                raise ClaimError("the scores have no signed-gap columns (gap, gapT_*) that this detector reads",
+                                 fix="rescore with `verinfer score --gaps` (or pass the claims JSONL to audit)")
             d = detector.verdict(sub.slice(0, max_tokens) if max_tokens else sub)
         else:
             v = held_out[name] if held_out and name in held_out else provider_values(table, name, detector.score)

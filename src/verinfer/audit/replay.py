@@ -5,7 +5,11 @@ margin; +inf if the claimed token was filtered out), exact_match, cross_entropy 
 the verifier's filtered sampling distribution; +inf if filtered out), likelihood
 (log Phi(-margin / (sqrt(2) sigma))), fp_l2 (Activation-DiFR: L2 distance between the claim's
 fingerprint and the verifier's recomputation at logged positions; null at unlogged positions and
-for claims without `activations`).
+for claims without `activations`). With `gaps=True` (needed by the perturbation-GLRT detector,
+`verinfer score --gaps`): gap (signed post-Gumbel gap of the claimed token to its strongest
+competitor: > 0 the margin of a token the replay does not reproduce, < 0 minus the runner-up gap
+of one it does, +inf if filtered out; NaN for non-Gumbel claims) and gapT_{r} (the same at r x the
+claimed temperature, r in GAP_TEMPERATURE_FACTORS).
 
 Long runs resume: claims are scored in chunks, each written atomically as a part file under
 `<out>.parts/` beside a manifest of what is being scored; a rerun skips finished parts; the
@@ -37,6 +41,15 @@ SCORE_SCHEMA = pa.schema([
     ("cross_entropy", pa.float64()), ("likelihood", pa.float64()), ("fp_l2", pa.float64()),
 ])
 DEFAULT_SIGMA = 0.1
+GAP_TEMPERATURE_FACTORS = (0.8, 0.9, 1.1, 1.2)
+
+
+def gap_columns_of(claims: list[Claim], replays: list[Replay], factors=GAP_TEMPERATURE_FACTORS) -> dict:
+    """{"gap": [N], "gapT_{r}": [N] per factor}: `variants.temperature_gaps` at 1 and each factor."""
+    from verinfer.audit.variants import temperature_column, temperature_gaps
+
+    g = temperature_gaps(claims, replays, (1.0, *factors))
+    return {"gap": g[:, 0], **{temperature_column(r): g[:, j + 1] for j, r in enumerate(factors)}}
 
 
 def fingerprints_of(claims: list[Claim], hidden_size: int) -> tuple[list, int | None]:
@@ -72,10 +85,11 @@ def fingerprint_distances(claims: list[Claim], replays: list[Replay], fps: list)
 
 
 def scores_table(claims: list[Claim], replays: list[Replay], sigma: float = DEFAULT_SIGMA,
-                 fp_l2: np.ndarray | None = None) -> pa.Table:
+                 fp_l2: np.ndarray | None = None, gaps: bool = False) -> pa.Table:
     """One row per claimed token: Token-DiFR margin, replayed token, exact match, cross-entropy
     (-log p_y under the verifier's filtered sampling distribution, +inf if filtered out) and
-    the likelihood score. All claims of the chunk are scored in one vectorized pass."""
+    the likelihood score. All claims of the chunk are scored in one vectorized pass.
+    gaps: also the signed-gap columns (module docstring)."""
     margin_N, replay_N, kept_N, logp_N = score_claimed(
         [r.logits_TV for r in replays], [torch.tensor(c.output_token_ids, dtype=torch.long) for c in claims],
         [c.sampling for c in claims], [len(c.prompt_token_ids) for c in claims])
@@ -83,7 +97,7 @@ def scores_table(claims: list[Claim], replays: list[Replay], sigma: float = DEFA
     token_N = np.concatenate([np.asarray(c.output_token_ids, dtype=np.int32) for c in claims]) if claims else np.zeros(0, np.int32)
     margin = margin_N.numpy()
     xent = np.where(kept_N.numpy(), -logp_N.numpy(), math.inf)
-    return pa.table({
+    table = pa.table({
         "claim_id": np.repeat(np.array([c.id for c in claims], dtype=object), n_i),
         "provider": np.repeat(np.array([c.provider or "unknown" for c in claims], dtype=object), n_i),
         "position": np.concatenate([np.arange(n, dtype=np.int32) for n in n_i]) if claims else np.zeros(0, np.int32),
@@ -96,6 +110,10 @@ def scores_table(claims: list[Claim], replays: list[Replay], sigma: float = DEFA
         "fp_l2": (pa.array(fp_l2, mask=np.isnan(fp_l2), type=pa.float64()) if fp_l2 is not None
                   else pa.nulls(token_N.size, pa.float64())),
     }, schema=SCORE_SCHEMA)
+    if gaps:
+        for name, col in gap_columns_of(claims, replays).items():
+            table = table.append_column(pa.field(name, pa.float64()), pa.array(col, pa.float64()))
+    return table
 
 
 def atomic_write_parquet(table: pa.Table, path: Path) -> None:
@@ -119,20 +137,24 @@ def read_scores(path: str | Path) -> pa.Table:
     return t
 
 
-def _manifest(claims_sha: str, model_sha: str, numerics: dict, sigma: float, chunk: int) -> dict:
-    return {"claims_sha256": claims_sha, "model_weights_sha256": model_sha, "numerics": numerics,
-            "sigma": sigma, "chunk_claims": chunk, "format": 2}
+def _manifest(claims_sha: str, model_sha: str, numerics: dict, sigma: float, chunk: int, gaps: bool = False) -> dict:
+    m = {"claims_sha256": claims_sha, "model_weights_sha256": model_sha, "numerics": numerics,
+         "sigma": sigma, "chunk_claims": chunk, "format": 2}
+    if gaps:
+        m["gaps"] = list(GAP_TEMPERATURE_FACTORS)
+    return m
 
 
 def score_claims(claims: list[Claim], engine: Engine, out: str | Path, *, claims_sha: str | None = None,
                  model_sha: str = "", sigma: float = DEFAULT_SIGMA, chunk_claims: int = 64,
-                 batch_tokens: int = 8192, progress=None) -> pa.Table:
-    """Score every claim into `out` (Parquet), resuming finished chunks of an earlier run."""
+                 batch_tokens: int = 8192, progress=None, gaps: bool = False) -> pa.Table:
+    """Score every claim into `out` (Parquet), resuming finished chunks of an earlier run.
+    gaps: add the signed-gap columns (see `scores_table`)."""
     out = Path(out)
     parts = out.with_name(out.name + ".parts")
     if claims_sha is None:
         claims_sha = hashlib.sha256("".join(json.dumps(c.to_json()) for c in claims).encode()).hexdigest()[:16]
-    manifest = _manifest(claims_sha, model_sha, engine.numerics.to_dict(), sigma, chunk_claims)
+    manifest = _manifest(claims_sha, model_sha, engine.numerics.to_dict(), sigma, chunk_claims, gaps)
     mpath = parts / "manifest.json"
     if parts.is_dir():
         try:
@@ -158,7 +180,8 @@ def score_claims(claims: list[Claim], engine: Engine, out: str | Path, *, claims
             replays = engine.score([(c.prompt_token_ids, c.output_token_ids) for c in chunk], batch_tokens=batch_tokens,
                                    hidden_layer=layer)
             fp_l2 = fingerprint_distances(chunk, replays, fps[start : start + chunk_claims]) if layer is not None else None
-            t = scores_table(chunk, replays, sigma, fp_l2=fp_l2) if fp_l2 is not None else scores_table(chunk, replays, sigma)
+            extra = {k: v for k, v in (("fp_l2", fp_l2), ("gaps", gaps)) if v is not None and v is not False}
+            t = scores_table(chunk, replays, sigma, **extra)
             atomic_write_parquet(t, part)
         tables.append(t)
         if progress is not None:
