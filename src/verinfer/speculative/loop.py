@@ -27,9 +27,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from verinfer.engine.engine import Engine, Request, check_finite
+from verinfer.engine.engine import Engine, check_finite
 from verinfer.models.llama import LlamaLM
-from verinfer.sampling.params import SamplingParams
 from verinfer.speculative.rules import Rule, verify
 
 
@@ -48,6 +47,36 @@ class SpecOutput:
     @property
     def mat(self) -> float:
         return len(self.output_token_ids) / max(1, self.target_forwards)
+
+
+@dataclass
+class _State:
+    """What Engine.extend needs of a batch: the KV cache and each row's length."""
+
+    cache: object
+    len_B: torch.Tensor
+
+
+@torch.no_grad()
+def prefill(model: LlamaLM, prompts: list[list[int]], extra_slots: int) -> tuple[_State, torch.Tensor]:
+    """Right-padded prompts through the model into a fresh KV cache; returns the state and the
+    next-token logits of each row (lm_head only at each row's last prompt position: the full
+    [B, T, V] logits of Engine.prefill are a large share of a short prompt's prefill)."""
+    dev = model.device
+    lens = [len(p) for p in prompts]
+    B, T = len(prompts), max(lens)
+    if T + extra_slots > model.config.max_position_embeddings:
+        raise ValueError(f"prompt ({T} tokens) + generation ({extra_slots} slots) exceeds the model's context of "
+                         f"{model.config.max_position_embeddings} positions")
+    tokens = torch.zeros(B, T, dtype=torch.long)
+    for b, p in enumerate(prompts):
+        tokens[b, : lens[b]] = torch.tensor(p)
+    cache = model.new_cache(B, T + extra_slots + 1)
+    last = torch.tensor(lens) - 1
+    logits_BV, _ = model(tokens.to(dev), torch.arange(T, device=dev).expand(B, -1), cache,
+                         select=(torch.arange(B, device=dev), last.to(dev)))
+    check_finite(logits_BV, "prefill logits")
+    return _State(cache, torch.tensor(lens, device=dev)), logits_BV
 
 
 def _probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -84,9 +113,8 @@ class SpeculativeDecoder:
     def greedy(self) -> bool:
         return self.temperature == 0
 
-    def _prefill(self, engine: Engine, prompts, max_tokens, hidden: bool):
-        reqs = [Request(str(i), p, SamplingParams(temperature=0.0, max_tokens=max_tokens)) for i, p in enumerate(prompts)]
-        return engine.prefill(reqs, extra_slots=max_tokens + self.gamma + 2, hidden_layer=-1 if hidden else None)
+    def _prefill(self, engine: Engine, prompts, max_tokens):
+        return prefill(engine.model, prompts, extra_slots=max_tokens + self.gamma + 2)[0]
 
     def _generators(self, n: int, seeds) -> list[torch.Generator] | None:
         if self.greedy:
@@ -114,8 +142,8 @@ class SpeculativeDecoder:
     def _generate_batch(self, prompts, max_tokens, gens) -> list[SpecOutput]:
         G, T = self.gamma, self.temperature
         hidden = self.rule.needs_hidden
-        tb = self._prefill(self.target, prompts, max_tokens, hidden)
-        db = self._prefill(self.draft, prompts, max_tokens, hidden)
+        tb = self._prefill(self.target, prompts, max_tokens)
+        db = self._prefill(self.draft, prompts, max_tokens)
         rows = _Rows(prompts, max_tokens)
         active = list(range(len(prompts)))
         dev = self.target.device
@@ -201,11 +229,9 @@ def autoregressive(target: LlamaLM, prompts: list[list[int]], max_tokens: int, t
     for i0 in range(0, len(prompts), batch_size):
         group = prompts[i0 : i0 + batch_size]
         gens = None if temperature == 0 else [torch.Generator().manual_seed(int(s)) for s in seeds[i0 : i0 + batch_size]]
-        reqs = [Request(str(i), p, SamplingParams(temperature=0.0, max_tokens=max_tokens)) for i, p in enumerate(group)]
-        batch = eng.prefill(reqs, extra_slots=max_tokens + 1)
+        batch, logits = prefill(target, group, extra_slots=max_tokens + 1)
         outs = [SpecOutput(list(p), [], "", "length") for p in group]
         active = list(range(len(group)))
-        logits = batch.logits_BV
         while active:
             if temperature == 0:
                 tok = logits.argmax(-1).cpu()

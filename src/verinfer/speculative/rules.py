@@ -37,16 +37,15 @@ RULES = ("standard", "kl", "topk", "target_entropy", "draft_entropy", "autojudge
 
 
 def kl_divergence(p_BGV: torch.Tensor, q_BGV: torch.Tensor) -> torch.Tensor:
-    """KL(p || q) in nats over the last axis (terms with p = 0 contribute 0)."""
-    p = p_BGV.double()
-    logq = q_BGV.double().clamp_min(1e-300).log()
-    logp = p.clamp_min(1e-300).log()
-    return torch.where(p > 0, p * (logp - logq), torch.zeros_like(p)).sum(-1).to(p_BGV.dtype)
+    """KL(p || q) in nats over the last axis, in fp32 (terms with p = 0 contribute 0)."""
+    p, q = p_BGV.float(), q_BGV.float()
+    tiny = torch.finfo(torch.float32).tiny
+    return (p * (p.clamp_min(tiny).log() - q.clamp_min(tiny).log())).sum(-1)
 
 
 def entropy(p_BGV: torch.Tensor) -> torch.Tensor:
-    p = p_BGV.double()
-    return -torch.where(p > 0, p * p.clamp_min(1e-300).log(), torch.zeros_like(p)).sum(-1).to(p_BGV.dtype)
+    p = p_BGV.float()
+    return -(p * p.clamp_min(torch.finfo(torch.float32).tiny).log()).sum(-1)
 
 
 def standard_accept(p_BGV: torch.Tensor, q_BGV: torch.Tensor, x_BG: torch.Tensor, u_BG: torch.Tensor | None,
