@@ -22,6 +22,7 @@ from verinfer.models.testbed import TARGET_DIR
 
 OUT = Path(__file__).parent / "results"
 METHODS = ("bf16", "margingate", "llm42", "gated_llm42", "best", "batch_invariant", "layercast")
+LLM42_WINDOWS = (64, 32, 16)  # 64: its README default (--llm42-window-size); 32: its worker's default
 CACHE = OUT / "margingate_cache"
 
 
@@ -44,9 +45,11 @@ def main():
     ap.add_argument("--max-tokens", type=int, nargs=2, default=(64, 192))
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--scaling", type=int, nargs="*", default=[8, 32])
-    ap.add_argument("--window", type=int, default=64, help="llm42 window (its default, and the paper's K=64)")
+    ap.add_argument("--windows", type=int, nargs="+", default=LLM42_WINDOWS,
+                    help="llm42 windows to run; `llm42` reports the fastest (strongest baseline)")
     ap.add_argument("--gated-window", type=int, default=16, help="gated_llm42 window")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--rounds", type=int, default=4, help="timing rounds (alternating order); times are means")
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     a = ap.parse_args()
     OUT, CACHE = a.out, a.out / "margingate_cache"
@@ -75,34 +78,42 @@ def main():
         ref_tiled = cached("reference_tiled", lambda: C.reference(eng, reqs, a.batch, det=eng.tiled))
         prog.update(t, completed=1, total=1)
 
-        def run(method, batch):
+        def run(name, batch):
+            method, _, w = name.partition("@")
             fast = eng.layercast if method == "layercast" else eng.fast
             det = eng.tiled if method == "batch_invariant" else eng.det
             own_ref = ref_tiled if method == "batch_invariant" else ref
-            window = a.window if method == "llm42" else a.gated_window
+            window = int(w) if w else a.gated_window
             srv = Server(fast, det, method, tau=tau, window=window, max_batch=batch)
             task = prog.add_task(f"{method} b={batch}", total=len(reqs))
             out, st = srv.run(reqs, set(pids), progress=lambda k: prog.advance(task, k))
-            return dict(method=method, batch=batch, determinism=C.determinism(out, own_ref, pids),
+            return dict(method=name, window=window if method in ("llm42", "gated_llm42") else None, batch=batch, determinism=C.determinism(out, own_ref, pids),
                         flips=C.flip_stats(out, own_ref, pids), **st.rates(),
                         new_tokens=sum(len(out[i]) for i in pids))
 
-        # two timing rounds, the second in reverse order, so slow drift of a shared machine's load
-        # hits every method alike; seconds = mean of the two rounds
-        order = list(METHODS)
-        rounds = [{m: cached(f"run_{m}_b{a.batch}", lambda m=m: run(m, a.batch)) for m in order}]
-        rounds.append({m: cached(f"run2_{m}_b{a.batch}", lambda m=m: run(m, a.batch)) for m in order[::-1]})
-        main_runs = {m: dict(rounds[0][m], seconds=(rounds[0][m]["seconds"] + rounds[1][m]["seconds"]) / 2,
-                             seconds_rounds=[r[m]["seconds"] for r in rounds]) for m in order}
+        # timing rounds in alternating order, so slow drift of a shared machine's load hits every
+        # method alike; seconds = mean over rounds
+        order = [m for m in METHODS if m != "llm42"] + [f"llm42@{w}" for w in a.windows]
+        rounds = []
+        for i in range(a.rounds):
+            tag = "run" if i == 0 else f"run{i + 1}"
+            rounds.append({m: cached(f"{tag}_{m}_b{a.batch}", lambda m=m: run(m, a.batch))
+                           for m in (order if i % 2 == 0 else order[::-1])})
+        main_runs = {m: dict(rounds[0][m], seconds=sum(r[m]["seconds"] for r in rounds) / len(rounds),
+                             cpu_seconds=sum(r[m]["cpu_seconds"] for r in rounds) / len(rounds),
+                             seconds_rounds=[r[m]["seconds"] for r in rounds],
+                             cpu_seconds_rounds=[r[m]["cpu_seconds"] for r in rounds]) for m in order}
         for m in order:
             if rounds[0][m]["determinism"] != rounds[1][m]["determinism"] and m != "bf16":
                 print(f"warning: {m} determinism differs between rounds")
         scale = {}
         for b in a.scaling:
-            for m in ("bf16", "margingate", "llm42", "best"):
+            for m in ("bf16", "margingate", f"llm42@{a.windows[0]}", "best"):
                 scale[(m, b)] = cached(f"run_{m}_b{b}", lambda m=m, b=b: run(m, b))
 
     bf16_s = main_runs["bf16"]["seconds"]
+    llm42_w = min(a.windows, key=lambda w: main_runs[f"llm42@{w}"]["seconds"] + main_runs[f"llm42@{w}"]["cpu_seconds"])
+    main_runs["llm42"] = main_runs[f"llm42@{llm42_w}"]
     methods = list(METHODS)
     res = dict(
         command="python benchmarks/margingate.py",
@@ -113,7 +124,17 @@ def main():
                       reference="fixed-shape deterministic path, batch-size-1 answer (computed batched: tested "
                                 "invariant); batch_invariant is compared with the tiled path's own batch-size-1 answer"),
         tau=tau, calibration={k: v for k, v in cal.items() if k != "sweep"}, tau_sweep=cal["sweep"],
-        llm42=dict(window=a.window, verify="all protected rows with unverified tokens in one deterministic "
+        llm42=dict(window=llm42_w, windows_run=list(a.windows),
+                   by_window={w: dict(determinism=main_runs[f"llm42@{w}"]["determinism"],
+                                      overhead=main_runs[f"llm42@{w}"]["seconds"] / bf16_s - 1.0,
+                                      overhead_cpu=main_runs[f"llm42@{w}"]["cpu_seconds"]
+                                      / main_runs["bf16"]["cpu_seconds"] - 1.0,
+                                      trigger_rate=main_runs[f"llm42@{w}"]["trigger_rate"],
+                                      rolled_back=main_runs[f"llm42@{w}"]["rolled_back"]) for w in a.windows},
+                   verify_batch="every protected row with unverified tokens, in one pass (LLM-42's fixed-pool "
+                   "mode fills its verify batch, default 8, with not-ready requests; one pass of <= 16 rows is "
+                   "cheaper here than two of 8)",
+                   verify="all protected rows with unverified tokens in one deterministic "
                    "pass when any has `window` unverified tokens or finished; rollback from first mismatch"),
         gated_llm42=dict(window=a.gated_window, tau=tau),
         best=dict(policy="decode every step on the fixed-shape deterministic path (FixedShapeLM: library kernels, "
@@ -121,7 +142,11 @@ def main():
                   "nothing verified", certify=eng.det.model.certify()),
         determinism={m: main_runs[m]["determinism"] for m in methods},
         overhead={m: (main_runs[m]["seconds"] / bf16_s - 1.0) if m != "bf16" else 0.0 for m in methods},
+        overhead_cpu={m: (main_runs[m]["cpu_seconds"] / main_runs["bf16"]["cpu_seconds"] - 1.0) if m != "bf16" else 0.0
+                      for m in methods},
         seconds={m: main_runs[m]["seconds"] for m in methods},
+        cpu_seconds={m: main_runs[m]["cpu_seconds"] for m in methods},
+        cpu_seconds_rounds={m: main_runs[m]["cpu_seconds_rounds"] for m in methods},
         seconds_rounds={m: main_runs[m]["seconds_rounds"] for m in methods},
         trigger_rate={m: main_runs[m]["trigger_rate"] for m in ("margingate", "llm42", "gated_llm42", "best")},
         repair_rate={m: main_runs[m]["repair_rate"] for m in ("margingate", "llm42", "gated_llm42", "best")},
@@ -140,16 +165,25 @@ def main():
 def write_md(res):
     L = ["# MarginGate on the testbed target (bf16, CPU)", "",
          f"Command: `{res['command']}`. tau = {res['tau']:.4g} (calibrated on arithmetic, fixed on held-out code).", "",
-         "| method | determinism | overhead vs bf16 | trigger rate | repair rate | seconds |",
-         "|---|---|---|---|---|---|"]
+         f"Overhead = time / bf16 time - 1, mean of {len(res['seconds_rounds']['bf16'])} timing rounds (alternating order), wall clock "
+         "and this process's CPU time (1 thread; CPU time does not count other processes on a shared machine).", "",
+         "| method | determinism | overhead (wall) | overhead (CPU) | trigger rate | repair rate | wall s | CPU s |",
+         "|---|---|---|---|---|---|---|---|"]
     for m in res["determinism"]:
-        L.append(f"| {m} | {res['determinism'][m]:.3f} | {res['overhead'][m]:+.3f} | "
+        L.append(f"| {m} | {res['determinism'][m]:.3f} | {res['overhead'][m]:+.3f} | {res['overhead_cpu'][m]:+.3f} | "
                  f"{res['trigger_rate'].get(m, 0 if m in ('bf16',) else float('nan')):.4f} | "
-                 f"{res['repair_rate'].get(m, float('nan')):.4f} | {res['seconds'][m]:.1f} |")
+                 f"{res['repair_rate'].get(m, float('nan')):.4f} | {res['seconds'][m]:.1f} | {res['cpu_seconds'][m]:.1f} |")
     f = res["bf16_flips"]
     L += ["", f"bf16 flip rate per synchronous step: {f['flip_rate']:.5f} ({f['diverged']} of "
           f"{res['workload']['protected_heldout']} sequences diverged over {f['synchronous_steps']} synchronous steps).",
-          "", "## Tau sweep on the calibration set (Table 7 style)", "",
+          "", f"LLM-42 windows (verify batch: every protected row with unverified tokens in one pass); "
+          f"`llm42` above is the fastest, window {res['llm42']['window']}:", "",
+          "| window | determinism | overhead | tokens replayed / protected steps | tokens rolled back |",
+          "|---|---|---|---|---|"]
+    for w, r in res["llm42"]["by_window"].items():
+        L.append(f"| {w} | {r['determinism']:.3f} | {r['overhead']:+.3f} (CPU {r['overhead_cpu']:+.3f}) | "
+                 f"{r['trigger_rate']:.4f} | {r['rolled_back']} |")
+    L += ["", "## Tau sweep on the calibration set (Table 7 style)", "",
           "| tau | trigger rate | repair rate | seq. determinism |", "|---|---|---|---|"]
     for r in res["tau_sweep"]:
         L.append(f"| {r['tau']:.4g} | {r['trigger_rate']:.4f} | {r['repair_rate']:.4f} | {r['determinism']:.3f} |")
@@ -181,7 +215,7 @@ def plots(res):
     fig, ax = plt.subplots(figsize=(5, 4))
     by = {}
     for k, v in res["scaling"].items():
-        by.setdefault(v["method"], []).append((v["batch"], v["seconds"]))
+        by.setdefault(v["method"].split("@")[0], []).append((v["batch"], v["seconds"]))
     for m in ("bf16", "margingate", "llm42", "best"):
         by.setdefault(m, []).append((res["workload"]["max_batch"], res["seconds"][m]))
         pts = sorted(by[m])

@@ -60,8 +60,9 @@ def generate(provider: str = typer.Argument("honest-bf16-b8", help="Simulated pr
              noise: str = typer.Option("vllm-cpu", help="vllm-cpu | vllm-v1-exponential | keyed | inverse-cdf"),
              device: str = typer.Option("cpu"),
              deterministic: Optional[str] = typer.Option(None, help="Greedy batched decoding equal to the "
-                                                         "batch-size-1 answer: margingate | best | llm42 | "
-                                                         "batch_invariant (ignores the provider)."),
+                                                         "batch-size-1 answer: best | margingate | llm42 | "
+                                                         "gated_llm42 | batch_invariant | layercast | bf16 "
+                                                         "(ignores the provider)."),
              tau_file: Path = typer.Option(Path("runs/margingate_tau.json"), help="From `determinism calibrate`."),
              fingerprint: Optional[str] = typer.Option(None, help="Attach Activation-DiFR fingerprints: "
                                                        "k=16,stride=4[,layer=-1,seed=0,dtype=fp16|int8]"),
