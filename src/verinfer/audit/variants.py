@@ -224,7 +224,61 @@ def temperature_gaps(claims, replays, factors) -> np.ndarray:
     s = l + (r T) G, the claim's logits and seed but r times its temperature (filters applied at
     r T): d > 0 is the Token-DiFR margin of a token the replay at r T does not reproduce, d < 0
     minus the runner-up gap of one it does, +inf if the claimed token is filtered out at r T.
-    NaN rows for claims without Gumbel noise (greedy, inverse-cdf)."""
+    NaN rows for claims without Gumbel noise (greedy, inverse-cdf).
+
+    One top-(k + 16) block of logits and one Gumbel draw per claim serve every factor (top-k does
+    not depend on the temperature; top-p is applied on the block, rows within rounding of the
+    top-p cut redone on the full row, as `sampler.score_claimed`); claims whose block is not safe
+    (min-p, no top-k, ties past the block) fall back to `temperature_gaps_loop`."""
+    from dataclasses import replace
+
+    from verinfer.sampling.filters import filter_mask_and_logits
+    from verinfer.sampling.noise import get_backend
+    from verinfer.sampling.sampler import (_near_top_p_cut, _param_rows, _tape, _tape_gumbel, _temperature32,
+                                           _topk_block)
+
+    N = sum(len(c.output_token_ids) for c in claims)
+    out = np.full((N, len(factors)), np.nan)
+    off = 0
+    for c, r in zip(claims, replays):
+        n = len(c.output_token_ids)
+        p = c.sampling
+        if not n or p.greedy or get_backend(p.noise).kind != "gumbel":
+            off += n
+            continue
+        l_TV = r.logits_TV
+        block = _topk_block(l_TV, [p] * n) if p.top_k > 0 and p.min_p == 0 else None
+        if block is None:
+            out[off : off + n] = temperature_gaps_loop([c], [r], factors)
+            off += n
+            continue
+        vals_TK, ids_TK = block
+        y_T = torch.tensor(c.output_token_ids, dtype=torch.long, device=l_TV.device)
+        g_TJ = _tape_gumbel(_tape(p, n, l_TV.shape[1], len(c.prompt_token_ids)), torch.cat([ids_TK, y_T[:, None]], 1))
+        base_TK = vals_TK.to(torch.float64)
+        l_y = l_TV.gather(1, y_T[:, None])[:, 0].to(torch.float64)
+        is_y = ids_TK == y_T[:, None]
+        for j, f in enumerate(factors):
+            q = replace(p, temperature=p.temperature * float(f))
+            prow = _param_rows([q] * n, l_TV.device)
+            keep_TK, _ = filter_mask_and_logits(vals_TK, *prow)
+            redo = _near_top_p_cut(vals_TK, prow)
+            if redo.any():
+                rows = redo.nonzero()[:, 0]
+                keep_rV, _ = filter_mask_and_logits(l_TV[rows], *(t[rows] for t in prow))
+                keep_TK[rows] = keep_rV.gather(1, ids_TK[rows])
+            t32 = _temperature32(q)
+            comp = (base_TK + t32 * g_TJ[:, :-1] - (l_y + t32 * g_TJ[:, -1])[:, None])
+            d = comp.masked_fill(~keep_TK | is_y, float("-inf")).amax(-1)
+            d = d.masked_fill(~(keep_TK & is_y).any(-1), float("inf"))
+            out[off : off + n, j] = d.cpu().numpy()
+        off += n
+    return out
+
+
+def temperature_gaps_loop(claims, replays, factors) -> np.ndarray:
+    """Reference for `temperature_gaps`: `sampler.postgumbel_gaps` (full-vocabulary filter) per
+    claim and factor."""
     from dataclasses import replace
 
     from verinfer.sampling.noise import get_backend
