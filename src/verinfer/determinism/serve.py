@@ -114,14 +114,25 @@ class Server:
     def run(self, requests: list[Request], protected: set[str] | None = None, sampler=None,
             progress=None) -> tuple[dict[str, list[int]], Stats]:
         """Greedy-generate every request; returns ({id: output tokens}, stats)."""
+        results: dict[str, list[int]] = {}
+        st = Stats()
+        t0, c0 = time.perf_counter(), time.process_time()
+        for _ in self.steps(requests, protected, results, st, sampler, progress):
+            pass
+        st.seconds = time.perf_counter() - t0
+        st.cpu_seconds = time.process_time() - c0
+        return results, st
+
+    def steps(self, requests: list[Request], protected: set[str] | None, results: dict, st: Stats, sampler=None,
+              progress=None):
+        """The serving loop as a generator: fills `results` and `st`, yielding after every batch
+        step (newcomers prefilled, one decode step, the policy's verification). Several servers can
+        so be advanced in turn and timed step by step under the same machine load."""
         protected = set(r.id for r in requests) if protected is None else protected
         queue = deque(requests)
         batch: Batch | None = None
         rows: list[Row] = []
-        results: dict[str, list[int]] = {}
-        st = Stats()
         step_engine = {"batch_invariant": self.det, "best": self.det}.get(self.policy, self.fast)
-        t0, c0 = time.perf_counter(), time.process_time()
         while queue or batch is not None:
             free = self.max_batch - (len(batch.requests) if batch else 0)
             if free > 0 and queue:
@@ -151,9 +162,7 @@ class Server:
                 keep = [b for b in range(len(batch.requests)) if not batch.done_B[b]]
                 batch = select_rows(batch, keep) if keep else None
                 rows = [rows[b] for b in keep]
-        st.seconds = time.perf_counter() - t0
-        st.cpu_seconds = time.process_time() - c0
-        return results, st
+            yield
 
     # --- policies ---------------------------------------------------------------------
     def _record(self, batch, rows, prot_B, st):
