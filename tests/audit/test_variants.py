@@ -189,3 +189,22 @@ def test_temperature_gaps_block_equals_full_vocabulary_loop():
     drawn = np.tile(one, 6)
     assert (fast[drawn, 2] <= 0).all() and (fast[drawn, 0] > 0).mean() > 0.05
     assert np.isinf(fast[5]).all()
+
+
+def test_block_gaps_k16_equal_postgumbel_gaps():
+    from verinfer.audit.claims import Claim
+    from verinfer.audit.variants import block_gaps, temperature_gaps_loop
+    from verinfer.engine.engine import Replay
+
+    torch.manual_seed(3)
+    claims, replays = [], []
+    for i in range(4):
+        logits = (torch.randn(30, 500) * 2).to(torch.bfloat16).float()
+        p = SamplingParams(temperature=0.9, top_k=40, top_p=0.9, min_p=0.0, seed=i, max_tokens=30, noise="keyed")
+        y = logits.topk(3, -1).indices[:, i % 3]
+        claims.append(Claim(f"c{i}", "m", [1, 2], y.tolist(), p))
+        replays.append(Replay(logits))
+    fast = block_gaps(claims, replays, (1.0, 1.2), 16)
+    np.testing.assert_array_equal(fast, temperature_gaps_loop(claims, replays, (1.0, 1.2), 16))
+    g = fast[np.isfinite(fast[:, 0, 0]), 0]
+    assert np.isneginf(fast[:, :, -1]).mean() < 0.5 and (g[:, :-1] >= g[:, 1:]).all()   # descending, -inf padded

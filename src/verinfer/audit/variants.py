@@ -131,8 +131,7 @@ def features_table(claims, replays, k: int = 16, temperature_factors=()) -> pa.T
     """`replay.scores_table` plus the gap_* columns (Gumbel claims; NaN otherwise), the
     ipt_lo / ipt_hi / ipt_u columns (inverse-cdf claims; NaN otherwise) and, per factor r in
     `temperature_factors`, the column `gapT_{r}` = `temperature_gaps` (Gumbel claims; NaN otherwise)."""
-    from verinfer.sampling.noise import get_backend
-    from verinfer.sampling.sampler import inverse_cdf_interval, postgumbel_gaps
+    from verinfer.sampling.sampler import inverse_cdf_interval
 
     base = scores_table(claims, replays)
     N = base.num_rows
@@ -145,24 +144,20 @@ def features_table(claims, replays, k: int = 16, temperature_factors=()) -> pa.T
         logit_gap = (l_NV.gather(1, r_N[:, None]) - l_NV.gather(1, y_N[:, None]))[:, 0].numpy()
     else:
         logit_gap = np.zeros(0)
-    gaps = np.full((N, k), np.nan)
+    bg = block_gaps(claims, replays, (1.0, *temperature_factors), k)   # NaN rows for non-Gumbel claims
     ipt = np.full((N, 3), np.nan)
     off = 0
     for c, r in zip(claims, replays):
         n = len(c.output_token_ids)
-        y = torch.tensor(c.output_token_ids, dtype=torch.long)
         p = c.sampling
-        if not p.greedy and get_backend(p.noise).kind == "gumbel":
-            gaps[off : off + n] = postgumbel_gaps(r.logits_TV, y, p, len(c.prompt_token_ids), k).numpy()
-        elif not p.greedy and p.noise == "inverse-cdf":
+        if not p.greedy and p.noise == "inverse-cdf":
+            y = torch.tensor(c.output_token_ids, dtype=torch.long)
             lo, hi, u = inverse_cdf_interval(r.logits_TV, y, p, len(c.prompt_token_ids))
             ipt[off : off + n] = torch.stack([lo, hi, u], 1).cpu().numpy()
         off += n
-    cols = {f"gap_{j}": gaps[:, j] for j in range(k)}
+    cols = {f"gap_{j}": bg[:, 0, j] for j in range(k)}
     cols.update(ipt_lo=ipt[:, 0], ipt_hi=ipt[:, 1], ipt_u=ipt[:, 2], logit_gap=logit_gap)
-    if temperature_factors:
-        tg = temperature_gaps(claims, replays, temperature_factors)
-        cols.update({temperature_column(r): tg[:, j] for j, r in enumerate(temperature_factors)})
+    cols.update({temperature_column(r): bg[:, j + 1, 0] for j, r in enumerate(temperature_factors)})
     for name, v in cols.items():
         base = base.append_column(name, pa.array(v, pa.float64()))
     return base
@@ -220,7 +215,14 @@ def temperature_column(factor: float) -> str:
 
 
 def temperature_gaps(claims, replays, factors) -> np.ndarray:
-    """[N, len(factors)] signed top-competitor post-Gumbel gap d = max_{c != y, kept} s_c - s_y with
+    return block_gaps(claims, replays, factors, 1)[:, :, 0]
+
+
+def block_gaps(claims, replays, factors, k: int = 1) -> np.ndarray:
+    """[N, len(factors), k]: the k largest post-Gumbel gaps s_c - s_y of kept competitors c != y
+    (descending, -inf padded; `sampler.postgumbel_gaps`) at each temperature factor; with k = 1 the
+    signed top-competitor gap of `temperature_gaps`:
+    [N, len(factors)] signed top-competitor post-Gumbel gap d = max_{c != y, kept} s_c - s_y with
     s = l + (r T) G, the claim's logits and seed but r times its temperature (filters applied at
     r T): d > 0 is the Token-DiFR margin of a token the replay at r T does not reproduce, d < 0
     minus the runner-up gap of one it does, +inf if the claimed token is filtered out at r T.
@@ -238,54 +240,63 @@ def temperature_gaps(claims, replays, factors) -> np.ndarray:
                                            _topk_block)
 
     N = sum(len(c.output_token_ids) for c in claims)
-    out = np.full((N, len(factors)), np.nan)
-    off = 0
+    out = np.full((N, len(factors), k), np.nan)
+    rows, off = [], 0   # (row slice, claim, replay, block) of the claims done on the block, batched below
     for c, r in zip(claims, replays):
         n = len(c.output_token_ids)
         p = c.sampling
-        if not n or p.greedy or get_backend(p.noise).kind != "gumbel":
-            off += n
-            continue
-        l_TV = r.logits_TV
-        block = _topk_block(l_TV, [p] * n) if p.top_k > 0 and p.min_p == 0 else None
-        if block is None:
-            out[off : off + n] = temperature_gaps_loop([c], [r], factors)
-            off += n
-            continue
-        vals_TK, ids_TK = block
-        y_T = torch.tensor(c.output_token_ids, dtype=torch.long, device=l_TV.device)
-        g_TJ = _tape_gumbel(_tape(p, n, l_TV.shape[1], len(c.prompt_token_ids)), torch.cat([ids_TK, y_T[:, None]], 1))
-        base_TK = vals_TK.to(torch.float64)
-        l_y = l_TV.gather(1, y_T[:, None])[:, 0].to(torch.float64)
-        is_y = ids_TK == y_T[:, None]
-        for j, f in enumerate(factors):
-            q = replace(p, temperature=p.temperature * float(f))
-            prow = _param_rows([q] * n, l_TV.device)
-            keep_TK, _ = filter_mask_and_logits(vals_TK, *prow)
-            redo = _near_top_p_cut(vals_TK, prow)
-            if redo.any():
-                rows = redo.nonzero()[:, 0]
-                keep_rV, _ = filter_mask_and_logits(l_TV[rows], *(t[rows] for t in prow))
-                keep_TK[rows] = keep_rV.gather(1, ids_TK[rows])
-            t32 = _temperature32(q)
-            comp = (base_TK + t32 * g_TJ[:, :-1] - (l_y + t32 * g_TJ[:, -1])[:, None])
-            d = comp.masked_fill(~keep_TK | is_y, float("-inf")).amax(-1)
-            d = d.masked_fill(~(keep_TK & is_y).any(-1), float("inf"))
-            out[off : off + n, j] = d.cpu().numpy()
+        if n and not p.greedy and get_backend(p.noise).kind == "gumbel":
+            block = _topk_block(r.logits_TV, [p] * n) if p.top_k > 0 and p.min_p == 0 else None
+            if block is None or (rows and block[0].shape[1] != rows[0][3][0].shape[1]):
+                out[off : off + n] = temperature_gaps_loop([c], [r], factors, k)
+            else:
+                rows.append((slice(off, off + n), c, r, block))
         off += n
+    if not rows:
+        return out
+    vals_NK = torch.cat([b[0] for _, _, _, b in rows])
+    ids_NK = torch.cat([b[1] for _, _, _, b in rows])
+    l_NV = torch.cat([r.logits_TV for _, _, r, _ in rows])
+    y_N = torch.cat([torch.tensor(c.output_token_ids, dtype=torch.long) for _, c, _, _ in rows]).to(l_NV.device)
+    g_NJ = torch.cat([_tape_gumbel(_tape(c.sampling, len(c.output_token_ids), r.logits_TV.shape[1],
+                                         len(c.prompt_token_ids)),
+                                   torch.cat([b[1], torch.tensor(c.output_token_ids, dtype=torch.long,
+                                                                 device=b[1].device)[:, None]], 1))
+                      for _, c, r, b in rows])
+    base_NK = vals_NK.to(torch.float64)
+    l_y = l_NV.gather(1, y_N[:, None])[:, 0].to(torch.float64)
+    is_y = ids_NK == y_N[:, None]
+    idx = np.concatenate([np.arange(sl.start, sl.stop) for sl, _, _, _ in rows])
+    for j, f in enumerate(factors):
+        params = [replace(c.sampling, temperature=c.sampling.temperature * float(f))
+                  for _, c, _, _ in rows for _ in range(len(c.output_token_ids))]
+        prow = _param_rows(params, l_NV.device)
+        keep_NK, _ = filter_mask_and_logits(vals_NK, *prow)
+        redo = _near_top_p_cut(vals_NK, prow)
+        if redo.any():
+            rr = redo.nonzero()[:, 0]
+            keep_rV, _ = filter_mask_and_logits(l_NV[rr], *(t[rr] for t in prow))
+            keep_NK[rr] = keep_rV.gather(1, ids_NK[rr])
+        t32 = torch.tensor([_temperature32(q) for q in params], dtype=torch.float64, device=l_NV.device)
+        comp = base_NK + t32[:, None] * g_NJ[:, :-1] - (l_y + t32 * g_NJ[:, -1])[:, None]
+        comp = comp.masked_fill(~keep_NK | is_y, float("-inf"))
+        d = torch.full((comp.shape[0], k), float("-inf"), dtype=torch.float64, device=comp.device)
+        kk = min(k, comp.shape[1])
+        d[:, :kk] = comp.topk(kk, dim=-1).values if kk > 1 else comp.amax(-1, keepdim=True)
+        out[idx, j] = d.masked_fill(~(keep_NK & is_y).any(-1)[:, None], float("inf")).cpu().numpy()
     return out
 
 
-def temperature_gaps_loop(claims, replays, factors) -> np.ndarray:
-    """Reference for `temperature_gaps`: `sampler.postgumbel_gaps` (full-vocabulary filter) per
-    claim and factor."""
+def temperature_gaps_loop(claims, replays, factors, k: int | None = None) -> np.ndarray:
+    """Reference for `temperature_gaps` ([N, F]; with k: `block_gaps`, [N, F, k]):
+    `sampler.postgumbel_gaps` (full-vocabulary filter) per claim and factor."""
     from dataclasses import replace
 
     from verinfer.sampling.noise import get_backend
     from verinfer.sampling.sampler import postgumbel_gaps
 
     N = sum(len(c.output_token_ids) for c in claims)
-    out = np.full((N, len(factors)), np.nan)
+    out = np.full((N, len(factors), k or 1), np.nan)
     off = 0
     for c, r in zip(claims, replays):
         n = len(c.output_token_ids)
@@ -294,9 +305,9 @@ def temperature_gaps_loop(claims, replays, factors) -> np.ndarray:
             y = torch.tensor(c.output_token_ids, dtype=torch.long)
             for j, f in enumerate(factors):
                 q = replace(p, temperature=p.temperature * float(f))
-                out[off : off + n, j] = postgumbel_gaps(r.logits_TV, y, q, len(c.prompt_token_ids), 1)[:, 0].numpy()
+                out[off : off + n, j] = postgumbel_gaps(r.logits_TV, y, q, len(c.prompt_token_ids), k or 1).numpy()
         off += n
-    return out
+    return out if k else out[:, :, 0]
 
 
 def perturbation_loglik(gap, sigma: float, eps: float = 0.0, outlier_p: float = 0.02) -> np.ndarray:
