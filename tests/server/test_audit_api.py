@@ -98,3 +98,23 @@ def test_resume_after_the_endpoint_died(honest_server, tmp_path):
     other = ApiAuditConfig(honest_server.base_url, "target", TARGET_DIR, tmp_path / "a", n=6, max_tokens=13)
     with pytest.raises(Exception, match="holds claims of another audit"):
         collect_claims(client, other, "seeded", prompts, "verinfer-testbed-target")
+
+
+def test_greedy_mode_places_the_endpoint_among_reference_bands(int4_server, tmp_path):
+    """Temperature 0 (for endpoints that ignore seeds): verdict plus the endpoint's mean clipped
+    margin and cross-entropy beside verinfer's own bf16 / fp8-KV / int4 greedy runs (small sizes:
+    this checks the path and the report, not the power)."""
+    out = tmp_path / "greedy"
+    r = CliRunner().invoke(app, ["audit-api", "--base-url", int4_server.base_url, "--model", "target", "--out",
+                                 str(out), "--mode", "greedy", "--n", "8", "--max-tokens", "32", "--calib-n", "8",
+                                 "--threads", "1", "--honest", "honest-bf16-b8", "--honest", "honest-fp32-b4"])
+    assert r.exit_code in (0, 1), r.output
+    report = json.loads((out / "report.json").read_text())
+    assert report["mode"] == "greedy" and report["n_tokens"] >= 100
+    assert set(report["reference_bands"]) == {"bf16", "fp8-kv", "int4"}
+    for band in [*report["reference_bands"].values(), report["endpoint"]]:
+        lo, hi = band["margin"]["ci95"]
+        assert 0 <= lo <= band["margin"]["mean"] <= hi
+    assert report["verdict"]["nearest_band"] in report["reference_bands"]
+    assert "Nearest band" in (out / "report.md").read_text()
+    assert (r.exit_code == 1) == report["verdict"]["flagged"]

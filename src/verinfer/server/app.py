@@ -11,6 +11,11 @@ parameters (what was wrong and what to send), 404 for a model the server does no
 are looked up in a table, never used as paths), 413 for an oversized body, 503 when more than
 `Limits.max_waiting` generations are queued. Generations run in worker threads, at most
 `Limits.max_concurrent` at once, each request alone with its own cache and noise stream.
+
+Determinism: requests are never batched together, so a greedy request's tokens are its
+batch-size-1 tokens bit for bit whatever else is running (what MarginGate buys a batching server).
+A `--deterministic` MarginGate mode for a batching server is not wired: determinism/api.py has no
+per-request entry point yet (its `generate` runs its own prompt set into a file).
 """
 
 from __future__ import annotations
