@@ -235,8 +235,11 @@ def plots(res):
     fig, ax = plt.subplots(figsize=(5, 4))
     sw = res["tau_sweep"]
     ax.plot([r["trigger_rate"] for r in sw], [r["determinism"] for r in sw], "o-", label="margingate (calibration sweep)")
-    for r in sw:
-        ax.annotate(f"{r['tau']:.2g}", (r["trigger_rate"], r["determinism"]), fontsize=7)
+    labels: dict = {}
+    for r in sw:  # several taus can give the same point (bf16 margins are quantized): one label each
+        labels.setdefault((r["trigger_rate"], r["determinism"]), []).append(f"{r['tau']:.2g}")
+    for (x, y), taus in labels.items():
+        ax.annotate("tau " + ",".join(taus), (x, y), fontsize=6, xytext=(3, 3), textcoords="offset points")
     for m, mk in (("margingate", "s"), ("best", "*"), ("llm42", "^"), ("gated_llm42", "v")):
         ax.plot(res["trigger_rate"][m], res["determinism"][m], mk, ms=9, label=f"{m} (held-out)")
     ax.set_xlabel("trigger rate (verified tokens / protected steps)")
