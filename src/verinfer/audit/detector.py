@@ -320,15 +320,18 @@ GLRT_FORMAT = "verinfer.PerturbationGLRTDetector"
 GLRT_FORMAT_VERSION = 1
 
 
-def gap_columns(table, temperature_factors=()) -> np.ndarray:
+def gap_columns(table, temperature_factors=(), top_p_slack: float = 0.0) -> np.ndarray:
     """[N, 1 + len(temperature_factors)] signed gaps: column 0 at the claimed temperature (`gap_0`
-    of a features table, or `gap` of a score table), then `gapT_{r}` per factor r."""
+    of a features table, or `gap` of a score table), then `gapT_{r}` per factor r; with a top-p
+    slack tau the columns suffixed `_s{tau}` (`variants.block_gaps(..., top_p_slack=tau)`)."""
     from verinfer.audit.scores import _column
-    from verinfer.audit.variants import temperature_column
+    from verinfer.audit.variants import gap_column, temperature_column
 
     names = table.column_names if hasattr(table, "column_names") else list(table)
-    first = "gap_0" if "gap_0" in names else "gap"
-    cols = [_column(table, first)] + [_column(table, temperature_column(r)) for r in temperature_factors]
+    first = gap_column(top_p_slack)
+    if first not in names:
+        first = "gap" + first[len("gap_0"):]
+    cols = [_column(table, first)] + [_column(table, temperature_column(r, top_p_slack)) for r in temperature_factors]
     return np.stack(cols, axis=1)
 
 
@@ -363,7 +366,9 @@ class PerturbationGLRTDetector:
     eps_factors: tuple = (10.0, 100.0)
     temperature_factors: tuple = (0.8, 0.9, 1.1, 1.2)
     outlier_p: float = 0.02
+    top_p_slack: float = 0.01
     center: bool = True
+    combine: str = "maxllr"
     target_fpr: float = 0.01
     n_null_batches: int = 2000
     random_state: int = 0
@@ -379,6 +384,8 @@ class PerturbationGLRTDetector:
             raise ValueError("temperature_factors must be > 0 and != 1")
         if self.n_null_batches < 10:
             raise ValueError(f"n_null_batches must be >= 10, got {self.n_null_batches}")
+        if self.combine not in ("maxz", "maxllr"):
+            raise ValueError(f"combine must be maxz or maxllr, got {self.combine!r}")
 
     # -- fitting ---------------------------------------------------------------------------------
     def _learn(self, **kw) -> None:
@@ -428,7 +435,7 @@ class PerturbationGLRTDetector:
             raise VerinferError("the detector is not fitted", fix="call fit(honest_scores) or load a detector file")
 
     def _gaps(self, table) -> np.ndarray:
-        g = gap_columns(table, self.temperature_factors)
+        g = gap_columns(table, self.temperature_factors, self.top_p_slack)
         if np.isnan(g).any():
             raise ValueError("signed-gap columns contain NaN: the perturbation GLRT needs Gumbel-noise claims "
                              "(greedy and inverse-cdf claims have no post-Gumbel gap)")
@@ -450,7 +457,11 @@ class PerturbationGLRTDetector:
     token_scores = token_columns
 
     def statistic_of_means(self, means_BC: np.ndarray, n_tokens: int) -> np.ndarray:
-        """max over columns of sqrt(n) (mean - mu_) / sd_, for rows of column means."""
+        """For rows of column means: combine="maxz": max over columns of sqrt(n) (mean - mu_) / sd_;
+        "maxllr": max over columns of n * mean (the GLRT: the batch log-likelihood ratio of the
+        best alternative)."""
+        if self.combine == "maxllr":
+            return (n_tokens * np.asarray(means_BC)).max(axis=-1)
         return (np.sqrt(n_tokens) * (np.asarray(means_BC) - self.mu_) / self.sd_).max(axis=-1)
 
     def statistic(self, table) -> float:
@@ -474,7 +485,10 @@ class PerturbationGLRTDetector:
         return np.concatenate(out)
 
     def allowance(self, n_tokens: int) -> float:
-        """Random-effects allowance (z units) for a new honest configuration: z_{1-fpr} sqrt(n) max(tau/sd)."""
+        """Random-effects allowance for a new honest configuration: z_{1-fpr} sqrt(n) max(tau/sd)
+        in z units (maxz), z_{1-fpr} n max(tau) in log-likelihood-ratio units (maxllr)."""
+        if self.combine == "maxllr":
+            return float(norm.isf(self.target_fpr) * n_tokens * np.max(self.tau_))
         return float(norm.isf(self.target_fpr) * math.sqrt(n_tokens) * np.max(self.tau_ / self.sd_))
 
     def null_statistics(self, n_tokens: int) -> np.ndarray:
@@ -499,16 +513,21 @@ class PerturbationGLRTDetector:
         return bool(self.statistic_of_means(x.mean(axis=0), len(x)) > self.threshold(len(x)))
 
     def tokens_to_flag(self, stat: float, n_tokens: int) -> int | None:
-        """Tokens at which a batch with the same per-token excess would be flagged: the statistic
-        grows as c sqrt(n) (c = stat / sqrt(n_tokens)), the threshold as q + b sqrt(n) (b sqrt(n) =
-        `allowance`, q = the rest, taken at n_tokens), so n* = (q / (c - b))^2; None if c <= b."""
+        """Tokens at which a batch with the same per-token excess would be flagged. maxz: the
+        statistic grows as c sqrt(n) (c = stat / sqrt(n_tokens)), the threshold as q + b sqrt(n)
+        (b sqrt(n) = `allowance`, q = the rest at n_tokens), so n* = (q / (c - b))^2. maxllr: the
+        statistic grows as c n, the threshold as a sqrt(n) + b n, so n* = (a / (c - b))^2.
+        None if c <= b (more tokens would not flag it)."""
         n = int(n_tokens)
-        c = stat / math.sqrt(n)
         b = self.allowance(1)
-        q = self.threshold(n) - self.allowance(n)
+        rest = max(self.threshold(n) - self.allowance(n), 0.0)
+        if self.combine == "maxllr":
+            c, q = stat / n, rest / math.sqrt(n)
+        else:
+            c, q = stat / math.sqrt(n), rest
         if not c > b:
             return None
-        return max(n + 1, int(math.ceil((max(q, 0.0) / (c - b)) ** 2)))
+        return max(n + 1, int(math.ceil((q / (c - b)) ** 2)))
 
     def verdict(self, table) -> dict:
         """flagged, the statistic and threshold, the FPR the threshold was set at and its rate on the

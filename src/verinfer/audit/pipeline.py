@@ -105,11 +105,7 @@ def calibrate(table: pa.Table, honest: list[str], *, score_name: str = "margin",
     train, groups, test = [], [], {}
     for name in honest:
         if detector == "glrt":
-            sub = table.filter(pc.equal(table["provider"], name))
-            if "gap" not in sub.column_names:
-                raise ClaimError("the scores have no signed-gap columns (gap, gapT_*)",
-                                 fix="rescore the honest claims with `verinfer score --gaps`")
-            v = sub
+            v = table.filter(pc.equal(table["provider"], name))
         else:
             v = provider_values(table, name, score_name)
         if len(v) == 0:
@@ -121,8 +117,12 @@ def calibrate(table: pa.Table, honest: list[str], *, score_name: str = "margin",
     if detector == "glrt":
         from verinfer.audit.detector import PerturbationGLRTDetector
 
-        det = PerturbationGLRTDetector(target_fpr=target_fpr, random_state=seed).fit(pa.concat_tables(train),
-                                                                                      groups=groups)
+        try:
+            det = PerturbationGLRTDetector(target_fpr=target_fpr, random_state=seed).fit(pa.concat_tables(train),
+                                                                                          groups=groups)
+        except KeyError as e:
+            raise ClaimError(f"the scores lack the signed-gap columns the glrt detector reads ({e})",
+                             fix="rescore the honest claims with `verinfer score --gaps`") from e
         return det, test
     # stratified null: every honest configuration must pass at the target FPR, not just their pool
     det = ClippedMeanDetector(score=score_name, clip_quantile=clip_quantile, target_fpr=target_fpr,
@@ -143,10 +143,11 @@ def audit(table: pa.Table, detector: ClippedMeanDetector, providers: list[str],
         if isinstance(detector, (LikelihoodRatioDetector, PerturbationGLRTDetector)):
             sub = held_out[name] if held_out and name in held_out and isinstance(held_out[name], pa.Table) else \
                 table.filter(pc.equal(table["provider"], name))
-            if isinstance(detector, PerturbationGLRTDetector) and "gap" not in sub.column_names:
-                raise ClaimError("the scores have no signed-gap columns (gap, gapT_*) that this detector reads",
-                                 fix="rescore with `verinfer score --gaps` (or pass the claims JSONL to audit)")
-            d = detector.verdict(sub.slice(0, max_tokens) if max_tokens else sub)
+            try:
+                d = detector.verdict(sub.slice(0, max_tokens) if max_tokens else sub)
+            except KeyError as e:
+                raise ClaimError(f"the scores lack the columns this detector reads ({e})",
+                                 fix="rescore with `verinfer score --gaps` (or pass the claims JSONL to audit)") from e
         else:
             v = held_out[name] if held_out and name in held_out else provider_values(table, name, detector.score)
             if max_tokens:

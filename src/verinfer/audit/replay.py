@@ -42,14 +42,18 @@ SCORE_SCHEMA = pa.schema([
 ])
 DEFAULT_SIGMA = 0.1
 GAP_TEMPERATURE_FACTORS = (0.8, 0.9, 1.1, 1.2)
+GAP_TOP_P_SLACK = 0.01  # = PerturbationGLRTDetector.top_p_slack
 
 
-def gap_columns_of(claims: list[Claim], replays: list[Replay], factors=GAP_TEMPERATURE_FACTORS) -> dict:
-    """{"gap": [N], "gapT_{r}": [N] per factor}: `variants.temperature_gaps` at 1 and each factor."""
-    from verinfer.audit.variants import temperature_column, temperature_gaps
+def gap_columns_of(claims: list[Claim], replays: list[Replay], factors=GAP_TEMPERATURE_FACTORS,
+                   top_p_slack: float = GAP_TOP_P_SLACK) -> dict:
+    """{"gap{s}": [N], "gapT_{r}{s}": [N] per factor}: `variants.block_gaps` at 1 and each factor
+    with that top-p slack (suffix s = "_s{slack}" when the slack is not 0)."""
+    from verinfer.audit.variants import block_gaps, gap_column, temperature_column
 
-    g = temperature_gaps(claims, replays, (1.0, *factors))
-    return {"gap": g[:, 0], **{temperature_column(r): g[:, j + 1] for j, r in enumerate(factors)}}
+    g = block_gaps(claims, replays, (1.0, *factors), 1, top_p_slack=top_p_slack)[:, :, 0]
+    first = "gap" + gap_column(top_p_slack)[len("gap_0"):]
+    return {first: g[:, 0], **{temperature_column(r, top_p_slack): g[:, j + 1] for j, r in enumerate(factors)}}
 
 
 def fingerprints_of(claims: list[Claim], hidden_size: int) -> tuple[list, int | None]:

@@ -127,10 +127,11 @@ def mc_difr_loop(gaps_NK, sigma: float, n_trials: int, rng: np.random.Generator,
 
 
 # --- one replay -> every feature --------------------------------------------------------------------
-def features_table(claims, replays, k: int = 16, temperature_factors=()) -> pa.Table:
+def features_table(claims, replays, k: int = 16, temperature_factors=(), top_p_slacks=()) -> pa.Table:
     """`replay.scores_table` plus the gap_* columns (Gumbel claims; NaN otherwise), the
     ipt_lo / ipt_hi / ipt_u columns (inverse-cdf claims; NaN otherwise) and, per factor r in
-    `temperature_factors`, the column `gapT_{r}` = `temperature_gaps` (Gumbel claims; NaN otherwise)."""
+    `temperature_factors`, the column `gapT_{r}` = `temperature_gaps` (Gumbel claims; NaN otherwise);
+    per tau in `top_p_slacks` the same signed gaps with that top-p slack (`gap_0_s{tau}`, `gapT_{r}_s{tau}`)."""
     from verinfer.sampling.sampler import inverse_cdf_interval
 
     base = scores_table(claims, replays)
@@ -158,6 +159,10 @@ def features_table(claims, replays, k: int = 16, temperature_factors=()) -> pa.T
     cols = {f"gap_{j}": bg[:, 0, j] for j in range(k)}
     cols.update(ipt_lo=ipt[:, 0], ipt_hi=ipt[:, 1], ipt_u=ipt[:, 2], logit_gap=logit_gap)
     cols.update({temperature_column(r): bg[:, j + 1, 0] for j, r in enumerate(temperature_factors)})
+    for tau in top_p_slacks:
+        sg = block_gaps(claims, replays, (1.0, *temperature_factors), 1, top_p_slack=tau)[:, :, 0]
+        cols[gap_column(tau)] = sg[:, 0]
+        cols.update({temperature_column(r, tau): sg[:, j + 1] for j, r in enumerate(temperature_factors)})
     for name, v in cols.items():
         base = base.append_column(name, pa.array(v, pa.float64()))
     return base
@@ -165,7 +170,7 @@ def features_table(claims, replays, k: int = 16, temperature_factors=()) -> pa.T
 
 def gaps_of(table: pa.Table) -> np.ndarray:
     """The gap_* columns of a features table as an [N, K] float64 array."""
-    names = sorted((c for c in table.column_names if c.startswith("gap_")), key=lambda s: int(s[4:]))
+    names = sorted((c for c in table.column_names if c.startswith("gap_") and c[4:].isdigit()), key=lambda s: int(s[4:]))
     if not names:
         raise KeyError("no gap_* columns: build the table with variants.features_table")
     return np.stack([table[c].to_numpy() for c in names], axis=1)
@@ -209,16 +214,22 @@ def alternative_evidence_loop(margin, alt_margins, clip: float) -> np.ndarray:
 
 
 # --- perturbation likelihood ----------------------------------------------------------------------
-def temperature_column(factor: float) -> str:
-    """Name of the signed-gap column at `factor` times the claimed temperature."""
-    return f"gapT_{float(factor):g}"
+def temperature_column(factor: float, top_p_slack: float = 0.0) -> str:
+    """Name of the signed-gap column at `factor` times the claimed temperature (with a top-p
+    slack: `block_gaps(..., top_p_slack)`)."""
+    return f"gapT_{float(factor):g}" + (f"_s{float(top_p_slack):g}" if top_p_slack else "")
+
+
+def gap_column(top_p_slack: float = 0.0) -> str:
+    """Name of the signed-gap column at the claimed temperature in a features table."""
+    return "gap_0" + (f"_s{float(top_p_slack):g}" if top_p_slack else "")
 
 
 def temperature_gaps(claims, replays, factors) -> np.ndarray:
     return block_gaps(claims, replays, factors, 1)[:, :, 0]
 
 
-def block_gaps(claims, replays, factors, k: int = 1) -> np.ndarray:
+def block_gaps(claims, replays, factors, k: int = 1, top_p_slack: float = 0.0) -> np.ndarray:
     """[N, len(factors), k]: the k largest post-Gumbel gaps s_c - s_y of kept competitors c != y
     (descending, -inf padded; `sampler.postgumbel_gaps`) at each temperature factor; with k = 1 the
     signed top-competitor gap of `temperature_gaps`:
@@ -231,13 +242,15 @@ def block_gaps(claims, replays, factors, k: int = 1) -> np.ndarray:
     One top-(k + 16) block of logits and one Gumbel draw per claim serve every factor (top-k does
     not depend on the temperature; top-p is applied on the block, rows within rounding of the
     top-p cut redone on the full row, as `sampler.score_claimed`); claims whose block is not safe
-    (min-p, no top-k, ties past the block) fall back to `temperature_gaps_loop`."""
-    from dataclasses import replace
+    (min-p, no top-k, ties past the block) fall back to `temperature_gaps_loop`.
 
+    top_p_slack tau > 0: tolerance at the top-p cut, the one discontinuity of the sampler, where
+    honest rounding moves a token in or out of the kept set (and then the margin is a Gumbel gap,
+    often large): competitors count only if kept at top_p - tau, the claimed token counts as kept
+    if kept at top_p + tau. (The fallback path ignores the slack.)"""
     from verinfer.sampling.filters import filter_mask_and_logits
     from verinfer.sampling.noise import get_backend
-    from verinfer.sampling.sampler import (_near_top_p_cut, _param_rows, _tape, _tape_gumbel, _temperature32,
-                                           _topk_block)
+    from verinfer.sampling.sampler import _near_top_p_cut, _tape, _tape_gumbel, _topk_block
 
     N = sum(len(c.output_token_ids) for c in claims)
     out = np.full((N, len(factors), k), np.nan)
@@ -267,23 +280,37 @@ def block_gaps(claims, replays, factors, k: int = 1) -> np.ndarray:
     l_y = l_NV.gather(1, y_N[:, None])[:, 0].to(torch.float64)
     is_y = ids_NK == y_N[:, None]
     idx = np.concatenate([np.arange(sl.start, sl.stop) for sl, _, _, _ in rows])
-    for j, f in enumerate(factors):
-        params = [replace(c.sampling, temperature=c.sampling.temperature * float(f))
-                  for _, c, _, _ in rows for _ in range(len(c.output_token_ids))]
-        prow = _param_rows(params, l_NV.device)
-        keep_NK, _ = filter_mask_and_logits(vals_NK, *prow)
+    dev = l_NV.device
+    per_row = lambda attr, dt: torch.tensor([getattr(c.sampling, attr) for _, c, _, _ in rows  # noqa: E731
+                                             for _ in range(len(c.output_token_ids))], dtype=dt, device=dev)
+    temp64, top_k_r, top_p64, min_p_r = (per_row("temperature", torch.float64), per_row("top_k", torch.int64),
+                                         per_row("top_p", torch.float64), per_row("min_p", torch.float32))
+
+    def keep_of(temp32, top_p32):
+        prow = (temp32, top_k_r, top_p32, min_p_r)
+        keep, _ = filter_mask_and_logits(vals_NK, *prow)
         redo = _near_top_p_cut(vals_NK, prow)
         if redo.any():
             rr = redo.nonzero()[:, 0]
             keep_rV, _ = filter_mask_and_logits(l_NV[rr], *(t[rr] for t in prow))
-            keep_NK[rr] = keep_rV.gather(1, ids_NK[rr])
-        t32 = torch.tensor([_temperature32(q) for q in params], dtype=torch.float64, device=l_NV.device)
+            keep[rr] = keep_rV.gather(1, ids_NK[rr])
+        return keep
+
+    for j, f in enumerate(factors):
+        temp32 = (temp64 * float(f)).to(torch.float32)   # = the fp32 cast of each claim's r * T, as _param_rows
+        keep_NK = keep_of(temp32, top_p64.to(torch.float32))
+        y_keep_NK = keep_NK
+        if top_p_slack > 0:
+            strict = torch.where(top_p64 < 1, (top_p64 - top_p_slack).clamp_min(1e-6), top_p64)
+            keep_NK = keep_of(temp32, strict.to(torch.float32))
+            y_keep_NK = keep_of(temp32, (top_p64 + top_p_slack).clamp_max(1.0).to(torch.float32))
+        t32 = temp32.to(torch.float64)
         comp = base_NK + t32[:, None] * g_NJ[:, :-1] - (l_y + t32 * g_NJ[:, -1])[:, None]
         comp = comp.masked_fill(~keep_NK | is_y, float("-inf"))
         d = torch.full((comp.shape[0], k), float("-inf"), dtype=torch.float64, device=comp.device)
         kk = min(k, comp.shape[1])
         d[:, :kk] = comp.topk(kk, dim=-1).values if kk > 1 else comp.amax(-1, keepdim=True)
-        out[idx, j] = d.masked_fill(~(keep_NK & is_y).any(-1)[:, None], float("inf")).cpu().numpy()
+        out[idx, j] = d.masked_fill(~(y_keep_NK & is_y).any(-1)[:, None], float("inf")).cpu().numpy()
     return out
 
 
