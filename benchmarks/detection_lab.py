@@ -168,14 +168,16 @@ TEMPERATURE_FACTORS = (0.8, 0.9, 1.1, 1.2)  # signed gaps at r x the claimed tem
 TOP_P_SLACKS = (0.01,)  # signed gaps with a tolerance at the top-p cut (variants.block_gaps)
 BEST_DESCRIPTION = (
     "PerturbationGLRTDetector (src/verinfer/audit/detector.py): per token the signed post-Gumbel gap d of the claimed "
-    "token to its strongest competitor (margin if the replay picks another token, minus the runner-up gap if it "
-    "reproduces it); model: the provider's scores are the verifier's plus N(0, sigma^2) per logit, with a fraction eps "
-    "of outlier tokens (1 of 50 candidates), at r x the claimed temperature. (sigma0, eps0) fitted by maximum "
-    "likelihood on honest train tokens; per-token log-likelihood ratios of alternatives (sigma0 x 1.5/2/3/5, "
-    "eps0 x 10/100, temperature x 0.8/0.9/1.1/1.2), centered by their conditional expectation under the honest fit "
-    "given the token's gap; batch statistic = max over alternatives of the z-score of the batch mean; threshold from "
-    "a random-effects null over the 5 honest calibration configurations. Fit on honest tokens only; no alternative "
-    "uses a misconfigured provider's kernel (the temperature alternatives rescore the verifier's own logits).")
+    "token to its strongest competitor (the margin if the replay picks another token, minus the runner-up gap if it "
+    "reproduces it), with a tolerance of 0.01 at the top-p cut (competitors count if kept at top_p - 0.01, the claimed "
+    "token counts as kept if kept at top_p + 0.01: honest rounding moves tokens across the cut). Model: the provider's "
+    "scores are the verifier's plus N(0, sigma^2) per logit, with a fraction eps of outlier tokens (1 of 50 candidates), "
+    "at r x the claimed temperature; (sigma0, eps0) fitted by maximum likelihood on honest train tokens. Per-token "
+    "log-likelihood ratios of the alternatives sigma0 x 1.5/2/3/5, eps0 x 10/100 and temperature x 0.8/0.9/1.1/1.2 "
+    "(noise columns centered by their expectation under the honest fit given the token's gap); batch statistic = the "
+    "largest batch log-likelihood ratio (GLRT); threshold from a random-effects null over the 5 honest calibration "
+    "configurations. Fit on honest tokens only; no alternative uses a misconfigured provider's kernel (the temperature "
+    "alternatives rescore the verifier's own logits).")
 
 
 # --- grid -----------------------------------------------------------------------------------------------

@@ -208,3 +208,40 @@ def test_block_gaps_k16_equal_postgumbel_gaps():
     np.testing.assert_array_equal(fast, temperature_gaps_loop(claims, replays, (1.0, 1.2), 16))
     g = fast[np.isfinite(fast[:, 0, 0]), 0]
     assert np.isneginf(fast[:, :, -1]).mean() < 0.5 and (g[:, :-1] >= g[:, 1:]).all()   # descending, -inf padded
+
+
+def test_block_gaps_top_p_slack_equals_a_per_token_loop():
+    import dataclasses
+
+    from verinfer.audit.claims import Claim
+    from verinfer.audit.variants import block_gaps
+    from verinfer.engine.engine import Replay
+    from verinfer.sampling.sampler import _filtered, _tape, _tape_gumbel, _temperature32
+
+    torch.manual_seed(4)
+    claims, replays = [], []
+    for i in range(3):
+        logits = (torch.randn(25, 300) * 1.5).to(torch.bfloat16).float()   # flat: the top-p cut keeps ~100
+        p = SamplingParams(temperature=1.0, top_k=200, top_p=0.9, min_p=0.0, seed=i, max_tokens=25, noise="vllm-cpu")
+        y = logits.topk(120, -1).indices[torch.arange(25), torch.randint(0, 120, (25,))]
+        claims.append(Claim(f"c{i}", "m", [1, 2, 3], y.tolist(), p))
+        replays.append(Replay(logits))
+    tau, factors = 0.02, (1.0, 1.1)
+    fast = block_gaps(claims, replays, factors, 1, top_p_slack=tau)[:, :, 0]
+    slow = []
+    for c, r in zip(claims, replays):
+        l, p = r.logits_TV, c.sampling
+        g = _tape_gumbel(_tape(p, 25, 300, 3), torch.arange(300).expand(25, 300))
+        for t, y in enumerate(c.output_token_ids):
+            row = []
+            for f in factors:
+                q = dataclasses.replace(p, temperature=p.temperature * f)
+                strict = _filtered(l, dataclasses.replace(q, top_p=q.top_p - tau))[0][t]
+                loose = _filtered(l, dataclasses.replace(q, top_p=q.top_p + tau))[0][t]
+                s = l[t].double() + _temperature32(q) * g[t]
+                comp = [float(s[v] - s[y]) for v in range(300) if strict[v] and v != y]
+                row.append(math.inf if not loose[y] else max(comp, default=-math.inf))
+            slow.append(row)
+    np.testing.assert_allclose(fast, np.array(slow), rtol=0, atol=1e-9)
+    plain = block_gaps(claims, replays, factors, 1)[:, :, 0]
+    assert (fast <= plain).all() and (fast < plain).any()     # the slack only removes unstable evidence
