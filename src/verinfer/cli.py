@@ -279,13 +279,17 @@ def serve(model: Optional[Path] = typer.Option(None, help="A model directory, or
           max_waiting: int = typer.Option(64, help="Queued generations before HTTP 503."),
           max_tokens: int = typer.Option(1024, help="Largest max_tokens a request may ask for."),
           max_body_bytes: int = typer.Option(1 << 20), device: str = typer.Option("cpu"),
-          log_level: str = typer.Option("info")):
+          log_level: str = typer.Option("info"),
+          deterministic: Optional[str] = typer.Option(None, help="best: decode on the fixed-shape deterministic "
+                                                      "path, so greedy tokens equal `verinfer generate "
+                                                      "--deterministic best` in any batch.")):
     """OpenAI-compatible server: /v1/completions, /v1/chat/completions (SSE streaming), /v1/models."""
     try:
         from verinfer.server.app import ServeConfig, serve as run
         from verinfer.server.protocol import Limits
 
         cfg = ServeConfig(model or _default_model(), misconfig=misconfig, noise=noise, device=device,
+                          deterministic=deterministic,
                           limits=Limits(max_body_bytes=max_body_bytes, max_tokens=max_tokens,
                                         max_concurrent=max_concurrent, max_waiting=max_waiting))
         run(cfg, host=host, port=port, threads=threads, log_level=log_level)

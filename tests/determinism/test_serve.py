@@ -1,3 +1,4 @@
+import pytest
 import torch
 
 from verinfer.determinism.serve import Server
@@ -80,3 +81,25 @@ def test_cli_generate_deterministic(tmp_path):
     r = CliRunner().invoke(app, ["generate", "--deterministic", "margingate", "-o", str(out),
                                  "--tau-file", str(tmp_path / "none.json")])
     assert r.exit_code == 2 and "calibrate" in r.output
+
+
+def test_server_deterministic_best_gives_the_reference_tokens(fast_engine, det_engine):
+    """`verinfer serve --deterministic best`: a lone greedy request's tokens equal what the best
+    policy gives the same prompt inside a continuous batch (the determinism reference)."""
+    from verinfer.models.testbed import TARGET_DIR
+    from verinfer.server.generation import generate_steps
+    from verinfer.server.registry import load_registry
+
+    reqs = _workload(n=6, seed=4)
+    ref = _reference(det_engine, reqs)
+    batched, _ = Server(fast_engine, det_engine, "best", max_batch=6).run(reqs)
+    served = load_registry(TARGET_DIR, deterministic="best")["verinfer-testbed-target"]
+    plain = load_registry(TARGET_DIR)["verinfer-testbed-target"]
+    for r in reqs:
+        got = [s.token_id for s in generate_steps(served, r.id, r.prompt_token_ids, r.params, ignore_eos=True)]
+        assert got == ref[r.id] == batched[r.id]
+    # without the flag the server decodes on the default path: same model, other kernels
+    assert type(plain.engine.model).__name__ == "LlamaLM"
+    assert type(served.engine.model).__name__ == "FixedShapeLM"
+    with pytest.raises(Exception, match="deterministic"):
+        load_registry(TARGET_DIR, deterministic="margingate")

@@ -13,9 +13,10 @@ are looked up in a table, never used as paths), 413 for an oversized body, 503 w
 `Limits.max_concurrent` at once, each request alone with its own cache and noise stream.
 
 Determinism: requests are never batched together, so a greedy request's tokens are its
-batch-size-1 tokens bit for bit whatever else is running (what MarginGate buys a batching server).
-A `--deterministic` MarginGate mode for a batching server is not wired: determinism/api.py has no
-per-request entry point yet (its `generate` runs its own prompt set into a file).
+batch-size-1 tokens bit for bit whatever else is running. `--deterministic best` decodes on the
+fixed-shape deterministic path (determinism/invariant.py), so they are moreover the determinism
+reference's tokens: what `verinfer generate --deterministic best` (or margingate / llm42) gives the
+same prompt inside any batch.
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ class ServeConfig:
     noise: str = "vllm-cpu"
     device: str = "cpu"
     limits: Limits = field(default_factory=Limits)
+    deterministic: str | None = None  # "best": decode on the fixed-shape deterministic path
 
     def __post_init__(self):
         if self.noise not in NOISE_BACKENDS:
@@ -433,6 +435,7 @@ def serve(cfg: ServeConfig, host: str = "127.0.0.1", port: int = 8000, threads: 
 
     if threads is not None:
         torch.set_num_threads(threads)
-    registry = load_registry(cfg.model_dir, misconfig=cfg.misconfig, device=cfg.device)
+    registry = load_registry(cfg.model_dir, misconfig=cfg.misconfig, device=cfg.device,
+                             deterministic=cfg.deterministic)
     app = create_app(registry, cfg)
     uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)

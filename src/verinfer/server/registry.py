@@ -68,14 +68,30 @@ def _model_dirs(root: Path) -> list[Path]:
     return dirs
 
 
-def load_registry(root: str | Path, *, misconfig: str | None = None, device: str = "cpu") -> dict[str, ServedModel]:
+DETERMINISTIC = ("best",)
+
+
+def load_registry(root: str | Path, *, misconfig: str | None = None, device: str = "cpu",
+                  deterministic: str | None = None) -> dict[str, ServedModel]:
     """name -> ServedModel for every model under `root` (both its model name and its directory
-    name are keys). Raises ModelError on anything unloadable, before the server starts."""
+    name are keys). Raises ModelError on anything unloadable, before the server starts.
+
+    deterministic="best": every model decodes on the fixed-shape deterministic path
+    (determinism/invariant.FixedShapeLM, certified for this machine at the current thread count),
+    so a greedy request's tokens are the determinism reference's, the tokens
+    `verinfer generate --deterministic best` gives it in any batch."""
+    if deterministic not in (None, *DETERMINISTIC):
+        raise ModelError(f"unknown deterministic mode {deterministic!r}", where="--deterministic",
+                         fix=f"use one of {', '.join(DETERMINISTIC)} (or leave it off)")
     cfg = provider_for(misconfig)
     table: dict[str, ServedModel] = {}
     for d in _model_dirs(Path(root).resolve()):
         info = model_info(d)
         model = load_model(d, cfg.numerics, device)
+        if deterministic == "best":
+            from verinfer.determinism.invariant import fixed_shape
+
+            model = fixed_shape(model)
         tok = load_tokenizer(d)
         names = list(dict.fromkeys([info.name, d.name]))
         sm = ServedModel(info.name, info, Engine(model, cfg.numerics, eos_token_id=info.eos_token_id),
