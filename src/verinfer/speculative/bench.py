@@ -405,6 +405,15 @@ def markdown(res: dict) -> str:
               f"- tokens/s ratio, batch {hb}: {c['tokens_per_s_ratio']:.2f} (>= 1.3: {c['tokens_per_s_ge_1.3x']})"]
         L += [f"- {k}: {v:.2f}" for k, v in c.items()
               if k.startswith(("tokens_per_s_ratio_b", "tokens_per_s_ratio_paired", "kl_vs_target", "vanilla_vs_target"))]
+    if "timing_all_gammas" in res:
+        L += ["", "## Tokens/s with every gamma timed in one interleaved run (test split; each method at its fastest "
+              "gamma of this run, so vanilla gets its best gamma)", "",
+              "| batch | problems | fastest vanilla | fastest KL judge | KL / vanilla | KL / target-only | vanilla / target-only | all configs (median tokens/s) |",
+              "|---:|---:|---|---|---:|---:|---:|---|"]
+        for bs, t in res["timing_all_gammas"].items():
+            allc = ", ".join(f"{k} {v['tokens_per_s']:.0f}" for k, v in t["configs"].items())
+            L.append(f"| {bs[1:]} | {t['problems']} | {t['fastest']['vanilla']} | {t['fastest']['kl_judge']} | "
+                     f"{t['kl_over_vanilla']:.2f} | {t['kl_over_target_only']:.2f} | {t['vanilla_over_target_only']:.2f} | {allc} |")
     jm = res["judge_mining"]
     m = res["methods"]
     if "kl_judge" in m:
@@ -489,3 +498,53 @@ class FrontierPlot:
 
 def frontier_plot(res: dict, path) -> None:
     FrontierPlot(res).save(path)
+
+
+def timing_all_gammas(json_path, device: str = "cpu", batch_sizes=(16, 1), repeats: int = 5, n_b1: int = 100,
+                      log=print) -> dict:
+    """Re-time target-only, vanilla and the KL judge (its selected threshold at each gamma) at EVERY
+    gamma in one interleaved run on the test split, and compare each at its fastest gamma of THIS
+    run (so a noisy validation timing cannot hand vanilla a slow gamma). Updates the results JSON
+    (key timing_all_gammas, criteria *_best_gamma_*) and the markdown next to it."""
+    import json
+    from pathlib import Path
+
+    from verinfer.models.corpus import heldout_problems
+    from verinfer.models.testbed import DRAFT_DIR, TARGET_DIR, load_tokenizer
+
+    torch.set_num_threads(1)
+    json_path = Path(json_path)
+    res = json.loads(json_path.read_text())
+    tok = load_tokenizer()
+    target = LlamaLM.from_pretrained(TARGET_DIR, device=device)
+    draft = LlamaLM.from_pretrained(DRAFT_DIR, device=device)
+    stop = newline_tokens(tok)
+    n_test = 100 if res["setup"]["quick"] else 700
+    test = heldout_problems(1000)[300 : 300 + n_test]
+    test_p = [tok.encode(q, add_special_tokens=False) for q, _ in test]
+    sel = res["selected_threshold"]
+    out = {}
+    for bs in batch_sizes:
+        n = n_test if bs > 1 else min(n_test, n_b1)
+        methods = [Method("target_only", None)]
+        for g in res["setup"]["gammas"]:
+            methods.append(Method(f"vanilla@{g}", Rule("standard"), g))
+            if str(g) in sel["kl_judge"] or g in sel["kl_judge"]:
+                methods.append(Method(f"kl_judge@{g}", Rule("kl", sel["kl_judge"].get(str(g), sel["kl_judge"].get(g))), g))
+        log(f"batch {bs}: {len(methods)} configurations x {repeats} interleaved repeats on {n} test problems ...")
+        tt = interleaved_timing(methods, target, draft, test_p[:n], 8, stop, bs, repeats, progress=log)
+        rows = {k: {"tokens_per_s": v["tokens_per_s"], "tokens_per_s_repeats": v["tokens_per_s_all"]} for k, v in tt.items()}
+        best = {}
+        for name in ("vanilla", "kl_judge"):
+            cands = [(v["tokens_per_s"], k) for k, v in rows.items() if k.startswith(name + "@")]
+            best[name] = max(cands)[1]
+        out[f"b{bs}"] = {"problems": n, "configs": rows, "fastest": best,
+                         "kl_over_vanilla": rows[best["kl_judge"]]["tokens_per_s"] / rows[best["vanilla"]]["tokens_per_s"],
+                         "kl_over_target_only": rows[best["kl_judge"]]["tokens_per_s"] / rows["target_only"]["tokens_per_s"],
+                         "vanilla_over_target_only": rows[best["vanilla"]]["tokens_per_s"] / rows["target_only"]["tokens_per_s"]}
+        res.setdefault("criteria", {})[f"tokens_per_s_ratio_best_gamma_b{bs}"] = out[f"b{bs}"]["kl_over_vanilla"]
+        log(f"  fastest {best}, KL/vanilla {out[f'b{bs}']['kl_over_vanilla']:.2f}")
+    res["timing_all_gammas"] = out
+    json_path.write_text(json.dumps(res, indent=1))
+    (json_path.with_suffix(".md")).write_text(markdown(res))
+    return out
