@@ -509,8 +509,8 @@ def markdown(r: dict) -> str:
           f"{_fmt(r['heldout_honest_fpr_max_cell'])} (200 batches per cell); ClippedMeanDetector on margin_clip99.9: pooled null "
           f"{_fmt(r['heldout_honest_fpr_margin_clip99.9'])}, stratified null {_fmt(r['heldout_honest_fpr_margin_clip99.9_stratified_null'])}; "
           f"lr_combined {_fmt(r['heldout_honest_fpr_lr_combined'])}", "",
-          "| held-out config | " + " | ".join(f"b={b}" for b in next(iter(r["heldout_honest_fpr_by_config"].values()))) + " |",
-          "|---|" + "---|" * len(next(iter(r["heldout_honest_fpr_by_config"].values())))]
+          "| held-out config | " + " | ".join(f"b={b}" for b in next(iter(r["heldout_honest_fpr_by_config"].values()), {})) + " |",
+          "|---|" + "---|" * len(next(iter(r["heldout_honest_fpr_by_config"].values()), {}))]
     for k, row in r["heldout_honest_fpr_by_config"].items():
         L.append(f"| {k} | " + " | ".join(f"{v:.3f}" for v in row.values()) + " |")
     for title, key in (("AUC@1%FPR, Token-DiFR variants", "auc_at_1pct_fpr"), ("AUC@1%FPR, IPT-DiFR (inverse-CDF sampling)", "auc_at_1pct_fpr_ipt")):
