@@ -429,6 +429,14 @@ def markdown(res: dict) -> str:
               "logistic regression degenerates to the constant 'important' classifier and autojudge equals vanilla.",
               f"- Wall clock includes both prefills; answers are {m['target_only'].get('mean_tokens', float('nan')):.1f} tokens on average, "
               "so prefill is a large share and speculative decoding pays the draft prefill on top."]
+        if "test_sweep_post_hoc" in res:
+            ts = res["test_sweep_post_hoc"]
+            v0 = next(r for r in ts if r["rule"] == "standard")
+            ok = [r["threshold"] for r in ts if r["rule"] == "kl" and r["mat"] >= 1.5 * v0["mat"]
+                  and r["accuracy"] >= v0["accuracy"] - 0.01 - 1e-12]
+            L.append(f"- Post hoc (test split, not used for selection): KL thresholds meeting both MAT >= 1.5x vanilla "
+                     f"and accuracy within 1 point at gamma {v0['gamma']}: {ok if ok else 'none'}; the threshold chosen "
+                     f"on validation is {m['kl_judge']['threshold']}.")
     L += ["", "## AutoJudge label mining", "",
           f"{jm['mismatches']} target/draft mismatches on {jm['problems']} training problems "
           f"({jm['mismatches_per_problem']:.2f} per problem), important fraction {jm['important_fraction']:.3f}, "
