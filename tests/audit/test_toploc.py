@@ -31,3 +31,18 @@ def test_thresholds_scale_with_topk():
     assert tl.ToplocSpec(128, 32).max_exp_mismatches == 38
     assert tl.ToplocSpec(128, 32).bytes_per_token == 258 / 32
     assert np.isclose(tl.ToplocSpec(8, 64).bytes_per_token, 18 / 64)
+
+
+@pytest.mark.parametrize("topk,chunk,T", [(1, 448, 448), (2, 333, 448), (128, 32, 70)])
+def test_proof_bytes_are_the_package_format(topk, chunk, T):
+    """bytes_per_chunk is what toploc serializes (ProofPoly.to_bytes: 2-byte modulus + 2 bytes per
+    Newton coefficient), down to topk=1 and for one chunk per long claim."""
+    import base64
+
+    h = torch.randn(T, 256, generator=torch.Generator().manual_seed(topk))
+    spec = tl.ToplocSpec(topk=topk, chunk=chunk)
+    proofs = tl.build(h, spec)
+    assert len(proofs) == -(-T // chunk)
+    assert all(len(base64.b64decode(p)) == 2 + 2 * topk == spec.bytes_per_chunk for p in proofs)
+    assert spec.bytes_per_token == (2 + 2 * topk) / chunk
+    assert tl.passes(tl.verify(h, proofs, spec), spec).all()

@@ -7,7 +7,11 @@ links against the installed torch 2.13). The extra `verinfer[toploc]` pins the v
 What is proven: the provider's hidden states that produced each output token (final-norm output,
 what TOPLOC hooks: `model.norm`), cast to bf16, decode steps only (`skip_prefill=True`), grouped
 in chunks of `chunk` tokens; per chunk `toploc.build_proofs_base64` keeps the top-`topk` |values|
-as a polynomial: 2 + 2*topk bytes per chunk, i.e. (2 + 2*topk)/chunk bytes per output token.
+as a polynomial. Proof size is the package's own serialization (`ProofPoly.to_bytes` in
+toploc/C/csrc/poly.cpp: a 2-byte modulus, then one 2-byte Newton coefficient per point): 2 + 2*topk
+bytes per chunk, i.e. (2 + 2*topk)/chunk bytes per output token (base64 text is 4/3 of that; we
+count raw bytes, as for fingerprints). The package accepts any topk >= 1 and any chunk
+(`decode_batching_size`); its authors use topk=128, chunk=32 (258 bytes per 32 tokens).
 The verifier recomputes the hidden states by replay and calls `toploc.verify_proofs_base64`,
 which returns per chunk (exp_mismatches, mant_err_mean, mant_err_median).
 
