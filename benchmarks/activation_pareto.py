@@ -86,9 +86,9 @@ def toploc_chunks(topk: int, units: list[int]) -> list[int]:
 
 def collect(name: str, n: int, max_tokens: int, seed: int) -> dict:
     """Provider hidden states (T x D per claim) and the verifier's replayed ones; cached."""
-    path = CACHE / f"{name}_n{n}_t{max_tokens}_s{seed}.pt"
+    path = CACHE / f"{name}_n{n}_t{max_tokens}_s{seed}.safetensors"
     if path.is_file():
-        return _with_bf16(torch.load(path))
+        return _with_bf16(_load_hidden(path))
     from verinfer.audit.pipeline import DEFAULT_SPEC, prompts_for, verifier_engine
     from verinfer.models.testbed import TARGET_DIR
     from verinfer.sampling.params import SamplingParams
@@ -103,13 +103,32 @@ def collect(name: str, n: int, max_tokens: int, seed: int) -> dict:
                                              hidden_layer=-1)
     d = {"provider": [c.hidden_TD.float() for c in claims], "verifier": [r.hidden_TD.float() for r in reps],
          "gen_seconds": gen_s}
-    CACHE.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    torch.save(d, tmp)
-    tmp.replace(path)
+    _save_hidden(d, path)
     print(f"  collected {name}: {len(claims)} claims, {sum(h.shape[0] for h in d['provider'])} tokens, "
           f"{gen_s:.0f} s", flush=True)
     return _with_bf16(d)
+
+
+def _save_hidden(d: dict, path: Path) -> None:
+    """Cache as safetensors (never pickle), written atomically."""
+    from safetensors.torch import save_file
+
+    tensors = {f"{side}.{i}": h.contiguous() for side in ("provider", "verifier") for i, h in enumerate(d[side])}
+    CACHE.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    save_file(tensors, str(tmp), metadata={"gen_seconds": repr(d["gen_seconds"])})
+    tmp.replace(path)
+
+
+def _load_hidden(path: Path) -> dict:
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        keys = set(f.keys())
+        n = sum(k.startswith("provider.") for k in keys)
+        return {"provider": [f.get_tensor(f"provider.{i}") for i in range(n)],
+                "verifier": [f.get_tensor(f"verifier.{i}") for i in range(n)],
+                "gen_seconds": float(f.metadata()["gen_seconds"])}
 
 
 def _with_bf16(d: dict) -> dict:
@@ -155,14 +174,20 @@ def toploc_stats(data: dict, spec: tl.ToplocSpec) -> np.ndarray:
 
 def toploc_all(data: dict, names: list[str], topk: int, chunks: list[int], tag: str) -> dict:
     """{name: {chunk: stats}} for one topk, cached (the slow part of the benchmark)."""
-    path = CACHE / f"toploc_{tag}_topk{topk}.pt"
-    if path.is_file():
-        cached = torch.load(path, weights_only=False)
-        if all(c in cached[nm] for nm in names for c in chunks):
+    from safetensors.numpy import load_file, save_file
+
+    path = CACHE / f"toploc_{tag}_topk{topk}.safetensors"
+    if path.is_file():  # keys "name|chunk" -> (chunks, 4) statistics
+        cached: dict = {}
+        for key, v in load_file(str(path)).items():
+            nm, c = key.rsplit("|", 1)
+            cached.setdefault(nm, {})[int(c)] = v
+        if all(c in cached.get(nm, {}) for nm in names for c in chunks):
             return cached
     out = {nm: {c: toploc_stats(data[nm], tl.ToplocSpec(topk, c)) for c in chunks} for nm in names}
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    torch.save(out, tmp)
+    save_file({f"{nm}|{c}": np.ascontiguousarray(v, dtype=np.float64) for nm, cs in out.items() for c, v in cs.items()},
+              str(tmp))
     tmp.replace(path)
     return out
 
