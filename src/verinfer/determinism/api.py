@@ -45,6 +45,9 @@ def generate(model_dir, out, *, policy: str = "margingate", n: int = 8, max_toke
     rows = [dict(id=r.id, model=info.name, prompt_token_ids=r.prompt_token_ids, output_token_ids=outs[r.id],
                  sampling=dict(temperature=0.0, top_k=-1, top_p=1.0, min_p=0.0, seed=None, noise="vllm-cpu"),
                  deterministic=policy if r.id in protected else None) for r in reqs]
-    Path(out).parent.mkdir(parents=True, exist_ok=True)
-    Path(out).write_text("".join(json.dumps(x) + "\n" for x in rows))
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp")  # atomic: a reader never sees half a file
+    tmp.write_text("".join(json.dumps(x) + "\n" for x in rows))
+    tmp.replace(out)
     return rows

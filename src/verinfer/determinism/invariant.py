@@ -207,10 +207,14 @@ class FixedShapeLM(LlamaLM):
     def new_cache(self, batch: int, max_slots: int, write_hook=None) -> KVCache:
         return super().new_cache(batch, max(max_slots, self.key_slots), write_hook)
 
+    def _slots_read(self, needed: int) -> int:
+        """Key slots attention reads for `needed` slots: the next multiple of slot_multiple."""
+        return min(self.key_slots, -(-needed // self.slot_multiple) * self.slot_multiple)
+
     def _key_slots(self, needed: int, cache: KVCache) -> int:
         if needed > self.key_slots:
             raise ValueError(f"position {needed - 1} is past the fixed-shape path's {self.key_slots} key slots")
-        S = min(self.key_slots, -(-needed // self.slot_multiple) * self.slot_multiple)
+        S = self._slots_read(needed)
         if cache.max_slots < S:
             raise ValueError(f"the fixed-shape path reads {S} key slots but the cache has {cache.max_slots}; "
                              f"create it with this model's new_cache")
@@ -237,7 +241,7 @@ class FixedShapeLM(LlamaLM):
         S, Sf = k_BGSE.shape[2], self.key_slots
         if mask_BTS is None:  # no cache: this call's tokens, causal
             mask_BTS = torch.ones(T, T, dtype=torch.bool, device=q_BHTE.device).tril()[None].expand(B, -1, -1)
-        Sm = min(Sf, -(-S // self.slot_multiple) * self.slot_multiple)
+        Sm = self._slots_read(S)
         if S < Sm:  # cache-less call: pad the keys to a multiple of slot_multiple
             k_BGSE = F.pad(k_BGSE, (0, 0, 0, Sm - S))
             v_BGSE = F.pad(v_BGSE, (0, 0, 0, Sm - S))
