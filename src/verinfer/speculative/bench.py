@@ -267,17 +267,25 @@ def run(out_dir, device: str = "cpu", quick: bool = False, batch_sizes=(16, 1), 
     key_base = f"{mined.labels_N.sum().item()}:{n_val}:{max_tokens}:{model_info(TARGET_DIR).weights_sha256}:" \
                f"{model_info(DRAFT_DIR).weights_sha256}"
     cached = json.loads(cache_path.read_text()) if cache_path.is_file() else {}
+
+    def point(key, name, thr, g, prompts, problems, ref):
+        """One (rule, threshold, gamma) run summarized, from the cache when it is there."""
+        if key not in cached:
+            outs = Method(name, rule_of(name, thr), g).run(target, draft, prompts, max_tokens, stop, 16)
+            cached[key] = {"rule": name, "threshold": thr, "gamma": g, **summarize(tok, problems, outs, ref)}
+        return cached[key]
+
+    def save_cache():
+        cache_path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cache_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(cached))
+        tmp.replace(cache_path)
+
     sweep = []
     for g in gammas:
         for name, grid in GRIDS.items():
-            for thr in grid:
-                key = f"{key_base}:{name}:{thr}:{g}"
-                if key not in cached:
-                    outs = Method(name, rule_of(name, thr), g).run(target, draft, val_p, max_tokens, stop, 16)
-                    cached[key] = {"rule": name, "threshold": thr, "gamma": g, **summarize(tok, val, outs, ref_val)}
-                sweep.append(cached[key])
-            cache_path.parent.mkdir(parents=True, exist_ok=True)
-            cache_path.write_text(json.dumps(cached))
+            sweep += [point(f"{key_base}:{name}:{thr}:{g}", name, thr, g, val_p, val, ref_val) for thr in grid]
+            save_cache()
             log(f"  gamma {g} {name}: " + " ".join(f"{r['threshold']}:{r['mat']:.2f}/{r['accuracy']:.3f}"
                                                      for r in sweep if r["rule"] == name and r["gamma"] == g))
     res["sweep_validation"] = sweep
@@ -326,16 +334,11 @@ def run(out_dir, device: str = "cpu", quick: bool = False, batch_sizes=(16, 1), 
     # post hoc, NOT used for any selection: the whole threshold grid on the test split at the
     # reference gamma (shows whether any threshold would have met the criteria on test)
     log(f"post-hoc test sweep at gamma {g_eq} ...")
-    cached_t = json.loads(cache_path.read_text()) if cache_path.is_file() else {}
     test_sweep = []
     for name, grid in GRIDS.items():
-        for thr in grid:
-            key = f"test:{key_base}:{n_test}:{name}:{thr}:{g_eq}"
-            if key not in cached_t:
-                outs = Method(name, rule_of(name, thr), g_eq).run(target, draft, test_p, max_tokens, stop, 16)
-                cached_t[key] = {"rule": name, "threshold": thr, "gamma": g_eq, **summarize(tok, test, outs, ref_test)}
-            test_sweep.append(cached_t[key])
-        cache_path.write_text(json.dumps(cached_t))
+        test_sweep += [point(f"test:{key_base}:{n_test}:{name}:{thr}:{g_eq}", name, thr, g_eq, test_p, test, ref_test)
+                       for thr in grid]
+        save_cache()
     res["test_sweep_post_hoc"] = test_sweep
 
     # headline table: for each method, MAT/accuracy at equal gamma, tokens/s at its fastest gamma
