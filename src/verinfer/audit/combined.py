@@ -38,7 +38,7 @@ from pathlib import Path
 import numpy as np
 
 from verinfer.audit.claims import atomic_write_text
-from verinfer.audit.detector import ClippedMeanDetector
+from verinfer.audit.detector import ClippedMeanDetector, read_detector_json
 from verinfer.audit.scores import _column
 from verinfer.errors import VerinferError
 
@@ -241,13 +241,7 @@ class LikelihoodRatioDetector:
 
     @classmethod
     def load(cls, path: str | Path) -> "LikelihoodRatioDetector":
-        p = Path(path)
-        if not p.is_file():
-            raise VerinferError("no such detector file", where=str(p), fix="fit one first")
-        try:
-            return cls.from_dict(json.loads(p.read_text(encoding="utf-8")), where=str(p))
-        except json.JSONDecodeError as e:
-            raise VerinferError(f"detector file is not valid JSON ({e})", where=str(p), fix="refit the detector") from e
+        return cls.from_dict(read_detector_json(path, fix="refit the detector"), where=str(path))
 
 
 def _subsample(w: np.ndarray, seed: int, cap: int = 200_000) -> np.ndarray:

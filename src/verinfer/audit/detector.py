@@ -38,6 +38,18 @@ MAX_RESAMPLED_TOKENS = 20_000_000  # n_null_batches * n_tokens above which thres
 _CHUNK = 2_000_000  # indices drawn per chunk while resampling
 
 
+def read_detector_json(path: str | Path, fix: str = "refit the detector with `verinfer calibrate`") -> dict:
+    """A detector file's JSON, or a VerinferError naming the file and what to do."""
+    p = Path(path)
+    if not p.is_file():
+        raise VerinferError("no such detector file", where=str(p), fix="fit one with `verinfer calibrate`")
+    try:
+        return json.loads(p.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise VerinferError(f"detector file is not valid JSON ({e}); it is probably truncated or corrupt",
+                            where=str(p), fix=fix) from e
+
+
 @dataclass(frozen=True)
 class ClippedMeanDetector:
     """Winsorized-mean detector with a resampled honest null.
@@ -295,15 +307,7 @@ class ClippedMeanDetector:
 
     @classmethod
     def load(cls, path: str | Path) -> "ClippedMeanDetector":
-        p = Path(path)
-        if not p.is_file():
-            raise VerinferError("no such detector file", where=str(p), fix="fit one with `verinfer calibrate`")
-        try:
-            d = json.loads(p.read_text(encoding="utf-8"))
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise VerinferError(f"detector file is not valid JSON ({e}); it is probably truncated or corrupt",
-                                where=str(p), fix="refit the detector with `verinfer calibrate`") from e
-        return cls.from_dict(d, where=str(p))
+        return cls.from_dict(read_detector_json(path), where=str(path))
 
 
 def _as_values(values, name: str) -> np.ndarray:
@@ -607,11 +611,5 @@ class PerturbationGLRTDetector:
 
     @classmethod
     def load(cls, path: str | Path) -> "PerturbationGLRTDetector":
-        p = Path(path)
-        if not p.is_file():
-            raise VerinferError("no such detector file", where=str(p), fix="fit one with `verinfer calibrate`")
-        try:
-            return cls.from_dict(json.loads(p.read_text(encoding="utf-8")), where=str(p))
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise VerinferError(f"detector file is not valid JSON ({e})", where=str(p),
-                                fix="refit the detector with `verinfer calibrate --detector glrt`") from e
+        return cls.from_dict(read_detector_json(path, fix="refit the detector with `verinfer calibrate --detector glrt`"),
+                             where=str(path))
