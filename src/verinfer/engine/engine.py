@@ -89,8 +89,12 @@ def check_finite(logits: torch.Tensor, what: str) -> None:
 
 
 class Engine:
-    def __init__(self, model: LlamaLM, numerics: Numerics = Numerics(), eos_token_id: int | None = None):
+    def __init__(self, model: LlamaLM, numerics: Numerics = Numerics(), eos_token_id: int | None = None,
+                 packed_replay: bool = True):
+        """packed_replay: `score` runs linear layers, norms and RoPE on the real tokens only,
+        not on the padding of its length-sorted batches (LlamaLM's lengths_B)."""
         self.model = model
+        self.packed_replay = packed_replay and isinstance(model, LlamaLM)
         self.numerics = numerics
         self.eos_token_id = eos_token_id
         self.vocab_size = model.config.vocab_size
@@ -230,14 +234,18 @@ class Engine:
             for b, s in enumerate(seqs):
                 tokens_BT[b, : len(s)] = torch.tensor(s)
             pos_BT = torch.arange(T).expand(len(seqs), -1)
+            lengths_B = torch.tensor([len(s) for s in seqs])
             b_N = torch.cat([torch.full((len(pairs[i][1]),), b) for b, i in enumerate(group)])
             t_N = torch.cat([torch.arange(len(pairs[i][0]) - 1, len(pairs[i][0]) - 1 + len(pairs[i][1]))
                              for i in group])
             with self.numerics.threads_ctx():
                 logits_NV, hidden_ND = self.model(tokens_BT.to(self.device), pos_BT.to(self.device), None,
                                                   hidden_layer=hidden_layer,
-                                                  select=(b_N.to(self.device), t_N.to(self.device)))
-            if not torch.isfinite(logits_NV).all():
+                                                  select=(b_N.to(self.device), t_N.to(self.device)),
+                                                  **({"lengths_B": lengths_B} if self.packed_replay else {}))
+            # a finite sum means every logit is finite (46 ms -> 1.5 ms on 4096 x 2048); an
+            # overflowing sum of finite logits falls through to the exact check
+            if not torch.isfinite(logits_NV.sum()) and not torch.isfinite(logits_NV).all():
                 bad = int((~torch.isfinite(logits_NV)).any(-1).nonzero()[0, 0])
                 b = int(b_N[bad])
                 check_finite(logits_NV[bad], f"replay of claim #{group[b]} at output position "

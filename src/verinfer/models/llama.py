@@ -94,10 +94,14 @@ def rope_cos_sin(pos_BT: torch.Tensor, head_dim: int, theta: float, dtype: torch
 
 
 def apply_rope(x_BHTE: torch.Tensor, cos_BTE: torch.Tensor, sin_BTE: torch.Tensor) -> torch.Tensor:
-    cos, sin = cos_BTE[:, None], sin_BTE[:, None]
-    half = x_BHTE.shape[-1] // 2
-    rotated = torch.cat((-x_BHTE[..., half:], x_BHTE[..., :half]), dim=-1)
-    return x_BHTE * cos + rotated * sin
+    return apply_rope_heads(x_BHTE, cos_BTE[:, None], sin_BTE[:, None])
+
+
+def apply_rope_heads(x_LHE: torch.Tensor, cos_LE: torch.Tensor, sin_LE: torch.Tensor) -> torch.Tensor:
+    """RoPE where cos/sin broadcast against x over a heads axis (L = any leading shape)."""
+    half = x_LHE.shape[-1] // 2
+    rotated = torch.cat((-x_LHE[..., half:], x_LHE[..., :half]), dim=-1)
+    return x_LHE * cos_LE + rotated * sin_LE
 
 
 class KVCache:
@@ -140,19 +144,26 @@ class LlamaLM(torch.nn.Module):
     """Causal LM forward over a KV cache. Parameters are plain tensors named as in the HF
     checkpoint, so `from_pretrained` loads the same safetensors the reference model loads."""
 
-    def __init__(self, config: LlamaConfig, weights: dict[str, torch.Tensor], attn: str = "sdpa"):
+    def __init__(self, config: LlamaConfig, weights: dict[str, torch.Tensor], attn: str = "sdpa",
+                 matmul: str = "native"):
+        """matmul='fp32': linear layers and attention compute in fp32 from the weights' dtype
+        values and round their outputs back to it (Numerics.matmul); 'native' computes in it."""
         super().__init__()
         self.config = config
         self.attn = attn
         self.w = weights
-        # Optional numerics hook: a callable(name, tensor) -> tensor run on matmul weights once.
         self.layers = config.num_hidden_layers
+        if matmul not in ("native", "fp32"):
+            raise ValueError(f"matmul must be 'native' or 'fp32', got {matmul!r}")
+        self.matmul = matmul
+        upcast = matmul == "fp32" and self.dtype != torch.float32
+        self.w32 = {k: t.float() for k, t in weights.items() if t.ndim == 2 or k.endswith(".bias")} if upcast else None
 
     # --- loading -----------------------------------------------------------------------
     @classmethod
     def from_pretrained(cls, local_dir: str | Path, *, dtype: torch.dtype = torch.float32,
                         device: str | torch.device = "cpu", attn: str = "sdpa",
-                        weight_transform=None) -> "LlamaLM":
+                        weight_transform=None, matmul: str = "native") -> "LlamaLM":
         """Load config.json + *.safetensors. weight_transform(dict) -> dict runs on the fp32
         weights before the cast to `dtype` (numerics: fake-quantization)."""
         d = Path(local_dir)
@@ -186,7 +197,7 @@ class LlamaLM(torch.nn.Module):
         if weight_transform is not None:
             weights = weight_transform(weights)
         weights = {k: t.to(device=device, dtype=dtype) for k, t in weights.items()}
-        return cls(config, weights, attn=attn)
+        return cls(config, weights, attn=attn, matmul=matmul)
 
     @staticmethod
     def expected_weight_names(c: LlamaConfig) -> list[str]:
@@ -219,11 +230,32 @@ class LlamaLM(torch.nn.Module):
         return needed
 
     def _linear(self, x, name):
-        b = self.w.get(name.replace(".weight", ".bias"))
-        return F.linear(x, self.w[name], b)
+        bname = name.replace(".weight", ".bias")
+        if getattr(self, "w32", None) is not None:  # matmul='fp32'
+            return F.linear(x.float(), self.w32[name], self.w32.get(bname)).to(x.dtype)
+        return F.linear(x, self.w[name], self.w.get(bname))
+
+    def _linears(self, x, names: tuple[str, ...]):
+        """Several linear layers of one input. matmul='fp32' runs them as one GEMM (weights
+        concatenated once): one input cast and one bigger call."""
+        if getattr(self, "w32", None) is None or len(names) == 1:
+            return tuple(self._linear(x, n) for n in names)
+        key = "+".join(names)
+        if key not in self.w32:
+            if any(n.replace(".weight", ".bias") in self.w32 for n in names):
+                return tuple(self._linear(x, n) for n in names)
+            self.w32[key] = torch.cat([self.w32[n] for n in names])
+        y = F.linear(x.float(), self.w32[key]).to(x.dtype)
+        return y.split([self.w32[n].shape[0] for n in names], dim=-1)
 
     def _attention(self, q_BHTE, k_BGSE, v_BGSE, mask_BTS):
         """mask_BTS None means plain causal over this call's tokens (replay of whole sequences)."""
+        if getattr(self, "w32", None) is not None:  # matmul='fp32'
+            dt = q_BHTE.dtype
+            return self._attention_native(q_BHTE.float(), k_BGSE.float(), v_BGSE.float(), mask_BTS).to(dt)
+        return self._attention_native(q_BHTE, k_BGSE, v_BGSE, mask_BTS)
+
+    def _attention_native(self, q_BHTE, k_BGSE, v_BGSE, mask_BTS):
         c = self.config
         rep = c.num_attention_heads // c.num_key_value_heads
         scale = 1.0 / math.sqrt(c.head_dim)
@@ -246,8 +278,37 @@ class LlamaLM(torch.nn.Module):
             return torch.matmul(probs, v_BGSE)
         raise ValueError(f"unknown attention implementation {self.attn!r} (sdpa | eager)")
 
+    def _layer(self, i: int, x_LD: torch.Tensor, cos_LE, sin_LE, attend) -> torch.Tensor:
+        """Decoder layer i over tokens with any leading shape L ([B, T] padded, [N] packed);
+        attend(i, q_LHE, k_LGE, v_LGE) -> attention output [*L, H*E]."""
+        c, w, p = self.config, self.w, f"layers.{i}."
+        L = x_LD.shape[:-1]
+        h = rms_norm(x_LD, w[p + "input_layernorm.weight"], c.rms_norm_eps)
+        q, k, v = self._linears(h, tuple(p + f"self_attn.{n}_proj.weight" for n in "qkv"))
+        q = q.reshape(*L, c.num_attention_heads, c.head_dim)
+        k = k.reshape(*L, c.num_key_value_heads, c.head_dim)
+        v = v.reshape(*L, c.num_key_value_heads, c.head_dim)
+        if c.qk_norm:
+            q = rms_norm(q, w[p + "self_attn.q_norm.weight"], c.rms_norm_eps)
+            k = rms_norm(k, w[p + "self_attn.k_norm.weight"], c.rms_norm_eps)
+        cos, sin = cos_LE.unsqueeze(-2), sin_LE.unsqueeze(-2)
+        q, k = apply_rope_heads(q, cos, sin), apply_rope_heads(k, cos, sin)
+        x_LD = x_LD + self._linear(attend(i, q, k, v), p + "self_attn.o_proj.weight")
+        h = rms_norm(x_LD, w[p + "post_attention_layernorm.weight"], c.rms_norm_eps)
+        gate, up = self._linears(h, (p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"))
+        return x_LD + self._linear(F.silu(gate) * up, p + "mlp.down_proj.weight")
+
+    def _head(self, x_ND: torch.Tensor, hidden, hidden_layer):
+        x_ND = rms_norm(x_ND, self.w["norm.weight"], self.config.rms_norm_eps)
+        if hidden_layer == -1:
+            hidden = x_ND
+        if getattr(self, "w32", None) is not None:  # matmul='fp32'; logits rounded as a native head's are
+            return F.linear(x_ND.float(), self.w32["lm_head.weight"]).to(x_ND.dtype).float(), hidden
+        return F.linear(x_ND, self.w["lm_head.weight"]).float(), hidden
+
     def forward(self, tokens_BT: torch.Tensor, pos_BT: torch.Tensor, cache: KVCache | None = None,
-                hidden_layer: int | None = None, select: tuple[torch.Tensor, torch.Tensor] | None = None):
+                hidden_layer: int | None = None, select: tuple[torch.Tensor, torch.Tensor] | None = None,
+                lengths_B: torch.Tensor | None = None):
         """Run tokens at absolute positions pos_BT. With a cache, their K/V are written to
         slots pos_BT and each query attends to slots <= its position; without one, to the
         tokens of this call (causal). Returns (logits_BTV fp32, hidden_BTD or None).
@@ -255,7 +316,13 @@ class LlamaLM(torch.nn.Module):
         hidden_layer: None = no hidden states; -1 = the final-norm output (what lm_head sees);
         i >= 0 = the residual stream after layer i.
         select=(b_N, t_N): compute logits (and hidden states) only at these (row, time) pairs and
-        return them flattened, logits_NV and hidden_ND (replay needs only the output positions)."""
+        return them flattened, logits_NV and hidden_ND (replay needs only the output positions).
+        lengths_B (no cache, positions 0..T-1): row b holds lengths_B[b] real tokens followed by
+        padding; the per-token work skips the padding (see `_forward_packed`)."""
+        if lengths_B is not None:
+            if cache is not None:
+                raise ValueError("lengths_B is for cache-free replay of whole sequences")
+            return self._forward_packed(tokens_BT, lengths_B, hidden_layer, select)
         c, w = self.config, self.w
         B, T = tokens_BT.shape
         x = F.embedding(tokens_BT, w["embed_tokens.weight"])
@@ -266,35 +333,56 @@ class LlamaLM(torch.nn.Module):
         else:
             S = self._key_slots(int(pos_BT.max().item()) + 1, cache)
             mask_BTS = torch.arange(S, device=x.device)[None, None, :] <= pos_BT[:, :, None]
+
+        def attend(i, q_BTHE, k_BTGE, v_BTGE):
+            keys, vals = k_BTGE.transpose(1, 2), v_BTGE.transpose(1, 2)
+            if cache is not None:
+                cache.write(i, keys, vals, pos_BT)
+                keys, vals = cache.k[i][:, :, :S], cache.v[i][:, :, :S]
+            return self._attention(q_BTHE.transpose(1, 2), keys, vals, mask_BTS).transpose(1, 2).reshape(B, T, -1)
+
         hidden = None
         for i in range(c.num_hidden_layers):
-            p = f"layers.{i}."
-            h = rms_norm(x, w[p + "input_layernorm.weight"], c.rms_norm_eps)
-            q = self._linear(h, p + "self_attn.q_proj.weight").view(B, T, c.num_attention_heads, c.head_dim).transpose(1, 2)
-            k = self._linear(h, p + "self_attn.k_proj.weight").view(B, T, c.num_key_value_heads, c.head_dim).transpose(1, 2)
-            v = self._linear(h, p + "self_attn.v_proj.weight").view(B, T, c.num_key_value_heads, c.head_dim).transpose(1, 2)
-            if c.qk_norm:
-                q = rms_norm(q, w[p + "self_attn.q_norm.weight"], c.rms_norm_eps)
-                k = rms_norm(k, w[p + "self_attn.k_norm.weight"], c.rms_norm_eps)
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-            if cache is None:
-                keys, vals = k, v
-            else:
-                cache.write(i, k, v, pos_BT)
-                keys, vals = cache.k[i][:, :, :S], cache.v[i][:, :, :S]
-            a = self._attention(q, keys, vals, mask_BTS).transpose(1, 2).reshape(B, T, -1)
-            x = x + self._linear(a, p + "self_attn.o_proj.weight")
-            h = rms_norm(x, w[p + "post_attention_layernorm.weight"], c.rms_norm_eps)
-            gate = self._linear(h, p + "mlp.gate_proj.weight")
-            up = self._linear(h, p + "mlp.up_proj.weight")
-            x = x + self._linear(F.silu(gate) * up, p + "mlp.down_proj.weight")
+            x = self._layer(i, x, cos, sin, attend)
             if hidden_layer == i:
                 hidden = x
         if select is not None:
             x = x[select]
             hidden = hidden[select] if hidden is not None else None
-        x = rms_norm(x, w["norm.weight"], c.rms_norm_eps)
-        if hidden_layer == -1:
-            hidden = x
-        logits = F.linear(x, w["lm_head.weight"]).float()
-        return logits, hidden
+        return self._head(x, hidden, hidden_layer)
+
+    def _forward_packed(self, tokens_BT, lengths_B, hidden_layer, select):
+        """Replay of right-padded rows with the padding removed from every per-token op (linear
+        layers, norms, RoPE): only attention sees the padded [B, T] layout. A padded token never
+        reaches a real one (causal, padding is at the end), so real tokens get the values of the
+        padded forward up to GEMM row order (the honest noise of DESIGN.md)."""
+        c, w = self.config, self.w
+        B, T = tokens_BT.shape
+        dev = tokens_BT.device
+        lengths_B = lengths_B.to(dev)
+        keep_BT = torch.arange(T, device=dev)[None, :] < lengths_B[:, None]
+        flat_N = keep_BT.reshape(-1).nonzero().squeeze(1)  # packed token -> index into B*T
+        x = F.embedding(tokens_BT.reshape(-1)[flat_N], w["embed_tokens.weight"])
+        cos, sin = rope_cos_sin(flat_N % T, c.head_dim, c.rope_theta, x.dtype)
+
+        def pad(t_NHE):
+            buf = t_NHE.new_zeros(B * T, *t_NHE.shape[1:])
+            buf[flat_N] = t_NHE
+            return buf.view(B, T, *t_NHE.shape[1:]).transpose(1, 2)
+
+        def attend(i, q_NHE, k_NGE, v_NGE):
+            a_BHTE = self._attention(pad(q_NHE), pad(k_NGE), pad(v_NGE), None)
+            return a_BHTE.transpose(1, 2).reshape(B * T, -1)[flat_N]
+
+        hidden = None
+        for i in range(c.num_hidden_layers):
+            x = self._layer(i, x, cos, sin, attend)
+            if hidden_layer == i:
+                hidden = x
+        if select is not None:
+            b_N, t_N = (t.to(dev) for t in select)
+            start_B = torch.cumsum(lengths_B, 0) - lengths_B
+            idx = start_B[b_N] + t_N
+            x = x[idx]
+            hidden = hidden[idx] if hidden is not None else None
+        return self._head(x, hidden, hidden_layer)

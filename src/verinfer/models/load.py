@@ -68,8 +68,10 @@ def load_model(local_dir: str | Path, numerics: Numerics = Numerics(), device: s
     d = Path(local_dir)
     if impl == "lean":
         return LlamaLM.from_pretrained(d, dtype=numerics.torch_dtype, device=device, attn=numerics.attn,
-                                       weight_transform=numerics.apply_weights)
+                                       weight_transform=numerics.apply_weights, matmul=numerics.matmul)
     if impl == "hf":
+        if numerics.matmul != "native":
+            raise ValueError(f"matmul={numerics.matmul!r} is a lean-forward option; impl='hf' computes natively")
         from transformers import AutoModelForCausalLM
 
         m = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32, attn_implementation=numerics.attn)

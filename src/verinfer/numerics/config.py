@@ -34,6 +34,11 @@ class Numerics:
     weight_bits: int | None = None  # 4 or 8: group-wise RTN fake-quant of the linear weights
     weight_group: int = 32
     kv_cache: str | None = None    # None | "fp8_e4m3"
+    # "native": matmuls in `dtype` (PyTorch's bf16 kernels). "fp32": linear layers and attention
+    # take the `dtype`-rounded operands, compute in fp32 and round their outputs back to `dtype`:
+    # what a bf16 kernel with fp32 accumulation computes, in another summation order (honest
+    # noise), and about 2x faster than bf16 GEMMs on CPUs without AMX. Activations stay `dtype`.
+    matmul: str = "native"
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
@@ -42,6 +47,8 @@ class Numerics:
             raise ValueError(f"attn must be 'sdpa' or 'eager', got {self.attn!r}")
         if self.weight_bits not in (None, 4, 8):
             raise ValueError(f"weight_bits must be None, 4 or 8, got {self.weight_bits}")
+        if self.matmul not in ("native", "fp32"):
+            raise ValueError(f"matmul must be 'native' or 'fp32', got {self.matmul!r}")
         if self.kv_cache not in (None, "fp8_e4m3"):
             raise ValueError(f"kv_cache must be None or 'fp8_e4m3', got {self.kv_cache!r}")
 
