@@ -10,8 +10,14 @@ One round, per active row with committed sequence s (prompt + output so far, len
   commit: x_1..x_a, y (cut at a stop token or max_tokens). Both caches are "rolled back" by
           setting their lengths before the next round: slots past the valid prefix are
           overwritten later and never attended to (key slot <= query position).
+Round 1 has no committed output yet: the draft's prefill of the prompt gives q_1, and the
+target's prefill IS the first verification (one forward over prompt + x_1..x_G, logits read at
+the last prompt position and after each draft token), so the target never runs a forward over
+the prompt alone. Target-only decoding's first token comes from its prefill, so both decoders
+spend one target forward on the prompt.
 
-Counters: one target forward per round per row (prefill excluded). MAT = emitted tokens /
+Counters: one target forward per round per row (round 1's fused prefill-verification counts as
+one, like target-only decoding's prefill, which produces its first token). MAT = emitted tokens /
 target forwards, and it COUNTS the token the target contributes itself in every round (the
 correction after a rejection or the bonus after full acceptance), as in Leviathan et al.
 Each output token carries an event: 'a' accepted draft token, 'r' target token after a
@@ -58,25 +64,40 @@ class _State:
 
 
 @torch.no_grad()
-def prefill(model: LlamaLM, prompts: list[list[int]], extra_slots: int) -> tuple[_State, torch.Tensor]:
-    """Right-padded prompts through the model into a fresh KV cache; returns the state and the
-    next-token logits of each row (lm_head only at each row's last prompt position: the full
-    [B, T, V] logits of Engine.prefill are a large share of a short prompt's prefill)."""
+def prefill(model: LlamaLM, prompts: list[list[int]], extra_slots: int, append_BA: torch.Tensor | None = None,
+            hidden_layer: int | None = None) -> tuple[_State, torch.Tensor, torch.Tensor | None]:
+    """Right-padded prompts through the model into a fresh KV cache; returns the state, the
+    next-token logits of each row and (with hidden_layer) the hidden states there. The lm_head
+    runs only where logits are needed (the full [B, T, V] logits are a large share of a short
+    prompt's prefill).
+
+    append_BA: A tokens per row written right after each row's own prompt (row b: positions
+    n_b..n_b+A-1) in the SAME forward; the logits are then those of positions n_b-1..n_b+A-1,
+    [B, A+1, V] (the first verification of speculative decoding fused with the target's prefill).
+    Without it: [B, V] at position n_b-1. The state's lengths count the prompt only."""
     dev = model.device
     lens = [len(p) for p in prompts]
-    B, T = len(prompts), max(lens)
+    A = 0 if append_BA is None else append_BA.shape[1]
+    B, T = len(prompts), max(lens) + A
     if T + extra_slots > model.config.max_position_embeddings:
-        raise ValueError(f"prompt ({T} tokens) + generation ({extra_slots} slots) exceeds the model's context of "
-                         f"{model.config.max_position_embeddings} positions")
+        raise ValueError(f"prompt ({max(lens)} tokens) + generation ({A + extra_slots} slots) exceeds the model's "
+                         f"context of {model.config.max_position_embeddings} positions")
     tokens = torch.zeros(B, T, dtype=torch.long)
     for b, p in enumerate(prompts):
         tokens[b, : lens[b]] = torch.tensor(p)
+        if A:
+            tokens[b, lens[b] : lens[b] + A] = append_BA[b].cpu()
     cache = model.new_cache(B, T + extra_slots + 1)
-    last = torch.tensor(lens) - 1
-    logits_BV, _ = model(tokens.to(dev), torch.arange(T, device=dev).expand(B, -1), cache,
-                         select=(torch.arange(B, device=dev), last.to(dev)))
-    check_finite(logits_BV, "prefill logits")
-    return _State(cache, torch.tensor(lens, device=dev)), logits_BV
+    len_B = torch.tensor(lens)
+    t_BA = (len_B - 1)[:, None] + torch.arange(A + 1)[None, :]          # [B, A+1]
+    b_BA = torch.arange(B)[:, None].expand(B, A + 1)
+    logits_NV, hidden_ND = model(tokens.to(dev), torch.arange(T, device=dev).expand(B, -1), cache,
+                                 hidden_layer=hidden_layer, select=(b_BA.reshape(-1).to(dev), t_BA.reshape(-1).to(dev)))
+    check_finite(logits_NV, "prefill logits")
+    shape = (B, A + 1) if A else (B,)
+    logits = logits_NV.view(*shape, -1)
+    hidden = None if hidden_ND is None else hidden_ND.view(*shape, -1)
+    return _State(cache, len_B.to(dev)), logits, hidden
 
 
 def _probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -113,9 +134,6 @@ class SpeculativeDecoder:
     def greedy(self) -> bool:
         return self.temperature == 0
 
-    def _prefill(self, engine: Engine, prompts, max_tokens):
-        return prefill(engine.model, prompts, extra_slots=max_tokens + self.gamma + 2)[0]
-
     def _generators(self, n: int, seeds) -> list[torch.Generator] | None:
         if self.greedy:
             return None
@@ -141,9 +159,13 @@ class SpeculativeDecoder:
 
     def _generate_batch(self, prompts, max_tokens, gens) -> list[SpecOutput]:
         G, T = self.gamma, self.temperature
-        hidden = self.rule.needs_hidden
-        tb = self._prefill(self.target, prompts, max_tokens)
-        db = self._prefill(self.draft, prompts, max_tokens)
+        hl = -1 if self.rule.needs_hidden else None
+        slots = max_tokens + G + 2
+        # round 1: the draft's prefill gives q_1; the target's prefill is fused with the first
+        # verification (one forward over prompt + x_1..x_G), so no target forward is spent on
+        # the prompt alone
+        db, lg, hd = prefill(self.draft.model, prompts, slots, hidden_layer=hl)
+        tb = None
         rows = _Rows(prompts, max_tokens)
         active = list(range(len(prompts)))
         dev = self.target.device
@@ -151,10 +173,11 @@ class SpeculativeDecoder:
             B = len(active)
             n_B = torch.tensor([len(rows.seqs[r]) for r in active], device=dev)
             # --- draft gamma tokens
-            db.len_B = n_B - 2
-            last2 = torch.tensor([rows.seqs[r][-2:] for r in active], device=dev)
-            logits, h = self.draft.extend(db, last2, hidden_layer=-1 if hidden else None)
-            lg, hd = logits[:, -1], (h[:, -1] if h is not None else None)
+            if tb is not None:
+                db.len_B = n_B - 2
+                last2 = torch.tensor([rows.seqs[r][-2:] for r in active], device=dev)
+                logits, h = self.draft.extend(db, last2, hidden_layer=hl)
+                lg, hd = logits[:, -1], (h[:, -1] if h is not None else None)
             xs, qs, hds = [], [], []
             for i in range(G):
                 q = _probs(lg, T)
@@ -168,18 +191,21 @@ class SpeculativeDecoder:
                 qs.append(q)
                 hds.append(hd)
                 if i < G - 1:
-                    logits, h = self.draft.extend(db, x[:, None], hidden_layer=-1 if hidden else None)
+                    logits, h = self.draft.extend(db, x[:, None], hidden_layer=hl)
                     lg, hd = logits[:, 0], (h[:, 0] if h is not None else None)
             x_BG = torch.stack(xs, 1)
             q_BGV = torch.stack(qs, 1)
-            # --- verify with one target forward over [last, x_1..x_G]
-            tb.len_B = n_B - 1
-            last = torch.tensor([rows.seqs[r][-1] for r in active], device=dev)
-            tlogits, th = self.target.extend(tb, torch.cat([last[:, None], x_BG], 1), hidden_layer=-1 if hidden else None)
-            check_finite(tlogits, "target verification logits")
+            # --- verify with one target forward over [last, x_1..x_G] (round 1: [prompt, x_1..x_G])
+            if tb is None:
+                tb, tlogits, th = prefill(self.target.model, prompts, slots, append_BA=x_BG, hidden_layer=hl)
+            else:
+                tb.len_B = n_B - 1
+                last = torch.tensor([rows.seqs[r][-1] for r in active], device=dev)
+                tlogits, th = self.target.extend(tb, torch.cat([last[:, None], x_BG], 1), hidden_layer=hl)
+                check_finite(tlogits, "target verification logits")
             p_BGpV = _probs(tlogits, T)
             feats = None
-            if hidden:
+            if hl is not None:
                 feats = torch.cat([th[:, :G].float(), torch.stack(hds, 1).float()], -1)
             n_acc, nxt, _ = verify(self.rule, p_BGpV, q_BGV, x_BG, self.greedy,
                                    None if gens is None else [gens[r] for r in active], feats)
@@ -229,7 +255,7 @@ def autoregressive(target: LlamaLM, prompts: list[list[int]], max_tokens: int, t
     for i0 in range(0, len(prompts), batch_size):
         group = prompts[i0 : i0 + batch_size]
         gens = None if temperature == 0 else [torch.Generator().manual_seed(int(s)) for s in seeds[i0 : i0 + batch_size]]
-        batch, logits = prefill(target, group, extra_slots=max_tokens + 1)
+        batch, logits, _ = prefill(target, group, extra_slots=max_tokens + 1)
         outs = [SpecOutput(list(p), [], "", "length") for p in group]
         active = list(range(len(group)))
         while active:
