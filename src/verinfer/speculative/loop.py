@@ -179,6 +179,11 @@ class SpeculativeDecoder:
                 logits, h = self.draft.extend(db, last2, hidden_layer=hl)
                 lg, hd = logits[:, -1], (h[:, -1] if h is not None else None)
             xs, qs, hds = [], [], []
+            # greedy: stop drafting once every row has drafted a stop token or filled its
+            # max_tokens budget (later draft tokens could never be emitted). Not when sampling:
+            # a row's number of draws must not depend on its batch neighbours.
+            ended = [False] * B
+            budget = [max_tokens - len(rows.outs[r].output_token_ids) for r in active]
             for i in range(G):
                 q = _probs(lg, T)
                 if self.greedy:
@@ -190,9 +195,14 @@ class SpeculativeDecoder:
                 xs.append(x)
                 qs.append(q)
                 hds.append(hd)
+                if self.greedy:
+                    ended = [e or t in self.stop or i + 1 >= n for e, t, n in zip(ended, x.tolist(), budget)]
+                    if all(ended):
+                        break
                 if i < G - 1:
                     logits, h = self.draft.extend(db, x[:, None], hidden_layer=hl)
                     lg, hd = logits[:, 0], (h[:, 0] if h is not None else None)
+            Gr = len(xs)  # drafted this round (< G only after the greedy cut)
             x_BG = torch.stack(xs, 1)
             q_BGV = torch.stack(qs, 1)
             # --- verify with one target forward over [last, x_1..x_G] (round 1: [prompt, x_1..x_G])
@@ -206,7 +216,7 @@ class SpeculativeDecoder:
             p_BGpV = _probs(tlogits, T)
             feats = None
             if hl is not None:
-                feats = torch.cat([th[:, :G].float(), torch.stack(hds, 1).float()], -1)
+                feats = torch.cat([th[:, :Gr].float(), torch.stack(hds, 1).float()], -1)
             n_acc, nxt, _ = verify(self.rule, p_BGpV, q_BGV, x_BG, self.greedy,
                                    None if gens is None else [gens[r] for r in active], feats)
             x_cpu = x_BG.cpu()
@@ -215,11 +225,11 @@ class SpeculativeDecoder:
                 a = int(n_acc[b])
                 o = rows.outs[r]
                 o.target_forwards += 1
-                o.draft_forwards += G
-                o.drafted += G
+                o.draft_forwards += Gr
+                o.drafted += Gr
                 o.accepted += a
                 new = x_cpu[b, :a].tolist() + [int(nxt[b])]
-                ev = "a" * a + ("b" if a == G else "r")
+                ev = "a" * a + ("b" if a == Gr else "r")
                 done = False
                 for tok, e in zip(new, ev):
                     o.output_token_ids.append(tok)

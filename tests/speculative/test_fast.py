@@ -1,0 +1,87 @@
+"""FastLM (the decode-speed forward of the speculative benchmark) against LlamaLM and transformers:
+logits of a fused prefill-verification and of cached decode steps on mixed-length rows, greedy
+tokens of target-only and speculative decoding, the greedy draft cut at stop tokens."""
+
+import pytest
+import torch
+
+from verinfer.models.llama import KVCache, LlamaLM
+from verinfer.models.testbed import DRAFT_DIR, TARGET_DIR, load_tokenizer
+from verinfer.speculative.fast import FastLM, SlotMajorCache
+from verinfer.speculative.loop import SpeculativeDecoder, autoregressive, prefill
+from verinfer.speculative.rules import Rule
+
+
+@pytest.fixture(scope="module")
+def models():
+    torch.set_num_threads(1)
+    return LlamaLM.from_pretrained(TARGET_DIR), LlamaLM.from_pretrained(DRAFT_DIR), load_tokenizer()
+
+
+def _prompts(tok):
+    texts = ["Q: 37+45=\nA: ", "Q: 123*4=\nA: ", "import os\nimport ", "    def __init__(self"]
+    return [tok.encode(t, add_special_tokens=False) for t in texts]
+
+
+@torch.no_grad()
+def test_fast_forward_matches_lean_and_transformers(models):
+    from transformers import AutoModelForCausalLM
+
+    target, _, tok = models
+    fast = FastLM(target)
+    assert fast.fast and fast.w is target.w           # the same weight tensors, no copy
+    hf = AutoModelForCausalLM.from_pretrained(TARGET_DIR, dtype=torch.float32).eval()
+    prompts = _prompts(tok)
+    app = torch.tensor([[5, 6, 7], [8, 9, 10], [11, 12, 13], [14, 15, 16]])
+    s_ref, lg_ref, h_ref = prefill(target, prompts, 8, append_BA=app, hidden_layer=-1)
+    s_fast, lg_fast, h_fast = prefill(fast, prompts, 8, append_BA=app, hidden_layer=-1)
+    assert isinstance(s_fast.cache, SlotMajorCache) and isinstance(s_ref.cache, KVCache)
+    assert lg_fast.shape == (4, 4, target.config.vocab_size)
+    assert (lg_fast - lg_ref).abs().max() < 2e-5 and (h_fast - h_ref).abs().max() < 2e-5
+    # two decode steps on top of the caches (rows at different lengths), against full HF forwards
+    seqs = [p + a.tolist() for p, a in zip(prompts, app)]
+    for step in range(2):
+        nxt = torch.tensor([[20 + step + b] for b in range(4)])
+        pos = torch.tensor([[len(s)] for s in seqs])
+        a, _ = target(nxt, pos, s_ref.cache)
+        b, _ = fast(nxt, pos, s_fast.cache)
+        assert (a - b).abs().max() < 2e-5
+        for r in range(4):
+            seqs[r].append(int(nxt[r]))
+            ref = hf(torch.tensor([seqs[r]])).logits[0, -1]
+            assert (b[r, 0] - ref).abs().max() < 1e-4
+
+
+def test_fast_falls_back_where_it_does_not_apply(models):
+    target, _, _ = models
+    eager = FastLM(LlamaLM(target.config, target.w, attn="eager"))
+    assert not eager.fast and isinstance(eager.new_cache(1, 4), KVCache)
+    fast = FastLM(target)
+    ids = torch.tensor([[3, 4, 5, 6]])
+    with torch.no_grad():  # cache-free forwards (replay) take LlamaLM's path: bitwise equal
+        assert torch.equal(fast(ids, torch.arange(4)[None])[0], target(ids, torch.arange(4)[None])[0])
+
+
+def test_greedy_tokens_fast_equal_lean(models):
+    """Target-only and speculative greedy decoding give the same tokens with FastLM models, and
+    the greedy draft cut (drafting stops once every row drafted a stop token) changes no token."""
+    target, draft, tok = models
+    ft, fd = FastLM(target), FastLM(draft)
+    nl = tuple(i for i in range(len(tok)) if "\n" in tok.decode([i]))
+    prompts = _prompts(tok)
+    ref = autoregressive(target, prompts, 12, stop_token_ids=nl, batch_size=4)
+    out = autoregressive(ft, prompts, 12, stop_token_ids=nl, batch_size=4)
+    assert [o.output_token_ids for o in out] == [o.output_token_ids for o in ref]
+    for rule in (Rule("standard"), Rule("kl", 0.3)):
+        for bs in (1, 4):
+            a = SpeculativeDecoder(target, draft, rule, gamma=4, stop_token_ids=nl).generate(prompts, 12, batch_size=bs)
+            b = SpeculativeDecoder(ft, fd, rule, gamma=4, stop_token_ids=nl).generate(prompts, 12, batch_size=bs)
+            assert [o.output_token_ids for o in a] == [o.output_token_ids for o in b]
+            assert [o.events for o in a] == [o.events for o in b]
+            if rule.name == "standard":
+                assert [o.output_token_ids for o in a] == [o.output_token_ids for o in ref]
+    # the cut: an arithmetic answer is short, so some round drafts fewer than gamma tokens
+    outs = SpeculativeDecoder(ft, fd, Rule("kl", 1.0), gamma=6, stop_token_ids=nl).generate(prompts[:2], 12, batch_size=1)
+    assert any(o.drafted < 6 * o.target_forwards for o in outs)
+    for o in outs:
+        assert o.accepted <= o.drafted and o.output_token_ids[-1] in nl
