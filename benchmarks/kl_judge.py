@@ -1,7 +1,8 @@
 """KL-judge speculative decoding vs vanilla speculative sampling and the judge baselines.
 
-    .venv/bin/python benchmarks/kl_judge.py [--quick] [--device cpu] [--repeats 5]
-    .venv/bin/python benchmarks/kl_judge.py --all-gamma-timing   # then: every gamma timed in one run
+    nice -n 15 .venv/bin/python benchmarks/kl_judge.py --no-timing        # quality: sweeps, selection, test
+    flock /tmp/verinfer-timing.lock .venv/bin/python benchmarks/kl_judge.py --timing   # cost model, tokens/s
+    .venv/bin/python benchmarks/kl_judge.py [--quick]                      # both in one process
 
 Writes benchmarks/results/kl_judge.{json,md}, kl_judge_frontier.png and the trained AutoJudge
 head (kl_judge_autojudge.json). The protocol and the metric definitions are in
@@ -17,7 +18,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from verinfer.speculative.bench import run, timing_all_gammas  # noqa: E402
+from verinfer.speculative.bench import run, timing_run  # noqa: E402
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -25,12 +26,15 @@ if __name__ == "__main__":
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
-    ap.add_argument("--all-gamma-timing", action="store_true",
-                    help="only re-time vanilla and the KL judge at every gamma (one interleaved run) and update "
-                         "the existing kl_judge.json/md")
+    stage = ap.add_mutually_exclusive_group()
+    stage.add_argument("--no-timing", action="store_true", help="quality half only (no wall-clock numbers)")
+    stage.add_argument("--timing", action="store_true",
+                       help="timing half only: cost model and tokens/s of every method at every gamma in one "
+                            "interleaved run; updates the kl_judge.json of a --no-timing run")
     a = ap.parse_args()
-    if a.all_gamma_timing:
-        timing_all_gammas(a.out / "kl_judge.json", device=a.device, repeats=a.repeats, log=lambda s: print(s, flush=True))
-        sys.exit(0)
-    res = run(a.out, device=a.device, quick=a.quick, repeats=a.repeats, log=lambda s: print(s, flush=True))
+    log = lambda s: print(s, flush=True)  # noqa: E731
+    if a.timing:
+        res = timing_run(a.out / "kl_judge.json", device=a.device, repeats=a.repeats, log=log)
+    else:
+        res = run(a.out, device=a.device, quick=a.quick, repeats=a.repeats, log=log, timing=not a.no_timing)
     print(res.get("criteria"))
