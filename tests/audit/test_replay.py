@@ -76,3 +76,17 @@ def test_truncated_parquet_is_a_clear_error(tmp_path, tiny_llama_dir, verifier):
     out.write_bytes(out.read_bytes()[:200])
     with pytest.raises(VerinferError, match="truncated or not Parquet"):
         read_scores(out)
+
+
+def test_fp32_matmul_verifier_reproduces_a_bf16_provider_like_the_native_one(tiny_llama_dir, tmp_path):
+    """The faster verifier (bf16 operands, fp32 GEMMs, bf16 outputs) replays an honest bf16
+    provider about as exactly as the native bf16 verifier, and still separates a wrong seed."""
+    bf16 = Numerics(dtype="bf16")
+    claims = run_provider(ProviderConfig("h", bf16, batch_size=4), tiny_llama_dir, _prompts(16), SPEC)
+    wrong = run_provider(ProviderConfig("w", bf16, batch_size=4, seed_offset=1), tiny_llama_dir, _prompts(16), SPEC)
+    match = {}
+    for mm in ("native", "fp32"):
+        v = Engine(load_model(tiny_llama_dir, bf16.with_(matmul=mm)), bf16.with_(matmul=mm))
+        match[mm] = float(np.mean(score_claims(claims, v, tmp_path / f"{mm}.parquet")["exact_match"].to_numpy()))
+        assert np.mean(score_claims(wrong, v, tmp_path / f"w{mm}.parquet")["exact_match"].to_numpy()) < 0.8
+    assert match["fp32"] >= 0.97 and abs(match["fp32"] - match["native"]) <= 0.02, match

@@ -75,6 +75,7 @@ class ApiAuditConfig:
     target_fpr: float = 0.01
     device: str = "cpu"
     threads: int | None = None        # torch threads of the auditor (None: torch's default)
+    matmul: str = "native"            # verifier matmuls: native bf16 | fp32 (Numerics.matmul, faster on CPU)
 
     @property
     def n_calib(self) -> int:
@@ -255,7 +256,7 @@ def _local_claims(names: list[str], cfg: ApiAuditConfig, mode: str, prompts: lis
 def _detector_meta(cfg: ApiAuditConfig, mode: str, info) -> dict:
     return {"mode": mode, "model_weights_sha256": info.weights_sha256, "max_tokens": cfg.max_tokens,
             "temperature": cfg.temperature if mode == "seeded" else 0.0, "top_k": cfg.top_k, "top_p": cfg.top_p,
-            "min_p": cfg.min_p, "noise": cfg.noise, "honest": list(cfg.honest)}
+            "min_p": cfg.min_p, "noise": cfg.noise, "honest": list(cfg.honest), "verifier_matmul": cfg.matmul}
 
 
 def calibrated_detector(cfg: ApiAuditConfig, mode: str, info, engine, score_fn) -> tuple[ClippedMeanDetector, dict]:
@@ -332,7 +333,7 @@ def nearest_band(point: dict, bands: dict) -> str:
 
 # --- the whole audit --------------------------------------------------------------------------
 def audit_api(cfg: ApiAuditConfig, *, progress=None) -> ApiAuditResult:
-    from verinfer.audit.pipeline import load_score_tables, prompts_for, score, verifier_engine
+    from verinfer.audit.pipeline import VERIFIER_NUMERICS, load_score_tables, prompts_for, score, verifier_engine
 
     t0 = time.perf_counter()
     if cfg.threads is not None:
@@ -355,7 +356,7 @@ def audit_api(cfg: ApiAuditConfig, *, progress=None) -> ApiAuditResult:
     t_probe = time.perf_counter()
     claims_path, claims = collect_claims(client, cfg, mode, prompts, info.name, progress)
     t_collect = time.perf_counter()
-    engine = verifier_engine(cfg.model_dir, device=cfg.device)
+    engine = verifier_engine(cfg.model_dir, VERIFIER_NUMERICS.with_(matmul=cfg.matmul), device=cfg.device)
 
     def score_fn(cpath: Path, spath: Path) -> Path:
         if not spath.is_file():

@@ -151,7 +151,7 @@ def _manifest(claims_sha: str, model_sha: str, numerics: dict, sigma: float, chu
 
 def score_claims(claims: list[Claim], engine: Engine, out: str | Path, *, claims_sha: str | None = None,
                  model_sha: str = "", sigma: float = DEFAULT_SIGMA, chunk_claims: int = 64,
-                 batch_tokens: int = 8192, progress=None, gaps: bool = False) -> pa.Table:
+                 batch_tokens: int = 2048, progress=None, gaps: bool = False) -> pa.Table:
     """Score every claim into `out` (Parquet), resuming finished chunks of an earlier run.
     gaps: add the signed-gap columns (see `scores_table`)."""
     out = Path(out)

@@ -216,10 +216,12 @@ class Engine:
 
     # --- replay ------------------------------------------------------------------------
     @torch.no_grad()
-    def score(self, pairs: list[tuple[list[int], list[int]]], batch_tokens: int = 8192,
+    def score(self, pairs: list[tuple[list[int], list[int]]], batch_tokens: int = 2048,
               hidden_layer: int | None = None) -> list[Replay]:
         """Teacher-forced replay: for each (prompt, output) one forward over prompt+output[:-1]
-        (claims batched together, sorted by length to limit padding); returns the logits that
+        (claims batched together, sorted by length to limit padding; batches of about
+        `batch_tokens` padded tokens: 2048 replays 1.2x faster than 8192 on a 2-core CPU, the
+        activations stay in cache and attention pads less); returns the logits that
         each output token was sampled from, and hidden states at those steps if asked."""
         order = sorted(range(len(pairs)), key=lambda i: len(pairs[i][0]) + len(pairs[i][1]))
         results: list[Replay | None] = [None] * len(pairs)
