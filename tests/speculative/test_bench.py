@@ -47,12 +47,12 @@ def test_cost_model_lean_and_fast_match_transformers():
     assert c["draft_params"] == 625_280  # the model card's count (tied embeddings counted once)
 
 
-def test_fresh_problems_are_unseen_and_splits_disjoint():
+def test_fresh_problems_are_unseen_and_splits_are_the_heldout_set():
     import json
 
     from verinfer.models import corpus
     from verinfer.models.testbed import TESTBED_DIR
-    from verinfer.speculative.bench import fresh_problems, splits
+    from verinfer.speculative.bench import fresh_problems, operand_class, paired_accuracy_difference, splits
 
     fresh = fresh_problems(500)
     info = json.loads((TESTBED_DIR / "build_info.json").read_text())
@@ -60,14 +60,15 @@ def test_fresh_problems_are_unseen_and_splits_disjoint():
         q for q, _ in corpus.train_problems(info["corpus"]["train_problems"], info["seed"])}
     qs = [q for q, _ in fresh]
     assert len(set(qs)) == 500 and not set(qs) & seen
-    assert fresh_problems(200) == fresh[:200]          # a prefix: larger splits extend smaller ones
-    for q, a in fresh[:50]:                             # answers are right
-        x, op, y = next((q[3:q.index(o, 4)], o, q[q.index(o, 4) + 1:q.index("=")]) for o in "+-*" if o in q[4:])
-        assert str(eval(f"{x}{op}{y}")) == a
-    val, test = splits(400, 900)
+    assert fresh_problems(200) == fresh[:200]
+    assert "11+" not in {operand_class(q) for q in qs}   # every 1-digit + 1-digit question is seen
+    assert operand_class("Q: 7*245=\nA: ") == "13*" and operand_class("Q: 13-5=\nA: ") == "12-"
+    val, test = splits(300, 700)
     held = corpus.heldout_problems()
-    assert val[:300] == held[:300] and test[:700] == held[300:1000]
-    assert len(val) == 400 and len(test) == 900
-    # the fresh parts repeat no question of either split (the held-out set itself repeats a few
-    # short questions between its validation and test parts: models/corpus.py draws with replacement)
-    assert not {q for q, _ in val[300:]} & {q for q, _ in test} and not {q for q, _ in test[700:]} & {q for q, _ in val}
+    assert val == held[:300] and test == held[300:1000]
+    with pytest.raises(ValueError, match="held-out set"):
+        splits(400, 700)
+    d = paired_accuracy_difference([1, 2, 3, 4], [1, 5], 100)   # 3 only-first, 1 only-second
+    assert d["difference_points"] == pytest.approx(2.0) and (d["only_first"], d["only_second"]) == (3, 1)
+    se = ((4 / 100 - 0.02 ** 2) / 100) ** 0.5
+    assert d["ci95_points"] == pytest.approx([100 * (0.02 - 1.96 * se), 100 * (0.02 + 1.96 * se)])
