@@ -273,7 +273,8 @@ def difficulty_diagnostic(tok, target, problems_by_name: dict[str, list[Problem]
     return out
 
 
-def select_thresholds(sweep: list[dict], vanilla_acc: dict[int, float]) -> dict[str, dict[int, float]]:
+def select_thresholds(sweep: list[dict], vanilla_acc: dict[int, float],
+                      margin: float = SELECT_MARGIN) -> dict[str, dict[int, float]]:
     """Per rule and gamma: the threshold with the highest validation MAT among those whose
     validation accuracy is at least vanilla's minus SELECT_MARGIN (ties: the stricter threshold,
     i.e. the first in the grid). Fixed before any test number of the run is computed."""
@@ -282,7 +283,7 @@ def select_thresholds(sweep: list[dict], vanilla_acc: dict[int, float]) -> dict[
         best[rule] = {}
         for g in sorted({r["gamma"] for r in sweep}):
             rows = [r for r in sweep if r["rule"] == rule and r["gamma"] == g
-                    and r["accuracy"] >= vanilla_acc[g] - SELECT_MARGIN - 1e-12]
+                    and r["accuracy"] >= vanilla_acc[g] - margin - 1e-12]
             if rows:
                 best[rule][g] = max(rows, key=lambda r: (r["mat"], -GRIDS[rule].index(r["threshold"])))["threshold"]
     return best
@@ -384,7 +385,11 @@ def run(out_dir, device: str = "cpu", quick: bool = False, batch_sizes=(1, 16), 
     vanilla_acc = {REF_GAMMA: next(r["accuracy"] for r in sweep if r["rule"] == "standard")}
     best = {k: v.get(REF_GAMMA) for k, v in select_thresholds(sweep, vanilla_acc).items()}
     res["selected_threshold"] = {LABELS[k]: v for k, v in best.items() if v is not None}
-    log(f"selected thresholds: {res['selected_threshold']}")
+    # the KL judge also at the threshold of the previous protocol's rule (1-point margin on the
+    # same validation split): a second validation-selected configuration, reported separately
+    kl_1pt = select_thresholds(sweep, vanilla_acc, margin=0.01)["kl"].get(REF_GAMMA)
+    res["extra_methods"] = {"kl_judge_1pt": ["kl", kl_1pt]} if kl_1pt not in (None, best["kl"]) else {}
+    log(f"selected thresholds: {res['selected_threshold']}, extra: {res['extra_methods']}")
 
     # --- test: everything below uses the thresholds fixed above
     t_only = summarize(tok, test, ref_test, ref_test)
@@ -393,9 +398,7 @@ def run(out_dir, device: str = "cpu", quick: bool = False, batch_sizes=(1, 16), 
     res["target_only_test"] = t_only
     log("test: every method at its selected threshold, every gamma ...")
     res["test_all_gammas"] = []
-    for k, thr in best.items():
-        if thr is None:
-            continue
+    for k, thr in method_rules(res).values():
         res["test_all_gammas"] += [point("test", k, thr, g, test_p, test, ref_test) for g in gammas]
         save_cache()
     log(f"post-hoc test sweep at gamma {REF_GAMMA} (every threshold; not used for selection) ...")
@@ -450,15 +453,14 @@ def timing_run(json_path, device: str = "cpu", batch_sizes=(1, 16), repeats: int
     n_val, n_test = (60, 100) if quick else (N_VAL, N_TEST)
     _, test = splits(n_val, n_test)
     test_p = [tok.encode(q, add_special_tokens=False) for q, _ in test]
-    sel = res["selected_threshold"]
-    inv = {v: k for k, v in LABELS.items()}
+    sel = method_rules(res)
     res["timing"] = {}
     for bs in batch_sizes:
         n = min(n_test, N_TIME_B1 if bs == 1 else N_TIME_B16)
         methods = [Method("target_only", None)]
         for g in res["setup"]["gammas"]:
-            methods += [Method(f"{lab}@{g}", Rule(inv[lab], thr, judge if lab == "autojudge" else None), g)
-                        for lab, thr in sel.items()]
+            methods += [Method(f"{lab}@{g}", Rule(rule, thr, judge if rule == "autojudge" else None), g)
+                        for lab, (rule, thr) in sel.items()]
         log(f"batch {bs}: {len(methods)} configurations x {repeats} interleaved repeats on {n} test problems ...")
         tt = interleaved_timing(methods, target, draft, test_p[:n], 8, stop, bs, repeats, progress=log)
         rows = {k: {"tokens_per_s": v["tokens_per_s"], "tokens_per_s_repeats": v["tokens_per_s_all"]} for k, v in tt.items()}
@@ -472,6 +474,37 @@ def timing_run(json_path, device: str = "cpu", batch_sizes=(1, 16), repeats: int
     return res
 
 
+def method_rules(res: dict) -> dict[str, tuple[str, float]]:
+    """label -> (rule, threshold) of every timed/tested method: the selected thresholds, then extras."""
+    inv = {v: k for k, v in LABELS.items()}
+    out = {lab: (inv[lab], thr) for lab, thr in res["selected_threshold"].items()}
+    out.update({lab: tuple(v) for lab, v in res.get("extra_methods", {}).items()})
+    return out
+
+
+def criteria(res: dict, methods: dict, lab: str, at: dict, g_eq: int) -> dict:
+    """Issue 7's criteria for KL-judge configuration `lab` against vanilla (same run)."""
+    v, kl = methods["vanilla"], methods[lab]
+    crit = {"threshold": kl["threshold"], "mat_ratio": kl["mat"] / v["mat"],
+            "accuracy_drop_points": 100 * (v["accuracy"] - kl["accuracy"])}
+    crit["accuracy_difference_vanilla_minus_kl"] = paired_accuracy_difference(
+        at[("standard", 0.0, g_eq)]["correct_idx"], at[("kl", kl["threshold"], g_eq)]["correct_idx"],
+        res["target_only_test"]["problems"])
+    crit["mat_ge_1.5x"] = crit["mat_ratio"] >= 1.5
+    crit["accuracy_within_1_point"] = crit["accuracy_drop_points"] <= 1.0 + 1e-9
+    for bs, t in res.get("timing", {}).items():
+        a, b = t["configs"][t["fastest"][lab]], t["configs"][t["fastest"]["vanilla"]]
+        crit[f"tokens_per_s_ratio_{bs}"] = a["tokens_per_s"] / b["tokens_per_s"]
+        crit[f"tokens_per_s_ratio_paired_median_{bs}"] = paired_median(a["tokens_per_s_repeats"], b["tokens_per_s_repeats"])
+        crit[f"kl_vs_target_only_{bs}"] = a["tokens_per_s"] / t["configs"]["target_only"]["tokens_per_s"]
+        crit[f"vanilla_vs_target_only_{bs}"] = b["tokens_per_s"] / t["configs"]["target_only"]["tokens_per_s"]
+        crit[f"accuracy_drop_points_at_speed_gamma_{bs}"] = 100 * (v[f"accuracy_at_speed_gamma_{bs}"]
+                                                                   - kl[f"accuracy_at_speed_gamma_{bs}"])
+        crit[f"tokens_per_s_ge_1.3x_{bs}"] = min(crit[f"tokens_per_s_ratio_{bs}"],
+                                                crit[f"tokens_per_s_ratio_paired_median_{bs}"]) >= 1.3
+    return crit
+
+
 def finish(res: dict, json_path) -> None:
     """Headline per method, issue 7's criteria, then JSON + markdown + plot (no computation)."""
     from pathlib import Path
@@ -480,20 +513,20 @@ def finish(res: dict, json_path) -> None:
 
     json_path = Path(json_path)
     g_eq = REF_GAMMA if REF_GAMMA in res["setup"]["gammas"] else res["setup"]["gammas"][-1]
-    at = {(r["rule"], r["gamma"]): r for r in res["test_all_gammas"]}
-    inv = {v: k for k, v in LABELS.items()}
+    at = {(r["rule"], r["threshold"], r["gamma"]): r for r in res["test_all_gammas"]}
+    mr = method_rules(res)
     t_only = res["target_only_test"]
     methods = {"target_only": {"mat": 1.0, "accuracy": t_only["accuracy"], "agreement": 1.0,
                                "mean_tokens": t_only["mean_tokens"]}}
-    for lab, thr in res["selected_threshold"].items():
-        r = at[(inv[lab], g_eq)]
+    for lab, (rule, thr) in mr.items():
+        r = at[(rule, thr, g_eq)]
         methods[lab] = {"threshold": thr, "gamma_for_mat": g_eq, "mat": r["mat"], "accuracy": r["accuracy"],
                         "agreement": r["agreement"], "accept_rate": r["accept_rate"]}
     for bs, t in res.get("timing", {}).items():
         methods["target_only"][f"tokens_per_s_{bs}"] = t["configs"]["target_only"]["tokens_per_s"]
         for lab, cfg in t["fastest"].items():
             g = int(cfg.split("@")[1])
-            r = at[(inv[lab], g)]
+            r = at[(*mr[lab], g)]
             methods[lab].update({f"tokens_per_s_{bs}": t["configs"][cfg]["tokens_per_s"], f"gamma_for_speed_{bs}": g,
                                  f"mat_at_speed_gamma_{bs}": r["mat"], f"accuracy_at_speed_gamma_{bs}": r["accuracy"]})
     hb = "b1" if "b1" in res.get("timing", {}) else next(iter(res.get("timing", {"b1": 0})))
@@ -501,25 +534,9 @@ def finish(res: dict, json_path) -> None:
         if f"tokens_per_s_{hb}" in m:
             m["tokens_per_s"] = m[f"tokens_per_s_{hb}"]
     res["methods"], res["headline_batch_size"] = methods, hb
-    v, kl = methods.get("vanilla"), methods.get("kl_judge")
-    if v and kl:
-        crit = {"mat_ratio": kl["mat"] / v["mat"], "accuracy_drop_points": 100 * (v["accuracy"] - kl["accuracy"])}
-        vr, kr = at[("standard", g_eq)], at[("kl", g_eq)]
-        crit["accuracy_difference_vanilla_minus_kl"] = paired_accuracy_difference(vr["correct_idx"], kr["correct_idx"],
-                                                                                  t_only["problems"])
-        crit["mat_ge_1.5x"] = crit["mat_ratio"] >= 1.5
-        crit["accuracy_within_1_point"] = crit["accuracy_drop_points"] <= 1.0 + 1e-9
-        for bs, t in res.get("timing", {}).items():
-            a, b = t["configs"][t["fastest"]["kl_judge"]], t["configs"][t["fastest"]["vanilla"]]
-            crit[f"tokens_per_s_ratio_{bs}"] = a["tokens_per_s"] / b["tokens_per_s"]
-            crit[f"tokens_per_s_ratio_paired_median_{bs}"] = paired_median(a["tokens_per_s_repeats"], b["tokens_per_s_repeats"])
-            crit[f"kl_vs_target_only_{bs}"] = a["tokens_per_s"] / t["configs"]["target_only"]["tokens_per_s"]
-            crit[f"vanilla_vs_target_only_{bs}"] = b["tokens_per_s"] / t["configs"]["target_only"]["tokens_per_s"]
-            crit[f"accuracy_drop_points_at_speed_gamma_{bs}"] = 100 * (v[f"accuracy_at_speed_gamma_{bs}"]
-                                                                       - kl[f"accuracy_at_speed_gamma_{bs}"])
-            crit[f"tokens_per_s_ge_1.3x_{bs}"] = min(crit[f"tokens_per_s_ratio_{bs}"],
-                                                    crit[f"tokens_per_s_ratio_paired_median_{bs}"]) >= 1.3
-        res["criteria"] = crit
+    for lab in ("kl_judge", "kl_judge_1pt"):
+        if lab in methods and "vanilla" in methods:
+            res["criteria" if lab == "kl_judge" else f"criteria_{lab}"] = criteria(res, methods, lab, at, g_eq)
     json_path.write_text(json.dumps(res, indent=1))
     json_path.with_suffix(".md").write_text(markdown(res))
     frontier_plot(res, json_path.parent / "kl_judge_frontier.png")
@@ -550,15 +567,17 @@ def markdown(res: dict) -> str:
               for bs in timed]
         L.append(f"| {name} | {r.get('threshold', '')} | {r['mat']:.2f} | {r['accuracy']:.4f} | "
                  f"{r.get('agreement', 1.0):.3f} | " + " | ".join(sp) + " |")
-    if "criteria" in res:
-        c = res["criteria"]
-        L += ["", "## Issue 7 criteria (KL judge vs vanilla, same run)", "",
+    for key, title in (("criteria", "selected by the rule fixed in advance (0.5-point margin)"),
+                       ("criteria_kl_judge_1pt", "selected by the previous protocol's 1-point margin")):
+        if key not in res:
+            continue
+        c = res[key]
+        d = c["accuracy_difference_vanilla_minus_kl"]
+        L += ["", f"## Issue 7 criteria: KL judge at threshold {c['threshold']} ({title}) vs vanilla, same run", "",
               f"- MAT ratio at gamma {g}: {c['mat_ratio']:.2f} (>= 1.5: {c['mat_ge_1.5x']})",
               f"- accuracy drop at gamma {g}: {c['accuracy_drop_points']:.2f} points (<= 1: {c['accuracy_within_1_point']}); "
-              f"paired 95% interval of the drop [{c['accuracy_difference_vanilla_minus_kl']['ci95_points'][0]:.2f}, "
-              f"{c['accuracy_difference_vanilla_minus_kl']['ci95_points'][1]:.2f}] points from "
-              f"{c['accuracy_difference_vanilla_minus_kl']['only_first']} problems only vanilla solves and "
-              f"{c['accuracy_difference_vanilla_minus_kl']['only_second']} only the KL judge solves"]
+              f"paired 95% interval [{d['ci95_points'][0]:.2f}, {d['ci95_points'][1]:.2f}] points ({d['only_first']} "
+              f"problems only vanilla solves, {d['only_second']} only the KL judge)"]
         for bs in timed:
             L.append(f"- batch {bs[1:]}: tokens/s KL / vanilla {c[f'tokens_per_s_ratio_{bs}']:.2f} (ratio of medians), "
                      f"{c[f'tokens_per_s_ratio_paired_median_{bs}']:.2f} (paired median over repeats); >= 1.3 (both): "
