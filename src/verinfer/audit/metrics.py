@@ -42,6 +42,31 @@ def auc_at_fpr(neg_scores, pos_scores, max_fpr: float = 0.01) -> float:
     return float(roc_auc_score(y, s, max_fpr=max_fpr))
 
 
+def auc_at_fpr_bound(q: float, max_fpr: float = 0.01, q_honest: float | None = None) -> float:
+    """The largest `auc_at_fpr` any detector can reach when, with probability q, a misconfigured
+    batch carries no evidence: its observation is distributed as an honest batch's on the same
+    event, which has probability q_honest (default q) for honest batches (e.g. no token of the
+    batch is one where the two providers' samplers would choose differently).
+
+    At false-positive rate x the detector flags at most a fraction min(1, x / q_honest) of the
+    honest batches on that event, so its true-positive rate is at most (1 - q) + q min(1, x / q_honest)
+    (= 1 - q + min(q, x) when q_honest = q); the partial area over [0, max_fpr] is standardized as
+    McClish (as `auc_at_fpr`)."""
+    qh = q if q_honest is None else float(q_honest)
+    if not (0.0 <= q <= 1.0 and 0.0 <= qh <= 1.0):
+        raise ValueError(f"q and q_honest must be in [0, 1], got {q}, {qh}")
+    a = float(max_fpr)
+    if qh <= 0.0:
+        tail = q * a
+    elif qh >= a:
+        tail = q * a * a / (2 * qh)
+    else:
+        tail = q * (qh / 2 + (a - qh))
+    pauc = a * (1.0 - q) + tail
+    lo, hi = a * a / 2, a
+    return 0.5 * (1.0 + (pauc - lo) / (hi - lo))
+
+
 def winsorize(values, clip: float) -> np.ndarray:
     """min(values, clip) as float64; +inf (claimed token filtered out) becomes `clip`."""
     return np.minimum(np.asarray(values, dtype=np.float64), float(clip))

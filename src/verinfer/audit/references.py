@@ -1,0 +1,118 @@
+"""Honest reference kernels: the verifier replays a claim under several honest numerics and keeps,
+per token, the best explanation any of them gives (the *honest envelope*).
+
+Why: a single bf16 replay carries its own rounding noise. A claim token the bf16 replay does not
+reproduce at a near tie is often reproduced by an fp32 replay (the flip was the verifier's noise,
+not the provider's), and the tokens of an fp32 or eager-attention provider are reproduced exactly
+by a replay with those kernels. Measured on the testbed (detection lab, 128 claims per set): the
+fraction of honest tokens that the bf16 replay does not reproduce is 0.29%; that NO reference of
+{bf16, fp32, bf16 eager, bf16 weights with fp32 compute} reproduces is 0.04%. A 4-bit-weight or
+fp8-KV-cache provider's tokens are far from every honest kernel (1.6% / 1.0% unreproduced), so the
+honest null shrinks far more than the misconfigurations' evidence.
+
+Envelope: per token and per signed-gap column (`variants.block_gaps`; d > 0 = the replay does not
+reproduce the claimed token, by a margin d; d < 0 = it does, with runner-up gap -d), the minimum
+of d over the references: the claimed token is as plausible as the honest kernel that explains
+it best makes it. Everything downstream (the perturbation GLRT, its honest fit and null) takes
+the envelope gaps as it took one replay's gaps; only honest kernels are used.
+
+All references are real PyTorch kernels; none is a misconfiguration.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from verinfer.numerics import Numerics
+
+
+@dataclass(frozen=True)
+class Reference:
+    """One honest reference replay: the numerics it computes with, and whether it replays
+    token by token through the KV cache (`decode=True`, as a provider decodes, one claim at a
+    time) or teacher-forced in one forward per claim (`Engine.score`)."""
+
+    numerics: Numerics
+    decode: bool = False
+
+
+# name -> each honest reference replay; "bf16" is the verifier's primary replay (Engine.score)
+REFERENCES: dict[str, Reference] = {
+    "bf16": Reference(Numerics(dtype="bf16", attn="sdpa")),
+    "fp32": Reference(Numerics(dtype="fp32", attn="sdpa")),
+    "bf16-eager": Reference(Numerics(dtype="bf16", attn="eager")),
+    "bf16-decode": Reference(Numerics(dtype="bf16", attn="sdpa"), decode=True),
+}
+
+
+@torch.no_grad()
+def decode_replay(engine, claims) -> list:
+    """Teacher-forced replay token by token: prefill the prompt, then feed each claimed token
+    through `Engine.extend` (the KV-cache decode path a provider samples from), one claim at a
+    time with the claim's own max_tokens slots. Returns `engine.Replay`s like `Engine.score`."""
+    from dataclasses import replace
+
+    from verinfer.engine.engine import Replay, Request
+
+    out = []
+    for c in claims:
+        n = len(c.output_token_ids)
+        if n == 0:
+            out.append(Replay(torch.zeros(0, engine.vocab_size)))
+            continue
+        req = Request(c.id, list(c.prompt_token_ids), replace(c.sampling, max_tokens=max(c.sampling.max_tokens, n)))
+        batch = engine.prefill([req])
+        rows_TV = [batch.logits_BV[0].float().clone()]
+        for t in c.output_token_ids[:-1]:
+            logits_BTV, _ = engine.extend(batch, torch.tensor([[t]], dtype=torch.long))
+            rows_TV.append(logits_BTV[0, -1].float())
+        out.append(Replay(torch.stack(rows_TV).cpu()))
+    return out
+
+
+def replay(reference: Reference, engine, claims) -> list:
+    """The reference's replays of claims (engine built with reference.numerics)."""
+    if reference.decode:
+        return decode_replay(engine, claims)
+    return engine.score([(c.prompt_token_ids, c.output_token_ids) for c in claims])
+
+
+def envelope(gaps: list[np.ndarray]) -> np.ndarray:
+    """Element-wise minimum of the signed-gap arrays of the same claims under several reference
+    replays (same shape each; NaN rows, i.e. claims without Gumbel noise, stay NaN)."""
+    if not gaps:
+        raise ValueError("no reference gaps")
+    arrs = [np.asarray(g, dtype=np.float64) for g in gaps]
+    shape = arrs[0].shape
+    for a in arrs[1:]:
+        if a.shape != shape:
+            raise ValueError(f"reference gaps of shapes {shape} and {a.shape}: replays of different claims?")
+    return np.minimum.reduce(arrs)
+
+
+def envelope_table(tables: list, columns) -> dict:
+    """{column: envelope of that column over the tables} for the named signed-gap columns of
+    several features / score tables of the same claims (rows in the same order, checked by
+    claim_id and position when the tables carry them)."""
+    from verinfer.audit.scores import _column
+
+    if not tables:
+        raise ValueError("no reference tables")
+
+    def raw(t, key):
+        names = t.column_names if hasattr(t, "column_names") else list(t)
+        if key not in names:
+            return None
+        v = t[key]
+        return np.asarray(v.to_pylist() if hasattr(v, "to_pylist") else v)
+
+    for key in ("claim_id", "position"):
+        ref = raw(tables[0], key)
+        for t in tables[1:]:
+            other = raw(t, key)
+            if ref is not None and other is not None and not np.array_equal(ref, other):
+                raise ValueError(f"reference tables disagree on {key}: replays of different claims or order")
+    return {c: envelope([_column(t, c) for t in tables]) for c in columns}

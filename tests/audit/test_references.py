@@ -1,0 +1,89 @@
+import numpy as np
+import pyarrow as pa
+import pytest
+import torch
+
+from verinfer.audit.metrics import auc_at_fpr, auc_at_fpr_bound
+from verinfer.audit.references import REFERENCES, decode_replay, envelope, envelope_table, replay
+from verinfer.engine.engine import Engine, Request
+from verinfer.models.load import load_model
+from verinfer.numerics import Numerics
+from verinfer.sampling.params import SamplingParams
+
+
+def test_envelope_is_the_elementwise_min_and_keeps_nan():
+    a = np.array([[0.3, -0.1], [np.inf, np.nan], [-0.2, 0.05]])
+    b = np.array([[-0.01, 0.2], [0.5, np.nan], [-0.3, np.inf]])
+    e = envelope([a, b])
+    np.testing.assert_array_equal(e[[0, 2]], [[-0.01, -0.1], [-0.3, 0.05]])
+    assert e[1, 0] == 0.5 and np.isnan(e[1, 1])
+    with pytest.raises(ValueError, match="shapes"):
+        envelope([a, b[:2]])
+    with pytest.raises(ValueError, match="no reference"):
+        envelope([])
+
+
+def test_envelope_table_checks_rows_line_up():
+    t1 = pa.table({"claim_id": ["a", "a", "b"], "position": [0, 1, 0], "gap_0": [0.1, -0.2, np.inf]})
+    t2 = pa.table({"claim_id": ["a", "a", "b"], "position": [0, 1, 0], "gap_0": [-0.05, 0.3, 0.4]})
+    np.testing.assert_array_equal(envelope_table([t1, t2], ["gap_0"])["gap_0"], [-0.05, -0.2, 0.4])
+    t3 = pa.table({"claim_id": ["a", "b", "a"], "position": [0, 0, 1], "gap_0": [0.0, 0.0, 0.0]})
+    with pytest.raises(ValueError, match="claim_id"):
+        envelope_table([t1, t3], ["gap_0"])
+
+
+def test_auc_at_fpr_bound_values():
+    assert auc_at_fpr_bound(0.0) == 1.0 and auc_at_fpr_bound(1.0) == pytest.approx(0.5)
+    # q >= max_fpr: pAUC = a (1 - q) + a^2 / 2 -> McClish 0.5 (1 + a (1 - q) / (a - a^2 / 2))
+    q, a = 0.03, 0.01
+    assert auc_at_fpr_bound(q) == pytest.approx(0.5 * (1 + a * (1 - q) / (a - a * a / 2)))
+    # q < max_fpr: + q^2 / 2 + q (a - q)
+    q = 0.004
+    p = a * (1 - q) + q * q / 2 + q * (a - q)
+    assert auc_at_fpr_bound(q) == pytest.approx(0.5 * (1 + (p - a * a / 2) / (a - a * a / 2)))
+    # honest batches without evidence rarer than the misconfigured ones: a looser bound
+    assert auc_at_fpr_bound(0.03, q_honest=0.02) > auc_at_fpr_bound(0.03)
+
+
+def test_auc_at_fpr_bound_holds_and_is_reached():
+    # a fraction q of positive batches has no evidence: distributed as the honest batches of the same
+    # (no-evidence) kind, which also make up a fraction q of the negatives; the rest separate perfectly
+    rng = np.random.default_rng(0)
+    n, q = 400_000, 0.02
+    blind = lambda: rng.uniform(50, 60, n)  # noqa: E731
+    # blind honest batches independent of the score: the detector falls short of the bound
+    neg = rng.normal(size=n)
+    pos = np.where(rng.random(n) < q, rng.normal(size=n), 100.0)
+    assert auc_at_fpr(neg, pos, 0.01) < auc_at_fpr_bound(q)
+    # worst case: the no-evidence honest batches are the ones the detector scores highest
+    neg = np.where(rng.random(n) < q, blind(), rng.normal(size=n))
+    pos = np.where(rng.random(n) < q, blind(), 100.0)
+    assert auc_at_fpr(neg, pos, 0.01) == pytest.approx(auc_at_fpr_bound(q), abs=1e-3)
+
+
+def test_decode_replay_reproduces_a_batch_one_provider_bit_for_bit(tiny_llama_dir):
+    numerics = Numerics(dtype="bf16")
+    engine = Engine(load_model(tiny_llama_dir, numerics), numerics, eos_token_id=None)
+    p = SamplingParams(temperature=1.0, top_k=20, top_p=0.95, seed=5, max_tokens=12, noise="vllm-cpu")
+    reqs = [Request(f"r{i}", [1, 5 + i, 9, 13 + 2 * i], p) for i in range(3)]
+    done = []
+    for r in reqs:     # a provider decoding one request at a time, recording each step's logits
+        b = engine.prefill([r])
+        rows = []
+        while not b.finished:
+            rows.append(b.logits_BV[0].float().clone())
+            engine.decode_step(b)
+        done.append((r, b.outputs[0], torch.stack(rows)))
+
+    class C:  # the claim fields decode_replay reads
+        def __init__(self, r, out):
+            self.id, self.prompt_token_ids, self.output_token_ids, self.sampling = r.id, r.prompt_token_ids, out, r.params
+
+    claims = [C(r, out) for r, out, _ in done]
+    for (_, out, rows), rep in zip(done, decode_replay(engine, claims)):
+        assert rep.logits_TV.shape == (len(out), engine.vocab_size)
+        assert torch.equal(rep.logits_TV, rows)
+    assert REFERENCES["bf16-decode"].decode and not REFERENCES["bf16"].decode
+    # the teacher-forced path returns the same shapes
+    for rep, c in zip(replay(REFERENCES["bf16"], engine, claims), claims):
+        assert rep.logits_TV.shape == (len(c.output_token_ids), engine.vocab_size)
