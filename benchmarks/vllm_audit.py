@@ -10,10 +10,13 @@ calibrated on verinfer's own honest simulated providers (other prompts, same set
 `verinfer audit-api` does.
 
 Measured in the same run: vLLM's batched generation tokens/s (one llm.generate call over all
-prompts, after a warm-up call) and verinfer's replay tokens/s over the same honest claims
-(Engine.score), 3 rounds each (medians), the replay only after vLLM's processes have exited (its
-processes keep using CPU while idle, `vllm_idle_processes_cpu_percent`). vLLM runs with one torch thread ("Reducing Torch threads ... for serving"); the
-replay is timed with one thread (the ratio) and with all threads (reported beside it).
+prompts, vLLM's defaults: compiled model, one torch thread in its worker, yet its engine keeps
+both cores of this machine busy: `vllm_generate_cores`) and verinfer's replay tokens/s over the
+same honest claims (Engine.score: packed forwards, bf16 operands with fp32 GEMMs, torch's default
+threads), 3 rounds each (medians), the replay only after vLLM's processes have exited (they use
+CPU while idle, `vllm_idle_processes_cpu_percent`). Beside the headline ratio: the whole scoring
+(replay + Token-DiFR + Parquet), the replay on one thread, the native-bf16 verifier, and tokens
+per CPU-second of each side.
 """
 
 from __future__ import annotations
@@ -57,6 +60,21 @@ def idle_children_cpu(seconds: float = 3.0) -> float:
     return total
 
 
+def cpu_seconds() -> float:
+    """User + system CPU seconds of this process and every process it spawned (vLLM's engine)."""
+    import psutil
+
+    me = psutil.Process()
+    total = 0.0
+    for p in [me, *me.children(recursive=True)]:
+        try:
+            t = p.cpu_times()
+            total += t.user + t.system
+        except psutil.NoSuchProcess:
+            pass
+    return total
+
+
 def wait_for_children(timeout_s: float = 60.0) -> None:
     """Wait until the processes vLLM spawned (engine core, workers) have exited."""
     import psutil
@@ -64,6 +82,17 @@ def wait_for_children(timeout_s: float = 60.0) -> None:
     deadline = time.monotonic() + timeout_s
     while psutil.Process().children(recursive=True) and time.monotonic() < deadline:
         time.sleep(0.5)
+
+
+def command_line(args) -> str:
+    """The command that reproduces this run (store_true flags only when set)."""
+    parts = ["python benchmarks/vllm_audit.py"]
+    for k, v in vars(args).items():
+        if k in ("out", "render_only") or v is False:
+            continue
+        flag = "--" + k.replace("_", "-")
+        parts.append(flag if v is True else f"{flag} {' '.join(map(str, v)) if isinstance(v, list) else v}")
+    return " ".join(parts)
 
 
 def render_markdown(r: dict) -> str:
@@ -79,6 +108,11 @@ def render_markdown(r: dict) -> str:
              f"| honest_flagged false | {r['honest_flagged']} | {ok(t['honest_flagged false'])} |",
              f"| replay_vs_vllm_generate >= 5 | {r['replay_vs_vllm_generate']:.2f} ({r['replay_tokens_per_s']:.0f} vs "
              f"{r['vllm_generate_tokens_per_s']:.0f} tokens/s) | {ok(t['replay_vs_vllm_generate >= 5'])} |",
+             f"| (replay on 1 thread) | {r['replay_vs_vllm_generate_1_thread']:.2f} | |",
+             f"| (tokens per CPU-second, replay over vLLM; cores in use {r['replay_cores']:.2f} vs "
+             f"{r['vllm_generate_cores']:.2f}) | {r['replay_vs_vllm_generate_per_cpu_second']:.2f} | |",
+             f"| (whole audit scoring: replay + scores) | {r['score_vs_vllm_generate']:.2f} "
+             f"({r['score_tokens_per_s']:.0f} tokens/s) | |",
              f"| >= 2 misconfigured runs flagged | {sum(v['flagged'] for v in r['misconfigured'].values())} of "
              f"{len(r['misconfigured'])} | {ok(t['>= 2 misconfigured runs flagged'])} |", "",
              "| run | what | flagged | tokens used | p-value | first flagged at (tokens) | exact match |",
@@ -97,6 +131,9 @@ def main() -> None:
     ap.add_argument("--calib-n", type=int, default=64, help="prompts per honest calibration configuration")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--runs", nargs="+", default=["honest", "int4", "fp8-kv", "temp-1.1", "wrong-seed"])
+    ap.add_argument("--matmul", default="fp32", choices=["fp32", "native"],
+                    help="verifier matmuls (Numerics.matmul); the native bf16 replay is timed beside it")
+    ap.add_argument("--vllm-eager", action="store_true", help="vLLM with enforce_eager (default: vLLM's default, compiled)")
     ap.add_argument("--out", type=Path, default=RESULTS)
     ap.add_argument("--render-only", action="store_true", help="only rewrite the .md from the existing JSON")
     args = ap.parse_args()
@@ -109,7 +146,9 @@ def main() -> None:
     import vllm
 
     from verinfer.audit.claims import write_claims
-    from verinfer.audit.pipeline import calibrate, load_score_tables, prompts_for, score, verifier_engine
+    from verinfer.audit.pipeline import (VERIFIER_NUMERICS, calibrate, load_score_tables, prompts_for, score,
+                                         verifier_engine)
+    from verinfer.audit.replay import score_claims
     from verinfer.audit.providers import HONEST, run_provider
     from verinfer.audit.scores import divergence
     from verinfer.audit.vllm_provider import VllmRun, generate_claims, make_llm
@@ -119,7 +158,6 @@ def main() -> None:
 
     t_start = time.perf_counter()
     all_threads = torch.get_num_threads()
-    torch.set_num_threads(1)
     info = model_info(TARGET_DIR)
     cache = CACHE / f"n{args.n}-t{args.max_tokens}-s{args.seed}-{info.weights_sha256}"
     cache.mkdir(parents=True, exist_ok=True)
@@ -132,40 +170,59 @@ def main() -> None:
     for r in runs:
         groups.setdefault(r.engine_key, []).append(r)
     gens, init_s = {}, {}
-    engine = verifier_engine(TARGET_DIR)
-    gen_s, replay_s, replay_all_s, repeat_same, idle_cpu = [], [], [], [], None
+    engine = verifier_engine(TARGET_DIR, VERIFIER_NUMERICS.with_(matmul=args.matmul))
+    other = "native" if args.matmul == "fp32" else "fp32"
+    engine_other = verifier_engine(TARGET_DIR, VERIFIER_NUMERICS.with_(matmul=other))
+    gen_s, gen_cpu, repeat_same, idle_cpu = [], [], [], None
+    t_runs: dict[str, list[float]] = {k: [] for k in ("replay", "replay_cpu", "score", "replay_1_thread", "replay_other")}
     for key, group in groups.items():
         t0 = time.perf_counter()
-        llm = make_llm(TARGET_DIR, group[0], cache, seed=args.seed)
+        eager = args.vllm_eager or "honest" not in [r.name for r in group]  # the timed LLM runs as vLLM defaults
+        llm = make_llm(TARGET_DIR, group[0], cache, seed=args.seed, enforce_eager=eager)
         init_s[group[0].name] = time.perf_counter() - t0
         generate_claims(llm, TARGET_DIR, prompts[:4], advertised, group[0], base_seed=args.seed + 17)  # warm-up
         for r in group:
+            c0 = cpu_seconds()
             gens[r.name] = generate_claims(llm, TARGET_DIR, prompts, advertised, r, base_seed=args.seed)
+            c1 = cpu_seconds()
             write_claims(cache / f"{r.name}.jsonl", gens[r.name].claims)
             print(f"vLLM {r.name}: {gens[r.name].n_tokens} tokens in {gens[r.name].seconds:.2f} s", flush=True)
             if r.name == "honest":  # more timing rounds of the same batched generation
+                gen_s.append(gens["honest"].seconds)
+                gen_cpu.append(c1 - c0)
                 for _ in range(2):
+                    c0 = cpu_seconds()
                     g = generate_claims(llm, TARGET_DIR, prompts, advertised, r, base_seed=args.seed)
+                    gen_cpu.append(cpu_seconds() - c0)
                     repeat_same.append(sum(a.output_token_ids == b.output_token_ids
                                            for a, b in zip(g.claims, gens["honest"].claims)) / len(g.claims))
                     gen_s.append(g.seconds)
-                gen_s.append(gens["honest"].seconds)
                 idle_cpu = idle_children_cpu()
         del llm
         gc.collect()
         wait_for_children()  # vLLM's processes use CPU even while idle (measured below): time the replay without them
-        if "honest" in gens and not replay_s:
-            pairs = [(c.prompt_token_ids, c.output_token_ids) for c in gens["honest"].claims]
+        if "honest" in gens and not t_runs["replay"]:
+            claims = gens["honest"].claims
+            pairs = [(c.prompt_token_ids, c.output_token_ids) for c in claims]
             engine.score(pairs)  # warm-up
-            for _ in range(3):
+            engine_other.score(pairs)
+            for k in range(3):  # interleaved rounds
+                c0, t0 = cpu_seconds(), time.perf_counter()
+                engine.score(pairs)
+                t_runs["replay"].append(time.perf_counter() - t0)
+                t_runs["replay_cpu"].append(cpu_seconds() - c0)
+                t0 = time.perf_counter()  # the whole audit scoring: replay + Token-DiFR scores + Parquet
+                score_claims(claims, engine, cache / f"timing-{k}.parquet")
+                t_runs["score"].append(time.perf_counter() - t0)
+                (cache / f"timing-{k}.parquet").unlink()
+                t0 = time.perf_counter()
+                engine_other.score(pairs)
+                t_runs["replay_other"].append(time.perf_counter() - t0)
+                torch.set_num_threads(1)  # as vLLM's worker (it still keeps both cores busy, gen_cpu)
                 t0 = time.perf_counter()
                 engine.score(pairs)
-                replay_s.append(time.perf_counter() - t0)
-                torch.set_num_threads(all_threads)  # also on every core (vLLM chose 1 thread here)
-                t0 = time.perf_counter()
-                engine.score(pairs)
-                replay_all_s.append(time.perf_counter() - t0)
-                torch.set_num_threads(1)
+                t_runs["replay_1_thread"].append(time.perf_counter() - t0)
+                torch.set_num_threads(all_threads)
 
     # 2. verinfer replay of every run (bf16 verifier)
     tables = {}
@@ -174,7 +231,8 @@ def main() -> None:
         sp.unlink(missing_ok=True)
         tables[name] = score(cache / f"{name}.jsonl", TARGET_DIR, sp, engine=engine, show_progress=False)
     honest_tokens = gens["honest"].n_tokens
-    replay_tps = honest_tokens / statistics.median(replay_s)
+    med = {k: statistics.median(v) for k, v in t_runs.items()}
+    replay_tps = honest_tokens / med["replay"]
     vllm_tps = honest_tokens / statistics.median(gen_s)
 
     # 3. detector calibrated on verinfer's own honest simulated providers (other prompts)
@@ -182,9 +240,10 @@ def main() -> None:
     calib_prompts = prompts_for(TARGET_DIR, args.calib_n, calib_seed)
     cpaths = []
     for name, cfg in HONEST.items():
-        cp, sp = cache / f"calib-{args.calib_n}-{name}.jsonl", cache / f"calib-{args.calib_n}-{name}.parquet"
+        cp, sp = cache / f"calib-{args.calib_n}-{name}.jsonl", cache / f"calib-{args.calib_n}-{args.matmul}-{name}.parquet"
         if not sp.is_file():
-            write_claims(cp, run_provider(cfg, TARGET_DIR, calib_prompts, advertised, base_seed=calib_seed))
+            if not cp.is_file():
+                write_claims(cp, run_provider(cfg, TARGET_DIR, calib_prompts, advertised, base_seed=calib_seed))
             score(cp, TARGET_DIR, sp, engine=engine, show_progress=False)
         cpaths.append(sp)
     det, _ = calibrate(load_score_tables(cpaths), list(HONEST), seed=args.seed)
@@ -211,12 +270,26 @@ def main() -> None:
         "replay_vs_vllm_generate": replay_tps / vllm_tps,
         "replay_tokens_per_s": replay_tps,
         "vllm_generate_tokens_per_s": vllm_tps,
-        f"replay_vs_vllm_generate_replay_{all_threads}_threads": honest_tokens / statistics.median(replay_all_s) / vllm_tps,
-        "vllm_repeat_identical_claims": repeat_same,
-        "vllm_idle_processes_cpu_percent": idle_cpu,  # vLLM's processes, idle LLM, 3 s  # fraction of claims vLLM reproduced in each timing round
-        "throughput_timing": "vLLM llm.generate over all prompts in one call (3 rounds after a warm-up), then, "
-                             "once vLLM's processes have exited, verinfer Engine.score over the same claims (3 "
-                             "rounds after a warm-up); medians",
+        "vllm_generate_cores": statistics.median(gen_cpu) / statistics.median(gen_s),
+        "replay_cores": med["replay_cpu"] / med["replay"],
+        "replay_vs_vllm_generate_per_cpu_second": (honest_tokens / med["replay_cpu"])
+                                                  / (honest_tokens / statistics.median(gen_cpu)),
+        "replay_vs_vllm_generate_1_thread": honest_tokens / med["replay_1_thread"] / vllm_tps,
+        "score_vs_vllm_generate": honest_tokens / med["score"] / vllm_tps,
+        "score_tokens_per_s": honest_tokens / med["score"],
+        f"replay_{other}_matmul_vs_vllm_generate": honest_tokens / med["replay_other"] / vllm_tps,
+        "verifier_matmul": args.matmul,
+        "vllm_enforce_eager": bool(args.vllm_eager),
+        "vllm_repeat_identical_claims": repeat_same,  # fraction of claims vLLM reproduced in each timing round
+        "vllm_idle_processes_cpu_percent": idle_cpu,  # vLLM's processes, idle LLM, 3 s
+        "throughput_timing": "vLLM (its defaults: torch.compiled model, one torch thread in its worker) "
+                             "llm.generate over all prompts in one call, 3 rounds after a warm-up; then, once "
+                             "vLLM's processes have exited, interleaved rounds of verinfer's replay "
+                             "(Engine.score: packed forwards over the same claims, torch's default threads), "
+                             "the whole score_claims (replay + Token-DiFR scores + Parquet), the replay with "
+                             "the other verifier matmul, and the replay on one thread; 3 rounds after a "
+                             "warm-up, medians. CPU seconds (process and children, psutil) give each side's "
+                             "cores in use",
         "targets": {"honest_token_match >= 0.99": honest["exact_match"] >= 0.99,
                     "honest_flagged false": not honest["flagged"],
                     "replay_vs_vllm_generate >= 5": replay_tps / vllm_tps >= 5,
@@ -227,12 +300,11 @@ def main() -> None:
                      "calibrated_on": list(HONEST), "calib_prompts": args.calib_n},
         "setup": {"model": info.name, "weights_sha256": info.weights_sha256, "prompts": args.n,
                   "max_tokens": args.max_tokens, "sampling": "T=1.0, top_k=50, top_p=0.95, noise vllm-cpu",
-                  "vllm": vllm.__version__, "torch": torch.__version__, "verifier": "verinfer bf16 sdpa, 1 thread",
-                  "vllm_generate_s_runs": gen_s, "replay_s_runs": replay_s, f"replay_s_runs_{all_threads}_threads": replay_all_s, "llm_init_s": init_s, "machine": f"{platform.machine()} "
+                  "vllm": vllm.__version__, "torch": torch.__version__, "verifier": f"verinfer bf16 sdpa, matmul {args.matmul}, {all_threads} threads",
+                  "vllm_generate_s_runs": gen_s, "vllm_generate_cpu_s_runs": gen_cpu,
+                  "replay_timing_s_runs": t_runs, "threads": all_threads, "llm_init_s": init_s, "machine": f"{platform.machine()} "
                   f"{__import__('os').cpu_count()} cpus (shared)", "seconds": time.perf_counter() - t_start},
-        "command": "python benchmarks/vllm_audit.py " + " ".join(
-            f"--{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, list) else v}"
-            for k, v in vars(args).items() if k not in ("out", "render_only")),
+        "command": command_line(args),
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1, default=float) + "\n")
