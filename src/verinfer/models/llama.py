@@ -298,6 +298,19 @@ class LlamaLM(torch.nn.Module):
         gate, up = self._linears(h, (p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"))
         return x_LD + self._linear(F.silu(gate) * up, p + "mlp.down_proj.weight")
 
+    def _layers_and_head(self, x, cos, sin, attend, hidden_layer, select):
+        """Every decoder layer, then logits (and hidden states) at `select` (an index into x's
+        leading dims, None = all)."""
+        hidden = None
+        for i in range(self.config.num_hidden_layers):
+            x = self._layer(i, x, cos, sin, attend)
+            if hidden_layer == i:
+                hidden = x
+        if select is not None:
+            x = x[select]
+            hidden = hidden[select] if hidden is not None else None
+        return self._head(x, hidden, hidden_layer)
+
     def _head(self, x_ND: torch.Tensor, hidden, hidden_layer):
         x_ND = rms_norm(x_ND, self.w["norm.weight"], self.config.rms_norm_eps)
         if hidden_layer == -1:
@@ -341,15 +354,7 @@ class LlamaLM(torch.nn.Module):
                 keys, vals = cache.k[i][:, :, :S], cache.v[i][:, :, :S]
             return self._attention(q_BTHE.transpose(1, 2), keys, vals, mask_BTS).transpose(1, 2).reshape(B, T, -1)
 
-        hidden = None
-        for i in range(c.num_hidden_layers):
-            x = self._layer(i, x, cos, sin, attend)
-            if hidden_layer == i:
-                hidden = x
-        if select is not None:
-            x = x[select]
-            hidden = hidden[select] if hidden is not None else None
-        return self._head(x, hidden, hidden_layer)
+        return self._layers_and_head(x, cos, sin, attend, hidden_layer, select)
 
     def _forward_packed(self, tokens_BT, lengths_B, hidden_layer, select):
         """Replay of right-padded rows with the padding removed from every per-token op (linear
@@ -374,15 +379,7 @@ class LlamaLM(torch.nn.Module):
             a_BHTE = self._attention(pad(q_NHE), pad(k_NGE), pad(v_NGE), None)
             return a_BHTE.transpose(1, 2).reshape(B * T, -1)[flat_N]
 
-        hidden = None
-        for i in range(c.num_hidden_layers):
-            x = self._layer(i, x, cos, sin, attend)
-            if hidden_layer == i:
-                hidden = x
-        if select is not None:
+        if select is not None:  # (row, time) -> packed index
             b_N, t_N = (t.to(dev) for t in select)
-            start_B = torch.cumsum(lengths_B, 0) - lengths_B
-            idx = start_B[b_N] + t_N
-            x = x[idx]
-            hidden = hidden[idx] if hidden is not None else None
-        return self._head(x, hidden, hidden_layer)
+            select = (torch.cumsum(lengths_B, 0) - lengths_B)[b_N] + t_N
+        return self._layers_and_head(x, cos, sin, attend, hidden_layer, select)
