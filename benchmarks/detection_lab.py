@@ -164,20 +164,71 @@ def stage_features(log=print) -> None:
         log(f"features {key}: {sum(p.num_rows for p in parts)} tokens in {time.perf_counter() - t0:.0f}s")
 
 
+def reference_features_path(ref: str, key: str) -> Path:
+    return CACHE / f"features-{ref}" / f"{key}.parquet"
+
+
+def reference_columns() -> list[str]:
+    """The signed-gap columns a reference replay keeps (those `best` reads)."""
+    from verinfer.audit.variants import gap_column, temperature_column
+
+    cols = [gap_column(), *(temperature_column(r) for r in TEMPERATURE_FACTORS)]
+    for tau in TOP_P_SLACKS:
+        cols += [gap_column(tau), *(temperature_column(r, tau) for r in TEMPERATURE_FACTORS)]
+    return cols
+
+
+def stage_references(log=print) -> None:
+    """Replay every Gumbel claim set under each extra honest reference (`references.REFERENCES`
+    other than the primary bf16 replay) and keep the signed-gap
+    columns (`best` takes their per-token envelope)."""
+    import pyarrow as pa
+
+    from verinfer.audit.references import REFERENCES, replay
+    from verinfer.audit.replay import atomic_write_parquet
+    from verinfer.audit.variants import features_table
+
+    keys = [c["key"] for c in lab_configs() if c["noise"] == "vllm-cpu"] + ["int4-tuned"]
+    keep = ["claim_id", "position", "token_id", *reference_columns()]
+    for ref, reference in REFERENCES.items():
+        if ref == PRIMARY_REFERENCE:
+            continue
+        engine = None
+        for key in keys:
+            out = reference_features_path(ref, key)
+            if out.is_file() or not claims_path(key).is_file():
+                continue
+            engine = engine or verifier_engine(TARGET_DIR, reference.numerics)
+            t0 = time.perf_counter()
+            claims = read_claims(claims_path(key))
+            parts = []
+            for s in range(0, len(claims), 64):
+                chunk = claims[s : s + 64]
+                t = features_table(chunk, replay(reference, engine, chunk), temperature_factors=TEMPERATURE_FACTORS,
+                                   top_p_slacks=TOP_P_SLACKS)
+                parts.append(t.select(keep))
+            out.parent.mkdir(parents=True, exist_ok=True)
+            atomic_write_parquet(pa.concat_tables(parts), out)
+            log(f"reference {ref} {key}: {sum(p.num_rows for p in parts)} tokens in {time.perf_counter() - t0:.0f}s")
+
+
+PRIMARY_REFERENCE = "bf16"  # the verifier's replay in features/ (VERIFIER_NUMERICS)
 TEMPERATURE_FACTORS = (0.8, 0.9, 1.1, 1.2)  # signed gaps at r x the claimed temperature (`best`'s temperature alternatives)
 TOP_P_SLACKS = (0.01,)  # signed gaps with a tolerance at the top-p cut (variants.block_gaps)
+BEST_CONFIG = dict(temperature_factors=TEMPERATURE_FACTORS)  # PerturbationGLRTDetector(**BEST_CONFIG)
 BEST_DESCRIPTION = (
-    "PerturbationGLRTDetector (src/verinfer/audit/detector.py): per token the signed post-Gumbel gap d of the claimed "
-    "token to its strongest competitor (the margin if the replay picks another token, minus the runner-up gap if it "
-    "reproduces it), with a tolerance of 0.01 at the top-p cut (competitors count if kept at top_p - 0.01, the claimed "
-    "token counts as kept if kept at top_p + 0.01: honest rounding moves tokens across the cut). Model: the provider's "
-    "scores are the verifier's plus N(0, sigma^2) per logit, with a fraction eps of outlier tokens (1 of 50 candidates), "
-    "at r x the claimed temperature; (sigma0, eps0) fitted by maximum likelihood on honest train tokens. Per-token "
-    "log-likelihood ratios of the alternatives sigma0 x 1.5/2/3/5, eps0 x 10/100 and temperature x 0.8/0.9/1.1/1.2 "
-    "(noise columns centered by their expectation under the honest fit given the token's gap); batch statistic = the "
-    "largest batch log-likelihood ratio (GLRT); threshold from a random-effects null over the 5 honest calibration "
-    "configurations. Fit on honest tokens only; no alternative uses a misconfigured provider's kernel (the temperature "
-    "alternatives rescore the verifier's own logits).")
+    "PerturbationGLRTDetector (src/verinfer/audit/detector.py) on the honest-reference envelope "
+    "(src/verinfer/audit/references.py): each claim is replayed by four honest kernels (bf16 teacher-forced, the "
+    "primary replay; fp32; bf16 eager attention; bf16 token by token through the KV cache, as a provider decodes) "
+    "and per token the signed post-Gumbel gap d of the claimed token to its strongest competitor is the minimum over "
+    "the four (the margin if no honest kernel reproduces the token, minus the runner-up gap of the best one if some "
+    "does), with a tolerance of 0.01 at the top-p cut. Model: the provider's scores are the envelope's plus "
+    "N(0, sigma^2) per logit, with a fraction eps of outlier tokens (1 of 50 candidates), at r x the claimed "
+    "temperature; (sigma0, eps0) fitted by maximum likelihood on honest train tokens. Per-token log-likelihood ratios "
+    "of the alternatives sigma0 x 1.5/2/3/5, eps0 x 10/100 and temperature x 0.8/0.9/1.1/1.2 (noise columns centered "
+    "by their expectation under the honest fit given the token's gap); batch statistic = the largest batch "
+    "log-likelihood ratio (GLRT); threshold from a random-effects null over the 5 honest calibration configurations. "
+    "Fit on honest tokens only; every reference is an honest kernel (none replays a misconfiguration).")
 
 
 # --- grid -----------------------------------------------------------------------------------------------
@@ -200,7 +251,33 @@ def load_features(key: str) -> dict:
     d["logit_gap"] = t["logit_gap"].to_numpy()
     d["gap_0"] = d["gaps"][:, 0]
     d.update({c: t[c].to_numpy() for c in t.column_names if c.startswith("gapT_") or c.startswith("gap_0_s")})
+    add_envelope(d, key, t)
     return d
+
+
+ENV = "env:"  # prefix of the envelope columns (min over the honest reference replays) in a features dict
+
+
+def add_envelope(d: dict, key: str, primary) -> None:
+    """d[ENV + c] = per-token envelope (`references.envelope`) of signed-gap column c over the
+    primary replay and every extra reference replay, when all of them are cached."""
+    import pyarrow.parquet as pq
+
+    from verinfer.audit.references import REFERENCES, envelope_table
+
+    paths = [reference_features_path(r, key) for r in REFERENCES if r != PRIMARY_REFERENCE]
+    if not all(p.is_file() for p in paths):
+        return
+    cols = reference_columns()
+    d.update({ENV + c: v for c, v in envelope_table([primary, *(pq.read_table(p) for p in paths)], cols).items()})
+
+
+def env_view(d: dict) -> dict:
+    """The envelope signed-gap columns of a features dict under their plain names (`best`'s input)."""
+    cols = reference_columns()
+    if ENV + cols[0] not in d:
+        raise KeyError("no envelope columns: run `--stage references` (honest reference replays) first")
+    return {c: d[ENV + c] for c in cols}
 
 
 def take(d: dict, idx) -> dict:
@@ -298,6 +375,59 @@ def best_curve(det, h: dict, m: dict, sizes, seed: int) -> dict:
     return out
 
 
+ORACLE_EDGES = np.array([-np.inf, -1, -0.3, -0.1, -0.05, -0.03, -0.02, -0.01, -0.005, 0, 0.0025, 0.005, 0.01, 0.02,
+                         0.03, 0.05, 0.1, 0.2, 0.5, 1, 3, np.inf])
+
+
+def gap_oracle_llr(h_gap: np.ndarray, m_gap: np.ndarray):
+    """Per-token log-likelihood ratio of a binned signed gap (ORACLE_EDGES, +0.5 per bin) between a
+    misconfiguration's and the honest pool's gap histograms: the Neyman-Pearson statistic of
+    an oracle that KNOWS the misconfiguration's gap distribution (a ceiling, not a detector)."""
+    def idx(g):
+        g = np.where(np.isposinf(g), 1e9, g)
+        return np.clip(np.searchsorted(ORACLE_EDGES, g, side="right") - 1, 0, len(ORACLE_EDGES) - 2)
+
+    nb = len(ORACLE_EDGES) - 1
+    ph = np.bincount(idx(h_gap), minlength=nb) + 0.5
+    pm = np.bincount(idx(m_gap), minlength=nb) + 0.5
+    llr = np.log(pm / pm.sum()) - np.log(ph / ph.sum())
+    return lambda g: llr[idx(g)]
+
+
+def feasibility(tr: dict, te: dict, honest: list, m: str) -> dict:
+    """What any detector could reach for misconfiguration m from the claimed tokens, two ways.
+
+    gap_oracle_auc: AUC@1%FPR of the summed per-token `gap_oracle_llr` of the envelope gap
+    (fitted on m's own train half: knows the misconfiguration) on the test halves.
+
+    agreement bound: a token carries evidence only if the misconfigured and the honest sampler
+    would pick different tokens at its context and seed; rho = fraction of such tokens (int4,
+    fp8-kv, wrong-seed, sampling-bug: not reproduced by any honest reference; temp-1.1: the
+    replay's choice at the claimed temperature differs from its choice at 1.1 x, measured on m
+    and on the honest pool); q(n) = (1 - rho)^n batches of n resampled tokens have none, and
+    `metrics.auc_at_fpr_bound(q_m(n), q_honest=q_h(n))` bounds AUC@1%FPR (token-level model:
+    a token without evidence is distributed as an honest one)."""
+    from verinfer.audit.metrics import auc_at_fpr_bound
+
+    col = "gap_0_s0.01"
+    h_tr, h_te = cat([env_view(tr[k]) for k in honest]), cat([env_view(te[k]) for k in honest])
+    f = gap_oracle_llr(h_tr[col], env_view(tr[m])[col])
+    oracle = auc_curve(f(h_te[col]), f(env_view(te[m])[col]), BATCH_SIZES, seed=6)
+
+    def rho(d: dict) -> float:
+        e = env_view(d)
+        if m.startswith("temp-"):
+            alt = float(m.split("-", 1)[1])
+            return float(np.mean((e["gap_0"] > 0) ^ (e[f"gapT_{alt:g}"] > 0)))
+        return float(np.mean(e["gap_0"] > 0))
+
+    rho_m = rho(cat([tr[m], te[m]]))
+    rho_h = rho(cat([cat([tr[k], te[k]]) for k in honest]))
+    bound = {str(n): auc_at_fpr_bound((1 - rho_m) ** n, 0.01, (1 - rho_h) ** n) for n in BATCH_SIZES}
+    return {"gap_oracle_auc": {str(b): v for b, v in oracle.items()}, "rho": rho_m, "rho_honest": rho_h,
+            "agreement_bound_auc": bound}
+
+
 def heldout_fpr(det, sets: dict, sizes, seed: int = 3) -> dict:
     """Flag rate of a fitted detector on random batches of honest configurations it never saw."""
     rng = np.random.default_rng(seed)
@@ -327,6 +457,7 @@ def stage_grid(log=print) -> dict:
     from verinfer.audit.combined import LikelihoodRatioDetector
     from verinfer.audit.detector import ClippedMeanDetector, PerturbationGLRTDetector
     from verinfer.audit.metrics import split_tokens, tokens_to_detect
+    from verinfer.audit.references import REFERENCES
 
     t0 = time.perf_counter()
     rng = np.random.default_rng(0)
@@ -343,12 +474,17 @@ def stage_grid(log=print) -> dict:
 
     sc = Scorer(h_tr)
     h_groups = np.concatenate([np.full(len(tr[k]["margin"]), k) for k in honest])
-    # best: perturbation GLRT fit on honest train tokens only, random-effects null over honest configs
-    best = PerturbationGLRTDetector(temperature_factors=TEMPERATURE_FACTORS).fit(h_tr, groups=h_groups)
+    # best: perturbation GLRT on the honest-reference envelope of the signed gaps, fit on honest train
+    # tokens only, random-effects null over honest configs; glrt_single_replay: the same detector on
+    # the primary bf16 replay's gaps alone (the previous `best`)
+    best = PerturbationGLRTDetector(**BEST_CONFIG).fit(env_view(h_tr), groups=h_groups)
+    single = PerturbationGLRTDetector(temperature_factors=TEMPERATURE_FACTORS).fit(h_tr, groups=h_groups)
     log(f"best: sigma0 {best.sigma0_:.4g}, eps0 {best.eps0_:.3g}, tau/sd {np.round(best.tau_ / best.sd_, 4).tolist()}")
+    ev = {k: env_view(d) for k, d in te.items() if ENV + reference_columns()[0] in d}
+    h_ev = env_view(h_te)
     curves = {m: {} for m in misconf}
     fine = {m: {} for m in misconf}
-    oracle = {}
+    oracle, ceilings = {}, {}
     h_vals = {n: sc.values(n, h_te) for n in sc.names}
     for m in misconf:
         for n in sc.names:
@@ -357,15 +493,18 @@ def stage_grid(log=print) -> dict:
         # the OTHER misconfigurations' train halves (leave-one-misconfiguration-out)
         lrd = LikelihoodRatioDetector().fit(h_tr, [tr[o] for o in misconf if o != m])
         curves[m]["lr_combined"] = auc_curve(lrd.token_scores(h_te), lrd.token_scores(te[m]), BATCH_SIZES, seed=1)
-        curves[m]["best"] = best_curve(best, h_te, te[m], BATCH_SIZES, seed=1)
+        curves[m]["glrt_single_replay"] = best_curve(single, h_te, te[m], BATCH_SIZES, seed=1)
+        curves[m]["best"] = best_curve(best, h_ev, ev[m], BATCH_SIZES, seed=1)
         fine[m]["margin_clip99.9"] = auc_curve(h_vals["margin_clip99.9"], sc.values("margin_clip99.9", te[m]),
                                                FINE_SIZES, seed=2)
         fine[m]["lr_combined"] = auc_curve(lrd.token_scores(h_te), lrd.token_scores(te[m]), FINE_SIZES, seed=2)
-        fine[m]["best"] = best_curve(best, h_te, te[m], FINE_SIZES, seed=2)
+        fine[m]["glrt_single_replay"] = best_curve(single, h_te, te[m], FINE_SIZES, seed=2)
+        fine[m]["best"] = best_curve(best, h_ev, ev[m], FINE_SIZES, seed=2)
         # reference ceiling: an oracle that sees which tokens the replay does not reproduce and knows
         # which of those the misconfiguration caused (honest batches always score 0)
         oracle[m] = auc_curve(np.zeros(len(h_te["margin"])), (~te[m]["exact_match"]).astype(np.float64),
                               BATCH_SIZES, seed=5)
+        ceilings[m] = feasibility(tr, te, honest, m)
         log(f"grid {m}: " + ", ".join(f"{n}={tokens_to_detect(c)}" for n, c in curves[m].items()))
 
     # IPT-DiFR grid on the inverse-CDF claim sets
@@ -382,10 +521,11 @@ def stage_grid(log=print) -> dict:
             log(f"ipt grid {m}: " + ", ".join(f"{n}={tokens_to_detect(c)}" for n, c in ipt_curves[m].items()))
 
     ttd = {}
-    for n in [*sc.names, "lr_combined", "best"]:
+    for n in [*sc.names, "lr_combined", "glrt_single_replay", "best"]:
         ttd[n] = {m: tokens_to_detect(curves[m][n]) for m in misconf}
     ttd["ipt_difr"] = {m: tokens_to_detect(ipt_curves[m]["ipt_difr"]) if m in ipt_curves else None for m in misconf}
-    ttd_fine = {n: {m: tokens_to_detect(fine[m][n]) for m in misconf} for n in ("margin_clip99.9", "lr_combined", "best")}
+    ttd_fine = {n: {m: tokens_to_detect(fine[m][n]) for m in misconf}
+                for n in ("margin_clip99.9", "lr_combined", "glrt_single_replay", "best")}
 
     # held-out honest configurations (never used in any fit): flag rates at a 1% target
     det_all = LikelihoodRatioDetector().fit(h_tr, [tr[m] for m in misconf])
@@ -393,7 +533,8 @@ def stage_grid(log=print) -> dict:
     det_all.save(RESULTS / "detection_lab_lr_detector.json")
     fpr_sizes = (10, 30, 100, 300, 1000, 3000, 10000)
     ho = {k: data[k] for k in heldout}
-    fpr_best = heldout_fpr(best, ho, fpr_sizes)
+    fpr_best = heldout_fpr(best, {k: env_view(d) for k, d in ho.items()}, fpr_sizes)
+    fpr_single = heldout_fpr(single, ho, fpr_sizes)
     fpr_lr = heldout_fpr(det_all, ho, fpr_sizes)
     cm = ClippedMeanDetector(clip_quantile=0.999).fit(h_tr["margin"])
     fpr_margin = heldout_fpr(cm, {k: v["margin"] for k, v in ho.items()}, fpr_sizes)
@@ -411,7 +552,7 @@ def stage_grid(log=print) -> dict:
             row = {n: auc_curve(h_vals[n], sc.values(n, te[key]), (1000,), seed=4)[1000]
                    for n in ("cross_entropy", "margin_clip99.9", "likelihood", "exact_match")}
             row["lr_combined"] = auc_curve(det_loo.token_scores(h_te), det_loo.token_scores(te[key]), (1000,), seed=4)[1000]
-            row["best"] = best_curve(best, h_te, te[key], (1000,), seed=4)[1000]
+            row["best"] = best_curve(best, h_ev, ev[key], (1000,), seed=4)[1000]
             ce = data[key]["cross_entropy"]
             row["mean_cross_entropy"] = float(ce[np.isfinite(ce)].mean())
             rows[key] = row
@@ -435,6 +576,7 @@ def stage_grid(log=print) -> dict:
         "heldout_honest_fpr": mean_fpr(fpr_best),
         "heldout_honest_fpr_max_cell": max(v for row in fpr_best.values() for v in row.values()) if fpr_best else None,
         "heldout_honest_fpr_by_config": fpr_best,
+        "heldout_honest_fpr_glrt_single_replay": mean_fpr(fpr_single),
         "heldout_honest_fpr_margin_clip99.9": mean_fpr(fpr_margin),
         "heldout_honest_fpr_margin_clip99.9_stratified_null": mean_fpr(fpr_margin_strat),
         "heldout_honest_fpr_margin_stratified_by_config": fpr_margin_strat,
@@ -445,6 +587,7 @@ def stage_grid(log=print) -> dict:
         "tokens_to_detect_fine_grid": ttd_fine,
         "mismatch_oracle_auc": {m: {str(b): v for b, v in c.items()} for m, c in oracle.items()},
         "mismatch_oracle_tokens_to_detect": {m: tokens_to_detect(c) for m, c in oracle.items()},
+        "feasibility": ceilings,
         "attack": attack,
         "auc_at_1pct_fpr": {m: {n: {str(b): v for b, v in c.items()} for n, c in by.items()} for m, by in curves.items()},
         "auc_at_1pct_fpr_ipt": {m: {n: {str(b): v for b, v in c.items()} for n, c in by.items()} for m, by in ipt_curves.items()},
@@ -454,6 +597,9 @@ def stage_grid(log=print) -> dict:
                   "clips": {k: v for k, v in sc.clip.items()}, "batches_per_size": N_BATCHES, "mc_trials": MC_TRIALS,
                   "split": "token-level 50/50 train/test per configuration (seeded)",
                   "best": BEST_DESCRIPTION,
+                  "references": {r: {"numerics": ref.numerics.to_dict(), "decode": ref.decode}
+                                 for r, ref in REFERENCES.items()},
+                  "best_config": {k: list(v) if isinstance(v, tuple) else v for k, v in BEST_CONFIG.items()},
                   "best_fitted": {"sigma0": best.sigma0_, "eps0": best.eps0_, "grid": best.grid_,
                                   "alternatives": [best.describe(g) for g in range(len(best.grid_))],
                                   "tau_over_sd": (best.tau_ / best.sd_).tolist()},
@@ -500,9 +646,10 @@ def markdown(r: dict) -> str:
           "| misconfiguration | margin_clip99.9 | best | ok |", "|---|---|---|---|"]
     for m, c in r["best_vs_margin"].items():
         L.append(f"| {m} | {_fmt(c['margin_clip99.9'])} | {_fmt(c['best'])} | {_fmt(c['ok'])} |")
-    L += ["", f"Fine grid {FINE_SIZES}: " + json.dumps(r["tokens_to_detect_fine_grid"]), "",
-          "Ceiling for token-only evidence: AUC@1%FPR of an oracle that sees which tokens the replay does not reproduce "
-          "and knows which of those the misconfiguration caused (honest batches score 0); tokens to detect "
+    L += ["", f"Fine grid {FINE_SIZES}: " + json.dumps(r["tokens_to_detect_fine_grid"]), ""]
+    L += feasibility_markdown(r)
+    L += ["Mismatch oracle (not a ceiling: it scores every honest batch 0): AUC@1%FPR of an oracle that sees which "
+          "tokens the bf16 replay does not reproduce and knows which of those the misconfiguration caused; tokens to detect "
           + json.dumps(r["mismatch_oracle_tokens_to_detect"]) + "; AUC at 100 / 300 tokens: "
           + json.dumps({m: [round(c["100"], 4), round(c["300"], 4)] for m, c in r["mismatch_oracle_auc"].items()}), "",
           f"Held-out honest FPR of `best` at a 1% target: mean {_fmt(r['heldout_honest_fpr'])}, worst cell "
@@ -539,6 +686,47 @@ def markdown(r: dict) -> str:
     return "\n".join(L) + "\n"
 
 
+def feasibility_markdown(r: dict) -> list[str]:
+    """The feasibility section: per misconfiguration, the batch size the half-tokens target asks
+    for, best's AUC there, and the two ceilings of `feasibility` at that size."""
+    f = r.get("feasibility") or {}
+    if not f:
+        return []
+    L = ["## Can any detector do it? (at the batch size the half-tokens target asks for)", "",
+         "target n = the largest ladder size <= margin_clip99.9's tokens / 2 (<= margin's where it needs <= 10). "
+         "gap oracle = AUC@1%FPR of the summed binned log-likelihood ratio of the envelope gap, fitted on the "
+         "misconfiguration's OWN train half (knows its gap distribution; a ceiling for per-token gap evidence). "
+         "agreement bound = `metrics.auc_at_fpr_bound`: a token carries evidence only where the misconfigured and "
+         "the honest sampler would choose differently (rho per token: not reproduced by any honest reference; for "
+         "temp-1.1: the replay's choices at T and 1.1 T differ, rho_honest likewise on honest tokens), so with "
+         "probability (1 - rho)^n a batch of n tokens has none and looks honest (token-level model).", "",
+         "| misconfiguration | margin_clip99.9 | target n | best AUC at n | gap oracle AUC at n | rho | rho_honest | "
+         "agreement bound at n | verdict |", "|---|---|---|---|---|---|---|---|---|"]
+    for m, c in f.items():
+        a = r["best_vs_margin"][m]["margin_clip99.9"]
+        n = target_batch(a)
+        if n is None:
+            L.append(f"| {m} | {_fmt(a)} | - | - | - | {c['rho']:.4f} | {c['rho_honest']:.5f} | - | no requirement |")
+            continue
+        best_auc = r["auc_at_1pct_fpr"][m]["best"].get(str(n))
+        orc, bnd = c["gap_oracle_auc"].get(str(n)), c["agreement_bound_auc"].get(str(n))
+        verdict = ("met" if best_auc is not None and best_auc >= 0.99 else
+                   "infeasible (bound < 0.99)" if bnd is not None and bnd < 0.99 else
+                   "beyond per-token gap evidence (oracle < 0.99)" if orc is not None and orc < 0.99 else "not met")
+        L.append(f"| {m} | {_fmt(a)} | {n} | {_fmt(best_auc)} | {_fmt(orc)} | {c['rho']:.4f} | {c['rho_honest']:.5f} | "
+                 f"{_fmt(bnd)} | {verdict} |")
+    return L + [""]
+
+
+def target_batch(margin_tokens) -> int | None:
+    """The largest ladder batch size meeting the done-when for a margin that needs margin_tokens."""
+    if margin_tokens is None or margin_tokens > 10000:
+        return None
+    limit = margin_tokens / 2 if margin_tokens > 10 else margin_tokens
+    ok = [b for b in BATCH_SIZES if b <= limit]
+    return max(ok) if ok else None
+
+
 def plot_curves(curves: dict, path: Path, title: str) -> None:
     import matplotlib
 
@@ -566,7 +754,7 @@ def plot_curves(curves: dict, path: Path, title: str) -> None:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--stage", choices=("data", "features", "grid", "all"), default="all")
+    ap.add_argument("--stage", choices=("data", "features", "references", "grid", "all"), default="all")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch threads (1: on a shared 2-core machine 2 threads oversubscribe and run ~30x slower)")
     ap.add_argument("--attack-first", action="store_true", help="data stage: attack first, then sets in reverse")
@@ -582,6 +770,8 @@ def main(argv=None) -> None:
         stage_data(log, a.attack_first)
     if a.stage in ("features", "all"):
         stage_features(log)
+    if a.stage in ("references", "all"):
+        stage_references(log)
     if a.stage in ("grid", "all"):
         stage_grid(log)
 
