@@ -7,8 +7,11 @@ tokens than the 99.9-clipped Token-DiFR margin.
 Stages (each resumable; claims and per-token features cached under benchmarks/.cache/detection_lab/):
   data     generate claims for every configuration (the slow part, ~1400 tokens/s)
   features replay every claim set with the verifier and store per-token features (Parquet)
+  references  replay every Gumbel claim set under the other honest reference kernels
+           (`audit.references.REFERENCES`: fp32, bf16 eager, bf16 token-by-token decode) and store
+           their signed gaps under features-<reference>/ (`best` takes the per-token envelope)
   grid     AUC@1%FPR per score x misconfiguration x batch size, tokens to detect, the attack
-           table, the `best` detector and its held-out honest FPR; writes
+           table, the `best` detector and its held-out honest FPR, the feasibility ceilings; writes
            benchmarks/results/detection_lab.{json,md} and detection_lab_*.png
 """
 
