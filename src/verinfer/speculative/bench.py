@@ -676,6 +676,19 @@ def markdown(res: dict) -> str:
               f"- Post hoc (test split, not used for selection): KL thresholds meeting MAT >= 1.5x vanilla and accuracy "
               f"within 1 point at gamma {v0['gamma']}: {ok if ok else 'none'}; selected on validation: "
               f"{m['kl_judge']['threshold']}."]
+        sv = res["sweep_validation"]
+        vv = next(r for r in sv if r["rule"] == "standard")
+        if "correct_idx" in vv:
+            n_val = round(len(vv["correct_idx"]) / vv["accuracy"]) if vv["accuracy"] else 0
+            cells = []
+            for r in sv:
+                if r["rule"] == "kl":
+                    d = paired_accuracy_difference(vv["correct_idx"], r["correct_idx"], max(n_val, 1))
+                    cells.append(f"{r['threshold']}: -{d['only_first']}/+{d['only_second']}")
+            L.append(f"- Validation resolution: vanilla solves {len(vv['correct_idx'])} of the {n_val} validation problems; "
+                     "per KL threshold, problems lost / gained against vanilla at gamma "
+                     f"{vv['gamma']}: {', '.join(cells)}. One problem is {100 / max(n_val, 1):.2f} point, so a "
+                     "0.5-point margin admits a net loss of one problem and a 1-point margin of three.")
     L += ["", "## AutoJudge label mining", "",
           f"{jm['mismatches']} target/draft mismatches on {jm['problems']} training problems "
           f"({jm['mismatches_per_problem']:.2f} per problem), important fraction {jm['important_fraction']:.3f}, "
