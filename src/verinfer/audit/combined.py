@@ -38,7 +38,7 @@ from pathlib import Path
 import numpy as np
 
 from verinfer.audit.claims import atomic_write_text
-from verinfer.audit.detector import ClippedMeanDetector, read_detector_json
+from verinfer.audit.detector import ClippedMeanDetector, ColumnStatistics, FittedDetector, read_detector_json
 from verinfer.audit.scores import _column
 from verinfer.errors import VerinferError
 
@@ -104,10 +104,12 @@ def _freq(bins: np.ndarray, alpha: float) -> np.ndarray:
 
 
 @dataclass(frozen=True)
-class LikelihoodRatioDetector:
+class LikelihoodRatioDetector(FittedDetector):
     """target_fpr: false-positive rate of `predict`; alpha: additive smoothing per bin (counts);
     generic_mismatch: mismatch mass of the honest-only alternative; n_null_batches / random_state:
     the resampled honest null (as ClippedMeanDetector)."""
+
+    REFIT = "refit the detector (benchmarks/detection_lab.py writes one)"
 
     target_fpr: float = 0.01
     alpha: float = 0.5
@@ -118,8 +120,7 @@ class LikelihoodRatioDetector:
     _null: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self):
-        if not 0.0 < self.target_fpr < 1.0:
-            raise ValueError(f"target_fpr must be in (0, 1), got {self.target_fpr}")
+        self._check_null_parameters()
         if not self.alpha > 0:
             raise ValueError(f"alpha must be > 0, got {self.alpha}")
         if not 0.0 < self.generic_mismatch < 1.0:
@@ -146,7 +147,7 @@ class LikelihoodRatioDetector:
         else:
             p1 = np.full(N_BINS, self.generic_mismatch / (N_BINS - 1))
             p1[0] = 1.0 - self.generic_mismatch
-        self._set(margin_edges, ce_edges, p0, p1, n_alternatives_=len(alts))
+        self._set_bins(margin_edges, ce_edges, p0, p1, n_alternatives_=len(alts))
         w = self.token_scores(honest)
         null = ClippedMeanDetector(score="margin", clip_quantile=1.0, target_fpr=self.target_fpr,
                                    n_null_batches=self.n_null_batches, random_state=self.random_state)
@@ -155,10 +156,9 @@ class LikelihoodRatioDetector:
         self._null["det"] = null
         return self
 
-    def _set(self, margin_edges, ce_edges, p0, p1, **extra) -> None:
-        for k, v in dict(margin_edges_=tuple(margin_edges), ce_edges_=tuple(ce_edges), p0_=np.asarray(p0),
-                         p1_=np.asarray(p1), weights_=np.log(np.asarray(p1) / np.asarray(p0)), **extra).items():
-            object.__setattr__(self, k, v)
+    def _set_bins(self, margin_edges, ce_edges, p0, p1, **extra) -> None:
+        self._set(margin_edges_=tuple(margin_edges), ce_edges_=tuple(ce_edges), p0_=np.asarray(p0),
+                  p1_=np.asarray(p1), weights_=np.log(np.asarray(p1) / np.asarray(p0)), **extra)
 
     def _bins(self, table, margin_edges=None, ce_edges=None) -> np.ndarray:
         m, em, ce, gap = _arrays(table, self.use_direction)
@@ -227,7 +227,7 @@ class LikelihoodRatioDetector:
         try:
             det = cls(**d["config"])
             f = d["fitted"]
-            det._set(f["margin_edges_"], f["ce_edges_"], f["p0_"], f["p1_"], n_alternatives_=int(f["n_alternatives_"]))
+            det._set_bins(f["margin_edges_"], f["ce_edges_"], f["p0_"], f["p1_"], n_alternatives_=int(f["n_alternatives_"]))
             s = np.frombuffer(base64.b64decode(f["null_sample_f8_base64"], validate=True), dtype="<f8").astype(np.float64)
             null = ClippedMeanDetector(score="margin", clip_quantile=1.0, target_fpr=det.target_fpr,
                                        n_null_batches=det.n_null_batches, random_state=det.random_state)
@@ -239,10 +239,6 @@ class LikelihoodRatioDetector:
                                 fix="refit the detector") from e
         return det
 
-    @classmethod
-    def load(cls, path: str | Path) -> "LikelihoodRatioDetector":
-        return cls.from_dict(read_detector_json(path, fix="refit the detector"), where=str(path))
-
 
 def _subsample(w: np.ndarray, seed: int, cap: int = 200_000) -> np.ndarray:
     if w.size <= cap:
@@ -251,7 +247,7 @@ def _subsample(w: np.ndarray, seed: int, cap: int = 200_000) -> np.ndarray:
 
 
 @dataclass(frozen=True)
-class ReplayLibraryDetector:
+class ReplayLibraryDetector(ColumnStatistics):
     """Token-DiFR against a library of alternative configurations: a max-of-z (GLRT-style) test.
 
     Besides the honest verifier's margin b = min(margin, clip_), the claims are replayed under each
@@ -322,23 +318,6 @@ class ReplayLibraryDetector:
     def statistic_of_means(self, means_BC: np.ndarray, n_tokens: int) -> np.ndarray:
         """max over columns of sqrt(n) (mean - mu_) / sd_, for rows of column means."""
         return (np.sqrt(n_tokens) * (np.asarray(means_BC) - self.mu_) / self.sd_).max(axis=-1)
-
-    def statistic(self, table) -> float:
-        x = self.token_columns(table)
-        if len(x) == 0:
-            raise ValueError("no scored tokens")
-        return float(self.statistic_of_means(x.mean(axis=0), len(x)))
-
-    def batch_statistics(self, columns_NC: np.ndarray, n_tokens: int, n_batches: int,
-                         rng: np.random.Generator) -> np.ndarray:
-        """Statistics of n_batches batches of n_tokens rows drawn with replacement from columns_NC."""
-        x = np.asarray(columns_NC, dtype=np.float64)
-        per = max(1, 2_000_000 // n_tokens)
-        out = []
-        for s in range(0, n_batches, per):
-            k = min(per, n_batches - s)
-            out.append(self.statistic_of_means(x[rng.integers(0, len(x), (k, n_tokens))].mean(axis=1), n_tokens))
-        return np.concatenate(out)
 
     def null_statistics(self, n_tokens: int) -> np.ndarray:
         """Resampled honest batch statistics of the group whose (1 - fpr)-quantile is highest,

@@ -50,8 +50,33 @@ def read_detector_json(path: str | Path, fix: str = "refit the detector with `ve
                             where=str(p), fix=fix) from e
 
 
+class FittedDetector:
+    """What the frozen, sklearn-style detectors share: `_set` stores learned attributes (trailing
+    underscore) once fit() or load() has them, the checks of their common parameters, and
+    `load` (their `from_dict` over a detector file; REFIT says how to make a new one)."""
+
+    REFIT = "refit the detector with `verinfer calibrate`"
+
+    @classmethod
+    def load(cls, path: str | Path):
+        return cls.from_dict(read_detector_json(path, fix=cls.REFIT), where=str(path))
+
+    def _set(self, **learned) -> None:
+        for k, v in learned.items():
+            object.__setattr__(self, k, v)
+        cache = getattr(self, "_cache", None)
+        if cache is not None:
+            cache.clear()
+
+    def _check_null_parameters(self) -> None:
+        if not 0.0 < self.target_fpr < 1.0:
+            raise ValueError(f"target_fpr must be in (0, 1), got {self.target_fpr}")
+        if self.n_null_batches < 10:
+            raise ValueError(f"n_null_batches must be >= 10, got {self.n_null_batches}")
+
+
 @dataclass(frozen=True)
-class ClippedMeanDetector:
+class ClippedMeanDetector(FittedDetector):
     """Winsorized-mean detector with a resampled honest null.
 
     score: name of the per-token score (bookkeeping; values passed in must already be oriented
@@ -72,16 +97,9 @@ class ClippedMeanDetector:
             raise ValueError(f"unknown score {self.score!r}; choose one of {', '.join(SCORES)}")
         if not 0.0 < self.clip_quantile <= 1.0:
             raise ValueError(f"clip_quantile must be in (0, 1], got {self.clip_quantile}")
-        if not 0.0 < self.target_fpr < 1.0:
-            raise ValueError(f"target_fpr must be in (0, 1), got {self.target_fpr}")
-        if self.n_null_batches < 10:
-            raise ValueError(f"n_null_batches must be >= 10, got {self.n_null_batches}")
+        self._check_null_parameters()
 
     # -- fitting ---------------------------------------------------------------------------------
-    def _set(self, **learned) -> None:
-        for k, v in learned.items():
-            object.__setattr__(self, k, v)
-        self._cache.clear()
 
     def fit(self, honest_values, groups=None) -> "ClippedMeanDetector":
         """Learn clip_, null_sample_, null_group_sizes_, null_mean_, null_std_, n_train_ from honest
@@ -305,9 +323,6 @@ class ClippedMeanDetector:
             raise bad(f"malformed detector ({type(e).__name__}: {e})") from e
         return det
 
-    @classmethod
-    def load(cls, path: str | Path) -> "ClippedMeanDetector":
-        return cls.from_dict(read_detector_json(path), where=str(path))
 
 
 def _as_values(values, name: str) -> np.ndarray:
@@ -339,8 +354,31 @@ def gap_columns(table, temperature_factors=(), top_p_slack: float = 0.0) -> np.n
     return np.stack(cols, axis=1)
 
 
+class ColumnStatistics:
+    """Detectors whose per-token evidence is a few columns (token_columns) and whose batch
+    statistic is a function of the column means (statistic_of_means)."""
+
+    def statistic(self, table) -> float:
+        x = self.token_columns(table)
+        if len(x) == 0:
+            raise ValueError("no scored tokens")
+        return float(self.statistic_of_means(x.mean(axis=0), len(x)))
+
+    def batch_statistics(self, columns_NC: np.ndarray, n_tokens: int, n_batches: int,
+                         rng: np.random.Generator) -> np.ndarray:
+        """Statistics of n_batches batches of n_tokens rows drawn with replacement from columns_NC."""
+        x = np.asarray(columns_NC, dtype=np.float64)
+        n = int(n_tokens)
+        per = max(1, 4_000_000 // (n * x.shape[1]))
+        out = []
+        for s in range(0, n_batches, per):
+            k = min(per, n_batches - s)
+            out.append(self.statistic_of_means(x[rng.integers(0, len(x), (k, n))].mean(axis=1), n))
+        return np.concatenate(out)
+
+
 @dataclass(frozen=True)
-class PerturbationGLRTDetector:
+class PerturbationGLRTDetector(ColumnStatistics, FittedDetector):
     """Token-DiFR as a likelihood-ratio test on the perturbation scale (max-z GLRT).
 
     Per token, d = signed gap of the claimed token's post-Gumbel score to its strongest competitor
@@ -366,6 +404,8 @@ class PerturbationGLRTDetector:
     Input: a table / dict with the signed-gap columns (`gap_0` or `gap`, and gapT_{r}).
     """
 
+    REFIT = "refit the detector with `verinfer calibrate --detector glrt`"
+
     sigma_factors: tuple = (1.5, 2.0, 3.0, 5.0)
     eps_factors: tuple = (10.0, 100.0)
     temperature_factors: tuple = (0.8, 0.9, 1.1, 1.2)
@@ -380,23 +420,15 @@ class PerturbationGLRTDetector:
     _cache: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self):
-        if not 0.0 < self.target_fpr < 1.0:
-            raise ValueError(f"target_fpr must be in (0, 1), got {self.target_fpr}")
+        self._check_null_parameters()
         if any(f <= 1.0 for f in (*self.sigma_factors, *self.eps_factors)):
             raise ValueError("sigma_factors and eps_factors must be > 1 (alternatives beyond the honest fit)")
         if any(r <= 0 or r == 1.0 for r in self.temperature_factors):
             raise ValueError("temperature_factors must be > 0 and != 1")
-        if self.n_null_batches < 10:
-            raise ValueError(f"n_null_batches must be >= 10, got {self.n_null_batches}")
         if self.combine not in ("maxz", "maxllr"):
             raise ValueError(f"combine must be maxz or maxllr, got {self.combine!r}")
 
     # -- fitting ---------------------------------------------------------------------------------
-    def _learn(self, **kw) -> None:
-        for k, v in kw.items():
-            object.__setattr__(self, k, v)
-        self._cache.clear()
-
     def fit(self, honest, groups=None) -> "PerturbationGLRTDetector":
         """Learn sigma0_, eps0_, grid_, mu_, sd_, tau_ and the per-group null samples from honest
         (train) tokens; `groups`: one label per token (its honest configuration) for the
@@ -412,7 +444,7 @@ class PerturbationGLRTDetector:
         eps_max = max(e for _, _, e in grid)
         if eps_max >= 1.0:
             raise ValueError(f"eps0 * max(eps_factors) = {eps_max:.3g} >= 1: honest tokens look like outliers")
-        self._learn(sigma0_=s0, eps0_=e0, grid_=[(int(c), float(s), float(e)) for c, s, e in grid])
+        self._set(sigma0_=s0, eps0_=e0, grid_=[(int(c), float(s), float(e)) for c, s, e in grid])
         labels = np.zeros(len(g), np.int64) if groups is None else np.unique(np.asarray(groups), return_inverse=True)[1]
         if labels.size != len(g):
             raise ValueError(f"groups has {labels.size} labels for {len(g)} tokens")
@@ -430,7 +462,7 @@ class PerturbationGLRTDetector:
         xs = [self._llr(s) for s in gap_samples]
         x = np.concatenate(xs)
         means = np.array([xg.mean(axis=0) for xg in xs])
-        self._learn(null_gaps_=gap_samples, null_samples_=xs, mu_=x.mean(axis=0),
+        self._set(null_gaps_=gap_samples, null_samples_=xs, mu_=x.mean(axis=0),
                     sd_=np.maximum(x.std(axis=0, ddof=1), 1e-12),
                     tau_=means.std(axis=0, ddof=1) if len(xs) > 1 else np.zeros(x.shape[1]), n_train_=int(n_train))
 
@@ -468,25 +500,7 @@ class PerturbationGLRTDetector:
             return (n_tokens * np.asarray(means_BC)).max(axis=-1)
         return (np.sqrt(n_tokens) * (np.asarray(means_BC) - self.mu_) / self.sd_).max(axis=-1)
 
-    def statistic(self, table) -> float:
-        x = self.token_columns(table)
-        if len(x) == 0:
-            raise ValueError("no scored tokens")
-        return float(self.statistic_of_means(x.mean(axis=0), len(x)))
-
-    score = statistic
-
-    def batch_statistics(self, columns_NC: np.ndarray, n_tokens: int, n_batches: int,
-                         rng: np.random.Generator) -> np.ndarray:
-        """Statistics of n_batches batches of n_tokens rows drawn with replacement from columns_NC."""
-        x = np.asarray(columns_NC, dtype=np.float64)
-        n = int(n_tokens)
-        per = max(1, 4_000_000 // (n * x.shape[1]))
-        out = []
-        for s in range(0, n_batches, per):
-            k = min(per, n_batches - s)
-            out.append(self.statistic_of_means(x[rng.integers(0, len(x), (k, n))].mean(axis=1), n))
-        return np.concatenate(out)
+    score = ColumnStatistics.statistic
 
     def allowance(self, n_tokens: int) -> float:
         """Random-effects allowance for a new honest configuration: z_{1-fpr} sqrt(n) max(tau/sd)
@@ -601,15 +615,10 @@ class PerturbationGLRTDetector:
                     for s in f["null_gaps_f8_base64"]]
             if not gaps or min(len(x) for x in gaps) < 1:
                 raise ValueError("empty null sample")
-            det._learn(sigma0_=float(f["sigma0_"]), eps0_=float(f["eps0_"]),
+            det._set(sigma0_=float(f["sigma0_"]), eps0_=float(f["eps0_"]),
                        grid_=[(int(a), float(b), float(e)) for a, b, e in f["grid_"]])
             det._set_null(gaps, n_train=int(f["n_train_"]))
         except (KeyError, TypeError, ValueError) as e:
             raise VerinferError(f"malformed detector ({type(e).__name__}: {e})", where=where,
                                 fix="refit the detector with `verinfer calibrate --detector glrt`") from e
         return det
-
-    @classmethod
-    def load(cls, path: str | Path) -> "PerturbationGLRTDetector":
-        return cls.from_dict(read_detector_json(path, fix="refit the detector with `verinfer calibrate --detector glrt`"),
-                             where=str(path))
