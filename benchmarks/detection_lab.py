@@ -8,7 +8,8 @@ Stages (each resumable; claims and per-token features cached under benchmarks/.c
   data     generate claims for every configuration (the slow part, ~1400 tokens/s)
   features replay every claim set with the verifier and store per-token features (Parquet)
   references  replay every Gumbel claim set under the other honest reference kernels
-           (`audit.references.REFERENCES`: fp32, bf16 eager, bf16 token-by-token decode) and store
+           (`audit.references.REFERENCES`: fp32, bf16 eager, bf16 token-by-token decode one claim
+           at a time and in random batches of 8) and store
            their signed gaps under features-<reference>/ (`best` takes the per-token envelope)
   grid     AUC@1%FPR per score x misconfiguration x batch size, tokens to detect, the attack
            table, the `best` detector and its held-out honest FPR, the feasibility ceilings; writes
@@ -218,17 +219,22 @@ def stage_references(log=print) -> None:
 PRIMARY_REFERENCE = "bf16"  # the verifier's replay in features/ (VERIFIER_NUMERICS)
 TEMPERATURE_FACTORS = (0.8, 0.9, 1.1, 1.2)  # signed gaps at r x the claimed temperature (`best`'s temperature alternatives)
 TOP_P_SLACKS = (0.01,)  # signed gaps with a tolerance at the top-p cut (variants.block_gaps)
-BEST_CONFIG = dict(temperature_factors=TEMPERATURE_FACTORS)  # PerturbationGLRTDetector(**BEST_CONFIG)
+# PerturbationGLRTDetector(**BEST_CONFIG). The envelope's honest fit is ~7x narrower in sigma0 and ~40x
+# rarer in eps0 than one replay's (0.0020 vs 0.015, 4.6e-6 vs 1.9e-4), so the alternatives reach further
+# in factors to span the same absolute range as the single-replay detector's (sigma to ~0.1 logit, eps to ~5e-3)
+BEST_CONFIG = dict(temperature_factors=TEMPERATURE_FACTORS, sigma_factors=(1.5, 2.0, 3.0, 5.0, 10.0, 20.0, 50.0),
+                   eps_factors=(10.0, 100.0, 1000.0))
 BEST_DESCRIPTION = (
     "PerturbationGLRTDetector (src/verinfer/audit/detector.py) on the honest-reference envelope "
-    "(src/verinfer/audit/references.py): each claim is replayed by four honest kernels (bf16 teacher-forced, the "
-    "primary replay; fp32; bf16 eager attention; bf16 token by token through the KV cache, as a provider decodes) "
-    "and per token the signed post-Gumbel gap d of the claimed token to its strongest competitor is the minimum over "
-    "the four (the margin if no honest kernel reproduces the token, minus the runner-up gap of the best one if some "
+    "(src/verinfer/audit/references.py): each claim is replayed by five honest kernels (bf16 teacher-forced, the "
+    "primary replay; fp32; bf16 eager attention; bf16 token by token through the KV cache, as a provider decodes, one "
+    "claim at a time and in padded batches of 8 randomly grouped claims) and per token the signed post-Gumbel gap d "
+    "of the claimed token to its strongest competitor is the minimum over the five (the margin if no honest kernel reproduces the token, minus the runner-up gap of the best one if some "
     "does), with a tolerance of 0.01 at the top-p cut. Model: the provider's scores are the envelope's plus "
     "N(0, sigma^2) per logit, with a fraction eps of outlier tokens (1 of 50 candidates), at r x the claimed "
     "temperature; (sigma0, eps0) fitted by maximum likelihood on honest train tokens. Per-token log-likelihood ratios "
-    "of the alternatives sigma0 x 1.5/2/3/5, eps0 x 10/100 and temperature x 0.8/0.9/1.1/1.2 (noise columns centered "
+    "of the alternatives sigma0 x 1.5/2/3/5/10/20/50, eps0 x 10/100/1000 and temperature x 0.8/0.9/1.1/1.2 (noise "
+    "columns centered "
     "by their expectation under the honest fit given the token's gap); batch statistic = the largest batch "
     "log-likelihood ratio (GLRT); threshold from a random-effects null over the 5 honest calibration configurations. "
     "Fit on honest tokens only; every reference is an honest kernel (none replays a misconfiguration).")

@@ -77,7 +77,8 @@ def test_decode_replay_reproduces_a_batch_one_provider_bit_for_bit(tiny_llama_di
 
     class C:  # the claim fields decode_replay reads
         def __init__(self, r, out):
-            self.id, self.prompt_token_ids, self.output_token_ids, self.sampling = r.id, r.prompt_token_ids, out, r.params
+            self.id, self.prompt_token_ids, self.sampling = r.id, r.prompt_token_ids, r.params
+            self.output_token_ids = out
 
     claims = [C(r, out) for r, out, _ in done]
     for (_, out, rows), rep in zip(done, decode_replay(engine, claims)):
@@ -87,3 +88,33 @@ def test_decode_replay_reproduces_a_batch_one_provider_bit_for_bit(tiny_llama_di
     # the teacher-forced path returns the same shapes
     for rep, c in zip(replay(REFERENCES["bf16"], engine, claims), claims):
         assert rep.logits_TV.shape == (len(c.output_token_ids), engine.vocab_size)
+
+
+def test_batched_decode_replay_reproduces_a_batched_provider(tiny_llama_dir):
+    numerics = Numerics(dtype="bf16")
+    engine = Engine(load_model(tiny_llama_dir, numerics), numerics, eos_token_id=None)
+    params = [SamplingParams(temperature=1.0, top_k=20, top_p=0.95, seed=5 + i, max_tokens=m, noise="vllm-cpu")
+              for i, m in enumerate((12, 9, 5))]
+    reqs = [Request(f"r{i}", [1, 5 + i, 9, 13 + 2 * i][: 2 + i], p) for i, p in enumerate(params)]
+    order = np.random.default_rng(3).permutation(3)
+
+    class C:
+        def __init__(self, r, out):
+            self.id, self.prompt_token_ids, self.sampling = r.id, r.prompt_token_ids, r.params
+            self.output_token_ids = out
+
+    # the provider decodes the three requests as one padded batch, in the replay's group order
+    b = engine.prefill([reqs[i] for i in order])
+    rows = {int(i): [] for i in order}
+    while not b.finished:
+        for j, i in enumerate(order):
+            if not b.done_B[j]:
+                rows[int(i)].append(b.logits_BV[j].float().clone())
+        engine.decode_step(b)
+    claims = [None] * 3
+    for j, i in enumerate(order):
+        claims[int(i)] = C(reqs[int(i)], b.outputs[j])
+    reps = decode_replay(engine, claims, batch=3, group_seed=3)
+    for i, rep in enumerate(reps):
+        assert rep.logits_TV.shape[0] == len(claims[i].output_token_ids) == reqs[i].params.max_tokens
+        assert torch.equal(rep.logits_TV, torch.stack(rows[i]))

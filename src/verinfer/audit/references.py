@@ -35,11 +35,14 @@ from verinfer.numerics import Numerics
 @dataclass(frozen=True)
 class Reference:
     """One honest reference replay: the numerics it computes with, and whether it replays
-    token by token through the KV cache (`decode=True`, as a provider decodes, one claim at a
-    time) or teacher-forced in one forward per claim (`Engine.score`)."""
+    token by token through the KV cache (`decode=True`, as a provider decodes; `batch` claims at a
+    time, grouped in a seeded random order so that the companions in a batch have nothing to do
+    with the provider's own batching) or teacher-forced in one forward per claim (`Engine.score`)."""
 
     numerics: Numerics
     decode: bool = False
+    batch: int = 1
+    group_seed: int = 0
 
 
 # name -> each honest reference replay; "bf16" is the verifier's primary replay (Engine.score)
@@ -48,38 +51,52 @@ REFERENCES: dict[str, Reference] = {
     "fp32": Reference(Numerics(dtype="fp32", attn="sdpa")),
     "bf16-eager": Reference(Numerics(dtype="bf16", attn="eager")),
     "bf16-decode": Reference(Numerics(dtype="bf16", attn="sdpa"), decode=True),
+    "bf16-decode-b8": Reference(Numerics(dtype="bf16", attn="sdpa"), decode=True, batch=8, group_seed=1),
 }
 
 
 @torch.no_grad()
-def decode_replay(engine, claims) -> list:
-    """Teacher-forced replay token by token: prefill the prompt, then feed each claimed token
-    through `Engine.extend` (the KV-cache decode path a provider samples from), one claim at a
-    time with the claim's own max_tokens slots. Returns `engine.Replay`s like `Engine.score`."""
+def decode_replay(engine, claims, batch: int = 1, group_seed: int = 0) -> list:
+    """Teacher-forced replay token by token: prefill the prompts, then feed the claimed tokens
+    through `Engine.extend` (the KV-cache decode path a provider samples from), `batch` claims at a
+    time (right-padded mixed-length prompts, as `Engine.generate` batches them; with batch > 1 the
+    claims are grouped in the random order of `group_seed`; a row whose claim has ended is fed
+    token 0, which no other row sees). Returns `engine.Replay`s like `Engine.score`."""
     from dataclasses import replace
 
     from verinfer.engine.engine import Replay, Request
 
-    out = []
-    for c in claims:
-        n = len(c.output_token_ids)
-        if n == 0:
-            out.append(Replay(torch.zeros(0, engine.vocab_size)))
+    out: list = [None] * len(claims)
+    order = np.arange(len(claims)) if batch <= 1 else np.random.default_rng(group_seed).permutation(len(claims))
+    for s in range(0, len(order), max(1, batch)):
+        group = [int(i) for i in order[s : s + max(1, batch)] if claims[int(i)].output_token_ids]
+        for i in order[s : s + max(1, batch)]:
+            if not claims[int(i)].output_token_ids:
+                out[int(i)] = Replay(torch.zeros(0, engine.vocab_size))
+        if not group:
             continue
-        req = Request(c.id, list(c.prompt_token_ids), replace(c.sampling, max_tokens=max(c.sampling.max_tokens, n)))
-        batch = engine.prefill([req])
-        rows_TV = [batch.logits_BV[0].float().clone()]
-        for t in c.output_token_ids[:-1]:
-            logits_BTV, _ = engine.extend(batch, torch.tensor([[t]], dtype=torch.long))
-            rows_TV.append(logits_BTV[0, -1].float())
-        out.append(Replay(torch.stack(rows_TV).cpu()))
+        cs = [claims[i] for i in group]
+        reqs = [Request(c.id, list(c.prompt_token_ids),
+                        replace(c.sampling, max_tokens=max(c.sampling.max_tokens, len(c.output_token_ids))))
+                for c in cs]
+        b = engine.prefill(reqs)
+        rows = [[b.logits_BV[j].float().clone()] for j in range(len(cs))]
+        for t in range(max(len(c.output_token_ids) for c in cs) - 1):
+            tok_B1 = torch.tensor([[c.output_token_ids[t] if t < len(c.output_token_ids) else 0] for c in cs],
+                                  dtype=torch.long)
+            logits_BTV, _ = engine.extend(b, tok_B1)
+            for j, c in enumerate(cs):
+                if t + 1 < len(c.output_token_ids):
+                    rows[j].append(logits_BTV[j, -1].float())
+        for j, i in enumerate(group):
+            out[i] = Replay(torch.stack(rows[j]).cpu())
     return out
 
 
 def replay(reference: Reference, engine, claims) -> list:
     """The reference's replays of claims (engine built with reference.numerics)."""
     if reference.decode:
-        return decode_replay(engine, claims)
+        return decode_replay(engine, claims, reference.batch, reference.group_seed)
     return engine.score([(c.prompt_token_ids, c.output_token_ids) for c in claims])
 
 
