@@ -2,16 +2,15 @@
 per token, the best explanation any of them gives (the *honest envelope*).
 
 Why: a single bf16 replay carries its own rounding noise, and honest providers compute
-differently from it (fp32, eager attention, token-by-token decode through a KV cache). A token
-that one honest kernel does not reproduce at a near tie is usually reproduced by another. Measured
-on the detection lab's claim sets (benchmarks/detection_lab.py, ~20k tokens per honest set): the
-bf16 teacher-forced replay does not reproduce 0.24-0.68% of each honest configuration's tokens;
-no reference of {bf16, fp32, bf16 eager, bf16 decode} fails to reproduce 0.000-0.035% (0.02-0.04%
-on held-out batched bf16 configurations; 0 for fp32, eager and batch-1 providers, whose kernels are
-in the set). A 4-bit-weight / fp8-KV-cache / temperature-1.1 provider's tokens stay far from every
-honest kernel: 1.72% / 1.06% / 3.11% unreproduced (2.2% / 1.5% / 3.5% by the bf16 replay alone).
-Pooled over the honest calibration sets the unreproduced fraction falls ~35x (0.39% -> 0.011%), the
-misconfigurations' by 11-30%.
+differently from it (fp32, eager attention, token-by-token decode through a KV cache, padded
+batches). A token that one honest kernel does not reproduce at a near tie is usually reproduced by
+another. Measured on the detection lab's claim sets (benchmarks/detection_lab.py, ~20k tokens per
+honest set): the bf16 teacher-forced replay does not reproduce 0.24-0.68% of each honest
+configuration's tokens; no reference of `REFERENCES` (bf16, fp32, bf16 eager, bf16 decode one
+claim at a time and in random batches of 8) fails to reproduce 0-0.015% (0-0.02% on held-out
+configurations; 0 for fp32, eager and batch-1 providers). Pooled over the honest calibration sets
+the unreproduced fraction falls ~65x (0.39% -> 0.006%); a 4-bit-weight / fp8-KV-cache /
+temperature-1.1 provider's only by 11-31% (2.2 / 1.5 / 3.5% -> 1.71 / 1.05 / 3.11%).
 
 Envelope: per token and per signed-gap column (`variants.block_gaps`; d > 0 = the replay does not
 reproduce the claimed token, by a margin d; d < 0 = it does, with runner-up gap -d), the minimum
