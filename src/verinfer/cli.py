@@ -34,7 +34,7 @@ def _default_model() -> Path:
 
 @app.command()
 def demo(out: Path = typer.Option(Path("runs/demo"), help="Output directory (resumes if it exists)."),
-         n: int = typer.Option(48, help="Requests per provider."),
+         n: int = typer.Option(128, help="Requests per provider (half of each honest provider's tokens calibrate)."),
          max_tokens: int = typer.Option(64, help="Output tokens per request."),
          seed: int = typer.Option(0), audit_tokens: int = typer.Option(1000, help="Tokens per audited provider."),
          quiet: bool = typer.Option(False, help="No progress bars.")):

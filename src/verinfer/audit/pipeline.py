@@ -216,7 +216,7 @@ class DemoResult:
     seconds: float
 
 
-def demo(out_dir: str | Path = "runs/demo", *, model_dir: str | Path | None = None, n: int = 48,
+def demo(out_dir: str | Path = "runs/demo", *, model_dir: str | Path | None = None, n: int = 128,
          max_tokens: int = 64, seed: int = 0, audit_tokens: int = 1000, show_progress: bool = True) -> DemoResult:
     """Generate honest and misconfigured claims on the testbed, score, calibrate, audit, report."""
     from verinfer.audit.report import compute_auc_curves, write_report
