@@ -248,9 +248,8 @@ def block_gaps(claims, replays, factors, k: int = 1, top_p_slack: float = 0.0) -
     honest rounding moves a token in or out of the kept set (and then the margin is a Gumbel gap,
     often large): competitors count only if kept at top_p - tau, the claimed token counts as kept
     if kept at top_p + tau. (The fallback path ignores the slack.)"""
-    from verinfer.sampling.filters import filter_mask_and_logits
     from verinfer.sampling.noise import get_backend
-    from verinfer.sampling.sampler import _near_top_p_cut, _tape, _tape_gumbel, _topk_block
+    from verinfer.sampling.sampler import _tape, _tape_gumbel, _topk_block, filter_block
 
     N = sum(len(c.output_token_ids) for c in claims)
     out = np.full((N, len(factors), k), np.nan)
@@ -287,14 +286,7 @@ def block_gaps(claims, replays, factors, k: int = 1, top_p_slack: float = 0.0) -
                                          per_row("top_p", torch.float64), per_row("min_p", torch.float32))
 
     def keep_of(temp32, top_p32):
-        prow = (temp32, top_k_r, top_p32, min_p_r)
-        keep, _ = filter_mask_and_logits(vals_NK, *prow)
-        redo = _near_top_p_cut(vals_NK, prow)
-        if redo.any():
-            rr = redo.nonzero()[:, 0]
-            keep_rV, _ = filter_mask_and_logits(l_NV[rr], *(t[rr] for t in prow))
-            keep[rr] = keep_rV.gather(1, ids_NK[rr])
-        return keep
+        return filter_block(vals_NK, ids_NK, l_NV, (temp32, top_k_r, top_p32, min_p_r))[0]
 
     for j, f in enumerate(factors):
         temp32 = (temp64 * float(f)).to(torch.float32)   # = the fp32 cast of each claim's r * T, as _param_rows

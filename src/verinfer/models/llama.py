@@ -231,14 +231,14 @@ class LlamaLM(torch.nn.Module):
 
     def _linear(self, x, name):
         bname = name.replace(".weight", ".bias")
-        if getattr(self, "w32", None) is not None:  # matmul='fp32'
+        if self.w32 is not None:  # matmul='fp32'
             return F.linear(x.float(), self.w32[name], self.w32.get(bname)).to(x.dtype)
         return F.linear(x, self.w[name], self.w.get(bname))
 
     def _linears(self, x, names: tuple[str, ...]):
         """Several linear layers of one input. matmul='fp32' runs them as one GEMM (weights
         concatenated once): one input cast and one bigger call."""
-        if getattr(self, "w32", None) is None or len(names) == 1:
+        if self.w32 is None or len(names) == 1:
             return tuple(self._linear(x, n) for n in names)
         key = "+".join(names)
         if key not in self.w32:
@@ -250,7 +250,7 @@ class LlamaLM(torch.nn.Module):
 
     def _attention(self, q_BHTE, k_BGSE, v_BGSE, mask_BTS):
         """mask_BTS None means plain causal over this call's tokens (replay of whole sequences)."""
-        if getattr(self, "w32", None) is not None:  # matmul='fp32'
+        if self.w32 is not None:  # matmul='fp32'
             dt = q_BHTE.dtype
             return self._attention_native(q_BHTE.float(), k_BGSE.float(), v_BGSE.float(), mask_BTS).to(dt)
         return self._attention_native(q_BHTE, k_BGSE, v_BGSE, mask_BTS)
@@ -315,7 +315,7 @@ class LlamaLM(torch.nn.Module):
         x_ND = rms_norm(x_ND, self.w["norm.weight"], self.config.rms_norm_eps)
         if hidden_layer == -1:
             hidden = x_ND
-        if getattr(self, "w32", None) is not None:  # matmul='fp32'; logits rounded as a native head's are
+        if self.w32 is not None:  # matmul='fp32'; logits rounded as a native head's are
             return F.linear(x_ND.float(), self.w32["lm_head.weight"]).to(x_ND.dtype).float(), hidden
         return F.linear(x_ND, self.w["lm_head.weight"]).float(), hidden
 

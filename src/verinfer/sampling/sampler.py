@@ -336,6 +336,22 @@ def _topk_block(l_NV: torch.Tensor, rows_p: list[SamplingParams], slack: int = 1
     return vals_NK.gather(1, perm), ids_NK
 
 
+def filter_block(vals_NK, ids_NK, l_NV, prow):
+    """(keep_NK, scaled_NK): the filters of the per-row parameters `prow` (temperature, top_k,
+    top_p, min_p) applied to a top-k block (`_topk_block`), keeping exactly what they keep on the
+    full rows l_NV. Top-p's softmax over the short row sums in another order than over the V-long
+    row vLLM builds, so a cumulative sum within rounding of the cut may fall the other way: those
+    rows are redone with the full-row filter and mapped back to the block's columns."""
+    keep_NK, scaled_NK = filter_mask_and_logits(vals_NK, *prow)
+    redo = _near_top_p_cut(vals_NK, prow)
+    if redo.any():
+        r = redo.nonzero()[:, 0]
+        keep_rV, _ = filter_mask_and_logits(l_NV[r], *(t[r] for t in prow))
+        keep_NK[r] = keep_rV.gather(1, ids_NK[r])
+        scaled_NK[r] = torch.where(keep_NK[r], vals_NK[r].float() / _scale_of(prow[0][r])[:, None], float("-inf"))
+    return keep_NK, scaled_NK
+
+
 def _score_rows(l_NV, y_N, rows_p, tape):
     """Margin, replay, kept and log p(claimed) for rows with hash noise (see score_claimed)."""
     block = _topk_block(l_NV, rows_p)
@@ -343,17 +359,7 @@ def _score_rows(l_NV, y_N, rows_p, tape):
     temp_N = torch.tensor([t_of[p.temperature] for p in rows_p], dtype=torch.float64, device=l_NV.device)
     if block is not None:
         vals_NK, ids_NK = block
-        prow = _param_rows(rows_p, l_NV.device)
-        keep_NK, scaled_NK = filter_mask_and_logits(vals_NK, *prow)
-        # Top-p's softmax over this short row sums in another order than over the V-long row
-        # vLLM builds, so a cumulative sum within rounding of the cut may fall the other way:
-        # redo those rows with the full-row filter (exact), map back to the block's columns.
-        redo = _near_top_p_cut(vals_NK, prow)
-        if redo.any():
-            r = redo.nonzero()[:, 0]
-            keep_rV, _ = filter_mask_and_logits(l_NV[r], *(t[r] for t in prow))
-            keep_NK[r] = keep_rV.gather(1, ids_NK[r])
-            scaled_NK[r] = torch.where(keep_NK[r], vals_NK[r].float() / _scale_of(prow[0][r])[:, None], float("-inf"))
+        keep_NK, scaled_NK = filter_block(vals_NK, ids_NK, l_NV, _param_rows(rows_p, l_NV.device))
         cand_scaled = scaled_NK
         valid_NK = keep_NK
         in_NK = ids_NK == y_N[:, None]
