@@ -45,7 +45,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 from pathlib import Path
 
@@ -53,12 +52,11 @@ import numpy as np
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "src"))
 
-from verinfer.audit.fingerprint import projection_matrix, quantize, dequantize, DTYPES  # noqa: E402
-from verinfer.audit.metrics import auc_vs_tokens  # noqa: E402
-from verinfer.audit.providers import HONEST, MISCONFIGURED, run_provider  # noqa: E402
-from verinfer.audit import toploc_baseline as tl  # noqa: E402
+from verinfer.fingerprint import projection_matrix, quantize, dequantize, DTYPES
+from verinfer.detect.metrics import auc_vs_tokens
+from verinfer.providers.simulated import HONEST, MISCONFIGURED, run_provider
+from verinfer.audit import toploc_baseline as tl
 
 CACHE = ROOT / "benchmarks" / ".cache" / "activation_pareto"
 RESULTS = ROOT / "benchmarks" / "results"
@@ -89,7 +87,7 @@ def collect(name: str, n: int, max_tokens: int, seed: int) -> dict:
     path = CACHE / f"{name}_n{n}_t{max_tokens}_s{seed}.safetensors"
     if path.is_file():
         return _with_bf16(_load_hidden(path))
-    from verinfer.audit.pipeline import DEFAULT_SPEC, prompts_for, verifier_engine
+    from verinfer.apps.pipeline import DEFAULT_SPEC, prompts_for, verifier_engine
     from verinfer.models.testbed import TARGET_DIR
     from verinfer.sampling.params import SamplingParams
 

@@ -22,13 +22,13 @@ import numpy as np
 import pyarrow.compute as pc
 import torch
 
-from verinfer.audit.claims import atomic_write_text
-from verinfer.audit.pipeline import (DEFAULT_SPEC, generate, load_score_tables, prompts_for, score,
+from verinfer.io import atomic_write_text
+from verinfer.apps.pipeline import (DEFAULT_SPEC, generate, load_score_tables, prompts_for, score,
                                      verifier_engine)
-from verinfer.audit.providers import HONEST, MISCONFIGURED, PROVIDERS, run_provider
+from verinfer.providers.simulated import HONEST, MISCONFIGURED, PROVIDERS, run_provider
 from verinfer.audit.replay import scores_table
-from verinfer.audit.report import compute_auc_curves
-from verinfer.audit.metrics import tokens_to_detect
+from verinfer.report.html import compute_auc_curves
+from verinfer.detect.metrics import tokens_to_detect
 from verinfer.models.testbed import TARGET_DIR
 from verinfer.sampling.params import SamplingParams
 

@@ -28,9 +28,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from verinfer.audit.claims import read_claims, write_claims
-from verinfer.audit.pipeline import DEFAULT_SPEC, prompts_for, verifier_engine
-from verinfer.audit.providers import HELDOUT_HONEST, HONEST, MISCONFIGURED, ProviderConfig, run_provider
+from verinfer.claims import read_claims, write_claims
+from verinfer.apps.pipeline import DEFAULT_SPEC, prompts_for, verifier_engine
+from verinfer.providers.simulated import HELDOUT_HONEST, HONEST, MISCONFIGURED, ProviderConfig, run_provider
 from verinfer.models.testbed import TARGET_DIR
 from verinfer.sampling.params import SamplingParams
 
@@ -144,7 +144,7 @@ def features_path(key: str) -> Path:
 def stage_features(log=print) -> None:
     import pyarrow as pa
 
-    from verinfer.audit.replay import atomic_write_parquet
+    from verinfer.io import atomic_write_parquet
     from verinfer.audit.variants import features_table
 
     engine = verifier_engine(TARGET_DIR)
@@ -189,7 +189,7 @@ def stage_references(log=print) -> None:
     import pyarrow as pa
 
     from verinfer.audit.references import REFERENCES, replay
-    from verinfer.audit.replay import atomic_write_parquet
+    from verinfer.io import atomic_write_parquet
     from verinfer.audit.variants import features_table
 
     keys = [c["key"] for c in lab_configs() if c["noise"] == "vllm-cpu"] + ["int4-tuned"]
@@ -302,7 +302,7 @@ class Scorer:
     only (clip percentiles, sigma, IPT kernel width)."""
 
     def __init__(self, honest_train: dict, ipt: bool = False):
-        from verinfer.audit.metrics import clip_at_quantile
+        from verinfer.audit.scores import clip_at_quantile
         from verinfer.audit.scores import fit_sigma
         from verinfer.audit.variants import fit_ipt_sigma
 
@@ -345,18 +345,18 @@ class Scorer:
         raise ValueError(name)
 
     def values(self, name: str, d: dict) -> np.ndarray:
-        from verinfer.audit.variants import clipped_margin, tail_pooled
+        from verinfer.audit.scores import tail_pool, winsorize
 
         v = self.raw(name, d)
         if name == "exact_match":
             return v
         if name == "tail":
-            return tail_pooled(v, *self.clip[name])
-        return clipped_margin(v, self.clip[name])
+            return tail_pool(v, *self.clip[name])
+        return winsorize(v, self.clip[name])
 
 
 def auc_curve(h: np.ndarray, m: np.ndarray, sizes, seed: int) -> dict:
-    from verinfer.audit.metrics import auc_at_fpr, batch_means
+    from verinfer.detect.metrics import auc_at_fpr, batch_means
 
     rng = np.random.default_rng(seed)
     out = {}
@@ -371,7 +371,7 @@ def auc_curve(h: np.ndarray, m: np.ndarray, sizes, seed: int) -> dict:
 def best_curve(det, h: dict, m: dict, sizes, seed: int) -> dict:
     """auc_curve for the PerturbationGLRTDetector: its batch statistic (max-z over its per-token
     log-likelihood-ratio columns) on batches drawn with replacement from each test split."""
-    from verinfer.audit.metrics import auc_at_fpr
+    from verinfer.detect.metrics import auc_at_fpr
 
     rng = np.random.default_rng(seed)
     hx, mx = det.token_columns(h), det.token_columns(m)
@@ -416,7 +416,7 @@ def feasibility(tr: dict, te: dict, honest: list, m: str) -> dict:
     and on the honest pool); q(n) = (1 - rho)^n batches of n resampled tokens have none, and
     `metrics.auc_at_fpr_bound(q_m(n), q_honest=q_h(n))` bounds AUC@1%FPR (token-level model:
     a token without evidence is distributed as an honest one)."""
-    from verinfer.audit.metrics import auc_at_fpr_bound
+    from verinfer.detect.metrics import auc_at_fpr_bound
 
     col = "gap_0_s0.01"
     h_tr, h_te = cat([env_view(tr[k]) for k in honest]), cat([env_view(te[k]) for k in honest])
@@ -452,7 +452,7 @@ def heldout_fpr(det, sets: dict, sizes, seed: int = 3) -> dict:
             if hasattr(det, "token_scores"):
                 w = det.token_scores(vals)
             else:
-                from verinfer.audit.metrics import winsorize
+                from verinfer.audit.scores import winsorize
 
                 w = winsorize(vals, det.clip_)
             means = w[rng.integers(0, w.size, (200, b))].mean(axis=1) if b <= 3000 else \
@@ -463,9 +463,9 @@ def heldout_fpr(det, sets: dict, sizes, seed: int = 3) -> dict:
 
 
 def stage_grid(log=print) -> dict:
-    from verinfer.audit.combined import LikelihoodRatioDetector
-    from verinfer.audit.detector import ClippedMeanDetector, PerturbationGLRTDetector
-    from verinfer.audit.metrics import split_tokens, tokens_to_detect
+    from verinfer.detect.likelihood_ratio import LikelihoodRatioDetector
+    from verinfer.detect.detectors import ClippedMeanDetector, PerturbationGLRTDetector
+    from verinfer.detect.metrics import split_tokens, tokens_to_detect
     from verinfer.audit.references import REFERENCES
 
     t0 = time.perf_counter()
@@ -619,7 +619,7 @@ def stage_grid(log=print) -> dict:
     }
     out = RESULTS
     out.mkdir(parents=True, exist_ok=True)
-    from verinfer.audit.claims import atomic_write_text
+    from verinfer.io import atomic_write_text
 
     atomic_write_text(out / "detection_lab.json", json.dumps(result, indent=1, default=float))
     plot_curves(curves, out / "detection_lab_auc.png", "Token-DiFR variants (Gumbel sampling, vllm-cpu)")

@@ -12,13 +12,11 @@ src/verinfer/speculative/bench.py (also `verinfer bench speculative`).
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "src"))
 
-from verinfer.speculative.bench import run, timing_run  # noqa: E402
+from benchmarks.kl_judge_bench import run, timing_run
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

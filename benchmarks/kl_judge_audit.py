@@ -23,12 +23,40 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "src"))
 
-from verinfer.models.corpus import eval_prompts  # noqa: E402
-from verinfer.models.llama import LlamaLM  # noqa: E402
-from verinfer.models.testbed import DRAFT_DIR, TARGET_DIR, load_tokenizer  # noqa: E402
-from verinfer.speculative.audit import tokens_to_detect_kl_provider  # noqa: E402
+from verinfer.models.corpus import eval_prompts
+from verinfer.models.llama import LlamaLM
+from verinfer.models.testbed import DRAFT_DIR, TARGET_DIR, load_tokenizer
+from verinfer.detect.metrics import auc_vs_tokens, tokens_to_detect
+from verinfer.speculative.rules import Rule
+from verinfer.speculative.spec_claims import spec_claims, verify_spec_claims
+
+
+def tokens_to_detect_kl_provider(target: LlamaLM, draft: LlamaLM, prompts: list[list[int]], *, threshold: float,
+                                 gamma: int = 4, temperature: float = 1.0, max_tokens: int = 64, seed: int = 0,
+                                 batch_size: int = 16, model_name: str = "testbed-target") -> dict:
+    """Honest standard provider vs a provider running the KL judge at `threshold` while claiming
+    standard: per-token scores, AUC@1%FPR by batch size (DiFR protocol), tokens-to-detect."""
+    res = {}
+    scores = {}
+    for name, rule, s in [("honest_standard", Rule("standard"), seed), ("kl_claims_standard", Rule("kl", threshold), seed + 7)]:
+        cl = spec_claims(target, draft, prompts, run_rule=rule, claimed="standard", gamma=gamma, temperature=temperature,
+                         max_tokens=max_tokens, seed=s, model_name=model_name, draft_name="testbed-draft",
+                         provider=name, batch_size=batch_size)
+        rows = verify_spec_claims(cl, target, draft)
+        scores[name] = rows["score"]
+        a = rows["event"] == "a"
+        res[name] = {"tokens": int(rows["score"].size), "accepted_fraction": float(a.mean()),
+                     "violations": int(rows["violation"].sum()),
+                     "mean_accept_nll": float(rows["accept_nll"][a].mean()) if a.any() else 0.0}
+    curve = auc_vs_tokens(scores["honest_standard"], scores["kl_claims_standard"],
+                          batch_sizes=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1000), rng=np.random.default_rng(seed))
+    res["auc_at_1pct_fpr_by_tokens"] = {str(k): v for k, v in curve.items()}
+    res["tokens_to_detect"] = tokens_to_detect(curve)
+    res["setup"] = {"threshold": threshold, "gamma": gamma, "temperature": temperature, "max_tokens": max_tokens,
+                    "prompts": len(prompts)}
+    return res
+
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

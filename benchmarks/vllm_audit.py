@@ -145,13 +145,13 @@ def main() -> None:
     import torch
     import vllm
 
-    from verinfer.audit.claims import write_claims
-    from verinfer.audit.pipeline import (VERIFIER_NUMERICS, calibrate, load_score_tables, prompts_for, score,
+    from verinfer.claims import write_claims
+    from verinfer.apps.pipeline import (VERIFIER_NUMERICS, calibrate, load_score_tables, prompts_for, score,
                                          verifier_engine)
     from verinfer.audit.replay import score_claims
-    from verinfer.audit.providers import HONEST, run_provider
+    from verinfer.providers.simulated import HONEST, run_provider
     from verinfer.audit.scores import divergence
-    from verinfer.audit.vllm_provider import VllmRun, generate_claims, make_llm
+    from verinfer.providers.vllm import VllmRun, generate_claims, make_llm
     from verinfer.models.load import model_info
     from verinfer.models.testbed import TARGET_DIR
     from verinfer.sampling.params import SamplingParams

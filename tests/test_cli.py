@@ -5,7 +5,7 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from verinfer.cli import app
+from verinfer.cli.main import app
 from verinfer.models.testbed import TARGET_DIR
 
 pytestmark = pytest.mark.skipif(not (TARGET_DIR / "config.json").is_file(), reason="testbed not built")

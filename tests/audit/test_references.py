@@ -3,7 +3,7 @@ import pyarrow as pa
 import pytest
 import torch
 
-from verinfer.audit.metrics import auc_at_fpr, auc_at_fpr_bound
+from verinfer.detect.metrics import auc_at_fpr, auc_at_fpr_bound
 from verinfer.audit.references import REFERENCES, decode_replay, envelope, envelope_table, replay
 from verinfer.engine.engine import Engine, Request
 from verinfer.models.load import load_model

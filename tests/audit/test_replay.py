@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from verinfer.audit import replay as replay_mod
-from verinfer.audit.providers import ProviderConfig, run_provider
+from verinfer.providers.simulated import ProviderConfig, run_provider
 from verinfer.audit.replay import read_scores, score_claims
 from verinfer.engine.engine import Engine
 from verinfer.errors import VerinferError

@@ -5,8 +5,8 @@ import pytest
 import torch
 from scipy.stats import norm
 
-from verinfer.audit.variants import (fit_ipt_sigma, ipt_difr, ipt_distance, mc_difr, mc_difr_loop,
-                                     tail_pooled, clipped_margin)
+from verinfer.audit.scores import tail_pool, winsorize
+from verinfer.audit.variants import fit_ipt_sigma, ipt_difr, ipt_distance, mc_difr, mc_difr_loop
 from verinfer.sampling.params import SamplingParams
 from verinfer.sampling.sampler import postgumbel_gaps, postgumbel_margin
 
@@ -48,8 +48,8 @@ def test_ipt_difr_values_and_sigma():
 
 def test_tail_pooled_and_clip():
     v = np.array([0.0, 0.5, 2.0, np.inf])
-    np.testing.assert_array_equal(tail_pooled(v, 1.5, 1.0), [0, 0, 1.5, 1.5])
-    np.testing.assert_array_equal(clipped_margin(v, 1.0), [0, 0.5, 1, 1])
+    np.testing.assert_array_equal(tail_pool(v, 1.5, 1.0), [0, 0, 1.5, 1.5])
+    np.testing.assert_array_equal(winsorize(v, 1.0), [0, 0.5, 1, 1])
 
 
 @pytest.mark.parametrize("noise", ["vllm-cpu", "keyed"])
@@ -91,7 +91,7 @@ def test_alternative_evidence_vectorized_equals_loop():
 def test_temperature_margin_is_zero_at_the_claimed_temperature():
     import dataclasses
 
-    from verinfer.audit.claims import Claim
+    from verinfer.claims import Claim
     from verinfer.audit.variants import temperature_margin
     from verinfer.engine.engine import Replay
     from verinfer.sampling.sampler import replay_tokens
@@ -160,7 +160,7 @@ def test_perturbation_llr_vectorized_equals_loop():
 def test_temperature_gaps_block_equals_full_vocabulary_loop():
     import dataclasses
 
-    from verinfer.audit.claims import Claim
+    from verinfer.claims import Claim
     from verinfer.audit.variants import temperature_gaps, temperature_gaps_loop
     from verinfer.engine.engine import Replay
     from verinfer.sampling.sampler import postgumbel_margin, replay_tokens
@@ -192,7 +192,7 @@ def test_temperature_gaps_block_equals_full_vocabulary_loop():
 
 
 def test_block_gaps_k16_equal_postgumbel_gaps():
-    from verinfer.audit.claims import Claim
+    from verinfer.claims import Claim
     from verinfer.audit.variants import block_gaps, temperature_gaps_loop
     from verinfer.engine.engine import Replay
 
@@ -213,7 +213,7 @@ def test_block_gaps_k16_equal_postgumbel_gaps():
 def test_block_gaps_top_p_slack_equals_a_per_token_loop():
     import dataclasses
 
-    from verinfer.audit.claims import Claim
+    from verinfer.claims import Claim
     from verinfer.audit.variants import block_gaps
     from verinfer.engine.engine import Replay
     from verinfer.sampling.sampler import _filtered, _tape, _tape_gumbel, _temperature32

@@ -70,7 +70,7 @@ def test_cli_generate_deterministic(tmp_path):
 
     from typer.testing import CliRunner
 
-    from verinfer.cli import app
+    from verinfer.cli.main import app
 
     out = tmp_path / "c.jsonl"
     r = CliRunner().invoke(app, ["generate", "--deterministic", "llm42", "-o", str(out), "--n", "2",

@@ -15,10 +15,11 @@ import openai
 
 from serverproc import free_port
 from typer.testing import CliRunner
-from verinfer.audit.claims import read_claims
-from verinfer.audit.openai_api import ApiAuditConfig, EndpointError, _client, collect_claims
-from verinfer.audit.pipeline import prompts_for
-from verinfer.cli import app
+from verinfer.claims import read_claims
+from verinfer.apps.audit_api import ApiAuditConfig, collect_claims
+from verinfer.providers.openai_http import EndpointError, openai_client
+from verinfer.models.prompts import prompts_for
+from verinfer.cli.main import app
 from verinfer.models.testbed import TARGET_DIR
 
 # Calibration on four of the five honest configurations: honest-bf16-b1 (batch of one) alone costs
@@ -85,7 +86,7 @@ class _DiesAfter:
 def test_resume_after_the_endpoint_died(honest_server, tmp_path):
     cfg = ApiAuditConfig(honest_server.base_url, "target", TARGET_DIR, tmp_path / "a", n=6, max_tokens=12)
     prompts = prompts_for(TARGET_DIR, cfg.n, cfg.seed)
-    client = _client(cfg)
+    client = openai_client(cfg.endpoint)
     with pytest.raises(EndpointError, match=r"4 of 6 claims collected, saved in"):
         collect_claims(_DiesAfter(client, 4), cfg, "seeded", prompts, "verinfer-testbed-target")
     kept = read_claims(tmp_path / "a" / "claims.jsonl")

@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx2 as httpx
 
-from verinfer.audit.pipeline import prompts_for
+from verinfer.models.prompts import prompts_for
 from verinfer.models.testbed import TARGET_DIR
 
 N_CLIENTS = 16

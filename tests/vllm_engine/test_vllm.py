@@ -20,8 +20,8 @@ if os.environ.get("VERINFER_REQUIRE_VLLM") == "1":
 else:
     pytest.importorskip("vllm")
 
-from verinfer.audit.claims import read_claims
-from verinfer.audit.pipeline import score, verifier_engine
+from verinfer.claims import read_claims
+from verinfer.apps.pipeline import score, verifier_engine
 from verinfer.models.testbed import TARGET_DIR
 from verinfer.sampling.noise import HashStepNoise, splitmix64
 from verinfer.sampling.params import SamplingParams
@@ -81,7 +81,7 @@ def test_audit_api_against_a_real_vllm_server(tmp_path):
     import httpx2 as httpx
     from typer.testing import CliRunner
 
-    from verinfer.cli import app
+    from verinfer.cli.main import app
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -29,7 +29,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from verinfer.audit.claims import Claim, atomic_write_text
+from verinfer.claims import Claim
+from verinfer.io import atomic_write_parquet, atomic_write_text
 from verinfer.audit.scores import likelihood_score
 from verinfer.engine.engine import Engine, Replay
 from verinfer.errors import VerinferError
@@ -59,7 +60,7 @@ def gap_columns_of(claims: list[Claim], replays: list[Replay], factors=GAP_TEMPE
 def fingerprints_of(claims: list[Claim], hidden_size: int) -> tuple[list, int | None]:
     """Parse and validate every claim's `activations` before any compute (bad input fails fast,
     naming file:line and field); return them (None where absent) and the hidden layer to replay."""
-    from verinfer.audit.fingerprint import parse_fingerprint
+    from verinfer.fingerprint import parse_fingerprint
 
     fps, layer, first = [], None, None
     for i, c in enumerate(claims):
@@ -77,7 +78,7 @@ def fingerprints_of(claims: list[Claim], hidden_size: int) -> tuple[list, int | 
 
 
 def fingerprint_distances(claims: list[Claim], replays: list[Replay], fps: list) -> np.ndarray:
-    from verinfer.audit.fingerprint import l2_distances
+    from verinfer.fingerprint import l2_distances
 
     out = []
     for c, r, fp in zip(claims, replays, fps):
@@ -118,12 +119,6 @@ def scores_table(claims: list[Claim], replays: list[Replay], sigma: float = DEFA
         for name, col in gap_columns_of(claims, replays).items():
             table = table.append_column(pa.field(name, pa.float64()), pa.array(col, pa.float64()))
     return table
-
-
-def atomic_write_parquet(table: pa.Table, path: Path) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    pq.write_table(table, tmp)
-    tmp.replace(path)
 
 
 def read_scores(path: str | Path) -> pa.Table:

@@ -13,12 +13,10 @@ Inputs come from one replay of the claims with the verifier (`features_table`):
 Every function returns a per-token divergence (higher = more divergent, +inf allowed); batch
 statistics clip / pool them (`metrics`).
 
-    clipped_margin(margin, clip)            min(margin, clip)           (Token-DiFR, DiFR eq. 1)
     ipt_difr(lo, hi, u, sigma)              -log(P[u + sigma Z in [lo, hi)] + eps)   (appendix B)
     mc_difr(gaps, sigma, n_trials, rng)     -log((#wins + eps) / (n_trials + eps)): the claimed
                                             token wins a trial when the Gaussian-perturbed logits
                                             (std sigma per logit) still rank it first (appendix B.1)
-    tail_pooled(values, clip_hi, zero_below)  tail-focused pooling transform (appendix E)
 
 Perturbation likelihood (the `best` detector, `detector.PerturbationGLRTDetector`):
 
@@ -41,24 +39,13 @@ import torch
 from scipy.special import log_ndtr, ndtr
 from scipy.stats import norm
 
-from verinfer.audit.metrics import tail_pool, winsorize
 from verinfer.audit.replay import scores_table
+from verinfer.audit.scores import winsorize
 
 MC_EPS = 1.0
 IPT_EPS = 1e-12
 
 
-def clipped_margin(margin, clip: float) -> np.ndarray:
-    """Token-DiFR margin winsorized at `clip` (+inf, a filtered-out claimed token, becomes clip)."""
-    return winsorize(margin, clip)
-
-
-def tail_pooled(values, clip_hi: float, zero_below: float) -> np.ndarray:
-    """Appendix E: clip at clip_hi (honest 99.999th percentile), zero below zero_below (99.99th)."""
-    return tail_pool(values, clip_hi, zero_below)
-
-
-# --- IPT-DiFR -------------------------------------------------------------------------------------
 def ipt_distance(lo, hi, u) -> np.ndarray:
     """How far the shared uniform u lies outside the claimed interval [lo, hi) (0 inside)."""
     lo, hi, u = (np.asarray(x, dtype=np.float64) for x in (lo, hi, u))

@@ -49,7 +49,7 @@ def make_engines(model_dir, device="cpu", prefill_chunk: int = 16, threads: int 
 
 def split_prompts(model_dir, n: int, seed: int, max_prompt_tokens: int = 48) -> tuple[list, list]:
     """(code prompts, arithmetic prompts), n of each (eval_prompts alternates the two kinds)."""
-    from verinfer.audit.pipeline import prompts_for
+    from verinfer.models.prompts import prompts_for
 
     ps = prompts_for(model_dir, 2 * n, seed, max_prompt_tokens)
     return ps[0::2], ps[1::2]

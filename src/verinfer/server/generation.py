@@ -18,7 +18,7 @@ from typing import Iterator
 
 import torch
 
-from verinfer.audit.providers import _bug_sampler
+from verinfer.providers.simulated import _bug_sampler
 from verinfer.engine.engine import Request
 from verinfer.sampling.params import SamplingParams
 from verinfer.server.registry import ServedModel

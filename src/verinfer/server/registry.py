@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from verinfer.audit.providers import MISCONFIGURED, ProviderConfig
+from verinfer.providers.simulated import MISCONFIGURED, ProviderConfig
 from verinfer.engine.engine import Engine
 from verinfer.errors import ModelError
 from verinfer.models.load import ModelInfo, load_model, load_tokenizer, model_info

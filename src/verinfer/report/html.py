@@ -24,8 +24,8 @@ import pyarrow as pa
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 
-from verinfer.audit.claims import atomic_write_text
-from verinfer.audit.metrics import auc_vs_tokens, tokens_to_detect
+from verinfer.io import atomic_write_text
+from verinfer.detect.metrics import auc_vs_tokens, tokens_to_detect
 from verinfer.audit.scores import SCORES, divergence
 from verinfer.errors import VerinferError
 

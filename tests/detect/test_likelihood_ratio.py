@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from verinfer.audit.combined import LikelihoodRatioDetector, token_bins, token_bins_loop
+from verinfer.detect.likelihood_ratio import LikelihoodRatioDetector, token_bins, token_bins_loop
 from verinfer.errors import VerinferError
 
 
@@ -65,7 +65,7 @@ def test_honest_only_fit_save_load(tmp_path, data):
 
 
 def test_replay_library_detector_separates_the_alternative():
-    from verinfer.audit.combined import ReplayLibraryDetector
+    from verinfer.detect.likelihood_ratio import ReplayLibraryDetector
 
     rng = np.random.default_rng(4)
 
@@ -89,7 +89,7 @@ def test_replay_library_detector_separates_the_alternative():
 
 
 def test_replay_library_groups_guard_a_noisier_new_honest_config():
-    from verinfer.audit.combined import ReplayLibraryDetector
+    from verinfer.detect.likelihood_ratio import ReplayLibraryDetector
 
     rng = np.random.default_rng(6)
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from verinfer.audit.claims import Claim
+from verinfer.claims import Claim
 from verinfer.engine.engine import Engine, Request
 from verinfer.models.load import load_model, model_info
 from verinfer.numerics import Numerics
@@ -38,6 +38,9 @@ class ProviderConfig:
     bug_k: int | None = None          # None: the request's top_k
     description: str = ""
 
+
+# The advertised specification of the demo (the paper's reference: T=1, top-k 50, top-p 0.95).
+DEFAULT_SPEC = dict(temperature=1.0, top_k=50, top_p=0.95, min_p=0.0, noise="vllm-cpu")
 
 HONEST = {
     "honest-bf16-b8": ProviderConfig("honest-bf16-b8", Numerics(dtype="bf16"), batch_size=8,
@@ -124,7 +127,7 @@ def run_provider(cfg: ProviderConfig, model_dir: str | Path, prompts: list[list[
     for c, p in zip(completions, claimed):
         claim = Claim(c.id, info.name, c.prompt_token_ids, c.output_token_ids, p, provider=cfg.name)
         if fingerprint is not None:
-            from verinfer.audit.fingerprint import encode
+            from verinfer.fingerprint import encode
 
             claim.extra["activations"] = encode(c.hidden_TD, fingerprint)
         if keep_hidden:

@@ -3,9 +3,8 @@ import pyarrow as pa
 import pytest
 from scipy.stats import norm
 
-from verinfer.audit.metrics import (auc_at_fpr, auc_vs_tokens, batch_means, clip_at_quantile, split_tokens,
-                                    tail_pool, tokens_to_detect, winsorize)
-from verinfer.audit.scores import SCORES, divergence, fit_sigma, likelihood_score
+from verinfer.audit.scores import SCORES, clip_at_quantile, divergence, fit_sigma, likelihood_score, tail_pool, winsorize
+from verinfer.detect.metrics import auc_at_fpr, auc_vs_tokens, batch_means, split_tokens, tokens_to_detect
 
 NEG, POS = [0.0, 1.0, 2.0, 3.0], [1.5, 2.5, 3.5, 4.0]
 

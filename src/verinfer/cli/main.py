@@ -2,14 +2,28 @@
 
 from __future__ import annotations
 
+import functools
 import json
-import sys
 from pathlib import Path
 from typing import List, Optional
 
 import typer
 
+from verinfer.apps.audit_api import ApiAuditConfig, audit_api as run_audit_api
+from verinfer.apps.determinism import generate as det_generate, run_calibrate
+from verinfer.apps.pipeline import (audit as run_audit, calibrate as run_calibrate_detector, combine_verdicts,
+                                    demo as run_demo, generate as run_generate, generate_with_vllm,
+                                    load_score_tables, print_verdicts, score as run_score)
+from verinfer.apps.speculative import generate_claims_file, has_spec, score_file
+from verinfer.claims import read_claims
+from verinfer.detect.detectors import GLRT_FORMAT, ClippedMeanDetector, PerturbationGLRTDetector
+from verinfer.detect.likelihood_ratio import FORMAT as LR_FORMAT, LikelihoodRatioDetector
 from verinfer.errors import VerinferError
+from verinfer.fingerprint import FingerprintSpec
+from verinfer.io import atomic_write_text
+from verinfer.models import testbed
+from verinfer.models.testbed import DRAFT_DIR, TARGET_DIR
+from verinfer.report.html import compute_auc_curves, write_report
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Make LLM inference checkable: audit providers with DiFR on a shipped testbed or your own model.")
@@ -17,8 +31,6 @@ testbed_app = typer.Typer(no_args_is_help=True, help="The shipped testbed models
 app.add_typer(testbed_app, name="testbed")
 determinism_app = typer.Typer(no_args_is_help=True, help="Batched greedy decoding equal to the batch-size-1 answer.")
 app.add_typer(determinism_app, name="determinism")
-bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks that regenerate benchmarks/results.")
-app.add_typer(bench_app, name="bench")
 
 
 def _fail(e: Exception) -> None:
@@ -26,30 +38,40 @@ def _fail(e: Exception) -> None:
     raise typer.Exit(2)
 
 
-def _default_model() -> Path:
-    from verinfer.models.testbed import TARGET_DIR
+def _user_errors_exit_2(fn):
+    """The one error handler: a VerinferError or ValueError (bad input, with what / where / fix)
+    is printed without a traceback and exits with 2 (1 means "flagged")."""
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except (VerinferError, ValueError) as e:
+            _fail(e)
+    return run
 
+
+def command(group: typer.Typer, *args, **kwargs):
+    """group.command(...) with the error handler."""
+    return lambda fn: group.command(*args, **kwargs)(_user_errors_exit_2(fn))
+
+
+def _default_model() -> Path:
     return TARGET_DIR
 
 
-@app.command()
+@command(app)
 def demo(out: Path = typer.Option(Path("runs/demo"), help="Output directory (resumes if it exists)."),
          n: int = typer.Option(128, help="Requests per provider (half of each honest provider's tokens calibrate)."),
          max_tokens: int = typer.Option(64, help="Output tokens per request."),
          seed: int = typer.Option(0), audit_tokens: int = typer.Option(1000, help="Tokens per audited provider."),
          quiet: bool = typer.Option(False, help="No progress bars.")):
     """Generate honest and misconfigured claims on the testbed, score, calibrate, audit, report."""
-    from verinfer.audit.pipeline import demo as run_demo, print_verdicts
-
-    try:
-        res = run_demo(out, n=n, max_tokens=max_tokens, seed=seed, audit_tokens=audit_tokens, show_progress=not quiet)
-    except (VerinferError, ValueError) as e:
-        _fail(e)
+    res = run_demo(out, n=n, max_tokens=max_tokens, seed=seed, audit_tokens=audit_tokens, show_progress=not quiet)
     print_verdicts(res.verdicts)
     typer.echo(f"report: {res.report}   ({res.seconds:.0f} s)")
 
 
-@app.command()
+@command(app)
 def generate(provider: str = typer.Argument("honest-bf16-b8", help="Simulated provider, e.g. honest-bf16-b8, int4, "
                                                                    "fp8-kv, temp-1.1, wrong-seed, sampling-bug."),
              out: Path = typer.Option(..., "--out", "-o", help="Claims JSONL to write."),
@@ -78,29 +100,18 @@ def generate(provider: str = typer.Argument("honest-bf16-b8", help="Simulated pr
                                                          "provider honest | int4 | fp8-kv | temp-1.1 | wrong-seed)")):
     """Write claims JSONL from a simulated (honest or misconfigured) provider, or from real vLLM."""
     if engine == "vllm":
-        from verinfer.audit import vllm_provider
-
-        try:
-            gen = vllm_provider.generate(provider, model or _default_model(), out, n=n, max_tokens=max_tokens,
-                                         seed=seed, spec=dict(temperature=temperature, top_k=top_k, top_p=top_p,
-                                                              min_p=min_p, noise=noise))
-        except (VerinferError, ValueError) as e:
-            _fail(e)
+        gen = generate_with_vllm(provider, model or _default_model(), out, n=n, max_tokens=max_tokens, seed=seed,
+                                 spec=dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                                           noise=noise))
         typer.echo(f"wrote {len(gen.claims)} vLLM claims, {gen.n_tokens} tokens ({gen.tokens_per_s:.0f} tokens/s) "
                    f"-> {out}")
         return
     if engine != "verinfer":
-        _fail(ValueError(f"--engine must be verinfer or vllm, got {engine!r}"))
+        raise ValueError(f"--engine must be verinfer or vllm, got {engine!r}")
     if speculative is not None:
-        from verinfer.models.testbed import DRAFT_DIR
-        from verinfer.speculative.audit import generate_claims_file
-
-        try:
-            claims = generate_claims_file(model or _default_model(), draft or DRAFT_DIR, out, rule=speculative,
-                                          threshold=threshold, gamma=gamma, n=n, max_tokens=max_tokens, seed=seed,
-                                          temperature=temperature, judge_path=judge, device=device)
-        except (VerinferError, ValueError) as e:
-            _fail(e)
+        claims = generate_claims_file(model or _default_model(), draft or DRAFT_DIR, out, rule=speculative,
+                                      threshold=threshold, gamma=gamma, n=n, max_tokens=max_tokens, seed=seed,
+                                      temperature=temperature, judge_path=judge, device=device)
         toks = sum(len(c.output_token_ids) for c in claims)
         acc = sum(c.extra["spec"]["events"].count("a") for c in claims)
         rounds = sum(c.extra["spec"]["events"].count("r") + c.extra["spec"]["events"].count("b") for c in claims)
@@ -108,34 +119,19 @@ def generate(provider: str = typer.Argument("honest-bf16-b8", help="Simulated pr
                    f"{toks} tokens, {acc} accepted draft tokens, ~{toks / max(1, rounds):.2f} tokens per target "
                    f"forward -> {out}")
         return
-    from verinfer.audit.fingerprint import FingerprintSpec
-    from verinfer.audit.pipeline import generate as run
-
-    try:
-        fp_spec = FingerprintSpec.parse(fingerprint) if fingerprint else None
-    except ValueError as e:
-        _fail(e)
-
+    fp_spec = FingerprintSpec.parse(fingerprint) if fingerprint else None
     if deterministic is not None:
-        from verinfer.determinism.api import generate as det_generate
-
-        try:
-            rows = det_generate(model or _default_model(), out, policy=deterministic, n=n, max_tokens=max_tokens,
-                                seed=seed, tau_file=tau_file, device=device)
-        except (VerinferError, ValueError) as e:
-            _fail(e)
+        rows = det_generate(model or _default_model(), out, policy=deterministic, n=n, max_tokens=max_tokens,
+                            seed=seed, tau_file=tau_file, device=device)
         typer.echo(f"wrote {len(rows)} {deterministic} greedy completions -> {out}")
         return
-    try:
-        claims = run(provider, model or _default_model(), out, n=n, max_tokens=max_tokens, seed=seed, device=device,
-                     spec=dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, noise=noise),
-                     fingerprint=fp_spec)
-    except (VerinferError, ValueError) as e:
-        _fail(e)
+    claims = run_generate(provider, model or _default_model(), out, n=n, max_tokens=max_tokens, seed=seed,
+                          device=device, fingerprint=fp_spec,
+                          spec=dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, noise=noise))
     typer.echo(f"wrote {len(claims)} claims, {sum(len(c.output_token_ids) for c in claims)} tokens -> {out}")
 
 
-@app.command()
+@command(app)
 def score(claims: Path = typer.Argument(..., help="Claims JSONL."),
           out: Path = typer.Option(..., "--out", "-o", help="Scores Parquet to write (resumes)."),
           model: Optional[Path] = typer.Option(None), device: str = typer.Option("cpu"),
@@ -143,32 +139,21 @@ def score(claims: Path = typer.Argument(..., help="Claims JSONL."),
           gaps: bool = typer.Option(False, "--gaps", help="Also the signed-gap columns the glrt detector reads."),
           matmul: str = typer.Option("native", help="Verifier matmuls: native (bf16 kernels) or fp32 (bf16 operands, fp32 GEMMs, outputs rounded to bf16; about 1.5x faster replay on CPUs without AMX).")):
     """Replay claims with the trusted model: one Parquet row per token with every score."""
-    from verinfer.audit.pipeline import score as run
-
-    try:
-        from verinfer.audit.claims import read_claims
-        from verinfer.speculative.audit import has_spec
-
-        if has_spec(read_claims(claims)):  # speculative claims: check each token under its mode (DiFR app. F)
-            from verinfer.models.testbed import DRAFT_DIR
-            from verinfer.speculative.audit import score_file
-
-            r = score_file(claims, model or _default_model(), draft or DRAFT_DIR, out, device=device)
-            typer.echo(f"speculative claims: {r['tokens']} tokens, accepted fraction {r['accepted_fraction']:.3f}, "
-                       f"mean accept -log min(1,p/q) {r['mean_accept_nll']:.4f}, {r['violations']} violations of "
-                       f"standard speculative sampling -> {out}")
-            for cid in r["claims_with_violations"][:10]:
-                typer.echo(f"  violation in claim {cid}")
-            if r["violations"]:
-                raise typer.Exit(1)
-            return
-        t = run(claims, model or _default_model(), out, device=device, gaps=gaps, matmul=matmul)
-    except (VerinferError, ValueError) as e:
-        _fail(e)
+    if has_spec(read_claims(claims)):  # speculative claims: check each token under its mode (DiFR app. F)
+        r = score_file(claims, model or _default_model(), draft or DRAFT_DIR, out, device=device)
+        typer.echo(f"speculative claims: {r['tokens']} tokens, accepted fraction {r['accepted_fraction']:.3f}, "
+                   f"mean accept -log min(1,p/q) {r['mean_accept_nll']:.4f}, {r['violations']} violations of "
+                   f"standard speculative sampling -> {out}")
+        for cid in r["claims_with_violations"][:10]:
+            typer.echo(f"  violation in claim {cid}")
+        if r["violations"]:
+            raise typer.Exit(1)
+        return
+    t = run_score(claims, model or _default_model(), out, device=device, gaps=gaps, matmul=matmul)
     typer.echo(f"scored {t.num_rows} tokens -> {out}")
 
 
-@app.command()
+@command(app)
 def calibrate(scores: List[Path] = typer.Argument(..., help="Scores Parquet files of honest runs."),
               out: Path = typer.Option(..., "--out", "-o", help="Detector JSON to write."),
               score_name: str = typer.Option("margin", "--score"), clip_quantile: float = typer.Option(0.999),
@@ -177,16 +162,11 @@ def calibrate(scores: List[Path] = typer.Argument(..., help="Scores Parquet file
                                        help="clipped-mean (one --score column) | glrt (perturbation GLRT, the "
                                             "detection lab's `best`; needs scores from `verinfer score --gaps`)")):
     """Fit a detector on honest scores: winsorize, batch mean, threshold at a target FPR."""
-    from verinfer.audit.pipeline import calibrate as run, load_score_tables
-
-    try:
-        table = load_score_tables(scores)
-        honest = sorted(set(table["provider"].to_pylist()))
-        det, _ = run(table, honest, score_name=score_name, clip_quantile=clip_quantile, target_fpr=target_fpr,
-                     seed=seed, detector=kind)
-        det.save(out)
-    except (VerinferError, ValueError) as e:
-        _fail(e)
+    table = load_score_tables(scores)
+    honest = sorted(set(table["provider"].to_pylist()))
+    det, _ = run_calibrate_detector(table, honest, score_name=score_name, clip_quantile=clip_quantile,
+                                    target_fpr=target_fpr, seed=seed, detector=kind)
+    det.save(out)
     if kind == "glrt":
         typer.echo(f"detector (perturbation GLRT, sigma0 {det.sigma0_:.4g}, eps0 {det.eps0_:.3g}, FPR {target_fpr}) "
                    f"-> {out}")
@@ -197,9 +177,6 @@ def calibrate(scores: List[Path] = typer.Argument(..., help="Scores Parquet file
 def _load_detector(path: Path):
     """A ClippedMeanDetector, LikelihoodRatioDetector or PerturbationGLRTDetector file, told apart
     by its "format" field."""
-    from verinfer.audit.combined import FORMAT as LR_FORMAT, LikelihoodRatioDetector
-    from verinfer.audit.detector import GLRT_FORMAT, ClippedMeanDetector, PerturbationGLRTDetector
-
     try:
         fmt = json.loads(path.read_text(encoding="utf-8")).get("format") if path.is_file() else None
     except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
@@ -209,7 +186,7 @@ def _load_detector(path: Path):
     return LikelihoodRatioDetector.load(path) if fmt == LR_FORMAT else ClippedMeanDetector.load(path)
 
 
-@app.command()
+@command(app)
 def audit(inputs: List[Path] = typer.Argument(..., help="Scores Parquet or claims JSONL files."),
           detector: List[Path] = typer.Option(..., "--detector", "-d",
                                               help="Detector JSON; repeat to combine (e.g. Token-DiFR margin and "
@@ -218,56 +195,40 @@ def audit(inputs: List[Path] = typer.Argument(..., help="Scores Parquet or claim
           json_out: Optional[Path] = typer.Option(None, "--json", help="Also write verdicts as JSON."),
           max_tokens: Optional[int] = typer.Option(None, help="Use at most this many tokens per provider.")):
     """Verdict per provider: flagged or not, tokens used, tail probability under the honest null."""
-    from verinfer.audit.detector import PerturbationGLRTDetector
-    from verinfer.audit.pipeline import audit as run, load_score_tables, print_verdicts, score as run_score
-
-    try:
-        dets = [_load_detector(d) for d in detector]
-        gaps = any(isinstance(d, PerturbationGLRTDetector) for d in dets)
-        paths = []
-        for p in inputs:
-            if p.suffix == ".jsonl":
-                sp = p.with_suffix(".scores.parquet")
-                run_score(p, model or _default_model(), sp, gaps=gaps)
-                paths.append(sp)
-            else:
-                paths.append(p)
-        table = load_score_tables(paths)
-        providers = sorted(set(table["provider"].to_pylist()))
-        from verinfer.audit.pipeline import combine_verdicts
-
-        verdicts = combine_verdicts([run(table, det, providers, max_tokens=max_tokens) for det in dets])
-    except (VerinferError, ValueError) as e:
-        _fail(e)
+    dets = [_load_detector(d) for d in detector]
+    gaps = any(isinstance(d, PerturbationGLRTDetector) for d in dets)
+    paths = []
+    for p in inputs:
+        if p.suffix == ".jsonl":
+            sp = p.with_suffix(".scores.parquet")
+            run_score(p, model or _default_model(), sp, gaps=gaps)
+            paths.append(sp)
+        else:
+            paths.append(p)
+    table = load_score_tables(paths)
+    providers = sorted(set(table["provider"].to_pylist()))
+    verdicts = combine_verdicts([run_audit(table, det, providers, max_tokens=max_tokens) for det in dets])
     print_verdicts(verdicts)
     if json_out:
-        from verinfer.audit.claims import atomic_write_text
-
         atomic_write_text(json_out, json.dumps(verdicts, indent=1, default=float))
     if any(v["flagged"] for v in verdicts):
         raise typer.Exit(1)
 
 
-@app.command()
+@command(app)
 def report(scores: List[Path] = typer.Argument(...), out: Path = typer.Option(Path("runs/report"), "--out", "-o"),
            honest: List[str] = typer.Option(None, help="Honest provider names (default: names starting 'honest').")):
     """HTML report with AUC@1%FPR-vs-tokens curves and score histograms."""
-    from verinfer.audit.pipeline import load_score_tables
-    from verinfer.audit.report import compute_auc_curves, write_report
-
-    try:
-        table = load_score_tables(scores)
-        names = sorted(set(table["provider"].to_pylist()))
-        hon = honest or [n for n in names if n.startswith("honest")]
-        if not hon:
-            raise VerinferError("no honest provider among the scores", fix="pass --honest NAME")
-        path = write_report(table, out, hon, None, compute_auc_curves(table, hon))
-    except (VerinferError, ValueError) as e:
-        _fail(e)
+    table = load_score_tables(scores)
+    names = sorted(set(table["provider"].to_pylist()))
+    hon = honest or [n for n in names if n.startswith("honest")]
+    if not hon:
+        raise VerinferError("no honest provider among the scores", fix="pass --honest NAME")
+    path = write_report(table, out, hon, None, compute_auc_curves(table, hon))
     typer.echo(f"report: {path}")
 
 
-@app.command()
+@command(app)
 def serve(model: Optional[Path] = typer.Option(None, help="A model directory, or a directory of model directories "
                                                "(default: testbed target). Requests name models; names never "
                                                "become paths."),
@@ -285,22 +246,19 @@ def serve(model: Optional[Path] = typer.Option(None, help="A model directory, or
                                                       "path, so greedy tokens equal `verinfer generate "
                                                       "--deterministic best` in any batch.")):
     """OpenAI-compatible server: /v1/completions, /v1/chat/completions (SSE streaming), /v1/models."""
-    try:
+    try:  # the [server] extra (FastAPI, uvicorn) is optional: imported only when serving
         from verinfer.server.app import ServeConfig, serve as run
         from verinfer.server.protocol import Limits
-
-        cfg = ServeConfig(model or _default_model(), misconfig=misconfig, noise=noise, device=device,
-                          deterministic=deterministic,
-                          limits=Limits(max_body_bytes=max_body_bytes, max_tokens=max_tokens,
-                                        max_concurrent=max_concurrent, max_waiting=max_waiting))
-        run(cfg, host=host, port=port, threads=threads, log_level=log_level)
     except ImportError as e:
-        _fail(VerinferError(f"the server needs the [server] extra ({e})", fix='pip install -e ".[server]"'))
-    except (VerinferError, ValueError) as e:
-        _fail(e)
+        raise VerinferError(f"the server needs the [server] extra ({e})", fix='pip install -e ".[server]"') from e
+    cfg = ServeConfig(model or _default_model(), misconfig=misconfig, noise=noise, device=device,
+                      deterministic=deterministic,
+                      limits=Limits(max_body_bytes=max_body_bytes, max_tokens=max_tokens,
+                                    max_concurrent=max_concurrent, max_waiting=max_waiting))
+    run(cfg, host=host, port=port, threads=threads, log_level=log_level)
 
 
-@app.command("audit-api")
+@command(app, "audit-api")
 def audit_api(base_url: str = typer.Option(..., help="OpenAI-compatible base URL, e.g. http://127.0.0.1:8000/v1"),
               model: str = typer.Option(..., help="The model name the endpoint serves."),
               model_dir: Optional[Path] = typer.Option(None, help="Trusted local copy of that model "
@@ -319,18 +277,12 @@ def audit_api(base_url: str = typer.Option(..., help="OpenAI-compatible base URL
               threads: Optional[int] = typer.Option(None, help="torch threads of the auditor."),
               matmul: str = typer.Option("native", help="Verifier matmuls: native (bf16 kernels) or fp32 (bf16 operands, fp32 GEMMs, outputs rounded to bf16; about 1.5x faster replay on CPUs without AMX).")):
     """Audit an OpenAI-compatible endpoint: seeded (or temperature-0) prompts, replay, verdict, report."""
-    try:
-        from verinfer.audit.openai_api import ApiAuditConfig, audit_api as run
-        from verinfer.audit.pipeline import print_verdicts
-
-        kw = dict(honest=tuple(honest)) if honest else {}
-        cfg = ApiAuditConfig(base_url, model, model_dir or _default_model(), out, n=n, max_tokens=max_tokens,
-                             seed=seed, mode=mode, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-                             noise=noise, ignore_eos=ignore_eos, api_key=api_key, timeout=timeout, calib_n=calib_n,
-                             detector=detector, device=device, threads=threads, matmul=matmul, **kw)
-        res = run(cfg)
-    except (VerinferError, ValueError) as e:
-        _fail(e)
+    kw = dict(honest=tuple(honest)) if honest else {}
+    cfg = ApiAuditConfig(base_url, model, model_dir or _default_model(), out, n=n, max_tokens=max_tokens,
+                         seed=seed, mode=mode, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                         noise=noise, ignore_eos=ignore_eos, api_key=api_key, timeout=timeout, calib_n=calib_n,
+                         detector=detector, device=device, threads=threads, matmul=matmul, **kw)
+    res = run_audit_api(cfg)
     print_verdicts([res.verdict])
     typer.echo(f"mode {res.mode}: {res.n_claims} claims, {res.n_tokens} tokens, exact match {res.exact_match:.4f}"
                + (f", nearest reference band: {res.verdict['nearest_band']}" if res.bands else "")
@@ -339,58 +291,31 @@ def audit_api(base_url: str = typer.Option(..., help="OpenAI-compatible base URL
         raise typer.Exit(1)
 
 
-@determinism_app.command("calibrate")
+@command(determinism_app, "calibrate")
 def determinism_calibrate(model: Optional[Path] = typer.Option(None, help="Model directory (default: testbed target)."),
                           out: Path = typer.Option(Path("runs/margingate_tau.json"), "--out", "-o"),
                           n: int = typer.Option(16, help="Calibration (arithmetic) prompts."),
                           max_batch: int = typer.Option(16), seed: int = typer.Option(0),
                           device: str = typer.Option("cpu")):
     """Estimate eps_pert, sweep tau, write the smallest tau with 100% sequence determinism."""
-    from verinfer.determinism.api import run_calibrate
-
-    try:
-        rec = run_calibrate(model or _default_model(), out, n=n, max_batch=max_batch, seed=seed, device=device)
-    except (VerinferError, ValueError) as e:
-        _fail(e)
+    rec = run_calibrate(model or _default_model(), out, n=n, max_batch=max_batch, seed=seed, device=device)
     typer.echo(f"tau = {rec['tau']:.4g} for {rec['model']} bf16 (max eps_pert {rec['eps_pert_max']:.4g}) -> {out}")
 
 
-@testbed_app.command("build")
+@command(testbed_app, "build")
 def testbed_build(seed: int = typer.Option(0), out: Optional[Path] = typer.Option(None, help="Default: the shipped dir."),
                   budget: str = typer.Option("full", help="full | tiny")):
     """Retrain the testbed tokenizer, target and draft from a seed (about 15 minutes on 2 cores)."""
-    from verinfer.models import testbed
-
     info = testbed.build(seed, out or testbed.TESTBED_DIR, budget=budget)
     typer.echo(json.dumps(info, indent=1, default=str))
 
 
-@testbed_app.command("info")
+@command(testbed_app, "info")
 def testbed_info():
     """Print the shipped testbed's model card numbers."""
-    from verinfer.models import testbed
-
     typer.echo((testbed.TESTBED_DIR / "build_info.json").read_text())
 
 
 def main() -> None:  # pragma: no cover
     app()
 
-
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())
-
-
-@bench_app.command("speculative")
-def bench_speculative(out: Path = typer.Option(Path("benchmarks/results"), "--out", "-o"),
-                      quick: bool = typer.Option(False, help="Small smoke run (minutes), not the committed numbers."),
-                      repeats: int = typer.Option(5, help="Interleaved timing repeats (median reported)."),
-                      device: str = typer.Option("cpu")):
-    """KL judge vs vanilla speculative sampling and the judge baselines: MAT, accuracy, tokens/s."""
-    from verinfer.speculative.bench import run
-
-    try:
-        res = run(out, device=device, quick=quick, repeats=repeats, log=typer.echo)
-    except (VerinferError, ValueError) as e:
-        _fail(e)
-    typer.echo(f"wrote {out / 'kl_judge.json'}, kl_judge.md, kl_judge_frontier.png; criteria: {res.get('criteria')}")

@@ -3,7 +3,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pytest
 
-from verinfer.audit.report import AucVsTokensPlot, ScoreHistogramPlot, compute_auc_curves, write_report
+from verinfer.report.html import AucVsTokensPlot, ScoreHistogramPlot, compute_auc_curves, write_report
 from verinfer.audit.scores import SCORES, likelihood_score
 
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -51,7 +51,7 @@ def test_compute_auc_curves(table):
 
 
 def test_write_report(table, tmp_path):
-    from verinfer.audit.detector import ClippedMeanDetector
+    from verinfer.detect.detectors import ClippedMeanDetector
     from verinfer.audit.scores import divergence
 
     honest = ["honest-a", "honest-b"]

@@ -33,9 +33,13 @@ from pathlib import Path
 
 import numpy as np
 
-from verinfer.audit.claims import Claim, atomic_write_text, read_claims, write_claims
-from verinfer.audit.detector import ClippedMeanDetector
-from verinfer.audit.providers import HONEST, MISCONFIGURED, request_seed, run_provider
+from verinfer.apps.pipeline import VERIFIER_NUMERICS, calibrate, load_score_tables, score, verifier_engine
+from verinfer.models.prompts import prompts_for
+from verinfer.claims import Claim, read_claims, write_claims
+from verinfer.io import atomic_write_text
+from verinfer.detect.detectors import ClippedMeanDetector
+from verinfer.providers.openai_http import Endpoint, EndpointError, openai_client, probe_seeds, request_completion
+from verinfer.providers.simulated import HONEST, MISCONFIGURED, PROVIDERS, request_seed, run_provider
 from verinfer.audit.scores import divergence
 from verinfer.errors import VerinferError
 from verinfer.models.load import model_info
@@ -44,10 +48,6 @@ from verinfer.sampling.params import SamplingParams
 MODES = ("auto", "seeded", "greedy")
 BANDS = {"bf16": "honest-bf16-b8", "fp8-kv": "fp8-kv", "int4": "int4"}  # reference band -> local provider
 CALIB_SEED_OFFSET = 1_000_003  # calibration prompts: another sample of the same distribution
-
-
-class EndpointError(VerinferError):
-    """The endpoint could not be reached or answered something unusable."""
 
 
 @dataclass(frozen=True)
@@ -76,6 +76,10 @@ class ApiAuditConfig:
     device: str = "cpu"
     threads: int | None = None        # torch threads of the auditor (None: torch's default)
     matmul: str = "native"            # verifier matmuls: native bf16 | fp32 (Numerics.matmul, faster on CPU)
+
+    @property
+    def endpoint(self) -> Endpoint:
+        return Endpoint(self.base_url, self.model, self.api_key, self.timeout, self.max_retries, self.ignore_eos)
 
     @property
     def n_calib(self) -> int:
@@ -107,69 +111,6 @@ class ApiAuditResult:
     timings: dict = field(default_factory=dict)
 
 
-# --- the endpoint -----------------------------------------------------------------------------
-def _client(cfg: ApiAuditConfig):
-    try:
-        import openai
-    except ImportError as e:  # pragma: no cover - the [server] extra brings it
-        raise VerinferError("the `openai` package is not installed",
-                            fix='pip install -e ".[server]" (the [server] extra has the official openai client)') from e
-    return openai.OpenAI(base_url=cfg.base_url, api_key=cfg.api_key, timeout=cfg.timeout,
-                         max_retries=cfg.max_retries)
-
-
-def request_completion(client, cfg: ApiAuditConfig, prompt: list[int], params: SamplingParams) -> tuple[list[int], list[int], str]:
-    """One completion; returns (prompt ids, output ids, finish reason) as the endpoint reports them."""
-    import openai
-
-    extra = {"return_token_ids": True}
-    if params.top_k > 0:
-        extra["top_k"] = params.top_k
-    if params.min_p > 0:
-        extra["min_p"] = params.min_p
-    if cfg.ignore_eos:
-        extra["ignore_eos"] = True
-    kwargs = dict(model=cfg.model, prompt=prompt, max_tokens=params.max_tokens, temperature=params.temperature,
-                  top_p=params.top_p, extra_body=extra)
-    if params.seed is not None:
-        kwargs["seed"] = params.seed
-    try:
-        resp = client.completions.create(**kwargs)
-    except (openai.APIConnectionError, openai.APITimeoutError) as e:
-        raise EndpointError(f"cannot reach {cfg.base_url} ({type(e).__name__}: {e})", where=cfg.base_url,
-                            fix="start the server or check --base-url; rerun the same command to resume") from e
-    except openai.APIStatusError as e:
-        raise EndpointError(f"the endpoint answered HTTP {e.status_code}: {_err_message(e)}", where=cfg.base_url,
-                            fix="check --model and the sampling options the endpoint accepts") from e
-    choice = resp.choices[0]
-    extra_fields = choice.model_extra or {}
-    out_ids, prompt_ids = extra_fields.get("token_ids"), extra_fields.get("prompt_token_ids")
-    if out_ids is None:
-        raise EndpointError("the endpoint returned no output token ids (choices[0].token_ids)", where=cfg.base_url,
-                            fix="verinfer never re-tokenizes text: audit an endpoint that returns token ids "
-                                "(verinfer serve; vLLM >= 0.10.2 with return_token_ids)")
-    if prompt_ids is None:
-        prompt_ids = (resp.model_extra or {}).get("prompt_token_ids") or prompt
-    return list(prompt_ids), list(out_ids), choice.finish_reason or "length"
-
-
-def _err_message(e) -> str:
-    try:
-        body = e.response.json()
-        return body.get("error", {}).get("message") or body.get("message") or e.response.text[:300]
-    except Exception:
-        return str(e)[:300]
-
-
-def probe_seeds(client, cfg: ApiAuditConfig, prompt: list[int]) -> bool:
-    """True if the endpoint gives the same tokens twice for the same seed at temperature > 0."""
-    p = SamplingParams(max(cfg.temperature, 1.0), cfg.top_k, cfg.top_p, cfg.min_p, request_seed(cfg.seed, 10**6),
-                       min(16, cfg.max_tokens), cfg.noise)
-    a = request_completion(client, cfg, prompt, p)[1]
-    b = request_completion(client, cfg, prompt, p)[1]
-    return a == b
-
-
 # --- collection with resume -------------------------------------------------------------------
 def _manifest(cfg: ApiAuditConfig, mode: str, prompts: list[list[int]]) -> dict:
     h = hashlib.sha256(json.dumps(prompts).encode()).hexdigest()[:16]
@@ -177,6 +118,12 @@ def _manifest(cfg: ApiAuditConfig, mode: str, prompts: list[list[int]]) -> dict:
             "seed": cfg.seed, "temperature": cfg.temperature if mode == "seeded" else 0.0, "top_k": cfg.top_k,
             "top_p": cfg.top_p, "min_p": cfg.min_p, "noise": cfg.noise, "ignore_eos": cfg.ignore_eos,
             "prompts_sha256": h}
+
+
+def probe_params(cfg: ApiAuditConfig) -> SamplingParams:
+    """The seeded request `--mode auto` sends twice: temperature >= 1 so a seed matters."""
+    return SamplingParams(max(cfg.temperature, 1.0), cfg.top_k, cfg.top_p, cfg.min_p, request_seed(cfg.seed, 10**6),
+                          min(16, cfg.max_tokens), cfg.noise)
 
 
 def claimed_params(cfg: ApiAuditConfig, mode: str, i: int) -> SamplingParams:
@@ -212,7 +159,7 @@ def collect_claims(client, cfg: ApiAuditConfig, mode: str, prompts: list[list[in
             continue
         params = claimed_params(cfg, mode, i)
         try:
-            p_ids, o_ids, finish = request_completion(client, cfg, prompt, params)
+            p_ids, o_ids, finish = request_completion(client, cfg.endpoint, prompt, params)
         except EndpointError as e:
             raise EndpointError(f"{e.what} ({len(claims)} of {len(prompts)} claims collected, saved in {path})",
                                 where=e.where, fix=e.fix) from e
@@ -244,8 +191,6 @@ def _local_claims(names: list[str], cfg: ApiAuditConfig, mode: str, prompts: lis
     for name in names:
         p = out / f"{name}.jsonl"
         if not p.is_file():
-            from verinfer.audit.providers import PROVIDERS
-
             claims = run_provider(PROVIDERS[name], cfg.model_dir, prompts, advertised, base_seed=base_seed,
                                   device=cfg.device)
             write_claims(p, [c for c in claims if c.output_token_ids])
@@ -262,8 +207,6 @@ def _detector_meta(cfg: ApiAuditConfig, mode: str, info) -> dict:
 def calibrated_detector(cfg: ApiAuditConfig, mode: str, info, engine, score_fn) -> tuple[ClippedMeanDetector, dict]:
     """A detector fit on verinfer's honest runs; loaded from cfg.detector if it exists and was made
     for the same model and settings (its `.meta.json` sidecar says), else fit and saved there."""
-    from verinfer.audit.pipeline import calibrate, load_score_tables, prompts_for
-
     meta = _detector_meta(cfg, mode, info)
     det_path = Path(cfg.detector) if cfg.detector else Path(cfg.out_dir) / "detector.json"
     meta_path = det_path.with_name(det_path.name + ".meta.json")
@@ -291,8 +234,6 @@ def calibrated_detector(cfg: ApiAuditConfig, mode: str, info, engine, score_fn) 
 def reference_bands(cfg: ApiAuditConfig, det: ClippedMeanDetector, score_fn, n_boot: int = 1000) -> dict:
     """Greedy mode: mean clipped margin and mean cross-entropy (with a 95% bootstrap interval over
     claims) of verinfer's own bf16, fp8-KV and 4-bit greedy runs replayed by the bf16 verifier."""
-    from verinfer.audit.pipeline import load_score_tables, prompts_for
-
     base = cfg.seed + CALIB_SEED_OFFSET
     prompts = prompts_for(cfg.model_dir, cfg.n_calib, base)
     paths = _local_claims(list(BANDS.values()), cfg, "greedy", prompts, Path(cfg.out_dir) / "bands", base)
@@ -333,8 +274,6 @@ def nearest_band(point: dict, bands: dict) -> str:
 
 # --- the whole audit --------------------------------------------------------------------------
 def audit_api(cfg: ApiAuditConfig, *, progress=None) -> ApiAuditResult:
-    from verinfer.audit.pipeline import VERIFIER_NUMERICS, load_score_tables, prompts_for, score, verifier_engine
-
     t0 = time.perf_counter()
     if cfg.threads is not None:
         import torch
@@ -344,14 +283,14 @@ def audit_api(cfg: ApiAuditConfig, *, progress=None) -> ApiAuditResult:
     out.mkdir(parents=True, exist_ok=True)
     info = model_info(cfg.model_dir)
     prompts = prompts_for(cfg.model_dir, cfg.n, cfg.seed)
-    client = _client(cfg)
+    client = openai_client(cfg.endpoint)
     mode = cfg.mode
     mode_file = out / "mode.json"
     if mode == "auto":
         if mode_file.is_file():
             mode = json.loads(mode_file.read_text())["mode"]
         else:
-            mode = "seeded" if probe_seeds(client, cfg, prompts[0]) else "greedy"
+            mode = "seeded" if probe_seeds(client, cfg.endpoint, prompts[0], probe_params(cfg)) else "greedy"
             atomic_write_text(mode_file, json.dumps({"mode": mode, "probe": "same seed twice"}))
     t_probe = time.perf_counter()
     claims_path, claims = collect_claims(client, cfg, mode, prompts, info.name, progress)
@@ -410,4 +349,4 @@ def render_markdown(r: dict) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["ApiAuditConfig", "ApiAuditResult", "audit_api", "collect_claims", "probe_seeds", "MISCONFIGURED"]
+__all__ = ["ApiAuditConfig", "ApiAuditResult", "audit_api", "collect_claims", "MISCONFIGURED"]

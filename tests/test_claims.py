@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from verinfer.audit.claims import Claim, check_claims_fit, read_claims, write_claims
+from verinfer.claims import Claim, check_claims_fit, read_claims, write_claims
 from verinfer.errors import ClaimError
 from verinfer.sampling.params import SamplingParams
 

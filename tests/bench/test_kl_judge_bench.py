@@ -3,7 +3,7 @@
 import pytest
 
 from verinfer.models.testbed import DRAFT_DIR, load_tokenizer
-from verinfer.speculative.bench import GRIDS, accuracy, agreement, cost_model, select_thresholds, summarize
+from benchmarks.kl_judge_bench import GRIDS, accuracy, agreement, cost_model, select_thresholds, summarize
 from verinfer.speculative.loop import SpecOutput
 
 
@@ -52,7 +52,7 @@ def test_fresh_problems_are_unseen_and_splits_are_the_heldout_set():
 
     from verinfer.models import corpus
     from verinfer.models.testbed import TESTBED_DIR
-    from verinfer.speculative.bench import fresh_problems, operand_class, paired_accuracy_difference, splits
+    from benchmarks.kl_judge_bench import fresh_problems, operand_class, paired_accuracy_difference, splits
 
     fresh = fresh_problems(500)
     info = json.loads((TESTBED_DIR / "build_info.json").read_text())

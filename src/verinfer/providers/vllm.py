@@ -24,10 +24,13 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from verinfer.audit.claims import Claim
-from verinfer.audit.providers import request_seed
+from safetensors.torch import load_file, save_file
+
+from verinfer.claims import Claim
+from verinfer.providers.simulated import request_seed
 from verinfer.errors import VerinferError
 from verinfer.models.load import model_info
+from verinfer.numerics import Numerics
 from verinfer.sampling.params import SamplingParams
 
 VLLM_RUNS = ("honest", "int4", "fp8-kv", "temp-1.1", "wrong-seed")
@@ -71,10 +74,6 @@ def require_vllm():
 
 def write_fake_quant_checkpoint(model_dir: str | Path, out_dir: str | Path, bits: int = 4, group: int = 32) -> Path:
     """A copy of model_dir whose linear weights are RTN fake-quantized (simulated int-`bits`), fp32."""
-    from safetensors.torch import load_file, save_file
-
-    from verinfer.numerics import Numerics
-
     src, out = Path(model_dir), Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     num = Numerics(dtype="fp32", weight_bits=bits, weight_group=group)
@@ -149,26 +148,3 @@ def generate_claims(llm, model_dir: str | Path, prompts: list[list[int]], advert
             claims.append(Claim(f"vllm-{run.name}-{i:05d}", info.name, list(o.prompt_token_ids), out_ids, p,
                                 provider=f"vllm-{run.name}", extra={"finish_reason": o.outputs[0].finish_reason}))
     return VllmGeneration(claims, seconds, sum(len(c.output_token_ids) for c in claims))
-
-
-def generate(provider: str, model_dir: str | Path, out: str | Path, *, n: int = 32, max_tokens: int = 64,
-             seed: int = 0, spec: dict | None = None, work_dir: str | Path | None = None) -> VllmGeneration:
-    """`verinfer generate --engine vllm`: claims from real vLLM on the audit prompts (same prompts
-    and per-request seeds as the simulated providers)."""
-    import tempfile
-
-    from verinfer.audit.claims import write_claims
-    from verinfer.audit.pipeline import DEFAULT_SPEC, prompts_for
-
-    spec = {**DEFAULT_SPEC, **(spec or {})}
-    if spec.get("noise", "vllm-cpu") != "vllm-cpu":
-        raise ValueError(f"vLLM on CPU samples with the vllm-cpu noise backend, not {spec['noise']!r}")
-    spec["noise"] = "vllm-cpu"
-    run = VllmRun.named(provider)
-    advertised = SamplingParams(seed=0 if spec["temperature"] > 0 else None, max_tokens=max_tokens, **spec)
-    prompts = prompts_for(model_dir, n, seed)
-    with tempfile.TemporaryDirectory(dir=work_dir) as tmp:
-        llm = make_llm(model_dir, run, tmp, seed=seed)
-        gen = generate_claims(llm, model_dir, prompts, advertised, run, base_seed=seed)
-    write_claims(out, gen.claims)
-    return gen

@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from verinfer.audit.claims import Claim
+from verinfer.claims import Claim
 from verinfer.errors import ClaimError
 from verinfer.models.llama import LlamaLM
 from verinfer.sampling.params import SamplingParams
@@ -133,103 +133,3 @@ def verify_spec_claims(claims: list[Claim], target: LlamaLM, draft: LlamaLM) -> 
             rows["violation"].append(viol)
             rows["score"].append(math.inf if viol else nll)
     return {k: np.asarray(v) for k, v in rows.items()}
-
-
-def write_scores(rows: dict[str, np.ndarray], claims: list[Claim], out: str | Path) -> None:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    ids = [claims[i].id for i in rows["claim"]]
-    tokens = [claims[i].output_token_ids[t] for i, t in zip(rows["claim"], rows["position"])]
-    t = pa.table({"claim_id": ids, "position": rows["position"], "token_id": tokens, "event": rows["event"],
-                  "spec_accept_nll": rows["accept_nll"], "spec_violation": rows["violation"],
-                  "spec_score": rows["score"]})
-    Path(out).parent.mkdir(parents=True, exist_ok=True)
-    pq.write_table(t, out)
-
-
-def tokens_to_detect_kl_provider(target: LlamaLM, draft: LlamaLM, prompts: list[list[int]], *, threshold: float,
-                                 gamma: int = 4, temperature: float = 1.0, max_tokens: int = 64, seed: int = 0,
-                                 batch_size: int = 16, model_name: str = "testbed-target") -> dict:
-    """Honest standard provider vs a provider running the KL judge at `threshold` while claiming
-    standard: per-token scores, AUC@1%FPR by batch size (DiFR protocol), tokens-to-detect."""
-    from verinfer.audit.metrics import auc_vs_tokens, tokens_to_detect
-
-    res = {}
-    scores = {}
-    for name, rule, s in [("honest_standard", Rule("standard"), seed), ("kl_claims_standard", Rule("kl", threshold), seed + 7)]:
-        cl = spec_claims(target, draft, prompts, run_rule=rule, claimed="standard", gamma=gamma, temperature=temperature,
-                         max_tokens=max_tokens, seed=s, model_name=model_name, draft_name="testbed-draft",
-                         provider=name, batch_size=batch_size)
-        rows = verify_spec_claims(cl, target, draft)
-        scores[name] = rows["score"]
-        a = rows["event"] == "a"
-        res[name] = {"tokens": int(rows["score"].size), "accepted_fraction": float(a.mean()),
-                     "violations": int(rows["violation"].sum()),
-                     "mean_accept_nll": float(rows["accept_nll"][a].mean()) if a.any() else 0.0}
-    curve = auc_vs_tokens(scores["honest_standard"], scores["kl_claims_standard"],
-                          batch_sizes=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1000), rng=np.random.default_rng(seed))
-    res["auc_at_1pct_fpr_by_tokens"] = {str(k): v for k, v in curve.items()}
-    res["tokens_to_detect"] = tokens_to_detect(curve)
-    res["setup"] = {"threshold": threshold, "gamma": gamma, "temperature": temperature, "max_tokens": max_tokens,
-                    "prompts": len(prompts)}
-    return res
-
-
-# --- file-level entry points (the CLI calls these) ---------------------------------------------
-def generate_claims_file(model_dir, draft_dir, out, *, rule: str = "kl", threshold: float = 0.5, gamma: int = 4,
-                         n: int = 32, max_tokens: int = 64, seed: int = 0, temperature: float = 1.0,
-                         judge_path=None, device: str = "cpu", claimed: str | None = None) -> list[Claim]:
-    """Speculative generation on the audit prompts (models/corpus.eval_prompts) -> claims JSONL
-    with a `spec` field. `claimed` defaults to the rule actually run (an honest label)."""
-    from verinfer.audit.claims import write_claims
-    from verinfer.audit.pipeline import prompts_for
-    from verinfer.models.load import model_info
-    from verinfer.speculative.judge import Judge
-
-    judge = None
-    if rule == "autojudge":
-        if judge_path is None:
-            raise ValueError("--speculative autojudge needs --judge PATH (a judge JSON, e.g. "
-                             "benchmarks/results/kl_judge_autojudge.json)")
-        judge = Judge.from_json(judge_path)
-    r = Rule(rule, 0.0 if rule == "standard" else threshold, judge)
-    info, dinfo = model_info(model_dir), model_info(draft_dir)
-    target = LlamaLM.from_pretrained(model_dir, device=device)
-    draft = LlamaLM.from_pretrained(draft_dir, device=device)
-    prompts = prompts_for(model_dir, n, seed)
-    stop = (info.eos_token_id,) if info.eos_token_id is not None else ()
-    claims = spec_claims(target, draft, prompts, run_rule=r, claimed=claimed or rule, gamma=gamma,
-                         temperature=temperature, max_tokens=max_tokens, seed=seed, model_name=info.name,
-                         draft_name=dinfo.name, provider=f"speculative-{rule}", stop_token_ids=stop)
-    write_claims(out, claims)
-    return claims
-
-
-def has_spec(claims: list[Claim]) -> bool:
-    return any("spec" in c.extra for c in claims)
-
-
-def score_file(claims_path, model_dir, draft_dir, out, device: str = "cpu") -> dict:
-    """Verify speculative claims (all must carry `spec`): per-token Parquet at `out`; returns a
-    summary (tokens, violations, mean accept_nll, per-claim violations)."""
-    from verinfer.audit.claims import check_claims_fit, read_claims
-    from verinfer.models.load import model_info
-
-    claims = read_claims(claims_path)
-    missing = [c.source for c in claims if "spec" not in c.extra]
-    if missing:
-        raise ClaimError("mixed file: some claims carry `spec` and some do not", where=missing[0],
-                         fix="score speculative and plain claims in separate files")
-    info = model_info(model_dir)
-    check_claims_fit(claims, claims_path, model_name=info.name, vocab_size=info.vocab_size,
-                     max_positions=info.max_positions)
-    target = LlamaLM.from_pretrained(model_dir, device=device)
-    draft = LlamaLM.from_pretrained(draft_dir, device=device)
-    rows = verify_spec_claims(claims, target, draft)
-    write_scores(rows, claims, out)
-    a = rows["event"] == "a"
-    return {"tokens": int(rows["score"].size), "violations": int(rows["violation"].sum()),
-            "claims_with_violations": sorted({claims[i].id for i in rows["claim"][rows["violation"]]}),
-            "accepted_fraction": float(a.mean()),
-            "mean_accept_nll": float(rows["accept_nll"][a].mean()) if a.any() else 0.0}

@@ -8,12 +8,12 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from verinfer.audit.claims import read_claims, write_claims
-from verinfer.cli import app
+from verinfer.claims import read_claims, write_claims
+from verinfer.cli.main import app
 from verinfer.errors import ClaimError
 from verinfer.models.llama import LlamaLM
 from verinfer.models.testbed import DRAFT_DIR, TARGET_DIR, load_tokenizer
-from verinfer.speculative.audit import check_events, spec_claims, verify_spec_claims
+from verinfer.speculative.spec_claims import check_events, spec_claims, verify_spec_claims
 from verinfer.speculative.rules import Rule
 
 

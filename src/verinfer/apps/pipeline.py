@@ -5,51 +5,37 @@ generate claims (simulated providers) -> score (replay) -> calibrate (honest onl
 from __future__ import annotations
 
 import json
+import tempfile
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+from rich.console import Console
+from rich.table import Table
 
-from verinfer.audit.claims import Claim, check_claims_fit, read_claims, write_claims
-from verinfer.audit.detector import ClippedMeanDetector
-from verinfer.audit.metrics import split_tokens
-from verinfer.audit.providers import HONEST, PROVIDERS, get_provider, run_provider
+
+from verinfer.claims import Claim, check_claims_fit, read_claims, write_claims
+from verinfer.detect.detectors import ClippedMeanDetector, PerturbationGLRTDetector
+from verinfer.detect.likelihood_ratio import LikelihoodRatioDetector
+from verinfer.detect.metrics import split_tokens
+from verinfer.io import progress_bar
+from verinfer.models.prompts import prompts_for
+from verinfer.providers import vllm
+from verinfer.providers.simulated import DEFAULT_SPEC, HONEST, PROVIDERS, get_provider, run_provider
 from verinfer.audit.replay import read_scores, score_claims
 from verinfer.audit.scores import divergence
 from verinfer.engine.engine import Engine
 from verinfer.errors import ClaimError
 from verinfer.models.load import load_model, model_info
+from verinfer.models.testbed import TARGET_DIR
 from verinfer.numerics import Numerics
+from verinfer.report.html import compute_auc_curves, write_report
 from verinfer.sampling.params import SamplingParams
 
-# The advertised specification of the demo (the paper's reference: T=1, top-k 50, top-p 0.95).
-DEFAULT_SPEC = dict(temperature=1.0, top_k=50, top_p=0.95, min_p=0.0, noise="vllm-cpu")
 VERIFIER_NUMERICS = Numerics(dtype="bf16", attn="sdpa")
-
-
-@contextmanager
-def progress_bar(description: str, total: int, enabled: bool = True):
-    """A rich progress bar; yields advance(n)."""
-    if not enabled:
-        yield lambda n=1: None
-        return
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
-                  transient=True) as prog:
-        task = prog.add_task(description, total=total)
-        yield lambda n=1: prog.advance(task, n)
-
-
-def prompts_for(model_dir: str | Path, n: int, seed: int, max_prompt_tokens: int = 48) -> list[list[int]]:
-    from verinfer.models.corpus import eval_prompts
-    from verinfer.models.load import load_tokenizer
-
-    return eval_prompts(load_tokenizer(model_dir), n, seed, max_prompt_tokens)
 
 
 def generate(provider: str, model_dir: str | Path, out: str | Path, *, n: int = 32, max_tokens: int = 64,
@@ -64,6 +50,24 @@ def generate(provider: str, model_dir: str | Path, out: str | Path, *, n: int = 
                               fingerprint=fingerprint)
     write_claims(out, claims)
     return claims
+
+
+def generate_with_vllm(provider: str, model_dir: str | Path, out: str | Path, *, n: int = 32, max_tokens: int = 64,
+             seed: int = 0, spec: dict | None = None, work_dir: str | Path | None = None) -> "vllm.VllmGeneration":
+    """`verinfer generate --engine vllm`: claims from real vLLM on the audit prompts (same prompts
+    and per-request seeds as the simulated providers)."""
+    spec = {**DEFAULT_SPEC, **(spec or {})}
+    if spec.get("noise", "vllm-cpu") != "vllm-cpu":
+        raise ValueError(f"vLLM on CPU samples with the vllm-cpu noise backend, not {spec['noise']!r}")
+    spec["noise"] = "vllm-cpu"
+    run = vllm.VllmRun.named(provider)
+    advertised = SamplingParams(seed=0 if spec["temperature"] > 0 else None, max_tokens=max_tokens, **spec)
+    prompts = prompts_for(model_dir, n, seed)
+    with tempfile.TemporaryDirectory(dir=work_dir) as tmp:
+        llm = vllm.make_llm(model_dir, run, tmp, seed=seed)
+        gen = vllm.generate_claims(llm, model_dir, prompts, advertised, run, base_seed=seed)
+    write_claims(out, gen.claims)
+    return gen
 
 
 def verifier_engine(model_dir: str | Path, numerics: Numerics = VERIFIER_NUMERICS, device: str = "cpu") -> Engine:
@@ -117,8 +121,6 @@ def calibrate(table: pa.Table, honest: list[str], *, score_name: str = "margin",
         groups += [name] * len(tr)
         test[name] = v.take(te) if detector == "glrt" else v[te]
     if detector == "glrt":
-        from verinfer.audit.detector import PerturbationGLRTDetector
-
         try:
             det = PerturbationGLRTDetector(target_fpr=target_fpr, random_state=seed).fit(pa.concat_tables(train),
                                                                                           groups=groups)
@@ -137,9 +139,6 @@ def audit(table: pa.Table, detector: ClippedMeanDetector, providers: list[str],
     """Verdicts with confidence per provider. `detector` is a ClippedMeanDetector (one score
     column), a combined.LikelihoodRatioDetector (reads margin, exact match, cross-entropy) or a
     detector.PerturbationGLRTDetector (reads the signed-gap columns of `verinfer score --gaps`)."""
-    from verinfer.audit.combined import LikelihoodRatioDetector
-    from verinfer.audit.detector import PerturbationGLRTDetector
-
     verdicts = []
     for name in providers:
         if isinstance(detector, (LikelihoodRatioDetector, PerturbationGLRTDetector)):
@@ -186,9 +185,6 @@ def combine_verdicts(per_detector: list[list[dict]]) -> list[dict]:
 
 
 def print_verdicts(verdicts: list[dict]) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
     t = Table(title="verinfer audit: DiFR verdicts")
     for col in ("provider", "truth", "verdict", "tokens", "pooled", "threshold", "p-value", "FPR target / at thr.",
                 "more tokens"):
@@ -219,9 +215,6 @@ class DemoResult:
 def demo(out_dir: str | Path = "runs/demo", *, model_dir: str | Path | None = None, n: int = 128,
          max_tokens: int = 64, seed: int = 0, audit_tokens: int = 1000, show_progress: bool = True) -> DemoResult:
     """Generate honest and misconfigured claims on the testbed, score, calibrate, audit, report."""
-    from verinfer.audit.report import compute_auc_curves, write_report
-    from verinfer.models.testbed import TARGET_DIR
-
     t0 = time.perf_counter()
     model_dir = Path(model_dir or TARGET_DIR)
     out = Path(out_dir)

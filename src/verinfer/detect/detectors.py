@@ -26,8 +26,8 @@ from pathlib import Path
 import numpy as np
 from scipy.stats import norm
 
-from verinfer.audit.claims import atomic_write_text
-from verinfer.audit.metrics import clip_at_quantile, winsorize
+from verinfer.io import atomic_write_text
+from verinfer.detect.metrics import clip_at_quantile, winsorize
 from verinfer.audit.scores import ALL_SCORES as SCORES
 from verinfer.errors import VerinferError
 

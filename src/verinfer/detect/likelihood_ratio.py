@@ -37,8 +37,8 @@ from pathlib import Path
 
 import numpy as np
 
-from verinfer.audit.claims import atomic_write_text
-from verinfer.audit.detector import ClippedMeanDetector, ColumnStatistics, FittedDetector, read_detector_json
+from verinfer.io import atomic_write_text
+from verinfer.detect.detectors import ClippedMeanDetector, ColumnStatistics, FittedDetector, read_detector_json
 from verinfer.audit.scores import _column
 from verinfer.errors import VerinferError
 
@@ -274,7 +274,7 @@ class ReplayLibraryDetector(ColumnStatistics):
         max over groups of that group's resampled (1 - fpr)-quantile, plus z_{1-fpr} sqrt(n) max_c
         (tau_c / sd_c): honest configurations differ in their mean, and a pooled null would flag
         the noisier ones more and more often as batches grow."""
-        from verinfer.audit.metrics import clip_at_quantile
+        from verinfer.detect.metrics import clip_at_quantile
 
         m = _column(honest, "margin")
         object.__setattr__(self, "clip_", clip_at_quantile(m, self.clip_quantile))
@@ -306,7 +306,7 @@ class ReplayLibraryDetector(ColumnStatistics):
     def token_columns(self, table) -> np.ndarray:
         """[N, 1 + len(alternatives)] per-token evidence columns (see the class docstring)."""
         from verinfer.audit.variants import alternative_evidence
-        from verinfer.audit.metrics import winsorize
+        from verinfer.detect.metrics import winsorize
 
         if not hasattr(self, "clip_"):
             raise VerinferError("the detector is not fitted", fix="call fit(honest_scores) first")

@@ -5,10 +5,10 @@ import numpy as np
 import pytest
 import torch
 
-from verinfer.audit import fingerprint as fpm
-from verinfer.audit.claims import read_claims, write_claims
-from verinfer.audit.detector import ClippedMeanDetector
-from verinfer.audit.providers import ProviderConfig, run_provider
+from verinfer import fingerprint as fpm
+from verinfer.claims import read_claims, write_claims
+from verinfer.detect.detectors import ClippedMeanDetector
+from verinfer.providers.simulated import ProviderConfig, run_provider
 from verinfer.audit.replay import score_claims
 from verinfer.audit.scores import divergence
 from verinfer.engine.engine import Engine

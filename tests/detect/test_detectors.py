@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from scipy.stats import binom, kstest, norm
 
-from verinfer.audit.detector import MAX_NULL_SAMPLE, ClippedMeanDetector
+from verinfer.detect.detectors import MAX_NULL_SAMPLE, ClippedMeanDetector
 from verinfer.errors import VerinferError
 
 
@@ -191,7 +191,7 @@ def _claims(n, sigma, rng, eps=0.0, temp_shift=0.0):
 
 
 def _glrt(**kw):
-    from verinfer.audit.detector import PerturbationGLRTDetector
+    from verinfer.detect.detectors import PerturbationGLRTDetector
 
     return PerturbationGLRTDetector(temperature_factors=(0.9, 1.1), top_p_slack=0.0, **kw)
 
@@ -244,7 +244,7 @@ def test_glrt_groups_guard_a_noisier_new_honest_config():
 
 
 def test_glrt_verdict_roundtrip_and_errors(tmp_path):
-    from verinfer.audit.detector import PerturbationGLRTDetector
+    from verinfer.detect.detectors import PerturbationGLRTDetector
 
     rng = np.random.default_rng(3)
     honest = _claims(20_000, 0.05, rng, eps=5e-4)

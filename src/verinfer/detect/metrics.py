@@ -20,6 +20,8 @@ from collections.abc import Iterable, Mapping
 import numpy as np
 from sklearn.metrics import roc_auc_score
 
+from verinfer.audit.scores import clip_at_quantile, tail_pool, winsorize
+
 
 def auc_at_fpr(neg_scores, pos_scores, max_fpr: float = 0.01) -> float:
     """McClish-standardized partial ROC AUC over FPR in [0, max_fpr] of positives (misconfigured,
@@ -65,42 +67,6 @@ def auc_at_fpr_bound(q: float, max_fpr: float = 0.01, q_honest: float | None = N
     pauc = a * (1.0 - q) + tail
     lo, hi = a * a / 2, a
     return 0.5 * (1.0 + (pauc - lo) / (hi - lo))
-
-
-def winsorize(values, clip: float) -> np.ndarray:
-    """min(values, clip) as float64; +inf (claimed token filtered out) becomes `clip`."""
-    return np.minimum(np.asarray(values, dtype=np.float64), float(clip))
-
-
-def clip_at_quantile(honest_train, q: float) -> float:
-    """The q-quantile of the finite honest train values (DiFR 5.2: infinite values are excluded
-    when computing percentiles, then clipped to the threshold)."""
-    if not 0.0 <= q <= 1.0:
-        raise ValueError(f"quantile must be in [0, 1], got {q}")
-    v = np.asarray(honest_train, dtype=np.float64)
-    v = v[np.isfinite(v)]
-    if v.size == 0:
-        raise ValueError("no finite honest values to take a clipping quantile of")
-    clip = float(np.quantile(v, q))
-    lo = float(v.min())
-    if clip <= lo:
-        # Degenerate: (almost) every finite honest value sits at the minimum (e.g. a small honest
-        # set whose finite margins are all 0), so clipping there would map every score to one
-        # constant and the detector could see nothing. Clip at the q-quantile of the values above
-        # the minimum instead, or one unit above it when there are none.
-        above = v[v > lo]
-        clip = float(np.quantile(above, q)) if above.size else lo + 1.0
-    return clip
-
-
-def tail_pool(values, clip_hi: float, zero_below: float) -> np.ndarray:
-    """Tail-focused per-token transform of DiFR appendix E: clip at `clip_hi` (+inf -> clip_hi),
-    then set values below `zero_below` to 0. The batch statistic is the mean of the result
-    (e.g. `batch_means(tail_pool(v, ...), ...)`); the paper uses the honest 99.999th percentile
-    for clip_hi and the 99.99th for zero_below, which concentrates weight on rare large deviations."""
-    x = winsorize(values, clip_hi)
-    x[x < zero_below] = 0.0
-    return x
 
 
 def batch_means(values, batch_size: int, n_batches: int, rng: np.random.Generator) -> np.ndarray:

@@ -1,0 +1,78 @@
+"""Speculative claims as files: generate claims JSONL with a `spec` field from speculative
+decoding on the audit prompts, and verify such a file into per-token Parquet (the CLI calls these)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+
+from verinfer.claims import Claim, check_claims_fit, read_claims, write_claims
+from verinfer.errors import ClaimError
+from verinfer.io import atomic_write_parquet
+from verinfer.models.llama import LlamaLM
+from verinfer.models.load import model_info
+from verinfer.models.prompts import prompts_for
+from verinfer.speculative.judge import Judge
+from verinfer.speculative.rules import Rule
+from verinfer.speculative.spec_claims import spec_claims, verify_spec_claims
+
+
+def generate_claims_file(model_dir, draft_dir, out, *, rule: str = "kl", threshold: float = 0.5, gamma: int = 4,
+                         n: int = 32, max_tokens: int = 64, seed: int = 0, temperature: float = 1.0,
+                         judge_path=None, device: str = "cpu", claimed: str | None = None) -> list[Claim]:
+    """Speculative generation on the audit prompts (models/corpus.eval_prompts) -> claims JSONL
+    with a `spec` field. `claimed` defaults to the rule actually run (an honest label)."""
+    judge = None
+    if rule == "autojudge":
+        if judge_path is None:
+            raise ValueError("--speculative autojudge needs --judge PATH (a judge JSON, e.g. "
+                             "benchmarks/results/kl_judge_autojudge.json)")
+        judge = Judge.from_json(judge_path)
+    r = Rule(rule, 0.0 if rule == "standard" else threshold, judge)
+    info, dinfo = model_info(model_dir), model_info(draft_dir)
+    target = LlamaLM.from_pretrained(model_dir, device=device)
+    draft = LlamaLM.from_pretrained(draft_dir, device=device)
+    prompts = prompts_for(model_dir, n, seed)
+    stop = (info.eos_token_id,) if info.eos_token_id is not None else ()
+    claims = spec_claims(target, draft, prompts, run_rule=r, claimed=claimed or rule, gamma=gamma,
+                         temperature=temperature, max_tokens=max_tokens, seed=seed, model_name=info.name,
+                         draft_name=dinfo.name, provider=f"speculative-{rule}", stop_token_ids=stop)
+    write_claims(out, claims)
+    return claims
+
+
+def has_spec(claims: list[Claim]) -> bool:
+    return any("spec" in c.extra for c in claims)
+
+
+def score_file(claims_path, model_dir, draft_dir, out, device: str = "cpu") -> dict:
+    """Verify speculative claims (all must carry `spec`): per-token Parquet at `out`; returns a
+    summary (tokens, violations, mean accept_nll, per-claim violations)."""
+    claims = read_claims(claims_path)
+    missing = [c.source for c in claims if "spec" not in c.extra]
+    if missing:
+        raise ClaimError("mixed file: some claims carry `spec` and some do not", where=missing[0],
+                         fix="score speculative and plain claims in separate files")
+    info = model_info(model_dir)
+    check_claims_fit(claims, claims_path, model_name=info.name, vocab_size=info.vocab_size,
+                     max_positions=info.max_positions)
+    target = LlamaLM.from_pretrained(model_dir, device=device)
+    draft = LlamaLM.from_pretrained(draft_dir, device=device)
+    rows = verify_spec_claims(claims, target, draft)
+    write_scores(rows, claims, out)
+    a = rows["event"] == "a"
+    return {"tokens": int(rows["score"].size), "violations": int(rows["violation"].sum()),
+            "claims_with_violations": sorted({claims[i].id for i in rows["claim"][rows["violation"]]}),
+            "accepted_fraction": float(a.mean()),
+            "mean_accept_nll": float(rows["accept_nll"][a].mean()) if a.any() else 0.0}
+
+
+def write_scores(rows: dict[str, np.ndarray], claims: list[Claim], out: str | Path) -> None:
+    ids = [claims[i].id for i in rows["claim"]]
+    tokens = [claims[i].output_token_ids[t] for i, t in zip(rows["claim"], rows["position"])]
+    t = pa.table({"claim_id": ids, "position": rows["position"], "token_id": tokens, "event": rows["event"],
+                  "spec_accept_nll": rows["accept_nll"], "spec_violation": rows["violation"],
+                  "spec_score": rows["score"]})
+    atomic_write_parquet(t, out)

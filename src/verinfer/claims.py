@@ -1,0 +1,220 @@
+"""Claims: what a provider returns and an auditor checks. JSONL, one request per line:
+
+    {"id": str, "model": str, "prompt_token_ids": [int], "output_token_ids": [int],
+     "sampling": {"temperature": float, "top_k": int, "top_p": float, "min_p": float,
+                  "seed": int | null, "noise": str},
+     "provider": str (optional; who served it),
+     "activations": {...} (optional; Activation-DiFR fingerprints, verinfer.fingerprint),
+     "spec": {"method", "threshold", "gamma", "draft", "events"} (optional; speculative claims)}
+
+Token ids, never re-tokenized text. The wire format is the pydantic models below (`ClaimRecord`
+and its parts); `iter_claims` / `read_claims` validate every line against them and raise a
+ClaimError naming file:line and the field, with what to do; `write_claims` writes atomically.
+In memory a claim is the plain `Claim` dataclass (sampling as the engine's SamplingParams).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable, Iterator, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, field_validator, model_validator
+
+from verinfer.errors import ClaimError
+from verinfer.io import atomic_write_text
+from verinfer.sampling.params import NOISE_BACKENDS, SamplingParams
+
+TokenIds = list[StrictInt]
+
+
+class SamplingRecord(BaseModel):
+    """The sampling settings the provider claims; finite numbers only (NaN / inf are refused)."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    temperature: float = Field(1.0, ge=0.0, le=100.0)
+    top_k: StrictInt = -1
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    seed: StrictInt | None = Field(None, ge=0, lt=2**63)
+    noise: str = "vllm-cpu"
+
+    @field_validator("noise")
+    @classmethod
+    def _known_noise(cls, v: str) -> str:
+        if v not in NOISE_BACKENDS:
+            raise ValueError(f"{v!r} is not a known noise backend (use one of {', '.join(NOISE_BACKENDS)})")
+        return v
+
+    @model_validator(mode="after")
+    def _seeded(self) -> "SamplingRecord":
+        if self.temperature > 0 and self.seed is None:
+            raise ValueError("`sampling.seed` is missing but temperature > 0: a seeded replay needs the seed the "
+                             "provider sampled with (ask the provider to send it, or audit temperature-0 requests)")
+        return self
+
+
+class SpecRecord(BaseModel):
+    """Speculative decoding claims (DiFR appendix F): per output token a = accepted draft token,
+    r = correction after a rejection, b = bonus token."""
+
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+    method: str
+    gamma: StrictInt = Field(ge=1)
+    events: str = Field(pattern=r"^[arb]*$")
+    threshold: float | None = None
+    draft: str | None = None
+
+
+class ActivationsRecord(BaseModel):
+    """Activation-DiFR fingerprints; the payload is checked against the model in verinfer.fingerprint."""
+
+    model_config = ConfigDict(extra="allow")
+    format: str
+    k: StrictInt = Field(ge=1)
+    stride: StrictInt = Field(ge=1)
+    layer: StrictInt
+    seed: StrictInt
+    dtype: Literal["fp16", "int8"]
+    positions: TokenIds
+    data: str
+
+
+class ClaimRecord(BaseModel):
+    """One line of a claims file."""
+
+    model_config = ConfigDict(extra="allow")
+    id: str | StrictInt
+    model: str
+    prompt_token_ids: TokenIds = Field(min_length=1)
+    output_token_ids: TokenIds = Field(min_length=1)
+    sampling: SamplingRecord
+    provider: str | None = None
+    activations: ActivationsRecord | None = None
+    spec: SpecRecord | None = None
+
+
+FIX = {
+    "prompt_token_ids": "send token ids, not text (verinfer never re-tokenizes)",
+    "output_token_ids": "send token ids, not text (verinfer never re-tokenizes); an empty output has nothing to audit",
+    "sampling": "see the claims schema in DESIGN.md",
+}
+
+
+def _claim_error(e: ValidationError, where: str) -> ClaimError:
+    """The first validation error as file:line, the field's dotted path, and what to do."""
+    err = e.errors()[0]
+    loc = [str(x) for x in err["loc"] if not isinstance(x, int)]
+    fld = ".".join(loc)
+    if err["type"] == "missing":
+        return ClaimError(f"missing field `{fld}`", where=where, fix="see the claims schema in DESIGN.md")
+    msg = err["msg"].removeprefix("Value error, ")
+    if loc and loc[-1].endswith("token_ids"):
+        msg = "must be a list of integer token ids" if err["type"] != "too_short" else "is empty: nothing to audit"
+    if msg.startswith("`"):  # a model-level check that names its own field
+        return ClaimError(msg, where=where, fix=FIX.get(loc[0] if loc else "", "see the claims schema in DESIGN.md"))
+    return ClaimError(f"`{fld}` {msg} (got {err.get('input')!r:.80})", where=where,
+                      fix=FIX.get(loc[0] if loc else "", "see the claims schema in DESIGN.md"))
+
+
+@dataclass
+class Claim:
+    id: str
+    model: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    sampling: SamplingParams
+    provider: str | None = None
+    extra: dict = field(default_factory=dict)  # activations, spec, anything else carried along
+    source: str | None = field(default=None, compare=False, repr=False)  # "file:line" it was read from
+
+    def to_json(self) -> dict:
+        s = self.sampling
+        d = {"id": self.id, "model": self.model, "prompt_token_ids": self.prompt_token_ids,
+             "output_token_ids": self.output_token_ids,
+             "sampling": {"temperature": s.temperature, "top_k": s.top_k, "top_p": s.top_p, "min_p": s.min_p,
+                          "seed": s.seed, "noise": s.noise}}
+        if self.provider is not None:
+            d["provider"] = self.provider
+        d.update(self.extra)
+        return d
+
+
+def parse_claim(obj: object, where: str) -> Claim:
+    """Validate one decoded JSON line against ClaimRecord and build the in-memory Claim."""
+    if not isinstance(obj, dict):
+        raise ClaimError("a claim line must be a JSON object", where=where)
+    try:
+        rec = ClaimRecord.model_validate(obj)
+    except ValidationError as e:
+        raise _claim_error(e, where) from None
+    s = rec.sampling
+    params = SamplingParams(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, min_p=s.min_p, seed=s.seed,
+                            max_tokens=len(rec.output_token_ids), noise=s.noise)
+    known = {"id", "model", "prompt_token_ids", "output_token_ids", "sampling", "provider"}
+    return Claim(str(rec.id), rec.model, list(rec.prompt_token_ids), list(rec.output_token_ids), params, rec.provider,
+                 {k: v for k, v in obj.items() if k not in known}, source=where)
+
+
+def iter_claims(path: str | Path) -> Iterator[Claim]:
+    """Stream a claims JSONL file, one validated Claim per non-blank line (memory stays bounded);
+    ids must be unique."""
+    p = Path(path)
+    if not p.is_file():
+        raise ClaimError("no such claims file", where=str(p))
+    seen: dict[str, int] = {}
+    with open(p, encoding="utf-8", errors="strict") as f:
+        lineno = 0
+        while True:
+            try:
+                line = f.readline()
+            except UnicodeDecodeError as e:
+                raise ClaimError(f"not UTF-8 text ({e.reason} at byte {e.start} of line {lineno + 1})",
+                                 where=f"{p}:{lineno + 1}", fix="claims files are UTF-8 JSONL") from None
+            if not line:
+                break
+            lineno += 1
+            if not line.strip():
+                continue
+            where = f"{p}:{lineno}"
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                hint = "the file looks truncated (last line cut off)" if not line.endswith("\n") else "fix or drop the line"
+                raise ClaimError(f"not valid JSON ({e.msg} at column {e.colno})", where=where, fix=hint) from None
+            c = parse_claim(obj, where)
+            if c.id in seen:
+                raise ClaimError(f"duplicate claim id {c.id!r} (first at line {seen[c.id]})", where=where)
+            seen[c.id] = lineno
+            yield c
+    if not seen:
+        raise ClaimError("the claims file holds no claims", where=str(p))
+
+
+def read_claims(path: str | Path) -> list[Claim]:
+    """Read and validate a whole claims JSONL file (see `iter_claims`)."""
+    return list(iter_claims(path))
+
+
+def check_claims_fit(claims: Iterable[Claim], path: str | Path, *, model_name: str, vocab_size: int,
+                     max_positions: int) -> None:
+    """Refuse claims made for another model, with out-of-vocabulary ids, or over the context."""
+    for i, c in enumerate(claims):
+        where = f"{path}: claim {c.id!r}"
+        if c.model != model_name:
+            raise ClaimError(f"claim is for model {c.model!r} but the verifier loaded {model_name!r}", where=where,
+                             fix="audit with the model the provider claims to serve (--model DIR)")
+        for fld, ids in (("prompt_token_ids", c.prompt_token_ids), ("output_token_ids", c.output_token_ids)):
+            bad = [t for t in ids if not 0 <= t < vocab_size]
+            if bad:
+                raise ClaimError(f"`{fld}` has token id {bad[0]} outside the vocabulary [0, {vocab_size})",
+                                 where=where, fix="the claim was tokenized for another tokenizer or model")
+        n = len(c.prompt_token_ids) + len(c.output_token_ids)
+        if n > max_positions:
+            raise ClaimError(f"prompt + output is {n} tokens, over the model's context of {max_positions}",
+                             where=where, fix="shorten the prompt or the generation")
+
+
+def write_claims(path: str | Path, claims: Iterable[Claim]) -> None:
+    atomic_write_text(path, "".join(json.dumps(c.to_json(), separators=(",", ":")) + "\n" for c in claims))

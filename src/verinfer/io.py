@@ -1,0 +1,205 @@
+"""Writing outputs without losing work: atomic files, an exclusive lock per output, resumable parts.
+
+Every writer in verinfer goes through this module:
+- `atomic_write(path, write_fn)`: `write_fn(tmp)` writes a temp file beside `path`, which is then
+  fsynced and renamed over `path` (os.replace): a reader never sees half a file, and a crash
+  leaves the old file (or none). `atomic_write_text`, `atomic_write_parquet` and
+  `atomic_save_safetensors` are the three kinds of file verinfer writes.
+- `exclusive_lock(path)`: an advisory lock (fcntl.flock) on `<path>.lock`, held while a job writes
+  `path` and its parts; a second writer of the same output gets an `OutputBusyError` at once
+  instead of mixing its work with the first one's.
+- `ResumableParts`: a job's finished pieces in `<out>.parts/` next to a manifest of what the job is
+  (inputs' hashes, settings). A rerun with the same manifest skips finished parts; with another
+  manifest it starts over (or refuses, `on_mismatch="error"`). Held under `exclusive_lock(out)`.
+- `check_writable(path)`: fail before any compute when an output cannot be written.
+- `progress_bar`: the one rich progress bar of long jobs.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import shutil
+import tempfile
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Callable, Iterator
+
+import pyarrow.parquet as pq
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+from safetensors.torch import save_file
+
+from verinfer.errors import VerinferError
+
+
+class OutputBusyError(VerinferError):
+    """Another process is writing the same output."""
+
+
+def atomic_write(path: str | Path, write_fn: Callable[[Path], None]) -> Path:
+    """Write `path` through a temp file in its directory, then os.replace it into place."""
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=f".{p.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        write_fn(Path(tmp))
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, p)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return p
+
+
+def atomic_write_text(path: str | Path, text: str) -> Path:
+    return atomic_write(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
+
+
+def atomic_write_json(path: str | Path, obj, indent: int | None = 1) -> Path:
+    return atomic_write_text(path, json.dumps(obj, indent=indent) + "\n")
+
+
+def atomic_write_parquet(table, path: str | Path) -> Path:
+    return atomic_write(path, lambda tmp: pq.write_table(table, tmp))
+
+
+def atomic_save_safetensors(tensors: dict, path: str | Path, metadata: dict[str, str] | None = None) -> Path:
+    return atomic_write(path, lambda tmp: save_file(tensors, str(tmp), metadata=metadata))
+
+
+def check_writable(path: str | Path, what: str = "output") -> Path:
+    """Refuse, before any compute, an output path that is a directory, lies under a file, or whose
+    directory cannot be created or written."""
+    p = Path(path)
+    if p.is_dir():
+        raise VerinferError(f"the {what} path is a directory", where=str(p), fix="name a file, e.g. out.parquet")
+    parent = p.parent
+    for a in (parent, *parent.parents):
+        if a.exists():
+            if not a.is_dir():
+                raise VerinferError(f"the {what} path lies under a file ({a})", where=str(p),
+                                    fix="choose an output path in a directory")
+            if not os.access(a, os.W_OK | os.X_OK):
+                raise VerinferError(f"cannot write the {what}: {a} is not writable", where=str(p),
+                                    fix="choose a writable directory")
+            break
+    if p.exists() and not os.access(p, os.W_OK):
+        raise VerinferError(f"cannot overwrite the {what}", where=str(p), fix="check its permissions")
+    return p
+
+
+@contextmanager
+def exclusive_lock(path: str | Path) -> Iterator[Path]:
+    """Hold `<path>.lock` exclusively (non-blocking); OutputBusyError if another process holds it."""
+    p = Path(path)
+    lock = p.with_name(p.name + ".lock")
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    while True:
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise OutputBusyError(f"another verinfer process is writing this output (lock {lock.name} is held)",
+                                  where=str(p), fix="wait for it to finish, or choose another output path") from None
+        try:  # the holder before us may have unlinked the file we opened: lock the current one
+            same = os.fstat(fd).st_ino == os.stat(lock).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:
+            break
+        os.close(fd)
+    try:
+        os.write(fd, f"{os.getpid()}\n".encode())
+        yield lock
+    finally:
+        try:
+            os.unlink(lock)
+        finally:
+            os.close(fd)
+
+
+def check_manifest(mpath: Path, manifest: dict, *, on_mismatch: str, where: Path) -> bool:
+    """True when `mpath` holds exactly `manifest`. A different manifest raises (on_mismatch='error')
+    naming the fields that differ, or returns False (on_mismatch='restart')."""
+    try:
+        old = json.loads(mpath.read_text())
+    except (OSError, json.JSONDecodeError):
+        old = None
+    if old == manifest:
+        return True
+    if on_mismatch == "error" and old is not None:
+        diff = sorted(k for k in set(manifest) | set(old) if old.get(k) != manifest.get(k))
+        raise VerinferError(f"{where} holds the work of another job (different {', '.join(diff)})", where=str(where),
+                            fix="use a new output path, or delete this one to start over")
+    return False
+
+
+class ResumableParts:
+    """Finished pieces of one job in `<out>.parts/part-00000<suffix>`, ..., with manifest.json.
+
+    with ResumableParts(out, manifest) as parts:
+        for k, chunk in enumerate(chunks):
+            if not parts.done(k):
+                parts.write(k, lambda tmp: ...)   # atomic
+        ... read parts.path(k) ...; write `out`; parts.finish()   # removes the parts directory
+    """
+
+    def __init__(self, out: str | Path, manifest: dict, *, suffix: str = ".parquet", on_mismatch: str = "restart"):
+        if on_mismatch not in ("restart", "error"):
+            raise ValueError(f"on_mismatch must be 'restart' or 'error', got {on_mismatch!r}")
+        self.out = Path(out)
+        self.dir = self.out.with_name(self.out.name + ".parts")
+        self.manifest, self.suffix, self.on_mismatch = manifest, suffix, on_mismatch
+        self._lock = None
+
+    def __enter__(self) -> "ResumableParts":
+        self._lock = exclusive_lock(self.out)
+        self._lock.__enter__()
+        try:
+            mpath = self.dir / "manifest.json"
+            if self.dir.is_dir() and not check_manifest(mpath, self.manifest, on_mismatch=self.on_mismatch,
+                                                        where=self.dir):
+                shutil.rmtree(self.dir)  # another job's parts: start over
+            self.dir.mkdir(parents=True, exist_ok=True)
+            atomic_write_json(mpath, self.manifest)
+        except BaseException:
+            self._lock.__exit__(None, None, None)
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._lock.__exit__(*exc)
+
+    def path(self, k: int) -> Path:
+        return self.dir / f"part-{k:05d}{self.suffix}"
+
+    def done(self, k: int) -> bool:
+        return self.path(k).is_file()
+
+    def write(self, k: int, write_fn: Callable[[Path], None]) -> Path:
+        return atomic_write(self.path(k), write_fn)
+
+    def discard(self, k: int) -> None:
+        """Forget a part that turned out unreadable (a killed run's leftovers are never half files,
+        but a disk fault can still leave one)."""
+        self.path(k).unlink(missing_ok=True)
+
+    def finish(self) -> None:
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+@contextmanager
+def progress_bar(description: str, total: int, enabled: bool = True):
+    """A rich progress bar; yields advance(n)."""
+    if not enabled:
+        yield lambda n=1: None
+        return
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+                  transient=True) as prog:
+        task = prog.add_task(description, total=total)
+        yield lambda n=1: prog.advance(task, n)
