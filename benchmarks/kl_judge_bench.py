@@ -34,6 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
+from verinfer.io import atomic_write_json
 from verinfer.models.corpus import Problem
 from verinfer.models.llama import LlamaLM
 from verinfer.speculative.judge import final_answer
@@ -374,10 +375,7 @@ def run(out_dir, device: str = "cpu", quick: bool = False, batch_sizes=(1, 16), 
         return cached[key]
 
     def save_cache():
-        cache_path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = cache_path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(cached))
-        tmp.replace(cache_path)
+        atomic_write_json(cache_path, cached, indent=None)
 
     log(f"threshold sweep on validation ({n_val} problems, gamma {REF_GAMMA}) ...")
     sweep = []

@@ -21,7 +21,9 @@ import fcntl
 import json
 import os
 import shutil
+import sys
 import tempfile
+import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterator
@@ -123,18 +125,20 @@ def exclusive_lock(path: str | Path) -> Iterator[Path]:
             os.close(fd)
 
 
-def check_manifest(mpath: Path, manifest: dict, *, on_mismatch: str, where: Path) -> bool:
-    """True when `mpath` holds exactly `manifest`. A different manifest raises (on_mismatch='error')
-    naming the fields that differ, or returns False (on_mismatch='restart')."""
+def check_manifest(mpath: Path, manifest: dict, *, on_mismatch: str, where: Path,
+                   what: str = "the work of another job") -> bool:
+    """True when `mpath` holds exactly `manifest`. A different (or missing) manifest raises
+    (on_mismatch='error') naming the fields that differ, or returns False (on_mismatch='restart')."""
     try:
         old = json.loads(mpath.read_text())
     except (OSError, json.JSONDecodeError):
         old = None
     if old == manifest:
         return True
-    if on_mismatch == "error" and old is not None:
+    if on_mismatch == "error":
+        old = old if isinstance(old, dict) else {}
         diff = sorted(k for k in set(manifest) | set(old) if old.get(k) != manifest.get(k))
-        raise VerinferError(f"{where} holds the work of another job (different {', '.join(diff)})", where=str(where),
+        raise VerinferError(f"{where} holds {what} (different {', '.join(diff)})", where=str(where),
                             fix="use a new output path, or delete this one to start over")
     return False
 
@@ -193,13 +197,54 @@ class ResumableParts:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
+class ProgressBar:
+    """The progress display of every long job: a rich bar on a terminal, a log line every
+    `log_every` seconds otherwise (under nohup, CI, a pipe), nothing when disabled. `fields` are
+    extra numbers shown beside the count (e.g. loss=...)."""
+
+    def __init__(self, description: str, total: int, *, start: int = 0, enabled: bool = True,
+                 fields: dict[str, float] | None = None, log_every: float = 20.0):
+        self.description, self.total, self.enabled = description, total, enabled
+        self.completed, self.fields, self.log_every = start, dict(fields or {}), log_every
+        self.t0, self.start, self.last_log = time.perf_counter(), start, 0.0
+        self.bar = None
+        if enabled and sys.stderr.isatty():
+            extra = [TextColumn(f"{k} {{task.fields[{k}]:.3f}}") for k in self.fields]
+            self.bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                                TimeRemainingColumn(), *extra, transient=True)
+            self.bar.start()
+            self.task = self.bar.add_task(description, total=total, completed=start, **self.fields)
+
+    def update(self, completed: int, **fields: float) -> None:
+        self.completed = completed
+        self.fields.update(fields)
+        if not self.enabled:
+            return
+        if self.bar is not None:
+            self.bar.update(self.task, completed=completed, **fields)
+            return
+        now = time.perf_counter()
+        if now - self.last_log >= self.log_every or completed >= self.total:
+            self.last_log = now
+            rate = (completed - self.start) / max(1e-9, now - self.t0)
+            eta = (self.total - completed) / max(1e-9, rate)
+            shown = "".join(f" {k} {v:.4f}" for k, v in self.fields.items())
+            print(f"{self.description} {completed}/{self.total}{shown} {rate:.2f}/s eta {eta:.0f}s",
+                  file=sys.stderr, flush=True)
+
+    def advance(self, n: int = 1) -> None:
+        self.update(self.completed + n)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+
+
 @contextmanager
 def progress_bar(description: str, total: int, enabled: bool = True):
-    """A rich progress bar; yields advance(n)."""
-    if not enabled:
-        yield lambda n=1: None
-        return
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
-                  transient=True) as prog:
-        task = prog.add_task(description, total=total)
-        yield lambda n=1: prog.advance(task, n)
+    """A ProgressBar for a with-block; yields advance(n)."""
+    bar = ProgressBar(description, total, enabled=enabled)
+    try:
+        yield bar.advance
+    finally:
+        bar.close()

@@ -36,7 +36,7 @@ import numpy as np
 from verinfer.apps.pipeline import VERIFIER_NUMERICS, calibrate, load_score_tables, score, verifier_engine
 from verinfer.models.prompts import prompts_for
 from verinfer.claims import Claim, read_claims, write_claims
-from verinfer.io import atomic_write_text
+from verinfer.io import atomic_write_json, atomic_write_text, check_manifest, exclusive_lock
 from verinfer.detect.detectors import ClippedMeanDetector
 from verinfer.providers.openai_http import Endpoint, EndpointError, openai_client, probe_seeds, request_completion
 from verinfer.providers.simulated import HONEST, MISCONFIGURED, PROVIDERS, request_seed, run_provider
@@ -135,20 +135,23 @@ def claimed_params(cfg: ApiAuditConfig, mode: str, i: int) -> SamplingParams:
 
 def collect_claims(client, cfg: ApiAuditConfig, mode: str, prompts: list[list[int]], local_name: str,
                    progress=None) -> tuple[Path, list[Claim]]:
-    """Query every prompt not yet in out_dir/claims.jsonl and save after each answer."""
+    """Query every prompt not yet in out_dir/claims.jsonl and save after each answer (under a
+    lock on the claims file: a second audit writing the same directory is refused)."""
     out = Path(cfg.out_dir)
     path, mpath = out / "claims.jsonl", out / "collect.json"
     manifest = _manifest(cfg, mode, prompts)
-    claims: list[Claim] = []
-    if path.is_file():
-        old = json.loads(mpath.read_text()) if mpath.is_file() else None
-        if old != manifest:
-            diff = sorted(k for k in manifest if old is None or old.get(k) != manifest[k])
-            raise VerinferError(f"{out} holds claims of another audit (different {', '.join(diff)})", where=str(path),
-                                fix="use a new --out directory, or delete this one to start over")
-        claims = read_claims(path)
-    else:
-        atomic_write_text(mpath, json.dumps(manifest, indent=1))
+    with exclusive_lock(path):
+        claims: list[Claim] = []
+        if path.is_file():
+            check_manifest(mpath, manifest, on_mismatch="error", where=out, what="claims of another audit")
+            claims = read_claims(path)
+        else:
+            atomic_write_json(mpath, manifest)
+        return path, _collect(client, cfg, mode, prompts, local_name, claims, path, progress)
+
+
+def _collect(client, cfg: ApiAuditConfig, mode: str, prompts: list[list[int]], local_name: str, claims: list[Claim],
+             path: Path, progress) -> list[Claim]:
     done = {c.id for c in claims}
     skipped = 0
     for i, prompt in enumerate(prompts):
@@ -179,7 +182,7 @@ def collect_claims(client, cfg: ApiAuditConfig, mode: str, prompts: list[list[in
         raise EndpointError(f"the endpoint returned no output tokens for any of {len(prompts)} prompts",
                             where=cfg.base_url, fix="check max_tokens and the model the endpoint serves")
     write_claims(path, claims)
-    return path, claims
+    return claims
 
 
 # --- calibration and reference bands ----------------------------------------------------------

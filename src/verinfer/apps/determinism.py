@@ -8,6 +8,7 @@ from pathlib import Path
 from verinfer.determinism.calibrate import calibrate, make_engines, read_tau, split_prompts, write_tau
 from verinfer.determinism.serve import POLICIES, Server
 from verinfer.engine.engine import Request
+from verinfer.io import atomic_write_text
 from verinfer.models.load import model_info
 from verinfer.sampling.params import SamplingParams
 
@@ -45,9 +46,5 @@ def generate(model_dir, out, *, policy: str = "margingate", n: int = 8, max_toke
     rows = [dict(id=r.id, model=info.name, prompt_token_ids=r.prompt_token_ids, output_token_ids=outs[r.id],
                  sampling=dict(temperature=0.0, top_k=-1, top_p=1.0, min_p=0.0, seed=None, noise="vllm-cpu"),
                  deterministic=policy if r.id in protected else None) for r in reqs]
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".tmp")  # atomic: a reader never sees half a file
-    tmp.write_text("".join(json.dumps(x) + "\n" for x in rows))
-    tmp.replace(out)
+    atomic_write_text(out, "".join(json.dumps(x) + "\n" for x in rows))
     return rows

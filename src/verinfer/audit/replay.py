@@ -21,7 +21,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import shutil
 from pathlib import Path
 
 import numpy as np
@@ -30,7 +29,7 @@ import pyarrow.parquet as pq
 import torch
 
 from verinfer.claims import Claim
-from verinfer.io import atomic_write_parquet, atomic_write_text
+from verinfer.io import ResumableParts, atomic_write_parquet
 from verinfer.audit.scores import likelihood_score
 from verinfer.engine.engine import Engine, Replay
 from verinfer.errors import VerinferError
@@ -147,46 +146,36 @@ def _manifest(claims_sha: str, model_sha: str, numerics: dict, sigma: float, chu
 def score_claims(claims: list[Claim], engine: Engine, out: str | Path, *, claims_sha: str | None = None,
                  model_sha: str = "", sigma: float = DEFAULT_SIGMA, chunk_claims: int = 64,
                  batch_tokens: int = 2048, progress=None, gaps: bool = False) -> pa.Table:
-    """Score every claim into `out` (Parquet), resuming finished chunks of an earlier run.
-    gaps: add the signed-gap columns (see `scores_table`)."""
+    """Score every claim into `out` (Parquet), resuming finished chunks of an earlier run
+    (verinfer.io.ResumableParts: `<out>.parts/`, under a lock on `out`, so a second writer of the
+    same output is refused). gaps: add the signed-gap columns (see `scores_table`)."""
     out = Path(out)
-    parts = out.with_name(out.name + ".parts")
     if claims_sha is None:
         claims_sha = hashlib.sha256("".join(json.dumps(c.to_json()) for c in claims).encode()).hexdigest()[:16]
     manifest = _manifest(claims_sha, model_sha, engine.numerics.to_dict(), sigma, chunk_claims, gaps)
-    mpath = parts / "manifest.json"
-    if parts.is_dir():
-        try:
-            old = json.loads(mpath.read_text())
-        except (OSError, json.JSONDecodeError):
-            old = None
-        if old != manifest:  # a different job left these parts: start over
-            shutil.rmtree(parts)
-    parts.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(mpath, json.dumps(manifest, indent=1))
     fps, layer = fingerprints_of(claims, engine.model.config.hidden_size)
     tables = []
-    for k, start in enumerate(range(0, len(claims), chunk_claims)):
-        chunk = claims[start : start + chunk_claims]
-        part = parts / f"part-{k:05d}.parquet"
-        t = None
-        if part.is_file():
-            try:
-                t = pq.read_table(part)
-            except Exception:
-                t = None  # a broken part from a killed run: recompute it
-        if t is None:
-            replays = engine.score([(c.prompt_token_ids, c.output_token_ids) for c in chunk], batch_tokens=batch_tokens,
-                                   hidden_layer=layer)
-            fp_l2 = fingerprint_distances(chunk, replays, fps[start : start + chunk_claims]) if layer is not None else None
-            extra = {k: v for k, v in (("fp_l2", fp_l2), ("gaps", gaps)) if v is not None and v is not False}
-            t = scores_table(chunk, replays, sigma, **extra)
-            atomic_write_parquet(t, part)
-        tables.append(t)
-        if progress is not None:
-            progress(sum(len(c.output_token_ids) for c in chunk))
-    table = pa.concat_tables(tables) if tables else SCORE_SCHEMA.empty_table()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_parquet(table, out)
-    shutil.rmtree(parts)
+    with ResumableParts(out, manifest) as parts:
+        for k, start in enumerate(range(0, len(claims), chunk_claims)):
+            chunk = claims[start : start + chunk_claims]
+            t = None
+            if parts.done(k):
+                try:
+                    t = pq.read_table(parts.path(k))
+                except Exception:
+                    parts.discard(k)  # unreadable: recompute it
+            if t is None:
+                replays = engine.score([(c.prompt_token_ids, c.output_token_ids) for c in chunk],
+                                       batch_tokens=batch_tokens, hidden_layer=layer)
+                fp_l2 = fingerprint_distances(chunk, replays, fps[start : start + chunk_claims]) if layer is not None \
+                    else None
+                extra = {k: v for k, v in (("fp_l2", fp_l2), ("gaps", gaps)) if v is not None and v is not False}
+                t = scores_table(chunk, replays, sigma, **extra)
+                parts.write(k, lambda tmp: pq.write_table(t, tmp))
+            tables.append(t)
+            if progress is not None:
+                progress(sum(len(c.output_token_ids) for c in chunk))
+        table = pa.concat_tables(tables) if tables else SCORE_SCHEMA.empty_table()
+        atomic_write_parquet(table, out)
+        parts.finish()
     return table

@@ -32,7 +32,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from verinfer.models import corpus
+from verinfer.io import ProgressBar
+from verinfer.models import corpus, load
 
 TESTBED_DIR = Path(__file__).parent / "testbed"
 TARGET_DIR = TESTBED_DIR / "target"
@@ -116,13 +117,8 @@ def save_tokenizer(tokenizer, d: Path) -> None:
 
 
 def load_tokenizer(path: str | Path = TOKENIZER_DIR):
-    """The testbed tokenizer (or any save_pretrained tokenizer dir) via AutoTokenizer."""
-    from transformers import AutoTokenizer
-
-    p = Path(path)
-    if not (p / "tokenizer.json").is_file():
-        raise FileNotFoundError(f"no tokenizer.json in {p}; build it with `verinfer testbed build --seed 0`")
-    return AutoTokenizer.from_pretrained(str(p))
+    """The testbed tokenizer (or any save_pretrained tokenizer dir): models.load.load_tokenizer."""
+    return load.load_tokenizer(path)
 
 
 def encode_docs(tokenizer, docs: list[str]) -> torch.Tensor:
@@ -221,40 +217,6 @@ def _load_ckpt(path: Path, key: dict, model, opt) -> tuple[int, list[float]]:
 
 # ----------------------------------------------------------------------------- training
 
-class _Reporter:
-    """A rich progress bar on a terminal; periodic log lines otherwise (e.g. under nohup)."""
-
-    def __init__(self, desc: str, total: int, start: int, enabled: bool):
-        self.desc, self.total, self.enabled = desc, total, enabled
-        self.t0, self.start, self.last_log = time.perf_counter(), start, 0.0
-        self.bar = None
-        if enabled and sys.stderr.isatty():
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
-            self.bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                                TimeRemainingColumn(), TextColumn("loss {task.fields[loss]:.3f}"))
-            self.bar.start()
-            self.task = self.bar.add_task(desc, total=total, completed=start, loss=float("nan"))
-
-    def update(self, step: int, loss: float) -> None:
-        if not self.enabled:
-            return
-        if self.bar is not None:
-            self.bar.update(self.task, completed=step, loss=loss)
-            return
-        now = time.perf_counter()
-        if now - self.last_log >= 20 or step == self.total:
-            self.last_log = now
-            rate = (step - self.start) / max(1e-9, now - self.t0)
-            eta = (self.total - step) / max(1e-9, rate)
-            print(f"{self.desc} step {step}/{self.total} loss {loss:.4f} {rate:.2f} steps/s eta {eta:.0f}s",
-                  file=sys.stderr, flush=True)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.stop()
-
-
 def train(model, stream: torch.Tensor, *, steps: int, batch_size: int, lr: float, warmup: int, seed: int,
           ckpt_dir: Path | None = None, ckpt_key: dict | None = None, progress: bool = True,
           desc: str = "train") -> list[float]:
@@ -267,7 +229,7 @@ def train(model, stream: torch.Tensor, *, steps: int, batch_size: int, lr: float
     starts = window_order(len(stream), steps * batch_size, seed)
     offs = torch.arange(SEQ_LEN + 1)
     start, losses = _load_ckpt(ckpt_dir, ckpt_key, model, opt) if ckpt_dir and ckpt_key else (0, [])
-    rep = _Reporter(desc, steps, start, progress)
+    rep = ProgressBar(desc, steps, start=start, enabled=progress, fields={"loss": float("nan")})
     last_ckpt = time.perf_counter()
     model.train()
     try:
@@ -282,7 +244,7 @@ def train(model, stream: torch.Tensor, *, steps: int, batch_size: int, lr: float
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
             losses.append(loss.item())
-            rep.update(step + 1, losses[-1])
+            rep.update(step + 1, loss=losses[-1])
             if ckpt_dir and ckpt_key and (time.perf_counter() - last_ckpt >= CKPT_EVERY_S or step + 1 == steps):
                 _save_ckpt(ckpt_dir, ckpt_key, step + 1, model, opt, losses)
                 last_ckpt = time.perf_counter()

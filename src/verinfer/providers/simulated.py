@@ -16,14 +16,13 @@ import hashlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
-
 from verinfer.claims import Claim
 from verinfer.engine.engine import Engine, Request
+from verinfer.fingerprint import encode
 from verinfer.models.load import load_model, model_info
 from verinfer.numerics import Numerics
 from verinfer.sampling.params import SamplingParams
-from verinfer.sampling.sampler import sample_batch
+from verinfer.sampling.bug import buggy_sampler
 
 
 @dataclass(frozen=True)
@@ -81,22 +80,9 @@ def request_seed(base_seed: int, index: int) -> int:
     return int.from_bytes(h[:8], "little") >> 2
 
 
-def _bug_sampler(cfg: ProviderConfig, seed: int):
-    """An honest sampler that, with probability bug_rate per token, ignores the noise and picks
-    uniformly among the top-k logits (its own RNG, so honest tokens are unchanged)."""
-    g = torch.Generator().manual_seed(seed)
-
-    def sampler(logits_BV, params, noises, batch):
-        tokens = sample_batch(logits_BV, params, noises)
-        for b, p in enumerate(params):
-            if noises[b] is None or torch.rand(1, generator=g).item() >= cfg.bug_rate:
-                continue
-            k = cfg.bug_k or (p.top_k if p.top_k > 0 else 50)
-            top = torch.topk(logits_BV[b], k).indices
-            tokens[b] = top[torch.randint(0, k, (1,), generator=g)].item()
-        return tokens
-
-    return sampler
+def bug_sampler(cfg: ProviderConfig, seed: int):
+    """The provider's sampler: honest, with the simulated sampling bug at cfg.bug_rate."""
+    return buggy_sampler(cfg.bug_rate, seed, cfg.bug_k)
 
 
 def run_provider(cfg: ProviderConfig, model_dir: str | Path, prompts: list[list[int]], advertised: SamplingParams,
@@ -118,7 +104,7 @@ def run_provider(cfg: ProviderConfig, model_dir: str | Path, prompts: list[list[
                                claim_p.max_tokens, claim_p.noise)
         requests.append(Request(f"{cfg.name}-{i:05d}", list(prompt), run_p))
         claimed.append(claim_p)
-    sampler = _bug_sampler(cfg, base_seed + 7919) if cfg.bug_rate > 0 else None
+    sampler = bug_sampler(cfg, base_seed + 7919) if cfg.bug_rate > 0 else None
     # Mixed-length batches: sort nothing, so each batch holds whatever prompts arrived together.
     layer = fingerprint.layer if fingerprint is not None else (-1 if keep_hidden else None)
     completions = engine.generate(requests, batch_size=cfg.batch_size, sampler=sampler, progress=progress,
@@ -127,8 +113,6 @@ def run_provider(cfg: ProviderConfig, model_dir: str | Path, prompts: list[list[
     for c, p in zip(completions, claimed):
         claim = Claim(c.id, info.name, c.prompt_token_ids, c.output_token_ids, p, provider=cfg.name)
         if fingerprint is not None:
-            from verinfer.fingerprint import encode
-
             claim.extra["activations"] = encode(c.hidden_TD, fingerprint)
         if keep_hidden:
             claim.hidden_TD = c.hidden_TD  # type: ignore[attr-defined]

@@ -12,9 +12,7 @@ small plot classes that own an Axes, in the style of scikit-learn's Display obje
 from __future__ import annotations
 
 import html
-import os
 import re
-import tempfile
 import zlib
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -24,7 +22,7 @@ import pyarrow as pa
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 
-from verinfer.io import atomic_write_text
+from verinfer.io import atomic_write, atomic_write_text
 from verinfer.detect.metrics import auc_vs_tokens, tokens_to_detect
 from verinfer.audit.scores import SCORES, divergence
 from verinfer.errors import VerinferError
@@ -130,14 +128,7 @@ class ScoreHistogramPlot:
 
 
 def _save(fig: Figure, path: Path) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        fig.savefig(tmp, format="png", dpi=110)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    atomic_write(path, lambda tmp: fig.savefig(tmp, format="png", dpi=110))
 
 
 def _slug(name: str) -> str:

@@ -18,7 +18,7 @@ from typing import Iterator
 
 import torch
 
-from verinfer.providers.simulated import _bug_sampler
+from verinfer.providers.simulated import bug_sampler
 from verinfer.engine.engine import Request
 from verinfer.sampling.params import SamplingParams
 from verinfer.server.registry import ServedModel
@@ -53,7 +53,7 @@ def generate_steps(model: ServedModel, request_id: str, prompt_ids: list[int], c
     batch = engine.prefill([Request(request_id, list(prompt_ids), params)])
     sampler = None
     if model.provider.bug_rate > 0 and not params.greedy:
-        sampler = _bug_sampler(model.provider, (params.seed ^ BUG_SEED_SALT) % 2**63)
+        sampler = bug_sampler(model.provider, (params.seed ^ BUG_SEED_SALT) % 2**63)
     while not batch.finished:
         logits_V = batch.logits_BV[0].float()
         tok = int(engine.decode_step(batch, sampler)[0])
