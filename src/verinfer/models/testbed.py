@@ -31,8 +31,9 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file
 
-from verinfer.io import ProgressBar
+from verinfer.io import ProgressBar, atomic_save_safetensors, atomic_write_json
 from verinfer.models import corpus, load
 
 TESTBED_DIR = Path(__file__).parent / "testbed"
@@ -175,27 +176,19 @@ def window_order(n_tokens: int, n_windows: int, seed: int) -> torch.Tensor:
 # ----------------------------------------------------------------------------- checkpoints
 
 def _save_ckpt(path: Path, key: dict, step: int, model, opt, losses: list[float]) -> None:
-    from safetensors.torch import save_file
-
-    path.mkdir(parents=True, exist_ok=True)
     tensors = {f"model.{n}": p.detach().contiguous() for n, p in model.named_parameters()}
     sd = opt.state_dict()
     for i, st in sd["state"].items():
         for k, v in st.items():
             tensors[f"opt.{i}.{k}"] = v.detach().contiguous()
-    tmp = path / f"{key['name']}.safetensors.tmp"
-    save_file(tensors, str(tmp))
-    os.replace(tmp, path / f"{key['name']}.safetensors")
-    meta = {"key": key, "step": step, "param_groups": sd["param_groups"], "losses": losses}
-    (path / f"{key['name']}.json.tmp").write_text(json.dumps(meta))
-    os.replace(path / f"{key['name']}.json.tmp", path / f"{key['name']}.json")
+    atomic_save_safetensors(tensors, path / f"{key['name']}.safetensors")
+    atomic_write_json(path / f"{key['name']}.json",
+                      {"key": key, "step": step, "param_groups": sd["param_groups"], "losses": losses}, indent=None)
 
 
 def _load_ckpt(path: Path, key: dict, model, opt) -> tuple[int, list[float]]:
     """Restore model and optimizer from a matching checkpoint; return (step, losses so far)
     ((0, []) if there is none)."""
-    from safetensors.torch import load_file
-
     meta_p, st_p = path / f"{key['name']}.json", path / f"{key['name']}.safetensors"
     if not (meta_p.is_file() and st_p.is_file()):
         return 0, []
