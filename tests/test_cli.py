@@ -123,3 +123,17 @@ def test_glrt_detector_calibrate_and_audit(scored, tmp_path):
     (h,) = json.loads((tmp_path / "h.json").read_text())
     assert r.exit_code == (1 if h["flagged"] else 0) and h["n_tokens"] == 20 and 0 < h["tail_probability"] <= 1
     assert "more_tokens_needed" in h
+
+
+def test_unwritable_outputs_fail_before_any_compute(tmp_path):
+    (tmp_path / "f").write_text("a file")
+    (tmp_path / "d").mkdir()
+    claims = tmp_path / "c.jsonl"
+    claims.write_text(json.dumps({"id": "a", "model": TARGET_DIR.name, "prompt_token_ids": [1, 2],
+                                  "output_token_ids": [3], "sampling": {"temperature": 0.0}}) + "\n")
+    for args in (("generate", "honest-bf16-b8", "--out", tmp_path / "f" / "c.jsonl"),
+                 ("generate", "--deterministic", "best", "--out", tmp_path / "d"),
+                 ("score", claims, "--out", tmp_path / "d")):
+        r = run(*args)
+        assert r.exit_code == 2, r.output
+        assert "lies under a file" in r.output or "is a directory" in r.output

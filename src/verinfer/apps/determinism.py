@@ -8,7 +8,7 @@ from pathlib import Path
 from verinfer.determinism.calibrate import calibrate, make_engines, read_tau, split_prompts, write_tau
 from verinfer.determinism.serve import POLICIES, Server
 from verinfer.engine.engine import Request
-from verinfer.io import atomic_write_text
+from verinfer.io import atomic_write_text, check_writable
 from verinfer.models.load import model_info
 from verinfer.sampling.params import SamplingParams
 
@@ -29,6 +29,7 @@ def generate(model_dir, out, *, policy: str = "margingate", n: int = 8, max_toke
              window: int = 64, device: str = "cpu") -> list[dict]:
     """Greedy generation with a determinism policy; every `protect_every`-th request is protected
     (the others share the batch on the bf16 path). Writes one JSON line per request."""
+    check_writable(out, "completions file")
     if policy not in POLICIES:
         raise ValueError(f"--deterministic must be one of {POLICIES}, got {policy!r}")
     info = model_info(model_dir)

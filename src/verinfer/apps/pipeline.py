@@ -21,7 +21,7 @@ from verinfer.claims import Claim, check_claims_fit, read_claims, write_claims
 from verinfer.detect.detectors import ClippedMeanDetector, PerturbationGLRTDetector
 from verinfer.detect.likelihood_ratio import LikelihoodRatioDetector
 from verinfer.detect.metrics import split_tokens
-from verinfer.io import progress_bar
+from verinfer.io import check_writable, progress_bar
 from verinfer.models.prompts import prompts_for
 from verinfer.providers import vllm
 from verinfer.providers.simulated import DEFAULT_SPEC, HONEST, PROVIDERS, get_provider, run_provider
@@ -41,6 +41,7 @@ VERIFIER_NUMERICS = Numerics(dtype="bf16", attn="sdpa")
 def generate(provider: str, model_dir: str | Path, out: str | Path, *, n: int = 32, max_tokens: int = 64,
              seed: int = 0, spec: dict | None = None, device: str = "cpu", show_progress: bool = True,
              fingerprint=None) -> list[Claim]:
+    check_writable(out, "claims file")
     cfg = get_provider(provider)
     spec = {**DEFAULT_SPEC, **(spec or {})}
     advertised = SamplingParams(seed=0, max_tokens=max_tokens, **spec)
@@ -56,6 +57,7 @@ def generate_with_vllm(provider: str, model_dir: str | Path, out: str | Path, *,
              seed: int = 0, spec: dict | None = None, work_dir: str | Path | None = None) -> "vllm.VllmGeneration":
     """`verinfer generate --engine vllm`: claims from real vLLM on the audit prompts (same prompts
     and per-request seeds as the simulated providers)."""
+    check_writable(out, "claims file")
     spec = {**DEFAULT_SPEC, **(spec or {})}
     if spec.get("noise", "vllm-cpu") != "vllm-cpu":
         raise ValueError(f"vLLM on CPU samples with the vllm-cpu noise backend, not {spec['noise']!r}")
@@ -79,6 +81,7 @@ def score(claims_path: str | Path, model_dir: str | Path, out: str | Path, *, en
           device: str = "cpu", show_progress: bool = True, gaps: bool = False, matmul: str = "native") -> pa.Table:
     """Replay and score every claim (one Parquet row per token). matmul: the verifier's
     Numerics.matmul when no engine is given ('fp32' is the faster bf16-faithful path on CPU)."""
+    check_writable(out, "scores file")
     claims = read_claims(claims_path)
     info = model_info(model_dir)
     check_claims_fit(claims, claims_path, model_name=info.name, vocab_size=info.vocab_size,

@@ -10,7 +10,7 @@ import pyarrow as pa
 
 from verinfer.claims import Claim, check_claims_fit, read_claims, write_claims
 from verinfer.errors import ClaimError
-from verinfer.io import atomic_write_parquet
+from verinfer.io import atomic_write_parquet, check_writable
 from verinfer.models.llama import LlamaLM
 from verinfer.models.load import model_info
 from verinfer.models.prompts import prompts_for
@@ -24,6 +24,7 @@ def generate_claims_file(model_dir, draft_dir, out, *, rule: str = "kl", thresho
                          judge_path=None, device: str = "cpu", claimed: str | None = None) -> list[Claim]:
     """Speculative generation on the audit prompts (models/corpus.eval_prompts) -> claims JSONL
     with a `spec` field. `claimed` defaults to the rule actually run (an honest label)."""
+    check_writable(out, "claims file")
     judge = None
     if rule == "autojudge":
         if judge_path is None:
@@ -50,6 +51,7 @@ def has_spec(claims: list[Claim]) -> bool:
 def score_file(claims_path, model_dir, draft_dir, out, device: str = "cpu") -> dict:
     """Verify speculative claims (all must carry `spec`): per-token Parquet at `out`; returns a
     summary (tokens, violations, mean accept_nll, per-claim violations)."""
+    check_writable(out, "scores file")
     claims = read_claims(claims_path)
     missing = [c.source for c in claims if "spec" not in c.extra]
     if missing:

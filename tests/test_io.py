@@ -1,0 +1,116 @@
+"""verinfer.io: atomic writes, the output lock, resumable parts, output checks."""
+
+import json
+import subprocess
+import sys
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from verinfer.errors import VerinferError
+from verinfer.io import (OutputBusyError, ResumableParts, atomic_write, atomic_write_json, atomic_write_parquet,
+                         atomic_write_text, check_writable, exclusive_lock)
+
+
+def test_atomic_write_replaces_whole_file_and_leaves_no_temp_on_failure(tmp_path):
+    p = tmp_path / "sub" / "out.txt"
+    atomic_write_text(p, "first")
+    assert p.read_text() == "first"
+
+    def half_then_fail(tmp):
+        tmp.write_text("half")
+        raise RuntimeError("killed mid-write")
+
+    with pytest.raises(RuntimeError):
+        atomic_write(p, half_then_fail)
+    assert p.read_text() == "first"                       # the old file survives
+    assert [q.name for q in p.parent.iterdir()] == ["out.txt"]  # no temp file left behind
+
+
+def test_atomic_parquet_and_json_round_trip(tmp_path):
+    t = pa.table({"a": [1, 2, 3]})
+    atomic_write_parquet(t, tmp_path / "t.parquet")
+    assert pq.read_table(tmp_path / "t.parquet").equals(t)
+    atomic_write_json(tmp_path / "m.json", {"x": 1})
+    assert json.loads((tmp_path / "m.json").read_text()) == {"x": 1}
+
+
+HOLD = """
+import sys, time
+from verinfer.io import exclusive_lock
+with exclusive_lock(sys.argv[1]):
+    print("held", flush=True)
+    time.sleep(float(sys.argv[2]))
+"""
+
+
+def test_second_writer_of_the_same_output_is_refused(tmp_path):
+    out = tmp_path / "scores.parquet"
+    proc = subprocess.Popen([sys.executable, "-c", HOLD, str(out), "30"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "held"
+        with pytest.raises(OutputBusyError, match="another verinfer process is writing this output") as e:
+            with exclusive_lock(out):
+                pass
+        assert str(out) in str(e.value)
+    finally:
+        proc.kill()
+        proc.wait()
+    with exclusive_lock(out):  # the holder died: the lock is free again
+        pass
+    assert not out.with_name(out.name + ".lock").exists()
+
+
+def test_lock_is_not_reentrant_within_one_process(tmp_path):
+    with exclusive_lock(tmp_path / "o"):
+        with pytest.raises(OutputBusyError):
+            with exclusive_lock(tmp_path / "o"):
+                pass
+
+
+def test_resumable_parts_resume_restart_and_refuse(tmp_path):
+    out = tmp_path / "s.parquet"
+    with ResumableParts(out, {"job": 1}) as parts:
+        parts.write(0, lambda tmp: tmp.write_text("zero"))
+    # the same job resumes: part 0 is kept
+    with ResumableParts(out, {"job": 1}) as parts:
+        assert parts.done(0) and not parts.done(1)
+        assert parts.path(0).read_text() == "zero"
+    # another job's parts are discarded ...
+    with ResumableParts(out, {"job": 2}) as parts:
+        assert not parts.done(0)
+        parts.write(0, lambda tmp: tmp.write_text("new"))
+    # ... or refused, naming the field that differs
+    with pytest.raises(VerinferError, match=r"holds the work of another job \(different job\)"):
+        with ResumableParts(out, {"job": 3}, on_mismatch="error"):
+            pass
+    with ResumableParts(out, {"job": 2}) as parts:
+        parts.finish()
+    assert not parts.dir.exists()
+
+
+def test_check_writable_refuses_before_any_compute(tmp_path):
+    (tmp_path / "d").mkdir()
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(VerinferError, match="is a directory"):
+        check_writable(tmp_path / "d")
+    with pytest.raises(VerinferError, match="lies under a file"):
+        check_writable(tmp_path / "f" / "out.parquet")
+    assert check_writable(tmp_path / "new" / "out.parquet") == tmp_path / "new" / "out.parquet"
+
+
+def test_two_score_runs_on_one_output_one_is_refused(tmp_path):
+    """The issue-16 scenario at the level of score_claims: while one run holds the output, a second
+    run gets OutputBusyError before computing anything, and the first run's parts are untouched."""
+    out = tmp_path / "scores.parquet"
+    proc = subprocess.Popen([sys.executable, "-c", HOLD, str(out), "30"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "held"
+        with pytest.raises(OutputBusyError):
+            with ResumableParts(out, {"claims": "other"}):
+                pass
+        assert not out.with_name(out.name + ".parts").exists()
+    finally:
+        proc.kill()
+        proc.wait()
