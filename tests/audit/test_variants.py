@@ -8,7 +8,7 @@ from scipy.stats import norm
 from verinfer.audit.scores import tail_pool, winsorize
 from verinfer.audit.variants import fit_ipt_sigma, ipt_difr, ipt_distance, mc_difr, mc_difr_loop
 from verinfer.sampling.params import SamplingParams
-from verinfer.sampling.sampler import postgumbel_gaps, postgumbel_margin
+from verinfer.sampling.gap import postgumbel_gaps, postgumbel_margin
 
 
 def test_mc_difr_vectorized_equals_loop():
@@ -163,7 +163,7 @@ def test_temperature_gaps_block_equals_full_vocabulary_loop():
     from verinfer.claims import Claim
     from verinfer.audit.variants import temperature_gaps, temperature_gaps_loop
     from verinfer.engine.engine import Replay
-    from verinfer.sampling.sampler import postgumbel_margin, replay_tokens
+    from verinfer.sampling.sampler import replay_tokens
 
     torch.manual_seed(0)
     claims, replays = [], []
@@ -216,7 +216,8 @@ def test_block_gaps_top_p_slack_equals_a_per_token_loop():
     from verinfer.claims import Claim
     from verinfer.audit.variants import block_gaps
     from verinfer.engine.engine import Replay
-    from verinfer.sampling.sampler import _filtered, _tape, _tape_gumbel, _temperature32
+    from verinfer.sampling.filters import filter_mask
+    from verinfer.sampling.noise import get_backend
 
     torch.manual_seed(4)
     claims, replays = [], []
@@ -231,14 +232,14 @@ def test_block_gaps_top_p_slack_equals_a_per_token_loop():
     slow = []
     for c, r in zip(claims, replays):
         l, p = r.logits_TV, c.sampling
-        g = _tape_gumbel(_tape(p, 25, 300, 3), torch.arange(300).expand(25, 300))
+        g = get_backend(p.noise).tape(p.seed, 25, 300, 3).gumbel(torch.arange(300).expand(25, 300), exact=False)
         for t, y in enumerate(c.output_token_ids):
             row = []
             for f in factors:
                 q = dataclasses.replace(p, temperature=p.temperature * f)
-                strict = _filtered(l, dataclasses.replace(q, top_p=q.top_p - tau))[0][t]
-                loose = _filtered(l, dataclasses.replace(q, top_p=q.top_p + tau))[0][t]
-                s = l[t].double() + _temperature32(q) * g[t]
+                strict = filter_mask(l[t : t + 1], q.temperature, q.top_k, q.top_p - tau, q.min_p)[0]
+                loose = filter_mask(l[t : t + 1], q.temperature, q.top_k, q.top_p + tau, q.min_p)[0]
+                s = l[t].double() + float(torch.tensor(q.temperature, dtype=torch.float32)) * g[t]
                 comp = [float(s[v] - s[y]) for v in range(300) if strict[v] and v != y]
                 row.append(math.inf if not loose[y] else max(comp, default=-math.inf))
             slow.append(row)

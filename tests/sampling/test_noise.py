@@ -12,7 +12,7 @@ from verinfer.sampling.noise import (GOLDEN, POSITION_MUL, NoiseKindError, _negl
 from verinfer.sampling.params import NOISE_BACKENDS
 
 M64 = (1 << 64) - 1
-GUMBEL_BACKENDS = ("vllm-cpu", "keyed", "vllm-v1-exponential")
+GUMBEL_BACKENDS = ("vllm-cpu", "keyed", "vllm-v1-exponential", "speculative-keyed")
 
 
 # --- splitmix64 -------------------------------------------------------------------------------

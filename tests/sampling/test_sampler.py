@@ -10,8 +10,9 @@ from verinfer.sampling import sampler as sampler_mod
 from verinfer.sampling.filters import filter_logits, filter_mask
 from verinfer.sampling.noise import NoiseKindError, get_backend
 from verinfer.sampling.params import NOISE_BACKENDS, SamplingParams
-from verinfer.sampling.sampler import (_gumbel_argmax, inverse_cdf_interval, postgumbel_margin, replay_tokens,
-                                       sample_batch, sample_one)
+from verinfer.sampling.gap import postgumbel_margin
+from verinfer.sampling.sampler import (_gumbel_argmax, inverse_cdf_interval, replay_tokens, sample_batch,
+                                       sample_one)
 
 NEG_INF = float("-inf")
 
@@ -22,6 +23,11 @@ def _logits(T, V, seed=0, scale=2.0):
 
 def _scaled(logits_V, p):
     return filter_logits(logits_V[None], p.temperature, p.top_k, p.top_p, p.min_p)[0]
+
+
+def _scaled_rows(logits_TV, p):
+    T = logits_TV.shape[0]
+    return filter_logits(logits_TV, *(torch.full((T,), v) for v in (p.temperature, p.top_k, p.top_p, p.min_p)))
 
 
 PARAMS = [dict(temperature=1.0), dict(temperature=0.7, top_k=10, top_p=0.9),
@@ -39,7 +45,7 @@ def test_sample_one_is_argmax_of_the_backend_expression(name, kw):
     for t in range(T):
         noise = stream.next()
         x = _scaled(logits[t], p)
-        if name in ("vllm-cpu", "keyed"):
+        if name in ("vllm-cpu", "keyed", "speculative-keyed"):
             expect = int((x.double() + noise.gumbel_all()).argmax())
         elif name == "vllm-v1-exponential":
             expect = int((torch.softmax(x, -1) / noise.exponential_V).argmax())
@@ -257,8 +263,7 @@ def test_score_claimed_equals_per_claim_margin_and_logprob():
     for a mix of backends, temperatures, filters and greedy claims."""
     import math
 
-    from verinfer.sampling.sampler import postgumbel_margin, score_claimed
-    from verinfer.sampling.filters import filter_logits
+    from verinfer.sampling.gap import score_claimed
 
     g = torch.Generator().manual_seed(11)
     V = 64
@@ -298,7 +303,7 @@ def test_score_claimed_topk_block_path_equals_per_claim(quantize):
     """All rows top-k filtered (the paper's reference spec): the [N, k+1] block path must equal
     the per-claim full-vocabulary computation; with coarse logits (ties at the k-th value) the
     block path must step aside."""
-    from verinfer.sampling import sampler as S
+    from verinfer.sampling import gap as S
 
     g = torch.Generator().manual_seed(5)
     V = 300
@@ -315,7 +320,7 @@ def test_score_claimed_topk_block_path_equals_per_claim(quantize):
         claimed.append(y)
         starts.append(5 * i)
     rows_p = [p for p, l in zip(specs, logits) for _ in range(l.shape[0])]
-    assert (S._topk_block(torch.cat(logits), rows_p) is None) == (quantize == 2.0)
+    assert (S.topk_block(torch.cat(logits), rows_p) is None) == (quantize == 2.0)
     m, r, k, lp = S.score_claimed(logits, claimed, specs, starts)
     assert k.any() and (~k).any() and (m == 0).any()
     o = 0
@@ -325,7 +330,7 @@ def test_score_claimed_topk_block_path_equals_per_claim(quantize):
         assert torch.equal(r[sl], r1) and torch.equal(k[sl], k1)
         fin = torch.isfinite(m1)
         assert torch.equal(torch.isfinite(m[sl]), fin) and torch.allclose(m[sl][fin], m1[fin], atol=1e-9)
-        keep, scaled = S._filtered(l_TV, p)
+        scaled = _scaled_rows(l_TV, p)
         ref = torch.log_softmax(scaled.double(), -1).gather(1, y_T[:, None])[:, 0]
         assert torch.allclose(lp[sl][k1], ref[k1], atol=1e-9)
         o += 40

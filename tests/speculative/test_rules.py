@@ -1,10 +1,14 @@
 """Acceptance rules: vectorized functions against plain loops / scipy, and their definitions."""
 
+import math
+
 import numpy as np
 import pytest
 import torch
 from scipy.stats import entropy as scipy_entropy
 
+from verinfer.sampling.noise import speculative_noise
+from verinfer.sampling.sampler import sample_probs
 from verinfer.speculative.rules import (CONFIDENT_TOP1, Rule, accept_mask, entropy, kl_divergence,
                                         leading_accepted, residual, verify)
 
@@ -64,15 +68,24 @@ def test_baseline_rules():
         accept_mask(Rule("autojudge", 0.5), p, q, x, None, greedy=True)
 
 
-def _verify_loop(rule, p, q, x, gens):
+def _gumbel_max_loop(dist, noise):
+    """Reference Gumbel-max draw: the first v maximizing log(dist_v) + G_v over dist_v > 0."""
+    G = noise.gumbel_all().tolist()
+    best, arg = -math.inf, None
+    for v, pv in enumerate(dist.tolist()):
+        if pv > 0 and math.log(pv) + G[v] > best:
+            best, arg = math.log(pv) + G[v], v
+    return arg
+
+
+def _verify_loop(rule, p, q, x, u, noises):
     """Textbook speculative sampling, one row and one position at a time (reference)."""
     B, G = x.shape
     n_out, nxt = [], []
     for b in range(B):
-        us = torch.rand(G, generator=gens[b], dtype=torch.float64)
         n = G
         for i in range(G):
-            ok = bool(us[i].to(p.dtype) * q[b, i, x[b, i]] < p[b, i, x[b, i]])
+            ok = bool(u[b, i].to(p.dtype) * q[b, i, x[b, i]] < p[b, i, x[b, i]])
             if rule.name == "kl":
                 ok = ok or (kl_divergence(p[b, i], q[b, i]).item() < rule.threshold and p[b, i].max() <= CONFIDENT_TOP1)
             if not ok:
@@ -80,7 +93,7 @@ def _verify_loop(rule, p, q, x, gens):
                 break
         dist = p[b, G] if n == G else residual(p[b, n].double(), q[b, n].double())
         n_out.append(n)
-        nxt.append(int(torch.multinomial(dist.double(), 1, generator=gens[b])))
+        nxt.append(_gumbel_max_loop(dist.double(), noises[b]))
     return n_out, nxt
 
 
@@ -89,10 +102,15 @@ def test_verify_matches_reference_loop(rule):
     B, G, V = 6, 4, 40
     p, q, g = _dists(B, G + 1, V, 2, sharp=1.0)
     q = q[:, :G]
-    x = torch.stack([torch.multinomial(q[b], 1, generator=g)[:, 0] for b in range(B)])
-    n, nxt, _ = verify(rule, p, q, x, False, [torch.Generator().manual_seed(10 + b) for b in range(B)])
-    n_ref, nxt_ref = _verify_loop(rule, p, q, x, [torch.Generator().manual_seed(10 + b) for b in range(B)])
+    spec = [speculative_noise(10 + b, V) for b in range(B)]
+    x = torch.tensor([[sample_probs(q[b, i].double(), spec[b].draft(3, i)) for i in range(G)] for b in range(B)])
+    assert x.tolist() == [[_gumbel_max_loop(q[b, i].double(), spec[b].draft(3, i)) for i in range(G)] for b in range(B)]
+    u = torch.stack([s.accept_uniforms(3, G) for s in spec])
+    noises = [s.token(3) for s in spec]
+    n, nxt, _ = verify(rule, p, q, x, False, u, noises)
+    n_ref, nxt_ref = _verify_loop(rule, p, q, x, u, noises)
     assert n.tolist() == n_ref and nxt.tolist() == nxt_ref
+    assert 0 < sum(n_ref) < B * G   # both accepted and rejected drafts
 
 
 def test_one_step_lossless_exact_marginal():
@@ -104,7 +122,7 @@ def test_one_step_lossless_exact_marginal():
     assert torch.allclose(total, p, atol=1e-12)
 
 
-def test_verify_needs_generators_when_sampling():
+def test_verify_needs_the_noise_when_sampling():
     p, q, _ = _dists(2, 2, 5, 4)
-    with pytest.raises(ValueError, match="one torch.Generator per row"):
+    with pytest.raises(ValueError, match="acceptance uniforms"):
         verify(Rule(), p, q[:, :1], torch.zeros(2, 1, dtype=torch.long), False, None)

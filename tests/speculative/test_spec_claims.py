@@ -101,3 +101,25 @@ def test_cli_generate_speculative_and_score(tmp_path):
     assert r.exit_code == 0, r.output
     r = runner.invoke(app, ["score", str(tmp_path / "k.jsonl"), "--out", str(tmp_path / "k.parquet")])
     assert r.exit_code == 2 and "only claims of standard" in r.output
+
+
+def test_sampled_claims_name_and_replay_their_noise(models):
+    """Sampled claims name the speculative-keyed stream; the verifier regenerates every draw from it:
+    an honest standard provider's tokens and accept/reject decisions are reproduced (margin 0), the
+    KL provider's accepted drafts include ones the ratio test rejects (accept_gap >= 0), a tampered
+    token is not reproduced."""
+    t, d, _ = models
+    claims = _claims(models, Rule("standard"), max_tokens=32)
+    assert all(c.sampling.noise == "speculative-keyed" and "rng" not in c.extra["spec"] for c in claims)
+    honest = verify_spec_claims(claims, t, d)
+    kl = verify_spec_claims(_claims(models, Rule("kl", 1.0), max_tokens=32), t, d)
+    print({"honest_match": honest["replay_match"].mean(), "kl_match": kl["replay_match"].mean()})
+    assert honest["replay_match"].mean() > 0.98 and (honest["margin"][honest["replay_match"]] == 0).all()
+    ha, ka = honest["event"] == "a", kl["event"] == "a"
+    assert (honest["accept_gap"][ha] < 0).mean() > 0.98 and (honest["accept_gap"][honest["event"] == "r"] >= 0).all()
+    assert (kl["accept_gap"][ka] >= 0).sum() >= 3 and kl["replay_match"].mean() < honest["replay_match"].mean()
+    c = claims[1]
+    k = next(i for i, e in enumerate(c.extra["spec"]["events"]) if e == "a")
+    c.output_token_ids[k] = (c.output_token_ids[k] + 1) % t.config.vocab_size
+    rows = verify_spec_claims([c], t, d)
+    assert not rows["replay_match"][k] and rows["margin"][k] > 0

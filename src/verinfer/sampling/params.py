@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-NOISE_BACKENDS = ("vllm-cpu", "vllm-v1-exponential", "keyed", "inverse-cdf")
+NOISE_BACKENDS = ("vllm-cpu", "vllm-v1-exponential", "keyed", "inverse-cdf", "speculative-keyed")
 
 
 @dataclass(frozen=True)

@@ -11,29 +11,26 @@ Pipeline reproduced for one step of one request (filters.py, then noise.py's bac
                                                                          probs.div_(q).argmax())
   inverse-cdf:            token = smallest i with cdf_i > u * cdf_{V-1},
                           cdf = cumsum(softmax(float64(scaled)))         (token-id order)
+  speculative-keyed:      as keyed (step t = round t's token noise, noise.py)
+From a probability vector p (speculative decoding, speculative-keyed noise):
+  sample_probs:           token = argmax_{v: p_v > 0} float64(log p_v) + G_v
 Gumbel argmaxes are decided on exact G (C-library log, noise.py): the fast torch.log values pick
 the near-maximal candidates (within 1e-9) and only those are re-scored exactly.
 
 Auditing: replay_tokens gives what an honest sampler with this seed would have drawn from the
-verifier's logits; postgumbel_margin gives the Token-DiFR margin
-  delta = max_{v in S} (l_v + T*G_v) - (l_y + T*G_y)
-on the temperature-invariant scale of the raw logits l (0 when y is the replayed token, +inf when
-y was filtered out; greedy: max l - l_y); inverse_cdf_interval gives the claimed token's CDF
-interval and the step's shared uniform (IPT-DiFR).
+verifier's logits; inverse_cdf_interval gives the claimed token's CDF interval and the step's shared
+uniform (IPT-DiFR). The Token-DiFR margin and every other post-Gumbel gap are in gap.py.
 """
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from verinfer.sampling.filters import filter_mask_and_logits
-from verinfer.sampling.noise import ExponentialStepNoise, HashTape, NoiseKindError, StepNoise, get_backend
+from verinfer.sampling.noise import ExponentialStepNoise, NoiseKindError, StepNoise, get_backend
 from verinfer.sampling.params import SamplingParams
 
 NEAR_TIE = 1e-9          # fast-vs-exact Gumbel scores differ by < 1e-12; re-score within this
-_HASH_BACKENDS = ("vllm-cpu", "keyed")  # one 64-bit key per step: tapes stack row-wise
 _CHUNK_ELEMS = 1 << 22   # candidate noise is computed for at most this many (step, id) pairs at once
 
 
@@ -102,6 +99,16 @@ def sample_one(logits_V: torch.Tensor, params: SamplingParams, noise: StepNoise 
         return int(logits_V.argmax())
     keep_1V, scaled_1V = _filtered(logits_V[None], params)
     return _sample_row(logits_V, scaled_1V[0], keep_1V[0], params, noise)
+
+
+def sample_probs(probs_V: torch.Tensor, noise: StepNoise) -> int:
+    """Gumbel-max draw from a probability vector (speculative decoding's draft, correction and
+    bonus tokens): argmax over v with p_v > 0 of float64(log p_v) + G_v, decided on exact G, lowest
+    id on ties. Draws v with probability p_v / sum(p)."""
+    if noise.kind != "gumbel":
+        raise NoiseKindError(f"sample_probs needs per-token Gumbel noise, got backend {noise.backend!r}")
+    ids_K = (probs_V > 0).nonzero()[:, 0]
+    return _gumbel_argmax(probs_V[ids_K].to(torch.float64).log(), ids_K, noise)
 
 
 def sample_batch(logits_BV: torch.Tensor, params_list: list[SamplingParams],
@@ -192,48 +199,6 @@ def replay_tokens(logits_TV: torch.Tensor, params: SamplingParams, start_positio
     return _replay(logits_TV, params, start_position, keep_TV, scaled_TV, _tape(params, T, V, start_position))
 
 
-def postgumbel_margin(logits_TV: torch.Tensor, claimed_T: torch.Tensor, params: SamplingParams,
-                      start_position: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Token-DiFR margin per step: (margin_T float64, replay_T long, kept_T bool).
-    margin = max_{v in S}(l_v + T*G_v) - (l_y + T*G_y) with raw logits l, 0 when the claimed y
-    is the replayed token, +inf when y was filtered out; greedy: max l - l_y.
-    Gumbel backends only (vllm-cpu, keyed, vllm-v1-exponential with G = -log q)."""
-    T, V = logits_TV.shape
-    dev = logits_TV.device
-    claimed_T = claimed_T.to(device=dev, dtype=torch.int64)
-    if claimed_T.shape != (T,):
-        raise ValueError(f"claimed_T must have shape [{T}], got {tuple(claimed_T.shape)}")
-    if T and (int(claimed_T.min()) < 0 or int(claimed_T.max()) >= V):
-        raise IndexError(f"claimed token ids must lie in [0, {V})")
-    if params.greedy:
-        l_TV = logits_TV.to(torch.float64)
-        replay_T = logits_TV.argmax(dim=-1)
-        margin_T = l_TV.amax(-1) - l_TV.gather(1, claimed_T[:, None])[:, 0]
-        margin_T = margin_T.masked_fill(claimed_T == replay_T, 0.0)
-        return margin_T, replay_T, torch.ones(T, dtype=torch.bool, device=dev)
-    if get_backend(params.noise).kind != "gumbel":
-        raise NoiseKindError(f"postgumbel_margin needs per-token Gumbel noise; backend {params.noise!r} "
-                             "draws one uniform per step -- use inverse_cdf_interval instead")
-    if T == 0:
-        e = torch.empty(0, device=dev)
-        return e.double(), e.long(), e.bool()
-    keep_TV, scaled_TV = _filtered(logits_TV, params)
-    tape = _tape(params, T, V, start_position)
-    ids_TK, valid_TK = _candidates(scaled_TV, keep_TV)
-    # fast G for the candidates plus the claimed token, one noise call; exact G decides the replay
-    ids_TJ = torch.cat([ids_TK, claimed_T[:, None]], dim=1)
-    g_TJ = _tape_gumbel(tape, ids_TJ)
-    replay_T = _replay(logits_TV, params, start_position, keep_TV, scaled_TV, tape, (ids_TK, valid_TK), g_TJ[:, :-1])
-    kept_T = keep_TV.gather(1, claimed_T[:, None])[:, 0]
-    temp = _temperature32(params)
-    score_TJ = logits_TV.gather(1, ids_TJ).to(torch.float64) + temp * g_TJ
-    best_T = score_TJ[:, :-1].masked_fill(~valid_TK, float("-inf")).amax(-1)
-    margin_T = (best_T - score_TJ[:, -1]).clamp_min(0.0)
-    margin_T = margin_T.masked_fill(claimed_T == replay_T, 0.0)
-    margin_T = margin_T.masked_fill(~kept_T, math.inf)
-    return margin_T, replay_T, kept_T
-
-
 def inverse_cdf_interval(logits_TV: torch.Tensor, claimed_T: torch.Tensor, params: SamplingParams,
                          start_position: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(lo_T, hi_T, u_T) float64: the claimed token's interval [lo, hi) = [cdf_{y-1}, cdf_y] /
@@ -255,193 +220,3 @@ def inverse_cdf_interval(logits_TV: torch.Tensor, claimed_T: torch.Tensor, param
     lo_T = torch.where(claimed_T > 0, cdf_TV.gather(1, prev_T[:, None])[:, 0], torch.zeros_like(hi_T))
     u_T = _tape(params, T, V, start_position).uniforms_T.to(dev)
     return lo_T / total_T, hi_T / total_T, u_T
-
-
-# --- many claims at once (auditor's hot path) ------------------------------------------------
-class _RowsTape(HashTape):
-    """Hash-backend tapes of several requests stacked row-wise: row n has its own step key."""
-
-    def __init__(self, keys_N: torch.Tensor, vocab_size: int):
-        self.backend, self.seed, self.n_steps = None, 0, int(keys_N.shape[0])
-        self.vocab_size, self.start_position, self.keys_T = vocab_size, 0, keys_N
-
-
-def score_claimed(logits_list: list[torch.Tensor], claimed_list: list[torch.Tensor],
-                  params_list: list[SamplingParams], starts: list[int]):
-    """Token-DiFR margin, replayed token, kept flag and log p(claimed) under the filtered sampling
-    distribution, for many claims at once: (margin_N, replay_N, kept_N, logp_N), rows of all
-    claims concatenated in order. Equal to postgumbel_margin per claim; claims with hash noise
-    (vllm-cpu, keyed) share one filter pass and one noise pass, others go one by one."""
-    fast = [i for i, p in enumerate(params_list) if not p.greedy and get_backend(p.noise).name in _HASH_BACKENDS]
-    n_i = [int(l.shape[0]) for l in logits_list]
-    offs = [0]
-    for n in n_i:
-        offs.append(offs[-1] + n)
-    N = offs[-1]
-    margin_N = torch.empty(N, dtype=torch.float64)
-    replay_N = torch.empty(N, dtype=torch.int64)
-    kept_N = torch.empty(N, dtype=torch.bool)
-    logp_N = torch.empty(N, dtype=torch.float64)
-    fast_set = set(fast)
-    for i in range(len(logits_list)):  # greedy / exponential / inverse-cdf claims: one by one
-        if i in fast_set:
-            continue
-        p, l_TV, y_T = params_list[i], logits_list[i], claimed_list[i].to(torch.int64)
-        s = slice(offs[i], offs[i + 1])
-        if p.greedy:
-            lp_TV = torch.log_softmax(l_TV.double(), -1)
-            m, r, k = postgumbel_margin(l_TV, y_T, p, starts[i])
-        else:
-            keep_TV, scaled_TV = _filtered(l_TV, p)
-            lp_TV = torch.log_softmax(scaled_TV.double(), -1)
-            if get_backend(p.noise).kind == "gumbel":
-                m, r, k = postgumbel_margin(l_TV, y_T, p, starts[i])
-            else:
-                r = replay_tokens(l_TV, p, starts[i])
-                k = keep_TV.gather(1, y_T[:, None])[:, 0]
-                m = torch.where(r == y_T, 0.0, math.inf).double()
-        margin_N[s], replay_N[s], kept_N[s] = m.cpu(), r.cpu(), k.cpu()
-        logp_N[s] = lp_TV.gather(1, y_T[:, None])[:, 0].cpu()
-    if not fast:
-        return margin_N, replay_N, kept_N, logp_N
-    l_NV = torch.cat([logits_list[i] for i in fast])
-    y_N = torch.cat([claimed_list[i].to(torch.int64) for i in fast]).to(l_NV.device)
-    rows_p = [params_list[i] for i in fast for _ in range(n_i[i])]
-    V = l_NV.shape[1]
-    keys_N = torch.cat([_tape(params_list[i], n_i[i], V, starts[i]).keys_T for i in fast])
-    m_N, rep_N, kept, lp_N = _score_rows(l_NV, y_N, rows_p, _RowsTape(keys_N, V))
-    idx = torch.cat([torch.arange(offs[i], offs[i + 1]) for i in fast])
-    margin_N[idx], replay_N[idx], kept_N[idx], logp_N[idx] = m_N.cpu(), rep_N.cpu(), kept.cpu(), lp_N.cpu()
-    return margin_N, replay_N, kept_N, logp_N
-
-
-def _topk_block(l_NV: torch.Tensor, rows_p: list[SamplingParams], slack: int = 16):
-    """(vals_NK, ids_NK), the K = max top_k + slack largest logits of each row, when every row has
-    top_k >= 1 and min_p == 0 and each row's block ends strictly below its k-th value: then the
-    block holds every token top-k keeps (ties at the k-th value included; bf16 logits tie often),
-    so the filters applied to the block keep exactly what they keep on the full row.
-    None when the full-vocabulary path is needed."""
-    V = l_NV.shape[1]
-    ks = [p.top_k for p in rows_p]
-    if not ks or min(ks) < 1 or max(ks) + slack >= V or any(p.min_p > 0 for p in rows_p):
-        return None
-    k_N = torch.tensor(ks, device=l_NV.device)
-    vals_NK, ids_NK = l_NV.topk(int(k_N.max()) + slack, dim=-1)
-    kth = vals_NK.gather(1, (k_N - 1)[:, None])[:, 0]
-    if bool((vals_NK[:, -1] >= kth).any()):  # a tie run reaching past the block
-        return None
-    # columns in token-id order, so the filters' stable sort breaks ties (at the top-k and
-    # top-p cuts) by token id exactly as on the full row
-    ids_NK, perm = ids_NK.sort(dim=-1)
-    return vals_NK.gather(1, perm), ids_NK
-
-
-def filter_block(vals_NK, ids_NK, l_NV, prow):
-    """(keep_NK, scaled_NK): the filters of the per-row parameters `prow` (temperature, top_k,
-    top_p, min_p) applied to a top-k block (`_topk_block`), keeping exactly what they keep on the
-    full rows l_NV. Top-p's softmax over the short row sums in another order than over the V-long
-    row vLLM builds, so a cumulative sum within rounding of the cut may fall the other way: those
-    rows are redone with the full-row filter and mapped back to the block's columns."""
-    keep_NK, scaled_NK = filter_mask_and_logits(vals_NK, *prow)
-    redo = _near_top_p_cut(vals_NK, prow)
-    if redo.any():
-        r = redo.nonzero()[:, 0]
-        keep_rV, _ = filter_mask_and_logits(l_NV[r], *(t[r] for t in prow))
-        keep_NK[r] = keep_rV.gather(1, ids_NK[r])
-        scaled_NK[r] = torch.where(keep_NK[r], vals_NK[r].float() / _scale_of(prow[0][r])[:, None], float("-inf"))
-    return keep_NK, scaled_NK
-
-
-def _score_rows(l_NV, y_N, rows_p, tape):
-    """Margin, replay, kept and log p(claimed) for rows with hash noise (see score_claimed)."""
-    block = _topk_block(l_NV, rows_p)
-    t_of = {t: _temperature32(SamplingParams(temperature=t, seed=0)) for t in {p.temperature for p in rows_p}}
-    temp_N = torch.tensor([t_of[p.temperature] for p in rows_p], dtype=torch.float64, device=l_NV.device)
-    if block is not None:
-        vals_NK, ids_NK = block
-        keep_NK, scaled_NK = filter_block(vals_NK, ids_NK, l_NV, _param_rows(rows_p, l_NV.device))
-        cand_scaled = scaled_NK
-        valid_NK = keep_NK
-        in_NK = ids_NK == y_N[:, None]
-        kept = (in_NK & keep_NK).any(-1)
-        s64 = scaled_NK.double()
-        y_scaled = torch.where(kept, (s64.masked_fill(~in_NK, float("-inf"))).amax(-1), float("-inf"))
-        lp_N = y_scaled - torch.logsumexp(s64, -1)
-        base_NK = vals_NK
-    else:
-        keep_NV, scaled_NV = filter_mask_and_logits(l_NV, *_param_rows(rows_p, l_NV.device))
-        ids_NK, valid_NK = _candidates(scaled_NV, keep_NV)
-        cand_scaled = scaled_NV.gather(1, ids_NK)
-        kept = keep_NV.gather(1, y_N[:, None])[:, 0]
-        s64 = scaled_NV.double()
-        lp_N = s64.gather(1, y_N[:, None])[:, 0] - torch.logsumexp(s64, -1)
-        base_NK = l_NV.gather(1, ids_NK)
-    ids_NJ = torch.cat([ids_NK, y_N[:, None]], dim=1)
-    g_NJ = _tape_gumbel(tape, ids_NJ)
-    # replay: argmax over kept candidates of scaled + G, near-ties re-scored with exact G
-    K = ids_NK.shape[1]
-    local = torch.arange(K, device=l_NV.device).expand_as(ids_NK)
-    rep_N = ids_NK.gather(1, _gumbel_replay(cand_scaled, local, valid_NK, _GatheredTape(tape, ids_NK),
-                                            g_NJ[:, :-1])[:, None])[:, 0]
-    l_y = l_NV.gather(1, y_N[:, None])[:, 0].to(torch.float64)
-    best_N = (base_NK.to(torch.float64) + temp_N[:, None] * g_NJ[:, :-1]).masked_fill(~valid_NK, float("-inf")).amax(-1)
-    m_N = (best_N - (l_y + temp_N * g_NJ[:, -1])).clamp_min(0.0)
-    m_N = m_N.masked_fill(y_N == rep_N, 0.0).masked_fill(~kept, math.inf)
-    return m_N, rep_N, kept, lp_N
-
-
-def _scale_of(temperature_r: torch.Tensor) -> torch.Tensor:
-    return torch.where(temperature_r == 0, torch.ones_like(temperature_r), temperature_r)
-
-
-def _near_top_p_cut(vals_NK: torch.Tensor, prow, tol: float = 1e-4) -> torch.Tensor:
-    """Rows whose top-p decision is within `tol` of flipping (descending block of logits)."""
-    temperature_N, top_k_N, top_p_N, _ = prow
-    x_NK = vals_NK.float() / _scale_of(temperature_N)[:, None]
-    x_NK, _ = x_NK.sort(dim=-1, descending=True)
-    kth = x_NK.gather(1, (top_k_N - 1)[:, None])
-    x_NK = x_NK.masked_fill(x_NK < kth, float("-inf"))
-    p_NK = torch.softmax(x_NK.double(), -1)
-    tail_NK = p_NK.flip(-1).cumsum(-1).flip(-1)  # mass of this token and all smaller ones
-    near = ((tail_NK - (1 - top_p_N.double())[:, None]).abs() < tol) & (p_NK > 0)
-    return near.any(-1) & (top_p_N < 1)
-
-
-class _GatheredTape:
-    """A tape seen through per-row candidate lists: local column j of row n is token ids_NK[n, j]."""
-
-    def __init__(self, tape, ids_NK):
-        self.tape, self.ids_NK = tape, ids_NK
-
-    def gumbel_pairs(self, t_N, j_N, exact=True):
-        return self.tape.gumbel_pairs(t_N, self.ids_NK[t_N, j_N], exact)
-
-
-def postgumbel_gaps(logits_TV: torch.Tensor, claimed_T: torch.Tensor, params: SamplingParams,
-                    start_position: int, k: int = 16) -> torch.Tensor:
-    """gaps_Tk float64: for the k strongest kept competitors c != y of each step (descending),
-    (l_c + T*G_c) - (l_y + T*G_y) on the raw-logit scale, -inf padded when fewer are kept; a row
-    of +inf when the claimed y was filtered out. Where y is not the replayed token, gaps[:, 0] is
-    the Token-DiFR margin; Monte-Carlo DiFR perturbs these gaps (audit.variants.mc_difr).
-    Gumbel backends only (vllm-cpu, keyed, vllm-v1-exponential)."""
-    if params.greedy or get_backend(params.noise).kind != "gumbel":
-        raise NoiseKindError(f"postgumbel_gaps needs per-token Gumbel noise and temperature > 0; "
-                             f"got noise={params.noise!r}, temperature={params.temperature}")
-    T, V = logits_TV.shape
-    claimed_T = claimed_T.to(device=logits_TV.device, dtype=torch.int64)
-    if claimed_T.shape != (T,):
-        raise ValueError(f"claimed_T must have shape [{T}], got {tuple(claimed_T.shape)}")
-    out_Tk = torch.full((T, k), float("-inf"), dtype=torch.float64)
-    if T == 0:
-        return out_Tk
-    keep_TV, scaled_TV = _filtered(logits_TV, params)
-    ids_TK, valid_TK = _candidates(scaled_TV, keep_TV)
-    ids_TJ = torch.cat([ids_TK, claimed_T[:, None]], dim=1)
-    g_TJ = _tape_gumbel(_tape(params, T, V, start_position), ids_TJ)
-    s_TJ = logits_TV.gather(1, ids_TJ).to(torch.float64) + _temperature32(params) * g_TJ
-    comp_TK = (s_TJ[:, :-1] - s_TJ[:, -1:]).masked_fill(~valid_TK | (ids_TK == claimed_T[:, None]), float("-inf"))
-    kk = min(k, comp_TK.shape[1])
-    out_Tk[:, :kk] = comp_TK.topk(kk, dim=-1).values.cpu()
-    kept_T = keep_TV.gather(1, claimed_T[:, None])[:, 0].cpu()
-    out_Tk[~kept_T] = float("inf")
-    return out_Tk

@@ -35,6 +35,8 @@ import torch
 
 from verinfer.engine.engine import Engine, check_finite
 from verinfer.models.llama import LlamaLM
+from verinfer.sampling.noise import SpeculativeNoise, speculative_noise
+from verinfer.sampling.sampler import sample_probs
 from verinfer.speculative.rules import Rule, verify
 
 
@@ -115,7 +117,8 @@ class _Rows:
 
 class SpeculativeDecoder:
     """Speculative decoding with a pluggable acceptance rule. `device` is where both models live
-    (any torch device); the per-row torch.Generators stay on the CPU."""
+    (any torch device). Sampling draws every random number from each row's speculative-keyed
+    noise (sampling/noise.py), addressed by (seed, round): claims name noise "speculative-keyed"."""
 
     def __init__(self, target: LlamaLM, draft: LlamaLM, rule: Rule = Rule(), gamma: int = 4,
                  temperature: float = 0.0, stop_token_ids: tuple[int, ...] = (), eos_token_id: int | None = None):
@@ -134,18 +137,18 @@ class SpeculativeDecoder:
     def greedy(self) -> bool:
         return self.temperature == 0
 
-    def _generators(self, n: int, seeds) -> list[torch.Generator] | None:
+    def _generators(self, n: int, seeds) -> list[SpeculativeNoise] | None:
         if self.greedy:
             return None
         if seeds is None or len(seeds) != n:
             raise ValueError(f"sampling (temperature {self.temperature}) needs one seed per prompt ({n})")
-        return [torch.Generator().manual_seed(int(s)) for s in seeds]
+        return [speculative_noise(int(s), self.target.model.config.vocab_size) for s in seeds]
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], max_tokens: int, seeds: list[int] | None = None,
                  batch_size: int = 8) -> list[SpecOutput]:
         """Generate every prompt, `batch_size` rows at a time. Row r's randomness comes only from
-        torch.Generator(seed r), so batched and batch-1 runs draw the same numbers."""
+        its speculative-keyed noise (seed r, round), so batched and batch-1 runs draw the same numbers."""
         for i, p in enumerate(prompts):
             if len(p) < 2:
                 raise ValueError(f"prompt #{i} has {len(p)} token(s); speculative decoding needs at least 2 "
@@ -190,7 +193,7 @@ class SpeculativeDecoder:
                     x = lg.argmax(-1)
                 else:
                     qc = q.double().cpu()
-                    x = torch.tensor([int(torch.multinomial(qc[b], 1, generator=gens[r]))
+                    x = torch.tensor([sample_probs(qc[b], gens[r].draft(rows.outs[r].target_forwards, i))
                                       for b, r in enumerate(active)], device=dev)
                 xs.append(x)
                 qs.append(q)
@@ -217,8 +220,10 @@ class SpeculativeDecoder:
             feats = None
             if hl is not None:
                 feats = torch.cat([th[:, :Gr].float(), torch.stack(hds, 1).float()], -1)
-            n_acc, nxt, _ = verify(self.rule, p_BGpV, q_BGV, x_BG, self.greedy,
-                                   None if gens is None else [gens[r] for r in active], feats)
+            u_BG = None if gens is None else torch.stack([gens[r].accept_uniforms(rows.outs[r].target_forwards, Gr)
+                                                          for r in active])
+            tok_noises = None if gens is None else [gens[r].token(rows.outs[r].target_forwards) for r in active]
+            n_acc, nxt, _ = verify(self.rule, p_BGpV, q_BGV, x_BG, self.greedy, u_BG, tok_noises, feats)
             x_cpu = x_BG.cpu()
             keep = []
             for b, r in enumerate(active):
@@ -256,7 +261,8 @@ def autoregressive(target: LlamaLM, prompts: list[list[int]], max_tokens: int, t
                    seeds: list[int] | None = None, stop_token_ids: tuple[int, ...] = (), batch_size: int = 8,
                    eos_token_id: int | None = None) -> list[SpecOutput]:
     """Target-only decoding (one target forward per token) with the same stop logic and the same
-    per-row generators as SpeculativeDecoder: the baseline speculative decoding is timed against."""
+    per-row noise as SpeculativeDecoder (step t draws round t's token noise: speculative decoding
+    with gamma = 0): the baseline speculative decoding is timed against."""
     eng = Engine(target)
     stop = set(stop_token_ids) | ({eos_token_id} if eos_token_id is not None else set())
     if temperature > 0 and (seeds is None or len(seeds) != len(prompts)):
@@ -264,7 +270,8 @@ def autoregressive(target: LlamaLM, prompts: list[list[int]], max_tokens: int, t
     out: list[SpecOutput] = []
     for i0 in range(0, len(prompts), batch_size):
         group = prompts[i0 : i0 + batch_size]
-        gens = None if temperature == 0 else [torch.Generator().manual_seed(int(s)) for s in seeds[i0 : i0 + batch_size]]
+        gens = None if temperature == 0 else [speculative_noise(int(s), target.config.vocab_size)
+                                              for s in seeds[i0 : i0 + batch_size]]
         batch, logits, _ = prefill(target, group, extra_slots=max_tokens + 1)
         outs = [SpecOutput(list(p), [], "", "length") for p in group]
         active = list(range(len(group)))
@@ -273,7 +280,8 @@ def autoregressive(target: LlamaLM, prompts: list[list[int]], max_tokens: int, t
                 tok = logits.argmax(-1).cpu()
             else:
                 pc = _probs(logits, temperature).double().cpu()
-                tok = torch.tensor([int(torch.multinomial(pc[b], 1, generator=gens[r])) for b, r in enumerate(active)])
+                tok = torch.tensor([sample_probs(pc[b], gens[r].token(len(outs[r].output_token_ids)))
+                                    for b, r in enumerate(active)])
             keep = []
             for b, r in enumerate(active):
                 o = outs[r]

@@ -32,6 +32,9 @@ from typing import Callable
 
 import torch
 
+from verinfer.sampling.noise import StepNoise
+from verinfer.sampling.sampler import sample_probs
+
 CONFIDENT_TOP1 = 0.9  # KL judge: above this target top-1 probability only the standard rule applies
 RULES = ("standard", "kl", "topk", "target_entropy", "draft_entropy", "autojudge")
 
@@ -139,21 +142,22 @@ def residual(p_V: torch.Tensor, q_V: torch.Tensor) -> torch.Tensor:
 
 
 def verify(rule: Rule, p_BGpV: torch.Tensor, q_BGV: torch.Tensor, x_BG: torch.Tensor, greedy: bool,
-           generators: list[torch.Generator] | None = None, feats_BGD: torch.Tensor | None = None):
+           u_BG: torch.Tensor | None = None, token_noises: list[StepNoise] | None = None,
+           feats_BGD: torch.Tensor | None = None):
     """One verification of a drafted block. p_BGpV has G+1 positions (the last one gives the
     bonus token). Returns (n_accepted_B, next_token_B, accept_BG) where accept_BG is the rule's
     per-position decision (the block ends at the first False) and next_token_B is the correction
     (after a rejection) or the bonus token (after full acceptance).
 
-    Randomness comes only from `generators` (CPU torch.Generator, one per row, so a row's draws do
-    not depend on its batch neighbours): per row, G uniforms for the ratio test, then one draw
-    for the next token. Greedy draws nothing."""
+    Sampling (temperature > 0) takes its randomness as arguments, drawn by the caller from each
+    row's speculative-keyed noise (sampling/noise.py, `SpeculativeNoise`): u_BG, the acceptance
+    uniforms of the round, and token_noises, one StepNoise per row for the next token
+    (`sampling.sampler.sample_probs` of the residual or the bonus distribution). Greedy draws nothing."""
     B, G = x_BG.shape
-    u_BG = None
     if not greedy:
-        if generators is None or len(generators) != B:
-            raise ValueError(f"sampling (temperature > 0) needs one torch.Generator per row ({B} rows)")
-        u_BG = torch.stack([torch.rand(G, generator=g, dtype=torch.float64) for g in generators])
+        if u_BG is None or token_noises is None or len(token_noises) != B or tuple(u_BG.shape) != (B, G):
+            raise ValueError(f"sampling (temperature > 0) needs the acceptance uniforms u_BG [{B}, {G}] and one "
+                             f"token noise per row ({B} rows)")
         u_BG = u_BG.to(device=p_BGpV.device, dtype=p_BGpV.dtype)
     acc = accept_mask(rule, p_BGpV[:, :G], q_BGV, x_BG, u_BG, greedy, feats_BGD)
     n_B = leading_accepted(acc)
@@ -165,5 +169,5 @@ def verify(rule: Rule, p_BGpV: torch.Tensor, q_BGV: torch.Tensor, x_BG: torch.Te
     for b in range(B):
         n = int(n_B[b])
         dist = p_cpu[b, G] if n == G else residual(p_cpu[b, n], q_cpu[b, n])
-        nxt[b] = int(torch.multinomial(dist, 1, generator=generators[b]))
+        nxt[b] = sample_probs(dist, token_noises[b])
     return n_B.cpu(), nxt, acc

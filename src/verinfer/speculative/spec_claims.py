@@ -20,6 +20,14 @@ The per-output-token score is accept_nll on 'a' tokens, 0 on others, +inf on vio
 batch means of it separate an honest standard provider from one that runs the lossy KL judge
 (which accepts tokens the ratio test would usually reject) -> tokens-to-detect with the DiFR
 protocol (audit.metrics.auc_vs_tokens at AUC@1%FPR >= 0.99).
+
+Re-execution (sampled claims): every random number of verinfer's speculative decoder comes from
+the claim's speculative-keyed noise (sampling/noise.py), addressed by (seed, round, slot); the
+round and slot of each token follow from the events (a round ends at r or b). `replay_draw`
+regenerates the draft token, the acceptance uniform and the correction/bonus draw from the
+verifier's p and q: replay_match (the claimed token and accept/reject decision reproduced),
+margin (post-Gumbel margin of the claimed token, sampling/gap.py) and accept_gap
+(log u - log min(1, p(x)/q(x)): < 0 iff the standard rule accepts the draft x).
 """
 
 from __future__ import annotations
@@ -33,13 +41,14 @@ import torch
 from verinfer.claims import Claim
 from verinfer.errors import ClaimError
 from verinfer.models.llama import LlamaLM
+from verinfer.sampling.gap import probs_margin
+from verinfer.sampling.noise import SpeculativeNoise, speculative_noise
 from verinfer.sampling.params import SamplingParams
+from verinfer.sampling.sampler import sample_probs
 from verinfer.speculative.loop import SpeculativeDecoder
-from verinfer.speculative.rules import Rule
+from verinfer.speculative.rules import Rule, residual
 
-SPEC_NOISE = "inverse-cdf"  # claims must name a backend; the spec field says the real RNG protocol
-RNG_PROTOCOL = ("torch.Generator(seed) on CPU; per round: gamma draft draws (multinomial), gamma uniforms "
-                "(float64), one draw for the correction/bonus token")
+SPEC_NOISE = "speculative-keyed"  # the noise stream SpeculativeDecoder draws from (sampling/noise.py)
 
 
 def spec_claims(target: LlamaLM, draft: LlamaLM, prompts: list[list[int]], *, run_rule: Rule, claimed: str,
@@ -55,7 +64,7 @@ def spec_claims(target: LlamaLM, draft: LlamaLM, prompts: list[list[int]], *, ru
         params = SamplingParams(temperature=temperature, seed=None if seeds is None else seeds[i],
                                 max_tokens=max_tokens, noise=SPEC_NOISE)
         spec = {"method": claimed, "threshold": run_rule.threshold if claimed == run_rule.name else 0.0,
-                "gamma": gamma, "draft": draft_name, "events": o.events, "rng": RNG_PROTOCOL}
+                "gamma": gamma, "draft": draft_name, "events": o.events}
         claims.append(Claim(f"{provider}-{i}", model_name, list(o.prompt_token_ids), o.output_token_ids, params,
                             provider, {"spec": spec}))
     return claims
@@ -96,10 +105,39 @@ def _spec_of(c: Claim) -> dict:
     return s
 
 
+def replay_draw(p_V: torch.Tensor, q_V: torch.Tensor, claimed: int, event: str, noise: SpeculativeNoise,
+                rnd: int, slot: int) -> tuple[bool, float, float]:
+    """Re-execute the draw that produced one claimed token of round `rnd`, slot `slot` (its index in
+    the round) from the claim's speculative-keyed noise and the verifier's p (target) / q (draft):
+    (replay_match, margin, accept_gap).
+      a: the draft token x = sample_probs(q, draft noise (rnd, slot)) must be the claimed token and
+         pass the ratio test; r: x must fail it and the correction sample_probs(residual(p, q),
+         token noise rnd) be the claimed token; b: sample_probs(p, token noise rnd).
+    accept_gap = log u - log min(1, p(x)/q(x)) (u the slot's acceptance uniform): < 0 iff the
+    standard rule accepts x (NaN for b). margin: `gap.probs_margin` of the claimed token under the
+    distribution it was drawn from (0 when reproduced, +inf when impossible)."""
+    agap, accepted = math.nan, None
+    if event == "b":
+        dist, tok_noise = p_V, noise.token(rnd)
+    else:
+        x = sample_probs(q_V, noise.draft(rnd, slot))
+        u = float(noise.accept_uniforms(rnd, slot + 1)[slot])
+        ratio = min(1.0, float(p_V[x] / q_V[x]))
+        agap = math.log(u) - math.log(ratio) if ratio > 0 else math.inf
+        accepted = agap < 0
+        dist, tok_noise = (q_V, noise.draft(rnd, slot)) if event == "a" else (residual(p_V, q_V), noise.token(rnd))
+    margin, replay = probs_margin(dist, claimed, tok_noise)
+    match = replay == claimed and (accepted is None or accepted == (event == "a"))
+    return match, margin, agap
+
+
 @torch.no_grad()
 def verify_spec_claims(claims: list[Claim], target: LlamaLM, draft: LlamaLM) -> dict[str, np.ndarray]:
-    """One row per output token: claim index, position, event, accept_nll, violation, score."""
-    rows: dict[str, list] = {k: [] for k in ("claim", "position", "event", "accept_nll", "violation", "score")}
+    """One row per output token: claim index, position, event, accept_nll, violation, score and
+    the re-execution of the claim's draws (`replay_draw`; sampled claims, noise speculative-keyed):
+    replay_match, margin, accept_gap (greedy claims: replay_match = argmax check, margin 0, NaN)."""
+    keys = ("claim", "position", "event", "accept_nll", "violation", "score", "replay_match", "margin", "accept_gap")
+    rows: dict[str, list] = {k: [] for k in keys}
     for ci, c in enumerate(claims):
         s = _spec_of(c)
         seq = c.prompt_token_ids + c.output_token_ids
@@ -112,24 +150,31 @@ def verify_spec_claims(claims: list[Claim], target: LlamaLM, draft: LlamaLM) -> 
         lt, ld = lt[0, P - 1 :].float().cpu(), ld[0, P - 1 :].float().cpu()
         y = torch.tensor(c.output_token_ids)
         if T > 0:
+            if c.sampling.noise != SPEC_NOISE:
+                raise ClaimError(f"`sampling.noise` {c.sampling.noise!r}: sampled speculative claims are verified "
+                                 f"against the {SPEC_NOISE!r} stream", where=c.source or f"claim {c.id}",
+                                 fix=f"generate them with verinfer's speculative decoder (noise {SPEC_NOISE!r})")
             p = torch.softmax(lt.double() / T, -1)
             q = torch.softmax(ld.double() / T, -1)
             py, qy = p[torch.arange(n), y], q[torch.arange(n), y]
+            noise = speculative_noise(c.sampling.seed, p.shape[-1])
+        rnd = slot = 0
         for t, e in enumerate(s["events"]):
             viol, nll = False, 0.0
+            match, margin, agap = True, 0.0, math.nan
             if T == 0:
                 viol = int(lt[t].argmax()) != int(y[t])
-            elif e == "a":
-                nll = -math.log(min(1.0, float(py[t] / qy[t]))) if py[t] > 0 else math.inf
-                viol = bool(py[t] == 0)
-            elif e == "r":
-                viol = bool(py[t] <= qy[t])
+                match = not viol
             else:
-                viol = bool(py[t] == 0)
-            rows["claim"].append(ci)
-            rows["position"].append(t)
-            rows["event"].append(e)
-            rows["accept_nll"].append(nll)
-            rows["violation"].append(viol)
-            rows["score"].append(math.inf if viol else nll)
+                match, margin, agap = replay_draw(p[t], q[t], int(y[t]), e, noise, rnd, slot)
+                if e == "a":
+                    nll = -math.log(min(1.0, float(py[t] / qy[t]))) if py[t] > 0 else math.inf
+                    viol = bool(py[t] == 0)
+                elif e == "r":
+                    viol = bool(py[t] <= qy[t])
+                else:
+                    viol = bool(py[t] == 0)
+            slot, rnd = (slot + 1, rnd) if e == "a" else (0, rnd + 1)
+            for k, v in zip(keys, (ci, t, e, nll, viol, math.inf if viol else nll, match, margin, agap)):
+                rows[k].append(v)
     return {k: np.asarray(v) for k, v in rows.items()}
