@@ -225,7 +225,7 @@ TOP_P_SLACKS = (0.01,)  # signed gaps with a tolerance at the top-p cut (variant
 BEST_CONFIG = dict(temperature_factors=TEMPERATURE_FACTORS, sigma_factors=(1.5, 2.0, 3.0, 5.0, 10.0, 20.0, 50.0),
                    eps_factors=(10.0, 100.0, 1000.0))
 BEST_DESCRIPTION = (
-    "PerturbationGLRTDetector (src/verinfer/audit/detector.py) on the honest-reference envelope "
+    "PerturbationGLRTDetector (src/verinfer/detect/glrt.py) on the honest-reference envelope "
     "(src/verinfer/audit/references.py): each claim is replayed by five honest kernels (bf16 teacher-forced, the "
     "primary replay; fp32; bf16 eager attention; bf16 token by token through the KV cache, as a provider decodes, one "
     "claim at a time and in padded batches of 8 randomly grouped claims) and per token the signed post-Gumbel gap d "
@@ -449,12 +449,7 @@ def heldout_fpr(det, sets: dict, sizes, seed: int = 3) -> dict:
                 stats = det.batch_statistics(det.token_columns(vals), b, 200, rng)
                 row[b] = float(np.mean(stats > thr))
                 continue
-            if hasattr(det, "token_scores"):
-                w = det.token_scores(vals)
-            else:
-                from verinfer.audit.scores import winsorize
-
-                w = winsorize(vals, det.clip_)
+            w = det.token_scores(vals)
             means = w[rng.integers(0, w.size, (200, b))].mean(axis=1) if b <= 3000 else \
                 np.array([w[rng.integers(0, w.size, b)].mean() for _ in range(200)])
             row[b] = float(np.mean(means > thr))
@@ -463,8 +458,9 @@ def heldout_fpr(det, sets: dict, sizes, seed: int = 3) -> dict:
 
 
 def stage_grid(log=print) -> dict:
+    from verinfer.detect.clipped_mean import ClippedMeanDetector
+    from verinfer.detect.glrt import PerturbationGLRTDetector
     from verinfer.detect.likelihood_ratio import LikelihoodRatioDetector
-    from verinfer.detect.detectors import ClippedMeanDetector, PerturbationGLRTDetector
     from verinfer.detect.metrics import split_tokens, tokens_to_detect
     from verinfer.audit.references import REFERENCES
 
@@ -500,7 +496,7 @@ def stage_grid(log=print) -> dict:
             curves[m][n] = auc_curve(h_vals[n], sc.values(n, te[m]), BATCH_SIZES, seed=1)
         # lr_combined: binned likelihood ratio over (margin, direction, cross-entropy), honest train +
         # the OTHER misconfigurations' train halves (leave-one-misconfiguration-out)
-        lrd = LikelihoodRatioDetector().fit(h_tr, [tr[o] for o in misconf if o != m])
+        lrd = LikelihoodRatioDetector().fit(h_tr, alternatives=[tr[o] for o in misconf if o != m])
         curves[m]["lr_combined"] = auc_curve(lrd.token_scores(h_te), lrd.token_scores(te[m]), BATCH_SIZES, seed=1)
         curves[m]["glrt_single_replay"] = best_curve(single, h_te, te[m], BATCH_SIZES, seed=1)
         curves[m]["best"] = best_curve(best, h_ev, ev[m], BATCH_SIZES, seed=1)
@@ -537,7 +533,7 @@ def stage_grid(log=print) -> dict:
                 for n in ("margin_clip99.9", "lr_combined", "glrt_single_replay", "best")}
 
     # held-out honest configurations (never used in any fit): flag rates at a 1% target
-    det_all = LikelihoodRatioDetector().fit(h_tr, [tr[m] for m in misconf])
+    det_all = LikelihoodRatioDetector().fit(h_tr, alternatives=[tr[m] for m in misconf])
     RESULTS.mkdir(parents=True, exist_ok=True)
     det_all.save(RESULTS / "detection_lab_lr_detector.json")
     fpr_sizes = (10, 30, 100, 300, 1000, 3000, 10000)
@@ -545,10 +541,10 @@ def stage_grid(log=print) -> dict:
     fpr_best = heldout_fpr(best, {k: env_view(d) for k, d in ho.items()}, fpr_sizes)
     fpr_single = heldout_fpr(single, ho, fpr_sizes)
     fpr_lr = heldout_fpr(det_all, ho, fpr_sizes)
-    cm = ClippedMeanDetector(clip_quantile=0.999).fit(h_tr["margin"])
-    fpr_margin = heldout_fpr(cm, {k: v["margin"] for k, v in ho.items()}, fpr_sizes)
-    cm_strat = ClippedMeanDetector(clip_quantile=0.999).fit(h_tr["margin"], groups=h_groups)
-    fpr_margin_strat = heldout_fpr(cm_strat, {k: v["margin"] for k, v in ho.items()}, fpr_sizes)
+    cm = ClippedMeanDetector(clip_quantile=0.999).fit(h_tr)
+    fpr_margin = heldout_fpr(cm, ho, fpr_sizes)
+    cm_strat = ClippedMeanDetector(clip_quantile=0.999).fit(h_tr, groups=h_groups)
+    fpr_margin_strat = heldout_fpr(cm_strat, ho, fpr_sizes)
     mean_fpr = lambda f: float(np.mean([v for row in f.values() for v in row.values()])) if f else None  # noqa: E731
 
     # temperature-tuning attack at 1000 tokens
@@ -557,7 +553,7 @@ def stage_grid(log=print) -> dict:
         at = json.loads((CACHE / "attack_temperature.json").read_text())
         rows = {}
         for key in ("int4-tuned", "int4"):
-            det_loo = LikelihoodRatioDetector().fit(h_tr, [tr[o] for o in misconf if o != "int4"])
+            det_loo = LikelihoodRatioDetector().fit(h_tr, alternatives=[tr[o] for o in misconf if o != "int4"])
             row = {n: auc_curve(h_vals[n], sc.values(n, te[key]), (1000,), seed=4)[1000]
                    for n in ("cross_entropy", "margin_clip99.9", "likelihood", "exact_match")}
             row["lr_combined"] = auc_curve(det_loo.token_scores(h_te), det_loo.token_scores(te[key]), (1000,), seed=4)[1000]

@@ -35,10 +35,10 @@ CACHE = ROOT / ".cache" / "vllm_audit"
 LADDER = (100, 250, 500, 1000, 2000, 4000)
 
 
-def tokens_to_flag(det, values) -> int | None:
-    """Smallest prefix (tokens, from LADDER, then all) that the detector flags."""
-    for n in [*[x for x in LADDER if x < len(values)], len(values)]:
-        if det.verdict(values[:n])["flagged"]:
+def tokens_to_flag(det, table) -> int | None:
+    """Smallest prefix (tokens, from LADDER, then all) of a score table that the detector flags."""
+    for n in [*[x for x in LADDER if x < table.num_rows], table.num_rows]:
+        if det.verdict(table, max_tokens=n)["flagged"]:
             return n
     return None
 
@@ -150,7 +150,6 @@ def main() -> None:
                                          verifier_engine)
     from verinfer.audit.replay import score_claims
     from verinfer.providers.simulated import HONEST, run_provider
-    from verinfer.audit.scores import divergence
     from verinfer.providers.vllm import VllmRun, generate_claims, make_llm
     from verinfer.models.load import model_info
     from verinfer.models.testbed import TARGET_DIR
@@ -251,12 +250,11 @@ def main() -> None:
     # 4. verdicts
     per_run = {}
     for name, t in tables.items():
-        v = divergence(t, "margin")
-        d = det.verdict(v, confidence=True)
+        d = det.verdict(t)
         per_run[name] = {"flagged": d["flagged"], "n_tokens": d["n_tokens"], "p_value": d["p_value"],
                          "pooled": d["pooled"], "threshold": d["threshold"],
                          "exact_match": float(np.mean(t["exact_match"].to_numpy())),
-                         "tokens_to_flag": tokens_to_flag(det, v),
+                         "tokens_to_flag": tokens_to_flag(det, t),
                          "vllm_generate_s": gens[name].seconds,
                          "description": {"honest": "vLLM bf16, advertised settings",
                                          "int4": "checkpoint fake-quantized to 4 bits (RTN, group 32), served by vLLM bf16",
@@ -296,7 +294,7 @@ def main() -> None:
                     ">= 2 misconfigured runs flagged": sum(v["flagged"] for k, v in per_run.items() if k != "honest") >= 2},
         "misconfigured": {k: v for k, v in per_run.items() if k != "honest"},
         "runs": per_run,
-        "detector": {"score": det.score, "clip": det.clip_, "target_fpr": det.target_fpr,
+        "detector": {"score": det.score_name, "clip": det.clip_, "target_fpr": det.target_fpr,
                      "calibrated_on": list(HONEST), "calib_prompts": args.calib_n},
         "setup": {"model": info.name, "weights_sha256": info.weights_sha256, "prompts": args.n,
                   "max_tokens": args.max_tokens, "sampling": "T=1.0, top_k=50, top_p=0.95, noise vllm-cpu",

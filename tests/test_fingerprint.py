@@ -7,7 +7,7 @@ import torch
 
 from verinfer import fingerprint as fpm
 from verinfer.claims import read_claims, write_claims
-from verinfer.detect.detectors import ClippedMeanDetector
+from verinfer.detect.clipped_mean import ClippedMeanDetector
 from verinfer.providers.simulated import ProviderConfig, run_provider
 from verinfer.audit.replay import score_claims
 from verinfer.audit.scores import divergence
@@ -120,15 +120,16 @@ def test_honest_replay_at_another_batch_size_not_flagged_int4_flagged(tiny_llama
     eng = Engine(load_model(tiny_llama_dir, Numerics(dtype="bf16")), Numerics(dtype="bf16"))
     spec = fpm.FingerprintSpec(k=16, stride=1)
     prompts = _prompts(8, seed=1)
-    vals = {}
+    vals, tables = {}, {}
     for cfg in (ProviderConfig("cal", Numerics(dtype="bf16"), batch_size=1),
                 ProviderConfig("other-batch", Numerics(dtype="bf16"), batch_size=5),
                 ProviderConfig("int4", Numerics(dtype="bf16", weight_bits=4), batch_size=4, honest=False)):
         claims = run_provider(cfg, tiny_llama_dir, prompts, SPEC, fingerprint=spec, base_seed=3)
         t = score_claims(claims, eng, tmp_path / f"{cfg.name}.parquet")
         vals[cfg.name] = divergence(t, "fp_l2")
+        tables[cfg.name] = t
         assert vals[cfg.name].size > 64  # one distance per output token (stride 1; EOS may end a claim early)
-    det = ClippedMeanDetector(score="fp_l2", clip_quantile=0.999, target_fpr=0.01).fit(vals["cal"])
-    assert not det.verdict(vals["other-batch"])["flagged"]
-    assert det.verdict(vals["int4"])["flagged"]
+    det = ClippedMeanDetector(score_name="fp_l2", clip_quantile=0.999, target_fpr=0.01).fit(tables["cal"])
+    assert not det.verdict(tables["other-batch"])["flagged"]
+    assert det.verdict(tables["int4"])["flagged"]
     assert vals["int4"].mean() > 3 * vals["other-batch"].mean()

@@ -51,15 +51,12 @@ def test_compute_auc_curves(table):
 
 
 def test_write_report(table, tmp_path):
-    from verinfer.detect.detectors import ClippedMeanDetector
-    from verinfer.audit.scores import divergence
+    from verinfer.detect.clipped_mean import ClippedMeanDetector
 
     honest = ["honest-a", "honest-b"]
-    prov = np.asarray(table["provider"].to_pylist())
-    v = divergence(table, "margin")
-    det = ClippedMeanDetector().fit(v[np.isin(prov, honest)])
-    verdicts = [{**det.verdict(v[prov == p][:1000]), "provider": p, "honest": p in honest}
-                for p in ("honest-a", "int4", "temp-1.1")]
+    det = ClippedMeanDetector().fit(table.filter(pc.is_in(table["provider"], pa.array(honest))))
+    verdicts = [{**det.verdict(table.filter(pc.equal(table["provider"], p)), max_tokens=1000), "provider": p,
+                 "honest": p in honest} for p in ("honest-a", "int4", "temp-1.1")]
     assert verdicts[1]["flagged"]
     curves = compute_auc_curves(table, honest, batch_sizes=(1, 10, 100, 1000), n_batches=200)
     out = write_report(table, tmp_path / "rep", honest, verdicts, curves, batch_sizes=(1, 10, 100, 1000))

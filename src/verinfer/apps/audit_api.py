@@ -37,7 +37,7 @@ from verinfer.apps.pipeline import VERIFIER_NUMERICS, calibrate, load_score_tabl
 from verinfer.models.prompts import prompts_for
 from verinfer.claims import Claim, read_claims, write_claims
 from verinfer.io import atomic_write_json, atomic_write_text, check_manifest, exclusive_lock
-from verinfer.detect.detectors import ClippedMeanDetector
+from verinfer.detect import Detector, load_detector
 from verinfer.providers.openai_http import Endpoint, EndpointError, openai_client, probe_seeds, request_completion
 from verinfer.providers.simulated import HONEST, MISCONFIGURED, PROVIDERS, request_seed, run_provider
 from verinfer.audit.scores import divergence
@@ -48,6 +48,7 @@ from verinfer.sampling.params import SamplingParams
 MODES = ("auto", "seeded", "greedy")
 BANDS = {"bf16": "honest-bf16-b8", "fp8-kv": "fp8-kv", "int4": "int4"}  # reference band -> local provider
 CALIB_SEED_OFFSET = 1_000_003  # calibration prompts: another sample of the same distribution
+DETECTOR = "clipped-mean"  # on the margin; its clip_ also clips the margin `summarize` reports
 
 
 @dataclass(frozen=True)
@@ -207,9 +208,10 @@ def _detector_meta(cfg: ApiAuditConfig, mode: str, info) -> dict:
             "min_p": cfg.min_p, "noise": cfg.noise, "honest": list(cfg.honest), "verifier_matmul": cfg.matmul}
 
 
-def calibrated_detector(cfg: ApiAuditConfig, mode: str, info, engine, score_fn) -> tuple[ClippedMeanDetector, dict]:
-    """A detector fit on verinfer's honest runs; loaded from cfg.detector if it exists and was made
-    for the same model and settings (its `.meta.json` sidecar says), else fit and saved there."""
+def calibrated_detector(cfg: ApiAuditConfig, mode: str, info, engine, score_fn) -> tuple[Detector, dict]:
+    """A clipped-mean margin detector fit on verinfer's honest runs; loaded from cfg.detector if it
+    exists and was made for the same model and settings (its `.meta.json` sidecar says), else fit
+    and saved there."""
     meta = _detector_meta(cfg, mode, info)
     det_path = Path(cfg.detector) if cfg.detector else Path(cfg.out_dir) / "detector.json"
     meta_path = det_path.with_name(det_path.name + ".meta.json")
@@ -219,7 +221,12 @@ def calibrated_detector(cfg: ApiAuditConfig, mode: str, info, engine, score_fn) 
             raise VerinferError("this detector was calibrated for other settings "
                                 f"({'no .meta.json sidecar' if old is None else 'different ' + ', '.join(k for k in meta if old.get(k) != meta[k])})",
                                 where=str(det_path), fix="pass another --detector path (it is created if missing)")
-        return ClippedMeanDetector.load(det_path), {}
+        det = load_detector(det_path)
+        if det.NAME != DETECTOR:
+            raise VerinferError(f"audit-api uses {DETECTOR} detectors (their clip_ sets the margin bands), "
+                                f"this is a {det.NAME} detector", where=str(det_path),
+                                fix="pass another --detector path (it is created if missing)")
+        return det, {}
     calib_dir = Path(cfg.out_dir) / f"calibration-{mode}"
     base = cfg.seed + CALIB_SEED_OFFSET
     prompts = prompts_for(cfg.model_dir, cfg.n_calib, base)
@@ -228,13 +235,13 @@ def calibrated_detector(cfg: ApiAuditConfig, mode: str, info, engine, score_fn) 
     t1 = time.perf_counter()
     spaths = [score_fn(p, p.with_suffix(".parquet")) for p in paths]
     table = load_score_tables(spaths)
-    det, _ = calibrate(table, list(cfg.honest), target_fpr=cfg.target_fpr, seed=cfg.seed)
+    det, _ = calibrate(table, list(cfg.honest), detector=DETECTOR, target_fpr=cfg.target_fpr, seed=cfg.seed)
     det.save(det_path)
     atomic_write_text(meta_path, json.dumps(meta, indent=1))
     return det, {"calibration_generate_s": t1 - t0, "calibration_score_s": time.perf_counter() - t1}
 
 
-def reference_bands(cfg: ApiAuditConfig, det: ClippedMeanDetector, score_fn, n_boot: int = 1000) -> dict:
+def reference_bands(cfg: ApiAuditConfig, det: Detector, score_fn, n_boot: int = 1000) -> dict:
     """Greedy mode: mean clipped margin and mean cross-entropy (with a 95% bootstrap interval over
     claims) of verinfer's own bf16, fp8-KV and 4-bit greedy runs replayed by the bf16 verifier."""
     base = cfg.seed + CALIB_SEED_OFFSET
@@ -247,7 +254,7 @@ def reference_bands(cfg: ApiAuditConfig, det: ClippedMeanDetector, score_fn, n_b
     return bands
 
 
-def summarize(table, det: ClippedMeanDetector, n_boot: int = 1000, seed: int = 0) -> dict:
+def summarize(table, det: Detector, n_boot: int = 1000, seed: int = 0) -> dict:
     """Mean clipped margin, mean cross-entropy and mismatch rate, with 95% bootstrap intervals over
     claims. Cross-entropy is averaged over finite values (a claimed token the verifier's filters
     exclude has +inf; their count is `n_filtered_out`)."""
@@ -309,9 +316,8 @@ def audit_api(cfg: ApiAuditConfig, *, progress=None) -> ApiAuditResult:
     t_score = time.perf_counter()
     det, ctimes = calibrated_detector(cfg, mode, info, engine, score_fn)
     table = load_score_tables([scores_path])
-    values = divergence(table, det.score)
-    verdict = det.verdict(values, confidence=True)
-    verdict.update(provider=f"api:{cfg.model}", honest=None, score=det.score)
+    verdict = det.verdict(table)
+    verdict.update(provider=f"api:{cfg.model}", honest=None)
     bands = None
     point = summarize(table, det, seed=cfg.seed)
     if mode == "greedy":

@@ -18,15 +18,13 @@ from rich.table import Table
 
 
 from verinfer.claims import Claim, check_claims_fit, read_claims, write_claims
-from verinfer.detect.detectors import ClippedMeanDetector, PerturbationGLRTDetector
-from verinfer.detect.likelihood_ratio import LikelihoodRatioDetector
+from verinfer.detect import Detector, make_detector
 from verinfer.detect.metrics import split_tokens
 from verinfer.io import check_writable, progress_bar
 from verinfer.models.prompts import prompts_for
 from verinfer.providers import vllm
 from verinfer.providers.simulated import DEFAULT_SPEC, HONEST, PROVIDERS, get_provider, run_provider
 from verinfer.audit.replay import read_scores, score_claims
-from verinfer.audit.scores import divergence
 from verinfer.engine.engine import Engine
 from verinfer.errors import ClaimError
 from verinfer.models.load import load_model, model_info
@@ -96,68 +94,35 @@ def load_score_tables(paths: list[str | Path]) -> pa.Table:
     return pa.concat_tables([read_scores(p) for p in paths])
 
 
-def provider_values(table: pa.Table, provider: str, score_name: str = "margin") -> np.ndarray:
-    sub = table.filter(pc.equal(table["provider"], provider))
-    return divergence(sub, score_name)
-
-
-def calibrate(table: pa.Table, honest: list[str], *, score_name: str = "margin", clip_quantile: float = 0.999,
-              target_fpr: float = 0.01, seed: int = 0, detector: str = "clipped-mean"):
-    """Fit a detector on the train half of the honest tokens; return it and each honest
-    provider's held-out test half (for auditing honest providers without reusing train data).
-    detector: "clipped-mean" (one score column, `ClippedMeanDetector`) or "glrt"
-    (`PerturbationGLRTDetector` on the signed-gap columns of `verinfer score --gaps`; the held-out
-    halves are then score tables)."""
-    if detector not in ("clipped-mean", "glrt"):
-        raise ValueError(f"unknown detector {detector!r}; choose clipped-mean or glrt")
+def calibrate(table: pa.Table, honest: list[str], *, detector: str = "clipped-mean", seed: int = 0,
+              **options) -> tuple[Detector, dict[str, pa.Table]]:
+    """Fit a detector (`detect.DETECTORS[detector]`, made with these config options and
+    random_state=seed) on the train half of the honest tokens, each honest provider one group of
+    its null (every honest configuration must pass at the target FPR, not just their pool); return
+    it and each honest provider's held-out test half (for auditing honest providers without
+    reusing train data). The halves are split over the rows that carry a token for the detector."""
+    det = make_detector(detector, random_state=seed, **options)
     rng = np.random.default_rng(seed)
     train, groups, test = [], [], {}
     for name in honest:
-        if detector == "glrt":
-            v = table.filter(pc.equal(table["provider"], name))
-        else:
-            v = provider_values(table, name, score_name)
-        if len(v) == 0:
+        rows = det.token_rows(table.filter(pc.equal(table["provider"], name)))
+        if rows.num_rows == 0:
             raise ClaimError(f"no scored tokens for honest provider {name!r}", fix="score its claims first")
-        tr, te = split_tokens(len(v), rng)
-        train.append(v.take(tr) if detector == "glrt" else v[tr])
+        tr, te = split_tokens(rows.num_rows, rng)
+        train.append(rows.take(tr))
         groups += [name] * len(tr)
-        test[name] = v.take(te) if detector == "glrt" else v[te]
-    if detector == "glrt":
-        try:
-            det = PerturbationGLRTDetector(target_fpr=target_fpr, random_state=seed).fit(pa.concat_tables(train),
-                                                                                          groups=groups)
-        except KeyError as e:
-            raise ClaimError(f"the scores lack the signed-gap columns the glrt detector reads ({e})",
-                             fix="rescore the honest claims with `verinfer score --gaps`") from e
-        return det, test
-    # stratified null: every honest configuration must pass at the target FPR, not just their pool
-    det = ClippedMeanDetector(score=score_name, clip_quantile=clip_quantile, target_fpr=target_fpr,
-                              random_state=seed).fit(np.concatenate(train), groups=groups)
-    return det, test
+        test[name] = rows.take(te)
+    return det.fit(pa.concat_tables(train), groups=groups), test
 
 
-def audit(table: pa.Table, detector: ClippedMeanDetector, providers: list[str],
-          held_out: dict[str, np.ndarray] | None = None, max_tokens: int | None = None) -> list[dict]:
-    """Verdicts with confidence per provider. `detector` is a ClippedMeanDetector (one score
-    column), a combined.LikelihoodRatioDetector (reads margin, exact match, cross-entropy) or a
-    detector.PerturbationGLRTDetector (reads the signed-gap columns of `verinfer score --gaps`)."""
+def audit(table: pa.Table, detector: Detector, providers: list[str],
+          held_out: dict[str, pa.Table] | None = None, max_tokens: int | None = None) -> list[dict]:
+    """Verdicts with confidence per provider (its held-out rows when given, else its rows of
+    `table`; the first max_tokens tokens)."""
     verdicts = []
     for name in providers:
-        if isinstance(detector, (LikelihoodRatioDetector, PerturbationGLRTDetector)):
-            sub = held_out[name] if held_out and name in held_out and isinstance(held_out[name], pa.Table) else \
-                table.filter(pc.equal(table["provider"], name))
-            try:
-                d = detector.verdict(sub.slice(0, max_tokens) if max_tokens else sub)
-            except KeyError as e:
-                raise ClaimError(f"the scores lack the columns this detector reads ({e})",
-                                 fix="rescore with `verinfer score --gaps` (or pass the claims JSONL to audit)") from e
-        else:
-            v = held_out[name] if held_out and name in held_out else provider_values(table, name, detector.score)
-            if max_tokens:
-                v = v[:max_tokens]
-            d = detector.verdict(v, confidence=True)
-            d["score"] = detector.score
+        sub = held_out[name] if held_out and name in held_out else table.filter(pc.equal(table["provider"], name))
+        d = detector.verdict(sub, max_tokens=max_tokens)
         d["provider"] = name
         d["honest"] = name in HONEST if name in PROVIDERS else None
         verdicts.append(d)

@@ -16,8 +16,7 @@ from verinfer.apps.pipeline import (audit as run_audit, calibrate as run_calibra
                                     load_score_tables, print_verdicts, score as run_score)
 from verinfer.apps.speculative import generate_claims_file, has_spec, score_file
 from verinfer.claims import read_claims
-from verinfer.detect.detectors import GLRT_FORMAT, ClippedMeanDetector, PerturbationGLRTDetector
-from verinfer.detect.likelihood_ratio import FORMAT as LR_FORMAT, LikelihoodRatioDetector
+from verinfer.detect import DETECTORS, load_detector
 from verinfer.errors import VerinferError
 from verinfer.fingerprint import FingerprintSpec
 from verinfer.io import atomic_write_text
@@ -156,34 +155,22 @@ def score(claims: Path = typer.Argument(..., help="Claims JSONL."),
 @command(app)
 def calibrate(scores: List[Path] = typer.Argument(..., help="Scores Parquet files of honest runs."),
               out: Path = typer.Option(..., "--out", "-o", help="Detector JSON to write."),
-              score_name: str = typer.Option("margin", "--score"), clip_quantile: float = typer.Option(0.999),
+              score_name: Optional[str] = typer.Option(None, "--score",
+                                                       help="clipped-mean: the score column (default margin)."),
+              clip_quantile: Optional[float] = typer.Option(None, help="clipped-mean: honest quantile to clip at "
+                                                                       "(default 0.999)."),
               target_fpr: float = typer.Option(0.01), seed: int = typer.Option(0),
               kind: str = typer.Option("clipped-mean", "--detector",
-                                       help="clipped-mean (one --score column) | glrt (perturbation GLRT, the "
-                                            "detection lab's `best`; needs scores from `verinfer score --gaps`)")):
+                                       help=" | ".join(DETECTORS) + ": clipped-mean (one --score column), glrt "
+                                            "(perturbation GLRT, the detection lab's `best`; needs scores from "
+                                            "`verinfer score --gaps`)")):
     """Fit a detector on honest scores: winsorize, batch mean, threshold at a target FPR."""
     table = load_score_tables(scores)
     honest = sorted(set(table["provider"].to_pylist()))
-    det, _ = run_calibrate_detector(table, honest, score_name=score_name, clip_quantile=clip_quantile,
-                                    target_fpr=target_fpr, seed=seed, detector=kind)
+    options = {k: v for k, v in (("score_name", score_name), ("clip_quantile", clip_quantile)) if v is not None}
+    det, _ = run_calibrate_detector(table, honest, detector=kind, seed=seed, target_fpr=target_fpr, **options)
     det.save(out)
-    if kind == "glrt":
-        typer.echo(f"detector (perturbation GLRT, sigma0 {det.sigma0_:.4g}, eps0 {det.eps0_:.3g}, FPR {target_fpr}) "
-                   f"-> {out}")
-    else:
-        typer.echo(f"detector ({score_name}, clip {det.clip_:.4g} at q={clip_quantile}, FPR {target_fpr}) -> {out}")
-
-
-def _load_detector(path: Path):
-    """A ClippedMeanDetector, LikelihoodRatioDetector or PerturbationGLRTDetector file, told apart
-    by its "format" field."""
-    try:
-        fmt = json.loads(path.read_text(encoding="utf-8")).get("format") if path.is_file() else None
-    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
-        fmt = None
-    if fmt == GLRT_FORMAT:
-        return PerturbationGLRTDetector.load(path)
-    return LikelihoodRatioDetector.load(path) if fmt == LR_FORMAT else ClippedMeanDetector.load(path)
+    typer.echo(f"detector ({det.summary()}) -> {out}")
 
 
 @command(app)
@@ -195,8 +182,8 @@ def audit(inputs: List[Path] = typer.Argument(..., help="Scores Parquet or claim
           json_out: Optional[Path] = typer.Option(None, "--json", help="Also write verdicts as JSON."),
           max_tokens: Optional[int] = typer.Option(None, help="Use at most this many tokens per provider.")):
     """Verdict per provider: flagged or not, tokens used, tail probability under the honest null."""
-    dets = [_load_detector(d) for d in detector]
-    gaps = any(isinstance(d, PerturbationGLRTDetector) for d in dets)
+    dets = [load_detector(d) for d in detector]
+    gaps = any(d.requires_gaps for d in dets)
     paths = []
     for p in inputs:
         if p.suffix == ".jsonl":

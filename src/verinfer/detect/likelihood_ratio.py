@@ -22,40 +22,27 @@ fit:     p0_ = honest bin frequencies (additive smoothing alpha per bin);
          weights_ = log(p1_ / p0_): the per-token log-likelihood ratio
 pooled:  mean per-token weight of a batch (the log-likelihood ratio of the batch / n: the
          Neyman-Pearson statistic for i.i.d. tokens against the mixture alternative)
-threshold / p-value / verdict: a `ClippedMeanDetector` null over the honest train weights
-         (resampled honest batch means, normal beyond its resampling budget).
+threshold / p-value / verdict: a `ClippedMeanDetector` null (`null_`) over the honest train weights
+         (resampled honest batch means, normal beyond its resampling budget; stratified by
+         `groups` when fit is given them).
 
-Inputs: a pyarrow score table (or dict of arrays) with columns margin, exact_match, cross_entropy.
+Inputs: a pyarrow score table (or dict of arrays) with columns margin, exact_match, cross_entropy
+(and logit_gap with use_direction, written by `audit.variants` features, not by `verinfer score`).
 """
 
 from __future__ import annotations
 
-import base64
-import json
-from dataclasses import dataclass, field, fields
-from pathlib import Path
+from dataclasses import dataclass
 
 import numpy as np
 
-from verinfer.io import atomic_write_text
-from verinfer.detect.detectors import ClippedMeanDetector, ColumnStatistics, FittedDetector, read_detector_json
 from verinfer.audit.scores import _column
+from verinfer.detect.base import Detector, decode_f8, encode_f8
+from verinfer.detect.clipped_mean import ClippedMeanDetector
 from verinfer.errors import VerinferError
 
-FORMAT = "verinfer.LikelihoodRatioDetector"
-FORMAT_VERSION = 2
 N_MARGIN_BANDS, N_DIRECTIONS, N_CE_BANDS = 7, 2, 4
 N_BINS = 1 + N_MARGIN_BANDS * N_DIRECTIONS * N_CE_BANDS
-
-
-def _arrays(table, use_direction: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    m = _column(table, "margin")
-    em = _column(table, "exact_match") > 0.5
-    ce = _column(table, "cross_entropy")
-    if np.isnan(m).any() or np.isnan(ce).any():
-        raise ValueError("margin / cross_entropy contain NaN")
-    gap = _column(table, "logit_gap") if use_direction else np.zeros_like(m)
-    return m, em, ce, gap
 
 
 def token_bins(margin, exact_match, cross_entropy, margin_edges, ce_edges, logit_gap=None) -> np.ndarray:
@@ -103,34 +90,40 @@ def _freq(bins: np.ndarray, alpha: float) -> np.ndarray:
     return c / c.sum()
 
 
-@dataclass(frozen=True)
-class LikelihoodRatioDetector(FittedDetector):
+@dataclass(eq=True)
+class LikelihoodRatioDetector(Detector):
     """target_fpr: false-positive rate of `predict`; alpha: additive smoothing per bin (counts);
-    generic_mismatch: mismatch mass of the honest-only alternative; n_null_batches / random_state:
-    the resampled honest null (as ClippedMeanDetector)."""
+    generic_mismatch: mismatch mass of the honest-only alternative; use_direction: split mismatch
+    bins by the logit direction (column logit_gap); n_null_batches / random_state: the resampled
+    honest null (as ClippedMeanDetector)."""
 
-    REFIT = "refit the detector (benchmarks/detection_lab.py writes one)"
+    NAME = "likelihood-ratio"
+    FORMAT = "verinfer.LikelihoodRatioDetector"
+    FORMAT_VERSION = 2
+    REFIT = "refit the detector (`verinfer calibrate --detector likelihood-ratio`, or benchmarks/detection_lab.py)"
+    COLUMNS_FIX = ("rescore the claims with `verinfer score`; logit_gap comes from the variant features "
+                   "(`audit.variants`), or use a detector with use_direction=False")
 
-    target_fpr: float = 0.01
     alpha: float = 0.5
     generic_mismatch: float = 0.05
     use_direction: bool = True
-    n_null_batches: int = 2000
-    random_state: int = 0
-    _null: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self):
-        self._check_null_parameters()
+        super().__post_init__()
         if not self.alpha > 0:
             raise ValueError(f"alpha must be > 0, got {self.alpha}")
         if not 0.0 < self.generic_mismatch < 1.0:
             raise ValueError(f"generic_mismatch must be in (0, 1), got {self.generic_mismatch}")
 
+    def columns(self, table=None) -> tuple[str, ...]:
+        return ("margin", "exact_match", "cross_entropy") + (("logit_gap",) if self.use_direction else ())
+
     # -- fitting ---------------------------------------------------------------------------------
-    def fit(self, honest, alternatives=()) -> "LikelihoodRatioDetector":
-        """Learn margin_edges_, ce_edges_, p0_, p1_, weights_ and the honest null from honest (train)
-        tokens; `alternatives`: score tables of misconfigured train tokens (optional)."""
-        m, em, ce, gap = _arrays(honest, self.use_direction)
+    def fit(self, table, groups=None, alternatives=()) -> "LikelihoodRatioDetector":
+        """Learn margin_edges_, ce_edges_, p0_, p1_, weights_ and the honest null null_ from honest
+        (train) tokens; `alternatives`: score tables of misconfigured train tokens (optional);
+        `groups`: one label per honest token for a stratified null (None: one pooled null)."""
+        m, em, ce, gap = self._arrays(table)
         if m.size == 0:
             raise ValueError("honest is empty: no scored tokens")
         nz = m[~em & np.isfinite(m) & (m > 0)]
@@ -147,25 +140,43 @@ class LikelihoodRatioDetector(FittedDetector):
         else:
             p1 = np.full(N_BINS, self.generic_mismatch / (N_BINS - 1))
             p1[0] = 1.0 - self.generic_mismatch
-        self._set_bins(margin_edges, ce_edges, p0, p1, n_alternatives_=len(alts))
-        w = self.token_scores(honest)
-        null = ClippedMeanDetector(score="margin", clip_quantile=1.0, target_fpr=self.target_fpr,
-                                   n_null_batches=self.n_null_batches, random_state=self.random_state)
-        null._set(clip_=float(np.inf), null_sample_=_subsample(w, self.random_state), null_mean_=float(w.mean()),
-                  null_std_=float(w.std(ddof=1)) if w.size > 1 else 0.0, n_train_=int(w.size))
-        self._null["det"] = null
+        self._set_bins(margin_edges, ce_edges, p0, p1)
+        self.n_alternatives_ = len(alts)
+        w = self.token_scores(table)
+        self.null_ = self._null_detector()
+        if groups is None:
+            s = _subsample(w, self.random_state)
+            self.null_.set_null(s, [int(s.size)], n_train=int(w.size), clip=float(np.inf), mean=float(w.mean()),
+                                std=float(w.std(ddof=1)) if w.size > 1 else 0.0)
+        else:
+            self.null_.fit_null(w, groups, clip=float(np.inf))
         return self
 
-    def _set_bins(self, margin_edges, ce_edges, p0, p1, **extra) -> None:
-        self._set(margin_edges_=tuple(margin_edges), ce_edges_=tuple(ce_edges), p0_=np.asarray(p0),
-                  p1_=np.asarray(p1), weights_=np.log(np.asarray(p1) / np.asarray(p0)), **extra)
+    def _null_detector(self) -> ClippedMeanDetector:
+        return ClippedMeanDetector(score_name="likelihood", clip_quantile=1.0, target_fpr=self.target_fpr,
+                                   n_null_batches=self.n_null_batches, random_state=self.random_state)
+
+    def _set_bins(self, margin_edges, ce_edges, p0, p1) -> None:
+        self.margin_edges_, self.ce_edges_ = tuple(margin_edges), tuple(ce_edges)
+        self.p0_, self.p1_ = np.asarray(p0), np.asarray(p1)
+        self.weights_ = np.log(self.p1_ / self.p0_)
+
+    def _arrays(self, table) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        self.require_columns(table)
+        m = _column(table, "margin")
+        em = _column(table, "exact_match") > 0.5
+        ce = _column(table, "cross_entropy")
+        if np.isnan(m).any() or np.isnan(ce).any():
+            raise ValueError("margin / cross_entropy contain NaN")
+        gap = _column(table, "logit_gap") if self.use_direction else np.zeros_like(m)
+        return m, em, ce, gap
 
     def _bins(self, table, margin_edges=None, ce_edges=None) -> np.ndarray:
-        m, em, ce, gap = _arrays(table, self.use_direction)
+        m, em, ce, gap = self._arrays(table)
         return token_bins(m, em, ce, margin_edges or self.margin_edges_, ce_edges or self.ce_edges_, gap)
 
     def _check_fitted(self) -> None:
-        if not hasattr(self, "weights_") or "det" not in self._null:
+        if not hasattr(self, "weights_") or not hasattr(self, "null_"):
             raise VerinferError("the detector is not fitted", fix="call fit(honest_scores) or load a detector file")
 
     # -- scoring ---------------------------------------------------------------------------------
@@ -175,201 +186,50 @@ class LikelihoodRatioDetector(FittedDetector):
             raise VerinferError("the detector is not fitted", fix="call fit(honest_scores) first")
         return self.weights_[self._bins(table)]
 
+    def statistic_of(self, evidence: np.ndarray) -> float:
+        return float(evidence.mean())
+
     def pooled(self, table) -> float:
-        w = self.token_scores(table)
-        if w.size == 0:
-            raise ValueError("no scored tokens")
-        return float(w.mean())
+        """The mean per-token log-likelihood ratio (= score)."""
+        return self.score(table)
 
     def threshold(self, n_tokens: int) -> float:
         self._check_fitted()
-        return self._null["det"].threshold(n_tokens)
+        return self.null_.threshold(n_tokens)
 
-    def predict(self, table) -> bool:
-        w = self.token_scores(table)
-        return bool(w.mean() > self.threshold(w.size))
-
-    def score(self, table) -> float:
-        """sklearn-style score: the pooled log-likelihood ratio per token (higher = more divergent)."""
-        return self.pooled(table)
-
-    def verdict(self, table) -> dict:
+    def verdict(self, table, max_tokens: int | None = None) -> dict:
         """ClippedMeanDetector.verdict_from_pooled on the pooled log-likelihood ratio."""
         self._check_fitted()
-        w = self.token_scores(table)
-        if w.size == 0:
-            raise ValueError("no scored tokens")
-        d = self._null["det"].verdict_from_pooled(float(w.mean()), w.size)
+        w = self.evidence(table, max_tokens)
+        d = self.null_.verdict_from_pooled(self.statistic_of(w), w.size)
         d["score"] = "likelihood-ratio(margin, exact_match, cross_entropy)"
         return d
 
+    def summary(self) -> str:
+        return f"likelihood ratio over {N_BINS} bins, {self.n_alternatives_} alternatives, FPR {self.target_fpr}"
+
     # -- persistence -----------------------------------------------------------------------------
-    def to_dict(self) -> dict:
+    def _fitted_json(self) -> dict:
         self._check_fitted()
-        s = np.ascontiguousarray(self._null["det"].null_sample_, dtype="<f8")
-        return {"format": FORMAT, "version": FORMAT_VERSION,
-                "config": {f.name: getattr(self, f.name) for f in fields(self) if f.init},
-                "fitted": {"margin_edges_": list(self.margin_edges_), "ce_edges_": list(self.ce_edges_),
-                           "p0_": self.p0_.tolist(), "p1_": self.p1_.tolist(),
-                           "n_alternatives_": self.n_alternatives_,
-                           "null_mean_": self._null["det"].null_mean_, "null_std_": self._null["det"].null_std_,
-                           "n_train_": self._null["det"].n_train_,
-                           "null_sample_f8_base64": base64.b64encode(s.tobytes()).decode("ascii")}}
+        return {"margin_edges_": list(self.margin_edges_), "ce_edges_": list(self.ce_edges_),
+                "p0_": self.p0_.tolist(), "p1_": self.p1_.tolist(), "n_alternatives_": self.n_alternatives_,
+                "null_mean_": self.null_.null_mean_, "null_std_": self.null_.null_std_,
+                "n_train_": self.null_.n_train_, "null_sample_f8_base64": encode_f8(self.null_.null_sample_),
+                **({"null_group_sizes": self.null_.null_group_sizes_} if len(self.null_.null_group_sizes_) > 1 else {})}
 
-    def save(self, path: str | Path) -> None:
-        atomic_write_text(path, json.dumps(self.to_dict(), indent=1) + "\n")
-
-    @classmethod
-    def from_dict(cls, d: dict, where: str = "<dict>") -> "LikelihoodRatioDetector":
-        if not isinstance(d, dict) or d.get("format") != FORMAT or d.get("version") != FORMAT_VERSION:
-            raise VerinferError(f"not a {FORMAT} version {FORMAT_VERSION} file", where=where,
-                                fix="refit the detector (benchmarks/detection_lab.py writes one)")
-        try:
-            det = cls(**d["config"])
-            f = d["fitted"]
-            det._set_bins(f["margin_edges_"], f["ce_edges_"], f["p0_"], f["p1_"], n_alternatives_=int(f["n_alternatives_"]))
-            s = np.frombuffer(base64.b64decode(f["null_sample_f8_base64"], validate=True), dtype="<f8").astype(np.float64)
-            null = ClippedMeanDetector(score="margin", clip_quantile=1.0, target_fpr=det.target_fpr,
-                                       n_null_batches=det.n_null_batches, random_state=det.random_state)
-            null._set(clip_=float(np.inf), null_sample_=s, null_mean_=float(f["null_mean_"]),
-                      null_std_=float(f["null_std_"]), n_train_=int(f["n_train_"]))
-            det._null["det"] = null
-        except (KeyError, TypeError, ValueError) as e:
-            raise VerinferError(f"malformed detector ({type(e).__name__}: {e})", where=where,
-                                fix="refit the detector") from e
-        return det
+    def _load_fitted(self, f: dict) -> None:
+        self._set_bins(f["margin_edges_"], f["ce_edges_"], f["p0_"], f["p1_"])
+        self.n_alternatives_ = int(f["n_alternatives_"])
+        s = decode_f8(f["null_sample_f8_base64"])
+        sizes = [int(x) for x in f.get("null_group_sizes", [s.size])]
+        if sum(sizes) != s.size or min(sizes) < 1:
+            raise ValueError(f"null group sizes {sizes} do not add up to the {s.size} null values")
+        self.null_ = self._null_detector()
+        self.null_.set_null(s, sizes, n_train=int(f["n_train_"]), clip=float(np.inf),
+                            mean=float(f["null_mean_"]), std=float(f["null_std_"]))
 
 
 def _subsample(w: np.ndarray, seed: int, cap: int = 200_000) -> np.ndarray:
     if w.size <= cap:
         return np.sort(w)
     return np.sort(np.random.default_rng(seed).choice(w, cap, replace=False))
-
-
-@dataclass(frozen=True)
-class ReplayLibraryDetector(ColumnStatistics):
-    """Token-DiFR against a library of alternative configurations: a max-of-z (GLRT-style) test.
-
-    Besides the honest verifier's margin b = min(margin, clip_), the claims are replayed under each
-    alternative A of the library (e.g. 4-bit weights; temperature 0.9 / 1.1 rescoring) and
-    column A holds `variants.alternative_evidence(margin, [margin_A], clip_)` = 2b - min(margin_A, clip_)
-    (high when A's replay reproduces tokens the honest replay does not). Column 0 is b alone, so
-    misconfigurations outside the library are still tested by the plain clipped margin.
-    Batch statistic: max over columns of the z-score sqrt(n) (column mean - mu_c) / sd_c, with
-    mu_c, sd_c from honest train tokens; threshold and tail probability from n_null_batches honest
-    train batches resampled with replacement (the max of correlated columns has no closed form).
-    Fit on honest tokens only."""
-
-    alternatives: tuple = ("margin_int4", "margin_t0.9", "margin_t1.1")
-    clip_quantile: float = 0.999
-    target_fpr: float = 0.01
-    n_null_batches: int = 2000
-    random_state: int = 0
-    _cache: dict = field(default_factory=dict, init=False, repr=False, compare=False)
-
-    def fit(self, honest, groups=None) -> "ReplayLibraryDetector":
-        """Learn clip_, mu_, sd_, the null sample(s) and, with `groups` (one label per honest token,
-        e.g. its honest configuration), the between-configuration spread tau_ of the column means.
-        With groups the threshold guards a NEW honest configuration (random-effects null):
-        max over groups of that group's resampled (1 - fpr)-quantile, plus z_{1-fpr} sqrt(n) max_c
-        (tau_c / sd_c): honest configurations differ in their mean, and a pooled null would flag
-        the noisier ones more and more often as batches grow."""
-        from verinfer.detect.metrics import clip_at_quantile
-
-        m = _column(honest, "margin")
-        object.__setattr__(self, "clip_", clip_at_quantile(m, self.clip_quantile))
-        x = self.token_columns(honest)
-        object.__setattr__(self, "mu_", x.mean(axis=0))
-        object.__setattr__(self, "sd_", np.maximum(x.std(axis=0, ddof=1), 1e-12))
-        labels = np.zeros(len(x), np.int64) if groups is None else np.unique(np.asarray(groups), return_inverse=True)[1]
-        if labels.size != len(x):
-            raise ValueError(f"groups has {labels.size} labels for {len(x)} tokens")
-        rng = np.random.default_rng(self.random_state)
-        n_groups = int(labels.max()) + 1
-        cap = max(1, 200_000 // n_groups)
-        samples = []
-        for g in range(n_groups):
-            xg = x[labels == g]
-            samples.append(xg[np.sort(rng.choice(len(xg), cap, replace=False))] if len(xg) > cap else xg)
-        means = np.array([xg.mean(axis=0) for xg in samples])
-        tau = means.std(axis=0, ddof=1) if n_groups > 1 else np.zeros(x.shape[1])
-        object.__setattr__(self, "null_samples_", samples)
-        object.__setattr__(self, "null_sample_", np.concatenate(samples))
-        object.__setattr__(self, "tau_", tau)
-        self._cache.clear()
-        return self
-
-    def _check_fitted(self) -> None:
-        if not hasattr(self, "null_sample_"):
-            raise VerinferError("the detector is not fitted", fix="call fit(honest_scores) first")
-
-    def token_columns(self, table) -> np.ndarray:
-        """[N, 1 + len(alternatives)] per-token evidence columns (see the class docstring)."""
-        from verinfer.audit.variants import alternative_evidence
-        from verinfer.detect.metrics import winsorize
-
-        if not hasattr(self, "clip_"):
-            raise VerinferError("the detector is not fitted", fix="call fit(honest_scores) first")
-        m = _column(table, "margin")
-        cols = [winsorize(m, self.clip_)] + [alternative_evidence(m, [_column(table, a)], self.clip_)
-                                             for a in self.alternatives]
-        return np.stack(cols, axis=1)
-
-    def statistic_of_means(self, means_BC: np.ndarray, n_tokens: int) -> np.ndarray:
-        """max over columns of sqrt(n) (mean - mu_) / sd_, for rows of column means."""
-        return (np.sqrt(n_tokens) * (np.asarray(means_BC) - self.mu_) / self.sd_).max(axis=-1)
-
-    def null_statistics(self, n_tokens: int) -> np.ndarray:
-        """Resampled honest batch statistics of the group whose (1 - fpr)-quantile is highest,
-        shifted by the between-group allowance (0 without groups)."""
-        self._check_fitted()
-        n = int(n_tokens)
-        if n not in self._cache:
-            from scipy.stats import norm
-
-            rng = np.random.default_rng([self.random_state, n])
-            per = [self.batch_statistics(xg, n, self.n_null_batches, rng) for xg in self.null_samples_]
-            worst = per[int(np.argmax([np.quantile(p, 1.0 - self.target_fpr) for p in per]))]
-            allowance = float(norm.isf(self.target_fpr) * np.sqrt(n) * np.max(self.tau_ / self.sd_))
-            self._cache[n] = worst + allowance
-        return self._cache[n]
-
-    def threshold(self, n_tokens: int) -> float:
-        return float(np.quantile(self.null_statistics(n_tokens), 1.0 - self.target_fpr))
-
-    def token_scores(self, table) -> np.ndarray:
-        """The evidence columns (for batch statistics use `batch_statistics` / `statistic`)."""
-        return self.token_columns(table)
-
-    def predict(self, table) -> bool:
-        x = self.token_columns(table)
-        return bool(self.statistic_of_means(x.mean(axis=0), len(x)) > self.threshold(len(x)))
-
-    def score(self, table) -> float:
-        return self.statistic(table)
-
-    def verdict(self, table) -> dict:
-        """flagged, the statistic and threshold, the FPR the threshold was set at and its rate on
-        the resampled honest null, the tail probability (p-value) under the honest null, and, when
-        not flagged, the tokens a decision would need if the per-token excess persisted (z grows as
-        sqrt(n): n* = n (threshold / statistic)^2; None when the statistic is <= 0)."""
-        x = self.token_columns(table)
-        n = len(x)
-        if n == 0:
-            raise ValueError("no scored tokens")
-        stat = float(self.statistic_of_means(x.mean(axis=0), n))
-        null = self.null_statistics(n)
-        thr = float(np.quantile(null, 1.0 - self.target_fpr))
-        k = int(np.count_nonzero(null >= stat))
-        p = (k + 1) / (null.size + 1)
-        flagged = stat > thr
-        more = None
-        if not flagged and stat > 0 and thr > 0:
-            more = max(1, int(np.ceil(n * (thr / stat) ** 2)) - n)
-        decision = ("flagged: inconsistent with honest inference" if flagged else
-                    "not flagged: no excess over honest" if more is None else
-                    f"not flagged: not enough evidence yet (~{more} more tokens if the excess persists)")
-        return {"flagged": bool(flagged), "pooled": stat, "threshold": thr, "p_value": p, "tail_probability": p,
-                "p_value_method": "resampled", "n_tokens": n, "target_fpr": self.target_fpr,
-                "threshold_fpr": float(np.mean(null > thr)), "more_tokens_needed": more, "decision": decision,
-                "score": "replay-library max-z(" + ", ".join(("margin", *self.alternatives)) + ")"}

@@ -1,0 +1,353 @@
+"""The detector protocol every verinfer detector follows (sklearn style).
+
+    det = Detector(**config)              config: plain attributes, fixed once constructed
+    det.fit(table, groups=None)           learn from honest score rows only; learned attributes end in `_`
+    det.score(table, max_tokens=None)     the batch statistic of the rows (higher = more divergent)
+    det.verdict(table, max_tokens=None)   dict: flagged, pooled (= the statistic), threshold, p_value,
+                                          n_tokens, target_fpr, threshold_fpr, more_tokens_needed,
+                                          decision, score (what the statistic is), + detector extras
+    det.to_json() / det.save(path)        the fitted detector as JSON (atomic write); no pickle
+    Detector.load(path)                   the inverse (`registry.load_detector` picks the class)
+
+A table is a pyarrow Table of `verinfer score` rows or a dict of equal-length columns. A detector
+reads the columns it names in `columns()` and raises a VerinferError naming the missing ones and
+the command that writes them. `token_rows(table)` keeps the rows that carry a token for the
+detector (Activation-DiFR distances exist only on logged tokens); `max_tokens` keeps the first
+max_tokens of those. `requires_gaps` says whether the columns come from `verinfer score --gaps`.
+"""
+
+from __future__ import annotations
+
+import abc
+import base64
+import json
+from collections.abc import Mapping
+from dataclasses import FrozenInstanceError, dataclass, field, fields
+from pathlib import Path
+from typing import ClassVar
+
+import numpy as np
+from verinfer.errors import VerinferError
+from verinfer.io import atomic_write_text
+
+
+def read_detector_json(path: str | Path, fix: str = "refit the detector with `verinfer calibrate`") -> dict:
+    """A detector file's JSON, or a VerinferError naming the file and what to do."""
+    p = Path(path)
+    if not p.is_file():
+        raise VerinferError("no such detector file", where=str(p), fix="fit one with `verinfer calibrate`")
+    try:
+        return json.loads(p.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise VerinferError(f"detector file is not valid JSON ({e}); it is probably truncated or corrupt",
+                            where=str(p), fix=fix) from e
+
+
+def column_names(table) -> list[str]:
+    """The column names of a pyarrow Table / RecordBatch or a dict of columns."""
+    if hasattr(table, "column_names"):
+        return list(table.column_names)
+    if isinstance(table, Mapping):
+        return list(table)
+    raise TypeError(f"expected a score table (pyarrow.Table or a dict of columns), got {type(table).__name__}")
+
+
+def num_rows(table) -> int:
+    if hasattr(table, "num_rows"):
+        return int(table.num_rows)
+    return len(next(iter(table.values()))) if table else 0
+
+
+def head(table, n: int | None):
+    """The first n rows (all when n is None or 0)."""
+    if not n:
+        return table
+    if hasattr(table, "slice"):
+        return table.slice(0, n)
+    return {k: v[:n] for k, v in table.items()}
+
+
+def decision_text(flagged: bool, more_tokens: int | None) -> str:
+    if flagged:
+        return "flagged: inconsistent with honest inference"
+    if more_tokens is None:
+        return "not flagged: no excess over honest"
+    return f"not flagged: not enough evidence yet (~{more_tokens} more tokens if the excess persists)"
+
+
+def encode_f8(a: np.ndarray) -> str:
+    """An array's values as base64 of little-endian float64 (exact; decode with `decode_f8`)."""
+    return base64.b64encode(np.ascontiguousarray(a, dtype="<f8").tobytes()).decode("ascii")
+
+
+def decode_f8(text: str, n_columns: int | None = None) -> np.ndarray:
+    """float64 values from `encode_f8` text ([N] or, with n_columns, [N, n_columns])."""
+    a = np.frombuffer(base64.b64decode(text, validate=True), dtype="<f8").astype(np.float64)
+    return a if n_columns is None else a.reshape(-1, n_columns)
+
+
+def decode_groups(texts: list[str], n_columns: int) -> list[np.ndarray]:
+    """Per-group [N_g, n_columns] null samples; a ValueError if there is none or one is empty."""
+    out = [decode_f8(t, n_columns) for t in texts]
+    if not out or min(len(x) for x in out) < 1:
+        raise ValueError("empty null sample")
+    return out
+
+
+def stratified_subsample(x: np.ndarray, labels: np.ndarray, cap_total: int, seed: int,
+                         sort_values: bool = False) -> list[np.ndarray]:
+    """Per group (labels 0..k-1), its rows of x, or cap_total // k of them drawn without replacement
+    by default_rng(seed) (one draw per group, in label order): in row order, or sorted by value
+    when sort_values."""
+    rng = np.random.default_rng(seed)
+    n_groups = int(labels.max()) + 1
+    cap = max(1, cap_total // n_groups)
+    parts = []
+    for k in range(n_groups):
+        xk = x[labels == k]
+        if len(xk) > cap:
+            pick = rng.choice(len(xk), cap, replace=False)
+            xk = np.sort(xk[pick]) if sort_values else xk[np.sort(pick)]
+        parts.append(xk)
+    return parts
+
+
+def group_labels(groups, n: int) -> np.ndarray:
+    """Integer labels 0..k-1 of the honest groups (one group when groups is None)."""
+    labels = np.zeros(n, dtype=np.int64) if groups is None else np.unique(np.asarray(groups), return_inverse=True)[1]
+    if labels.size != n:
+        raise ValueError(f"groups has {labels.size} labels for {n} tokens")
+    return labels
+
+
+@dataclass(eq=True)
+class Detector(abc.ABC):
+    """Base of every detector: the protocol above, persistence, column checks, and config
+    attributes that cannot be reassigned once constructed (a fitted null depends on them).
+
+    Config every detector shares (keyword-only): target_fpr, the false-positive rate its threshold
+    is set at; n_null_batches, resampled honest batches per batch size; random_state, the seed of
+    its subsampling and resampling (results are deterministic).
+
+    Subclasses are dataclasses whose init fields are the config; they define NAME (registry name),
+    FORMAT / FORMAT_VERSION (the JSON "format" and "version" fields), columns(), fit(),
+    token_scores() (per-token evidence, [N] or [N, C]), statistic_of(evidence), threshold(n),
+    verdict(), _fitted_json() / _load_fitted() (the "fitted" part of the JSON)."""
+
+    NAME: ClassVar[str]
+    FORMAT: ClassVar[str]
+    FORMAT_VERSION: ClassVar[int]
+    requires_gaps: ClassVar[bool] = False
+    REFIT: ClassVar[str] = "refit the detector with `verinfer calibrate`"
+    COLUMNS_FIX: ClassVar[str] = "rescore the claims with `verinfer score`"
+    JSON_NAMES: ClassVar[dict] = {}  # config attribute -> its key in the JSON "config" (kept for old files)
+
+    target_fpr: float = field(default=0.01, kw_only=True)
+    n_null_batches: int = field(default=2000, kw_only=True)
+    random_state: int = field(default=0, kw_only=True)
+    _cache: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        if not 0.0 < self.target_fpr < 1.0:
+            raise ValueError(f"target_fpr must be in (0, 1), got {self.target_fpr}")
+        if self.n_null_batches < 10:
+            raise ValueError(f"n_null_batches must be >= 10, got {self.n_null_batches}")
+
+    def __setattr__(self, name, value):
+        if name in self.__dict__ and name in self._config_names():
+            raise FrozenInstanceError(f"cannot assign to config field {name!r}: construct a new detector")
+        super().__setattr__(name, value)
+
+    @classmethod
+    def _config_names(cls) -> tuple[str, ...]:
+        """The config fields in __init__'s order: the detector's own, then the shared keyword-only ones."""
+        init = [f for f in fields(cls) if f.init]
+        return tuple(f.name for f in init if not f.kw_only) + tuple(f.name for f in init if f.kw_only)
+
+    # -- the columns a detector reads ------------------------------------------------------------
+    @abc.abstractmethod
+    def columns(self, table=None) -> tuple[str, ...]:
+        """The score columns this detector reads (of `table`, where names have alternatives)."""
+
+    def require_columns(self, table) -> None:
+        names = set(column_names(table))
+        missing = [c for c in self.columns(table) if c not in names]
+        if missing:
+            raise VerinferError(f"the scores lack the column{'s' if len(missing) > 1 else ''} "
+                                f"{', '.join(missing)} that the {self.NAME} detector reads", fix=self.COLUMNS_FIX)
+
+    def token_rows(self, table):
+        """The rows of `table` that carry a token for this detector (all rows unless overridden)."""
+        self.require_columns(table)
+        return table
+
+    # -- fitting and scoring ---------------------------------------------------------------------
+    @abc.abstractmethod
+    def fit(self, table, groups=None) -> "Detector":
+        """Learn from honest rows; `groups` (one label per row of token_rows(table), e.g. the honest
+        configuration) makes the null guard every honest group, not only their pool."""
+
+    @abc.abstractmethod
+    def token_scores(self, table) -> np.ndarray:
+        """Per-token evidence of every row of token_rows(table): [N] or [N, C]."""
+
+    @abc.abstractmethod
+    def statistic_of(self, evidence: np.ndarray) -> float:
+        """The batch statistic of the evidence of a batch of tokens."""
+
+    @abc.abstractmethod
+    def threshold(self, n_tokens: int) -> float:
+        """Flag a batch of n_tokens tokens when its statistic exceeds this."""
+
+    @abc.abstractmethod
+    def verdict(self, table, max_tokens: int | None = None) -> dict:
+        """Everything a report states about the first max_tokens tokens of `table`."""
+
+    def evidence(self, table, max_tokens: int | None = None) -> np.ndarray:
+        """token_scores of the first max_tokens token rows; a ValueError when there are none."""
+        x = self.token_scores(head(self.token_rows(table), max_tokens))
+        if len(x) == 0:
+            raise ValueError("the batch is empty: no scored tokens")
+        return x
+
+    def score(self, table, max_tokens: int | None = None) -> float:
+        """The batch statistic (higher = more divergent)."""
+        return self.statistic_of(self.evidence(table, max_tokens))
+
+    def predict(self, table) -> bool:
+        """True (flagged as misconfigured) iff score(table) > threshold(number of tokens)."""
+        x = self.evidence(table)
+        return bool(self.statistic_of(x) > self.threshold(len(x)))
+
+    def summary(self) -> str:
+        """One line describing the fitted detector (printed by `verinfer calibrate`)."""
+        return f"{self.NAME}, FPR {self.target_fpr}"
+
+    @abc.abstractmethod
+    def _check_fitted(self) -> None:
+        """A VerinferError unless fit() or load() has set the learned attributes."""
+
+    def _per_batch_size(self, n_tokens: int, compute):
+        """compute(n, rng) once per batch size n (cached), rng = default_rng([random_state, n])."""
+        self._check_fitted()
+        n = int(n_tokens)
+        if n < 1:
+            raise ValueError(f"n_tokens must be >= 1, got {n_tokens}")
+        if n not in self._cache:
+            self._cache[n] = compute(n, np.random.default_rng([self.random_state, n]))
+        return self._cache[n]
+
+    # -- persistence -----------------------------------------------------------------------------
+    def config(self) -> dict:
+        return {n: getattr(self, n) for n in self._config_names()}
+
+    @abc.abstractmethod
+    def _fitted_json(self) -> dict:
+        """The learned attributes as JSON values."""
+
+    @abc.abstractmethod
+    def _load_fitted(self, fitted: dict) -> None:
+        """Set the learned attributes from `_fitted_json`'s output (raise ValueError if inconsistent)."""
+
+    def to_json(self) -> dict:
+        cfg = {self.JSON_NAMES.get(k, k): list(v) if isinstance(v, tuple) else v for k, v in self.config().items()}
+        return {"format": self.FORMAT, "version": self.FORMAT_VERSION, "config": cfg, "fitted": self._fitted_json()}
+
+    def save(self, path: str | Path) -> None:
+        """Write the detector as JSON (atomically: temp file + os.replace). No pickle."""
+        atomic_write_text(path, json.dumps(self.to_json(), indent=1) + "\n")
+
+    @classmethod
+    def from_json(cls, d: dict, where: str = "<dict>") -> "Detector":
+        def bad(what: str) -> VerinferError:
+            return VerinferError(what, where=where, fix=cls.REFIT)
+
+        if not isinstance(d, dict) or d.get("format") != cls.FORMAT:
+            raise bad(f"not a {cls.NAME} detector file (expected \"format\": \"{cls.FORMAT}\")")
+        if d.get("version") != cls.FORMAT_VERSION:
+            raise bad(f"detector format version {d.get('version')!r}; this verinfer reads version {cls.FORMAT_VERSION}")
+        try:
+            attr = {v: k for k, v in cls.JSON_NAMES.items()}
+            det = cls(**{attr.get(k, k): tuple(v) if isinstance(v, list) else v for k, v in d["config"].items()})
+            det._load_fitted(d["fitted"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise bad(f"malformed detector ({type(e).__name__}: {e})") from e
+        return det
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Detector":
+        return cls.from_json(read_detector_json(path, fix=cls.REFIT), where=str(path))
+
+
+class ColumnStatistics(Detector):
+    """Detectors whose per-token evidence is a few columns (token_scores: [N, C]) and whose batch
+    statistic is a function of the column means (statistic_of_means), with a resampled null: per
+    honest group, n_null_batches batches resampled with replacement; the worst group's
+    (1 - target_fpr)-quantile plus `allowance(n)` for the spread between honest groups."""
+
+    @abc.abstractmethod
+    def statistic_of_means(self, means_BC: np.ndarray, n_tokens: int) -> np.ndarray:
+        """The statistic of rows of column means of batches of n_tokens tokens."""
+
+    @abc.abstractmethod
+    def allowance(self, n_tokens: int) -> float:
+        """What the null adds for an honest configuration it did not see (0 without groups)."""
+
+    @abc.abstractmethod
+    def _more_tokens(self, stat: float, thr: float, n_tokens: int) -> int | None:
+        """Tokens a decision would need beyond n_tokens if the per-token excess persisted."""
+
+    def _verdict_extra(self, x: np.ndarray) -> dict:
+        return {}
+
+    def _check_fitted(self) -> None:
+        if not hasattr(self, "null_samples_"):
+            raise VerinferError("the detector is not fitted", fix="call fit(honest_scores) or load a detector file")
+
+    def statistic_of(self, evidence: np.ndarray) -> float:
+        return float(self.statistic_of_means(evidence.mean(axis=0), len(evidence)))
+
+    def statistic(self, table) -> float:
+        return self.score(table)
+
+    def batch_statistics(self, columns_NC: np.ndarray, n_tokens: int, n_batches: int,
+                         rng: np.random.Generator) -> np.ndarray:
+        """Statistics of n_batches batches of n_tokens rows drawn with replacement from columns_NC."""
+        x = np.asarray(columns_NC, dtype=np.float64)
+        n = int(n_tokens)
+        per = max(1, 4_000_000 // (n * x.shape[1]))
+        out = []
+        for s in range(0, n_batches, per):
+            k = min(per, n_batches - s)
+            out.append(self.statistic_of_means(x[rng.integers(0, len(x), (k, n))].mean(axis=1), n))
+        return np.concatenate(out)
+
+    def null_statistics(self, n_tokens: int) -> np.ndarray:
+        """Resampled honest batch statistics of the group whose (1 - fpr)-quantile is highest,
+        shifted by `allowance(n)` (0 without groups). Deterministic in (random_state, n); cached."""
+        def compute(n: int, rng: np.random.Generator) -> np.ndarray:
+            per = [self.batch_statistics(xg, n, self.n_null_batches, rng) for xg in self.null_samples_]
+            return per[int(np.argmax([np.quantile(p, 1.0 - self.target_fpr) for p in per]))] + self.allowance(n)
+
+        return self._per_batch_size(n_tokens, compute)
+
+    def threshold(self, n_tokens: int) -> float:
+        return float(np.quantile(self.null_statistics(n_tokens), 1.0 - self.target_fpr))
+
+    def verdict(self, table, max_tokens: int | None = None) -> dict:
+        """flagged, the statistic and threshold, the FPR the threshold was set at and its rate on
+        the resampled honest null, the tail probability (p-value) under the honest null (resampled,
+        worst group plus allowance), and, when not flagged, how many more tokens a decision would
+        need if the per-token excess persisted (None = no excess over honest)."""
+        x = self.evidence(table, max_tokens)
+        n = len(x)
+        stat = self.statistic_of(x)
+        null = self.null_statistics(n)
+        thr = float(np.quantile(null, 1.0 - self.target_fpr))
+        p = (int(np.count_nonzero(null >= stat)) + 1) / (null.size + 1)
+        flagged = stat > thr
+        more = None if flagged else self._more_tokens(stat, thr, n)
+        return {"flagged": bool(flagged), "pooled": stat, "threshold": thr, "p_value": p, "tail_probability": p,
+                "p_value_method": "resampled", "n_tokens": n, "target_fpr": self.target_fpr,
+                "threshold_fpr": float(np.mean(null > thr)), "more_tokens_needed": more,
+                "decision": decision_text(flagged, more), **self._verdict_extra(x)}

@@ -1,0 +1,48 @@
+"""Detectors by name: `verinfer calibrate --detector NAME`, `verinfer audit -d FILE` and the apps
+make, fit and load every detector through this registry and the `Detector` protocol."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from verinfer.detect.base import Detector, read_detector_json
+from verinfer.detect.clipped_mean import ClippedMeanDetector
+from verinfer.detect.glrt import PerturbationGLRTDetector
+from verinfer.detect.likelihood_ratio import LikelihoodRatioDetector
+from verinfer.detect.replay_library import ReplayLibraryDetector
+from verinfer.errors import VerinferError
+
+DETECTORS: dict[str, type[Detector]] = {c.NAME: c for c in (ClippedMeanDetector, PerturbationGLRTDetector,
+                                                             LikelihoodRatioDetector, ReplayLibraryDetector)}
+FORMATS: dict[str, type[Detector]] = {c.FORMAT: c for c in DETECTORS.values()}
+
+
+def detector_class(name: str) -> type[Detector]:
+    if name not in DETECTORS:
+        raise VerinferError(f"unknown detector {name!r}", fix=f"choose one of {', '.join(DETECTORS)}")
+    return DETECTORS[name]
+
+
+def make_detector(name: str, **options) -> Detector:
+    """An unfitted detector of kind `name` with these config options (a VerinferError names an
+    option the detector does not take)."""
+    cls = detector_class(name)
+    unknown = [k for k in options if k not in cls._config_names()]
+    if unknown:
+        raise VerinferError(f"the {name} detector takes no option {', '.join(unknown)}",
+                            fix=f"its options: {', '.join(cls._config_names())}")
+    try:
+        return cls(**options)
+    except ValueError as e:
+        raise VerinferError(f"bad {name} detector option: {e}") from e
+
+
+def load_detector(path: str | Path) -> Detector:
+    """The detector in a JSON file, of the class its "format" field names (the file is read once)."""
+    d = read_detector_json(path)
+    fmt = d.get("format") if isinstance(d, dict) else None
+    if fmt not in FORMATS:
+        raise VerinferError(f"not a verinfer detector file (\"format\": {fmt!r}; this verinfer reads "
+                            f"{', '.join(FORMATS)})", where=str(path),
+                            fix=f"fit one with `verinfer calibrate --detector NAME` ({' | '.join(DETECTORS)})")
+    return FORMATS[fmt].from_json(d, where=str(path))

@@ -1,0 +1,202 @@
+import json
+import math
+
+import numpy as np
+import pytest
+from scipy.stats import binom, kstest, norm
+
+from verinfer.detect.clipped_mean import MAX_NULL_SAMPLE, ClippedMeanDetector
+from verinfer.errors import VerinferError
+
+
+def M(values) -> dict:
+    """A score table of one margin column."""
+    return {"margin": np.asarray(values, dtype=np.float64)}
+
+
+@pytest.fixture(scope="module")
+def honest():
+    rng = np.random.default_rng(0)
+    v = rng.exponential(1.0, 300_000)
+    v[rng.random(v.size) < 1e-3] = np.inf  # filtered-out claimed tokens
+    return v
+
+
+@pytest.fixture(scope="module")
+def det(honest):
+    return ClippedMeanDetector(score_name="margin", clip_quantile=0.999, target_fpr=0.01).fit(M(honest))
+
+
+def test_fit_learned_attributes(det, honest):
+    fin = honest[np.isfinite(honest)]
+    assert det.clip_ == pytest.approx(np.quantile(fin, 0.999))
+    assert det.null_sample_.size == MAX_NULL_SAMPLE and det.n_train_ == honest.size  # subsampled
+    assert det.null_sample_.max() == det.clip_ and np.isfinite(det.null_sample_).all()
+    assert det.null_mean_ == pytest.approx(det.null_sample_.mean())
+    assert det.null_std_ == pytest.approx(det.null_sample_.std(ddof=1))
+    again = ClippedMeanDetector().fit(M(honest))  # deterministic
+    assert np.array_equal(again.null_sample_, det.null_sample_) and again.threshold(50) == det.threshold(50)
+    with pytest.raises(Exception):
+        det.clip_quantile = 0.5  # frozen config
+    assert det.score(M([0.0, np.inf])) == pytest.approx(det.clip_ / 2)
+
+
+def test_fpr_on_fresh_honest_batches_is_target(det):
+    rng = np.random.default_rng(1)
+    n, b = 3000, 100
+    x = rng.exponential(1.0, (n, b))
+    x[rng.random(x.shape) < 1e-3] = np.inf
+    flagged = sum(det.predict(M(row)) for row in x)
+    # binomial 99.9% interval around the target, widened for the threshold's own resampling error
+    lo, hi = binom.ppf([0.0005, 0.9995], n, det.target_fpr)
+    assert lo - 10 <= flagged <= hi + 10, flagged
+    assert 0.003 < flagged / n < 0.02
+
+
+def test_p_values_uniform_under_null(det):
+    rng = np.random.default_rng(2)
+    p = np.array([det.p_value(M(rng.exponential(1.0, 40))) for _ in range(600)])
+    assert kstest(p, "uniform").pvalue > 1e-3
+    assert abs(np.mean(p <= 0.05) - 0.05) < 0.03
+
+
+def test_flags_shifted_distribution(det):
+    rng = np.random.default_rng(3)
+    bad = det.verdict(M(rng.exponential(1.3, 1000)))
+    assert bad["flagged"] and bad["p_value"] < 1e-3 and bad["p_value_method"] == "normal"
+    assert bad["p_value"] <= 1 / (det.n_null_batches + 1)
+    ok = det.verdict(M(rng.exponential(1.0, 1000)))
+    assert not ok["flagged"] and ok["p_value_method"] == "resampled" and ok["p_value"] > 0.01
+    assert set(ok) == {"flagged", "pooled", "threshold", "p_value", "p_value_method", "n_tokens", "target_fpr",
+                       "score", "clip", "tail_probability", "threshold_fpr", "more_tokens_needed",
+                       "detectable_excess", "decision"}
+    assert ok["n_tokens"] == 1000 and ok["score"] == "margin" and ok["clip"] == det.clip_
+    # a resampled p-value is (1 + #null means >= observed) / (1 + B)
+    null = det.null_means(1000)
+    assert ok["p_value"] == (1 + np.sum(null >= ok["pooled"])) / (1 + null.size)
+    assert ok["threshold"] == pytest.approx(np.quantile(null, 0.99))
+
+
+def test_threshold_resampled_matches_normal_approximation(det):
+    n = 10_000  # 2000 x 10k draws: still resampled; 20k tokens switch to the CLT
+    normal = det.null_mean_ + norm.isf(0.01) * det.null_std_ / math.sqrt(n)
+    assert det.threshold(n) == pytest.approx(normal, abs=0.1 * det.null_std_ / math.sqrt(n))
+    big = det.verdict(M(np.full(20_000, det.null_mean_ + 0.1)))
+    assert big["threshold"] == pytest.approx(det.null_mean_ + norm.isf(0.01) * det.null_std_ / math.sqrt(20_000))
+    assert big["p_value_method"] == "normal" and big["flagged"]
+
+
+def test_degenerate_null_all_zero():
+    d = ClippedMeanDetector().fit(M(np.zeros(1000)))
+    assert d.threshold(10) == 0.0 and not d.predict(M(np.zeros(10))) and d.p_value(M(np.zeros(10))) == 1.0
+    assert d.clip_ == 1.0  # no spread in the honest data: clip one unit above it, not at 0
+    assert d.predict(M([0.0] * 9 + [np.inf])) is True  # a filtered-out claim is visible
+    d2 = ClippedMeanDetector(clip_quantile=1.0).fit(M(np.r_[np.zeros(999), 1.0]))
+    assert d2.predict(M(np.r_[np.zeros(5), 1.0, 1.0])) and d2.p_value(M(np.ones(10))) == 0.0
+
+
+def test_save_load_round_trip(det, tmp_path):
+    path = tmp_path / "sub" / "det.json"
+    det.save(path)
+    back = ClippedMeanDetector.load(path)
+    assert back == det and back.config() == det.config()
+    assert np.array_equal(back.null_sample_, det.null_sample_)
+    for k in ("clip_", "null_mean_", "null_std_", "n_train_"):
+        assert getattr(back, k) == getattr(det, k)
+    x = M(np.random.default_rng(4).exponential(1.1, 700))
+    assert back.verdict(x) == det.verdict(x)
+    assert [p.name for p in path.parent.iterdir()] == ["det.json"]  # no temp file left behind
+    d = json.loads(path.read_text())
+    assert d["format"] == "verinfer.ClippedMeanDetector" and d["version"] == 1
+
+
+def test_load_errors_name_the_file(det, tmp_path):
+    path = tmp_path / "det.json"
+    det.save(path)
+    text = path.read_text()
+    path.write_text(text[: len(text) // 2])  # truncated
+    with pytest.raises(VerinferError, match="not valid JSON.*truncated") as e:
+        ClippedMeanDetector.load(path)
+    assert str(path) in str(e.value)
+    d = json.loads(text)
+    d["version"] = 99
+    path.write_text(json.dumps(d))
+    with pytest.raises(VerinferError, match="version 99") as e:
+        ClippedMeanDetector.load(path)
+    assert str(path) in str(e.value)
+    d["version"] = 1
+    d["fitted"]["null_sample_f8_base64"] = d["fitted"]["null_sample_f8_base64"][:-400]
+    path.write_text(json.dumps(d))
+    with pytest.raises(VerinferError, match="malformed detector"):
+        ClippedMeanDetector.load(path)
+    with pytest.raises(VerinferError, match="no such detector file"):
+        ClippedMeanDetector.load(tmp_path / "missing.json")
+
+
+def test_unfitted_and_bad_input():
+    with pytest.raises(VerinferError, match="not fitted"):
+        ClippedMeanDetector().threshold(10)
+    with pytest.raises(ValueError):
+        ClippedMeanDetector(score_name="bogus")
+    d = ClippedMeanDetector().fit(M(np.arange(100.0)))
+    with pytest.raises(ValueError, match="empty"):
+        d.verdict(M([]))
+    with pytest.raises(ValueError, match="NaN"):
+        d.verdict(M([np.nan]))
+    with pytest.raises(TypeError, match="score table"):
+        d.verdict(np.arange(10.0))  # a bare array is not a score table
+    with pytest.raises(VerinferError, match="lack the column cross_entropy.*clipped-mean") as e:
+        ClippedMeanDetector(score_name="cross_entropy").fit(M(np.arange(100.0)))
+    assert "verinfer score" in e.value.fix
+
+
+def test_verdict_reports_confidence(det, honest):
+    rng = np.random.default_rng(5)
+    fin = honest[np.isfinite(honest)]
+    v = det.verdict(M(rng.choice(fin, 200) + 0.05))  # small excess
+    assert v["tail_probability"] == v["p_value"] and v["threshold_fpr"] <= 0.02
+    if not v["flagged"]:
+        assert v["more_tokens_needed"] is None or v["more_tokens_needed"] >= 1
+    pooled = det.null_mean_ + 0.1
+    n_star = det.tokens_to_flag(pooled, 100)
+    assert n_star == math.ceil((norm.isf(0.01) * det.null_std_ / 0.1) ** 2)
+    d = det.verdict_from_pooled(pooled, 100)
+    assert not d["flagged"] and d["more_tokens_needed"] == n_star - 100 and "not enough evidence" in d["decision"]
+    assert det.verdict_from_pooled(det.null_mean_ - 0.1, 100)["more_tokens_needed"] is None
+    assert det.verdict_from_pooled(det.null_mean_ + 2.0, 100)["flagged"]
+
+
+def test_stratified_null_holds_fpr_for_every_honest_group(tmp_path):
+    """Two honest configurations with different noise levels: a pooled null flags the noisier one
+    far more often than target_fpr; the stratified null keeps each at or below it."""
+    rng = np.random.default_rng(3)
+    quiet, noisy = rng.exponential(1.0, 20_000), rng.exponential(1.25, 20_000)
+    pooled = ClippedMeanDetector(clip_quantile=1.0).fit(M(np.r_[quiet, noisy]))
+    strat = ClippedMeanDetector(clip_quantile=1.0).fit(M(np.r_[quiet, noisy]), groups=["q"] * 20_000 + ["n"] * 20_000)
+    fresh = rng.exponential(1.25, (400, 300))  # fresh batches of the noisy honest configuration
+    fpr_pooled = np.mean([pooled.predict(M(b)) for b in fresh])
+    fpr_strat = np.mean([strat.predict(M(b)) for b in fresh])
+    assert fpr_pooled > 0.2 and fpr_strat <= 0.03
+    assert strat.threshold(300) > pooled.threshold(300)
+    assert strat.p_value(M(fresh[0])) >= pooled.p_value(M(fresh[0]))
+    strat.save(tmp_path / "d.json")
+    back = ClippedMeanDetector.load(tmp_path / "d.json")
+    assert back.null_group_sizes_ == strat.null_group_sizes_ and back.threshold(300) == strat.threshold(300)
+
+
+def test_activation_score_reads_only_logged_tokens():
+    """fp_l2 exists on logged tokens only (NaN / null elsewhere): token_rows keeps those, max_tokens
+    counts them, and a pyarrow table and a dict give the same verdict."""
+    import pyarrow as pa
+
+    rng = np.random.default_rng(7)
+    v = rng.exponential(1.0, 4000)
+    v[::3] = np.nan
+    det = ClippedMeanDetector(score_name="fp_l2", n_null_batches=200).fit({"fp_l2": v})
+    assert det.n_train_ == np.count_nonzero(~np.isnan(v))
+    table = pa.table({"fp_l2": pa.array(v, from_pandas=True), "margin": np.zeros(v.size)})
+    assert table["fp_l2"].null_count > 0
+    vt, vd = det.verdict(table, max_tokens=100), det.verdict({"fp_l2": v, "margin": np.zeros(v.size)}, max_tokens=100)
+    assert vt == vd and vt["n_tokens"] == 100
+    assert vt["pooled"] == np.minimum(v[~np.isnan(v)][:100], det.clip_).mean()
+

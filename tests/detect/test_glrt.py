@@ -1,0 +1,107 @@
+import json
+import math
+
+import numpy as np
+import pytest
+from scipy.stats import norm
+
+from verinfer.detect.clipped_mean import ClippedMeanDetector
+from verinfer.detect.glrt import PerturbationGLRTDetector
+from verinfer.errors import VerinferError
+
+
+def _claims(n, sigma, rng, eps=0.0, temp_shift=0.0):
+    """Signed gaps under the perturbation model: the verifier's pick leads by a ~ Exp(1); the
+    provider (noise std sigma per logit) flips to the runner-up with probability
+    Phi(-a / (sqrt(2) sigma)), then d = +a (its margin), else d = -a; a fraction eps are outliers
+    (margin 1 + Exp(1)). Temperature columns 0.9 / 1.1: d shifted by -/+ temp_shift * |d| on
+    flipped tokens (a provider at 1.1 x T is reproduced better at 1.1)."""
+    a = rng.exponential(1.0, n)
+    flip = rng.random(n) < norm.cdf(-a / (math.sqrt(2) * sigma))
+    d = np.where(flip, a, -a)
+    out = rng.random(n) < eps
+    d[out] = 1.0 + rng.exponential(1.0, out.sum())
+    t09 = np.where(d > 0, d * (1 + temp_shift), d)
+    t11 = np.where(d > 0, d * (1 - temp_shift), d)
+    return {"gap_0": d, "gapT_0.9": t09, "gapT_1.1": t11}
+
+
+def _glrt(**kw):
+    return PerturbationGLRTDetector(temperature_factors=(0.9, 1.1), top_p_slack=0.0, **kw)
+
+
+def test_glrt_fit_statistic_and_batches_match_a_loop():
+    rng = np.random.default_rng(0)
+    det = _glrt(n_null_batches=300).fit(_claims(60_000, 0.05, rng, eps=1e-3))
+    assert det.sigma0_ == pytest.approx(0.05, rel=0.15) and 0 < det.eps0_ < 5e-3
+    assert len(det.grid_) == 4 + 2 + 2
+    t = _claims(500, 0.2, rng)
+    x = det.token_columns(t)
+    slow = max(sum(x[i, g] for i in range(500)) for g in range(x.shape[1]))      # GLRT: best alternative's LLR
+    assert det.statistic(t) == pytest.approx(slow)
+    z = _glrt(n_null_batches=300, combine="maxz").fit(_claims(60_000, 0.05, rng, eps=1e-3))
+    xz = z.token_columns(t)
+    slow_z = max(math.sqrt(500) * (xz[:, g].mean() - z.mu_[g]) / z.sd_[g] for g in range(xz.shape[1]))
+    assert z.statistic(t) == pytest.approx(slow_z)
+    idx = np.random.default_rng(5).integers(0, 500, (7, 40))
+    fast = det.batch_statistics(x, 40, 7, np.random.default_rng(5))
+    np.testing.assert_allclose(fast, [det.statistic_of_means(x[i].mean(0), 40) for i in idx])
+
+
+def test_glrt_holds_fpr_and_beats_the_clipped_margin_on_rare_outliers():
+    rng = np.random.default_rng(1)
+    honest = _claims(100_000, 0.05, rng, eps=5e-4)
+    det = _glrt(n_null_batches=1000).fit(honest)
+    cm = ClippedMeanDetector(clip_quantile=0.999).fit({"margin": np.maximum(honest["gap_0"], 0)})
+    n, b = 300, 200
+    rate = lambda det_, sets, f=lambda c: c: np.mean([det_.predict(f(c)) for c in sets])  # noqa: E731
+    margin = lambda c: {"margin": np.maximum(c["gap_0"], 0)}  # noqa: E731
+    assert rate(det, [_claims(n, 0.05, rng, eps=5e-4) for _ in range(b)]) <= 0.03
+    # a larger noise scale (quantization): detected
+    assert rate(det, [_claims(n, 0.12, rng, eps=5e-4) for _ in range(b)]) >= 0.9
+    # 1% outliers (a sampling bug): the outlier column catches what the clipped mean averages away
+    buggy = [_claims(n, 0.05, rng, eps=0.01) for _ in range(b)]
+    assert rate(det, buggy) >= rate(cm, buggy, margin) + 0.1 and rate(det, buggy) >= 0.55
+
+
+def test_glrt_groups_guard_a_noisier_new_honest_config():
+    rng = np.random.default_rng(2)
+    parts = [_claims(30_000, s, rng, eps=5e-4) for s in (0.04, 0.05, 0.06)]
+    pooled = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+    groups = np.repeat([0, 1, 2], 30_000)
+    plain = _glrt(n_null_batches=300).fit(pooled)
+    strat = _glrt(n_null_batches=300).fit(pooled, groups=groups)
+    assert (strat.tau_[:4] > 0).all() and strat.threshold(3000) > plain.threshold(3000)
+    new = strat.token_columns(_claims(30_000, 0.065, rng, eps=5e-4))   # noisier than any calibration config
+    stats = strat.batch_statistics(new, 3000, 200, rng)
+    assert np.mean(stats > strat.threshold(3000)) <= 0.05 < np.mean(stats > plain.threshold(3000))
+
+
+def test_glrt_verdict_roundtrip_and_errors(tmp_path):
+    rng = np.random.default_rng(3)
+    honest = _claims(20_000, 0.05, rng, eps=5e-4)
+    det = _glrt(n_null_batches=200).fit(honest, groups=np.arange(20_000) % 2)
+    v = det.verdict(_claims(2000, 0.3, rng))
+    assert v["flagged"] and v["p_value"] <= 1 / 201 + 1e-12 and v["more_tokens_needed"] is None
+    assert v["strongest_alternative"].startswith("noise sigma")
+    weak = det.verdict(_claims(30, 0.09, rng))
+    assert not weak["flagged"] and set(weak) >= {"threshold_fpr", "tail_probability", "more_tokens_needed"}
+    if weak["more_tokens_needed"] is not None:
+        assert weak["more_tokens_needed"] >= 1
+    assert det.verdict({k: np.full(50, -5.0) for k in honest})["more_tokens_needed"] is None  # nothing to see
+    det.save(tmp_path / "g.json")
+    back = PerturbationGLRTDetector.load(tmp_path / "g.json")
+    t = _claims(400, 0.1, rng)
+    assert back.statistic(t) == pytest.approx(det.statistic(t))
+    assert back.threshold(100) == pytest.approx(det.threshold(100))
+    (tmp_path / "bad.json").write_text(json.dumps({"format": "x"}))
+    with pytest.raises(VerinferError):
+        PerturbationGLRTDetector.load(tmp_path / "bad.json")
+    with pytest.raises(VerinferError, match="not fitted"):
+        _glrt().threshold(10)
+    with pytest.raises(ValueError, match="NaN"):
+        det.statistic({k: np.full(5, np.nan) for k in honest})
+    with pytest.raises(VerinferError, match="gapT_1.1.*glrt") as e:
+        det.verdict({k: v for k, v in honest.items() if k != "gapT_1.1"})
+    assert "verinfer score --gaps" in e.value.fix
+    assert det.requires_gaps and det.columns() == ("gap", "gapT_0.9", "gapT_1.1")
