@@ -16,8 +16,8 @@ import numpy as np
 from scipy.stats import norm
 
 from verinfer.audit.scores import _column
-from verinfer.audit.variants import (fit_perturbation, gap_column, perturbation_llr, perturbation_llr_centered,
-                                     temperature_column)
+from verinfer.audit.replay import gap_column, temperature_column
+from verinfer.audit.variants import fit_perturbation, perturbation_llr, perturbation_llr_centered
 from verinfer.detect.base import (ColumnStatistics, column_names, decode_groups, encode_f8, group_labels,
                                   stratified_subsample)
 from verinfer.errors import VerinferError
