@@ -125,6 +125,22 @@ def test_glrt_detector_calibrate_and_audit(scored, tmp_path):
     assert "more_tokens_needed" in h
 
 
+def test_calibrate_and_audit_go_through_the_detector_registry(scored, tmp_path):
+    """Every registered detector is a `--detector` choice; options a detector does not take, unknown
+    names, missing columns and files of an unknown format exit 2 with what / where / fix."""
+    d, _ = scored
+    h = d / "honest-bf16-b8.parquet"
+    r = run("calibrate", h, "--out", tmp_path / "x.json", "--detector", "nope")
+    assert r.exit_code == 2 and "unknown detector 'nope'" in r.output and "clipped-mean" in r.output
+    r = run("calibrate", h, "--out", tmp_path / "x.json", "--detector", "glrt", "--score", "fp_l2")
+    assert r.exit_code == 2 and "takes no option score_name" in r.output
+    r = run("calibrate", h, "--out", tmp_path / "x.json", "--detector", "likelihood-ratio")
+    assert r.exit_code == 2 and "logit_gap" in r.output and "likelihood-ratio detector" in r.output
+    (tmp_path / "bad.json").write_text('{"format": "verinfer.Nope"}')
+    r = run("audit", h, "--detector", tmp_path / "bad.json")
+    assert r.exit_code == 2 and "not a verinfer detector file" in r.output and "verinfer.Nope" in r.output
+
+
 def test_unwritable_outputs_fail_before_any_compute(tmp_path):
     (tmp_path / "f").write_text("a file")
     (tmp_path / "d").mkdir()
