@@ -14,7 +14,7 @@ Metrics:
   accept_rate    accepted draft tokens / drafted tokens
   tokens_per_s   generated tokens / wall-clock seconds of the whole generate call (prefill of both
                  models, drafting, verification, rule evaluation), median over interleaved repeats
-Protocol (benchmarks/kl_judge.py), all methods on the same FastLM decode path (fast.py):
+Protocol (benchmarks/kl_judge.py), all methods on the same decode path (LlamaLM, default kernels):
   1. quality (`run`): per rule, the threshold is selected at gamma REF_GAMMA on the validation
      split by a rule fixed in advance (`select_thresholds`: highest MAT with accuracy >= vanilla's
      - SELECT_MARGIN); then MAT / accuracy / agreement on the disjoint test split at every gamma,
@@ -164,17 +164,17 @@ def _median_ms_multi(fns, n: int) -> list[float]:
 def cost_model(model_dirs: dict[str, str], batch_sizes=(1, 16), ctxs=(16, 128), T_verify: int = 5,
                n: int = 100, device: str = "cpu") -> dict:
     """Median ms of one decode step (T=1) and of a T_verify-token verification forward at a
-    ctx-token context: transformers (DynamicCache), LlamaLM (static KV cache) and FastLM (the
-    benchmark's decode path), fp32, interleaved. Also the max |logit diff| of LlamaLM and of
-    FastLM against transformers on the same step (the fast paths' check). Keys: name_bB_ctxC."""
+    ctx-token context: transformers (DynamicCache), LlamaLM (static KV cache; the benchmark's decode
+    path) and LlamaLM on the Fused kernels ("fast" keys), fp32, interleaved. Also the max |logit
+    diff| of both against transformers on the same step (the fast paths' check). Keys: name_bB_ctxC."""
     from transformers import AutoModelForCausalLM
 
-    from verinfer.speculative.fast import FastLM
+    from verinfer.numerics.kernels import Fused
 
     out: dict = {}
     for name, d in model_dirs.items():
         lean = LlamaLM.from_pretrained(d, device=device)
-        fast = FastLM(lean)
+        fast = lean.with_kernels(Fused())
         hf = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).to(device).eval()
         for B in batch_sizes:
             for ctx in ctxs:
@@ -296,12 +296,11 @@ def select_thresholds(sweep: list[dict], vanilla_acc: dict[int, float],
 
 
 def _models(device):
-    """Target and draft on the decode-speed path (FastLM) that every method of the benchmark uses."""
+    """Target and draft on the forward every command runs (LlamaLM, default kernels), the decode
+    path of every method of the benchmark."""
     from verinfer.models.testbed import DRAFT_DIR, TARGET_DIR
-    from verinfer.speculative.fast import FastLM
 
-    return (FastLM(LlamaLM.from_pretrained(TARGET_DIR, device=device)),
-            FastLM(LlamaLM.from_pretrained(DRAFT_DIR, device=device)))
+    return LlamaLM.from_pretrained(TARGET_DIR, device=device), LlamaLM.from_pretrained(DRAFT_DIR, device=device)
 
 
 def run(out_dir, device: str = "cpu", quick: bool = False, batch_sizes=(1, 16), repeats: int = 5,
@@ -340,7 +339,8 @@ def run(out_dir, device: str = "cpu", quick: bool = False, batch_sizes=(1, 16), 
         "mat_definition": "emitted tokens per target forward (round 1's forward is the target's prefill fused with "
                           "the first verification; target-only: its prefill gives the first token); COUNTS the "
                           "correction/bonus token",
-        "decode_path": "FastLM (speculative/fast.py) for target and draft in every method, target-only included",
+        "decode_path": "LlamaLM (models/llama.py, default kernels) for target and draft in every method, "
+                       "target-only included",
         "device": device, "torch": torch.__version__, "quick": quick}}
 
     log(f"mining AutoJudge labels on {n_mine} training problems ...")
@@ -693,7 +693,7 @@ def markdown(res: dict) -> str:
           f"{jm['seconds']:.0f} s."]
     if "cost_model" in res:
         L += ["", "## Cost model (median ms per forward, fp32, 1 thread; max |logit diff| against transformers)", "",
-              "| model / batch / context | HF T=1 | LlamaLM T=1 | FastLM T=1 | HF T=5 | LlamaLM T=5 | FastLM T=5 | diff LlamaLM | diff FastLM |",
+              "| model / batch / context | HF T=1 | LlamaLM T=1 | fused T=1 | HF T=5 | LlamaLM T=5 | fused T=5 | diff LlamaLM | diff fused |",
               "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for k, r in res["cost_model"].items():
             if isinstance(r, dict):

@@ -167,9 +167,9 @@ def main():
                    verify="all protected rows with unverified tokens in one deterministic "
                    "pass when any has `window` unverified tokens or finished; rollback from first mismatch"),
         gated_llm42=dict(window=a.gated_window, tau=tau),
-        best=dict(policy="decode every step on the fixed-shape deterministic path (FixedShapeLM: library kernels, "
+        best=dict(policy="decode every step on the fixed-shape deterministic path (FixedShape kernels: library kernels, "
                   "fixed key slots, one-query attention items, GEMM row-invariance certified at start-up); "
-                  "nothing verified", certify=eng.det.model.certify()),
+                  "nothing verified", certify=eng.det.model.kernels.certify()),
         determinism={m: main_runs[m]["determinism"] for m in methods},
         overhead={m: (main_runs[m]["seconds"] / bf16_s - 1.0) if m != "bf16" else 0.0 for m in methods},
         overhead_cpu={m: (main_runs[m]["cpu_seconds"] / main_runs["bf16"]["cpu_seconds"] - 1.0) if m != "bf16" else 0.0

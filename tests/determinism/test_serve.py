@@ -99,7 +99,7 @@ def test_server_deterministic_best_gives_the_reference_tokens(fast_engine, det_e
         got = [s.token_id for s in generate_steps(served, r.id, r.prompt_token_ids, r.params, ignore_eos=True)]
         assert got == ref[r.id] == batched[r.id]
     # without the flag the server decodes on the default path: same model, other kernels
-    assert type(plain.engine.model).__name__ == "LlamaLM"
-    assert type(served.engine.model).__name__ == "FixedShapeLM"
+    assert type(plain.engine.model).__name__ == type(served.engine.model).__name__ == "LlamaLM"
+    assert plain.engine.model.kernels.name == "native" and served.engine.model.kernels.name == "fixed_shape"
     with pytest.raises(Exception, match="deterministic"):
         load_registry(TARGET_DIR, deterministic="margingate")

@@ -29,7 +29,7 @@ Policies (the reference for protected requests is the batch-invariant path run a
   verified one) in one deterministic pass, with rollback from the first mismatch as in llm42. A
   row with no near-tie since its last verification is never replayed.
 - `best` (verinfer's cheapest exact policy): protected prompts are prefilled and every decode
-  step runs on the fixed-shape deterministic path (`det`, determinism/invariant.FixedShapeLM):
+  step runs on the fixed-shape deterministic path (`det`, numerics/kernels.FixedShape):
   the library's own fast kernels with the key-slot count and the query shape held fixed, after
   `certify()` checked on this machine that nothing else changes a row's bits. Unprotected rows
   share the same forward (their prefill stays on the fast chunked path). Exact by construction,

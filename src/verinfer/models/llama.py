@@ -1,16 +1,28 @@
-"""A lean Llama-family forward (gpt-fast style) that loads a Hugging Face checkpoint directory.
+"""The model forward: one lean Llama-family forward (gpt-fast style) that loads a Hugging Face
+checkpoint directory. Every command (generate, score, the server, determinism, speculative)
+runs this class; the transformers model stays only as the reference tests compare it against.
 
 Why: on CPU, per-call framework overhead dominates small models (DESIGN.md "Speed"). This
 module computes exactly what `transformers.LlamaForCausalLM` computes (RMSNorm in fp32, RoPE,
 grouped-query attention, SiLU-gated MLP), over a caller-owned KV cache, with explicit hooks
-for the hidden states and the KV columns. The transformers model stays the reference that
-tests compare it against.
+for the hidden states and the KV columns. How the linear layers, attention and logits are
+computed (kernels, shapes, precision) is a pluggable strategy, numerics/kernels.py: `Native`
+by default, `Fused`, `FixedShape` (certified), `Tiled`, `LayerCast`; `with_kernels` gives
+another strategy over the same weights.
+
+Per-op overhead is kept low where it costs no bits (each measured bitwise equal to the
+previous forward on this CPU, tests/models/test_llama.py): RoPE cos/sin gathered from a table
+built with the same float ops, the KV cache slot-major ([B, S, G, E], one index_put_ per write
+instead of a scatter with an expanded index), the attention mask from a cached arange, fp32
+RMSNorm without its no-op dtype casts, weight names built once. Fusing q/k/v and gate/up into one
+GEMM changes bits (it is the opt-in `Fused` strategy).
 
 Supported configs: `model_type` in {llama, mistral, qwen2, qwen3} with default RoPE (no
 rope_scaling), no sliding window. Anything else raises a ModelError naming the field.
 
-Shape key: B=batch, T=time (tokens in this call), S=cache slots, H=query heads,
-G=kv heads, E=head dim, D=model dim, F=MLP dim, V=vocab, L=layers.
+Shape key: B=batch, T=time (tokens in this call), S=cache slots, P=positions, H=query heads,
+G=kv heads, E=head dim, D=model dim, F=MLP dim, V=vocab, N=packed or selected tokens,
+L=any leading shape.
 """
 
 from __future__ import annotations
@@ -19,12 +31,14 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from verinfer.errors import ModelError
+from verinfer.numerics.kernels import Native
 
 SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -53,12 +67,19 @@ class LlamaConfig:
             raise ModelError(
                 f"model_type {mtype!r} is not supported by the lean forward",
                 where=f"{where}: model_type",
-                fix=f"use one of {SUPPORTED_TYPES}, or load with impl='hf'",
+                fix=f"use a checkpoint of one of {SUPPORTED_TYPES} (other architectures are not implemented)",
             )
-        rope_scaling = cfg.get("rope_scaling")
-        if rope_scaling and rope_scaling.get("rope_type", rope_scaling.get("type")) not in (None, "default"):
-            raise ModelError("rope_scaling is not supported by the lean forward",
-                             where=f"{where}: rope_scaling", fix="load with impl='hf'")
+        for field in ("rope_scaling", "rope_parameters"):
+            rope = cfg.get(field) or {}
+            if rope.get("rope_type", rope.get("type")) not in (None, "default"):
+                raise ModelError(f"{field} type {rope.get('rope_type', rope.get('type'))!r} is not supported by the "
+                                 "lean forward (default RoPE only)", where=f"{where}: {field}",
+                                 fix="use a checkpoint with default RoPE")
+        window = cfg.get("sliding_window") if mtype == "mistral" or cfg.get("use_sliding_window") else None
+        if window and window < cfg.get("max_position_embeddings", 2048):
+            raise ModelError(f"sliding_window {window} is not supported by the lean forward (full attention only)",
+                             where=f"{where}: sliding_window",
+                             fix="use a checkpoint without a sliding window shorter than max_position_embeddings")
         heads = cfg["num_attention_heads"]
         rope_params = cfg.get("rope_parameters") or {}
         return cls(
@@ -79,22 +100,24 @@ class LlamaConfig:
         )
 
 
-def rms_norm(x_BTD: torch.Tensor, weight_D: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm as transformers computes it: statistics in fp32, weight applied in input dtype."""
-    x32 = x_BTD.float()
+def rms_norm(x_LD: torch.Tensor, weight_D: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm as transformers computes it: statistics in fp32, weight applied in input dtype.
+    fp32 input skips the casts (no-ops: the same ops, the same bits)."""
+    if x_LD.dtype == torch.float32:
+        return weight_D * (x_LD * torch.rsqrt(x_LD.pow(2).mean(-1, keepdim=True) + eps))
+    x32 = x_LD.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight_D * x32.to(x_BTD.dtype)
+    return weight_D * x32.to(x_LD.dtype)
 
 
-def rope_cos_sin(pos_BT: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=pos_BT.device, dtype=torch.int64).float() / head_dim))
-    freqs_BTe = pos_BT.float()[..., None] * inv_freq
-    emb_BTE = torch.cat((freqs_BTe, freqs_BTe), dim=-1)
-    return emb_BTE.cos().to(dtype), emb_BTE.sin().to(dtype)
-
-
-def apply_rope(x_BHTE: torch.Tensor, cos_BTE: torch.Tensor, sin_BTE: torch.Tensor) -> torch.Tensor:
-    return apply_rope_heads(x_BHTE, cos_BTE[:, None], sin_BTE[:, None])
+def rope_table(n_pos: int, head_dim: int, theta: float, dtype: torch.dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos_PE, sin_PE for positions 0..n_pos-1, with transformers' float ops (inv_freq from int64
+    exponents, fp32 angles, cos/sin in fp32, then the cast to dtype): element p of the table has
+    the bits a per-call computation at position p has (elementwise ops)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.int64).float() / head_dim))
+    freqs_Pe = torch.arange(n_pos, device=device).float()[:, None] * inv_freq
+    emb_PE = torch.cat((freqs_Pe, freqs_Pe), dim=-1)
+    return emb_PE.cos().to(dtype), emb_PE.sin().to(dtype)
 
 
 def apply_rope_heads(x_LHE: torch.Tensor, cos_LE: torch.Tensor, sin_LE: torch.Tensor) -> torch.Tensor:
@@ -105,34 +128,41 @@ def apply_rope_heads(x_LHE: torch.Tensor, cos_LE: torch.Tensor, sin_LE: torch.Te
 
 
 class KVCache:
-    """Preallocated per-layer K/V: k[l] is [B, G, S, E]. Rows own their slots; the caller
-    passes the slot (= absolute position) each new token is written to.
+    """Preallocated per-layer K/V, slot-major: k[l] is [B, S, G, E]. Rows own their slots; the
+    caller passes the slot (= absolute position) each new token is written to, and a write is
+    one index_put_ at (row, slot). Attention reads [B, G, S, E] views (`keys`, `values`).
 
     `write_hook(k, v)` is applied on every write (numerics: fp8 KV cache simulation).
     `read_column` / `write_column` expose single K/V columns (MarginGate repair)."""
 
     def __init__(self, n_layers: int, batch: int, n_kv_heads: int, max_slots: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device | str, write_hook=None):
-        shape = (batch, n_kv_heads, max_slots, head_dim)
+        shape = (batch, max_slots, n_kv_heads, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
         self.max_slots = max_slots
         self.write_hook = write_hook
 
-    def write(self, layer: int, k_BGTE: torch.Tensor, v_BGTE: torch.Tensor, pos_BT: torch.Tensor):
+    def write(self, layer: int, k_BTGE: torch.Tensor, v_BTGE: torch.Tensor, index: tuple[torch.Tensor, torch.Tensor]):
+        """Store the tokens' K/V at index = (rows_BT, slots_BT)."""
         if self.write_hook is not None:
-            k_BGTE, v_BGTE = self.write_hook(k_BGTE, v_BGTE)
-        B, G, T, E = k_BGTE.shape
-        idx = pos_BT[:, None, :, None].expand(B, G, T, E)
-        self.k[layer].scatter_(2, idx, k_BGTE)
-        self.v[layer].scatter_(2, idx, v_BGTE)
+            k_BTGE, v_BTGE = self.write_hook(k_BTGE, v_BTGE)
+        self.k[layer].index_put_(index, k_BTGE)
+        self.v[layer].index_put_(index, v_BTGE)
+
+    def keys(self, layer: int, slots: int) -> torch.Tensor:
+        """k_BGSE: the first `slots` slots of every row (a view)."""
+        return self.k[layer][:, :slots].transpose(1, 2)
+
+    def values(self, layer: int, slots: int) -> torch.Tensor:
+        return self.v[layer][:, :slots].transpose(1, 2)
 
     def read_column(self, layer: int, row: int, slot: int):
-        return self.k[layer][row, :, slot].clone(), self.v[layer][row, :, slot].clone()
+        return self.k[layer][row, slot].clone(), self.v[layer][row, slot].clone()
 
     def write_column(self, layer: int, row: int, slot: int, k_GE: torch.Tensor, v_GE: torch.Tensor):
-        self.k[layer][row, :, slot] = k_GE
-        self.v[layer][row, :, slot] = v_GE
+        self.k[layer][row, slot] = k_GE
+        self.v[layer][row, slot] = v_GE
 
     def select_rows(self, rows: torch.Tensor) -> None:
         """Keep only these batch rows (in this order): finished requests leave the batch."""
@@ -140,30 +170,62 @@ class KVCache:
         self.v = [v.index_select(0, rows) for v in self.v]
 
 
+class LayerNames(NamedTuple):
+    """Checkpoint names of one decoder layer's weights (built once)."""
+
+    input_norm: str
+    qkv: tuple[str, str, str]
+    q_norm: str
+    k_norm: str
+    o: str
+    post_norm: str
+    gate_up: tuple[str, str]
+    down: str
+
+    @classmethod
+    def of(cls, i: int) -> "LayerNames":
+        p = f"layers.{i}."
+        return cls(p + "input_layernorm.weight", tuple(p + f"self_attn.{n}_proj.weight" for n in "qkv"),
+                   p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight", p + "self_attn.o_proj.weight",
+                   p + "post_attention_layernorm.weight", (p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
+                   p + "mlp.down_proj.weight")
+
+
 class LlamaLM(torch.nn.Module):
     """Causal LM forward over a KV cache. Parameters are plain tensors named as in the HF
     checkpoint, so `from_pretrained` loads the same safetensors the reference model loads."""
 
     def __init__(self, config: LlamaConfig, weights: dict[str, torch.Tensor], attn: str = "sdpa",
-                 matmul: str = "native"):
-        """matmul='fp32': linear layers and attention compute in fp32 from the weights' dtype
-        values and round their outputs back to it (Numerics.matmul); 'native' computes in it."""
+                 matmul: str = "native", kernels: Native | None = None):
+        """kernels: the kernel strategy (numerics/kernels.py; default Native(matmul)).
+        matmul='fp32': linear layers and attention compute in fp32 from the weights' dtype values
+        and round their outputs back to it (Numerics.matmul); 'native' computes in it."""
         super().__init__()
+        if kernels is None:
+            kernels = Native(matmul)
+        elif matmul != "native":
+            raise ValueError("pass matmul to the kernel strategy (e.g. Native('fp32')), not beside it")
         self.config = config
         self.attn = attn
-        self.w = weights
+        self.kernels = kernels.bind(weights, config, attn)
+        self.w = self.kernels.w
         self.layers = config.num_hidden_layers
-        if matmul not in ("native", "fp32"):
-            raise ValueError(f"matmul must be 'native' or 'fp32', got {matmul!r}")
-        self.matmul = matmul
-        upcast = matmul == "fp32" and self.dtype != torch.float32
-        self.w32 = {k: t.float() for k, t in weights.items() if t.ndim == 2 or k.endswith(".bias")} if upcast else None
+        self.names = [LayerNames.of(i) for i in range(config.num_hidden_layers)]
+        self._grow(0)
+
+    def with_kernels(self, kernels: Native) -> "LlamaLM":
+        """This model (the same weight tensors) computed with another kernel strategy."""
+        return LlamaLM(self.config, self.w, attn=self.attn, kernels=kernels)
+
+    @property
+    def matmul(self) -> str:
+        return self.kernels.matmul
 
     # --- loading -----------------------------------------------------------------------
     @classmethod
     def from_pretrained(cls, local_dir: str | Path, *, dtype: torch.dtype = torch.float32,
                         device: str | torch.device = "cpu", attn: str = "sdpa",
-                        weight_transform=None, matmul: str = "native") -> "LlamaLM":
+                        weight_transform=None, matmul: str = "native", kernels: Native | None = None) -> "LlamaLM":
         """Load config.json + *.safetensors. weight_transform(dict) -> dict runs on the fp32
         weights before the cast to `dtype` (numerics: fake-quantization)."""
         d = Path(local_dir)
@@ -197,7 +259,7 @@ class LlamaLM(torch.nn.Module):
         if weight_transform is not None:
             weights = weight_transform(weights)
         weights = {k: t.to(device=device, dtype=dtype) for k, t in weights.items()}
-        return cls(config, weights, attn=attn, matmul=matmul)
+        return cls(config, weights, attn=attn, matmul=matmul, kernels=kernels)
 
     @staticmethod
     def expected_weight_names(c: LlamaConfig) -> list[str]:
@@ -220,83 +282,38 @@ class LlamaLM(torch.nn.Module):
 
     def new_cache(self, batch: int, max_slots: int, write_hook=None) -> KVCache:
         c = self.config
-        return KVCache(c.num_hidden_layers, batch, c.num_key_value_heads, max_slots, c.head_dim,
-                       self.dtype, self.device, write_hook)
+        return KVCache(c.num_hidden_layers, batch, c.num_key_value_heads, self.kernels.cache_slots(max_slots),
+                       c.head_dim, self.dtype, self.device, write_hook)
 
     # --- forward -----------------------------------------------------------------------
-    def _key_slots(self, needed: int, cache: KVCache) -> int:
-        """How many cache slots attention reads (>= needed). The default reads just what the
-        call needs, so the attention shape depends on the longest row in the batch."""
-        return needed
-
-    def _linear(self, x, name):
-        bname = name.replace(".weight", ".bias")
-        if self.w32 is not None:  # matmul='fp32'
-            return F.linear(x.float(), self.w32[name], self.w32.get(bname)).to(x.dtype)
-        return F.linear(x, self.w[name], self.w.get(bname))
-
-    def _linears(self, x, names: tuple[str, ...]):
-        """Several linear layers of one input. matmul='fp32' runs them as one GEMM (weights
-        concatenated once): one input cast and one bigger call."""
-        if self.w32 is None or len(names) == 1:
-            return tuple(self._linear(x, n) for n in names)
-        key = "+".join(names)
-        if key not in self.w32:
-            if any(n.replace(".weight", ".bias") in self.w32 for n in names):
-                return tuple(self._linear(x, n) for n in names)
-            self.w32[key] = torch.cat([self.w32[n] for n in names])
-        y = F.linear(x.float(), self.w32[key]).to(x.dtype)
-        return y.split([self.w32[n].shape[0] for n in names], dim=-1)
-
-    def _attention(self, q_BHTE, k_BGSE, v_BGSE, mask_BTS):
-        """mask_BTS None means plain causal over this call's tokens (replay of whole sequences)."""
-        if self.w32 is not None:  # matmul='fp32'
-            dt = q_BHTE.dtype
-            return self._attention_native(q_BHTE.float(), k_BGSE.float(), v_BGSE.float(), mask_BTS).to(dt)
-        return self._attention_native(q_BHTE, k_BGSE, v_BGSE, mask_BTS)
-
-    def _attention_native(self, q_BHTE, k_BGSE, v_BGSE, mask_BTS):
+    def _grow(self, n_pos: int) -> None:
+        """Make the RoPE table and the position arange cover n_pos positions (doubling)."""
+        have = getattr(self, "_arange_P", None)
+        if have is not None and have.numel() >= n_pos:
+            return
+        P = max(64, 1 << max(0, n_pos - 1).bit_length())
         c = self.config
-        rep = c.num_attention_heads // c.num_key_value_heads
-        scale = 1.0 / math.sqrt(c.head_dim)
-        if self.attn == "sdpa":
-            if mask_BTS is None:
-                return F.scaled_dot_product_attention(q_BHTE, k_BGSE, v_BGSE, is_causal=True, scale=scale,
-                                                      enable_gqa=rep > 1)
-            return F.scaled_dot_product_attention(q_BHTE, k_BGSE, v_BGSE, attn_mask=mask_BTS[:, None], scale=scale,
-                                                  enable_gqa=rep > 1)
-        if rep > 1:
-            k_BGSE = k_BGSE.repeat_interleave(rep, dim=1)
-            v_BGSE = v_BGSE.repeat_interleave(rep, dim=1)
-        if mask_BTS is None:
-            T = q_BHTE.shape[2]
-            mask_BTS = torch.ones(T, T, dtype=torch.bool, device=q_BHTE.device).tril()[None]
-        if self.attn == "eager":  # transformers' eager path: softmax in fp32, cast back
-            scores = torch.matmul(q_BHTE, k_BGSE.transpose(-1, -2)) * scale
-            scores = scores.masked_fill(~mask_BTS[:, None], torch.finfo(scores.dtype).min)
-            probs = torch.softmax(scores.float(), dim=-1).to(q_BHTE.dtype)
-            return torch.matmul(probs, v_BGSE)
-        raise ValueError(f"unknown attention implementation {self.attn!r} (sdpa | eager)")
+        self._cos_PE, self._sin_PE = rope_table(P, c.head_dim, c.rope_theta, self.dtype, self.device)
+        self._arange_P = torch.arange(P, device=self.device)
 
     def _layer(self, i: int, x_LD: torch.Tensor, cos_LE, sin_LE, attend) -> torch.Tensor:
         """Decoder layer i over tokens with any leading shape L ([B, T] padded, [N] packed);
         attend(i, q_LHE, k_LGE, v_LGE) -> attention output [*L, H*E]."""
-        c, w, p = self.config, self.w, f"layers.{i}."
+        c, w, n, K = self.config, self.w, self.names[i], self.kernels
         L = x_LD.shape[:-1]
-        h = rms_norm(x_LD, w[p + "input_layernorm.weight"], c.rms_norm_eps)
-        q, k, v = self._linears(h, tuple(p + f"self_attn.{n}_proj.weight" for n in "qkv"))
+        h = rms_norm(x_LD, w[n.input_norm], c.rms_norm_eps)
+        q, k, v = K.linears(h, n.qkv)
         q = q.reshape(*L, c.num_attention_heads, c.head_dim)
         k = k.reshape(*L, c.num_key_value_heads, c.head_dim)
         v = v.reshape(*L, c.num_key_value_heads, c.head_dim)
         if c.qk_norm:
-            q = rms_norm(q, w[p + "self_attn.q_norm.weight"], c.rms_norm_eps)
-            k = rms_norm(k, w[p + "self_attn.k_norm.weight"], c.rms_norm_eps)
-        cos, sin = cos_LE.unsqueeze(-2), sin_LE.unsqueeze(-2)
-        q, k = apply_rope_heads(q, cos, sin), apply_rope_heads(k, cos, sin)
-        x_LD = x_LD + self._linear(attend(i, q, k, v), p + "self_attn.o_proj.weight")
-        h = rms_norm(x_LD, w[p + "post_attention_layernorm.weight"], c.rms_norm_eps)
-        gate, up = self._linears(h, (p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"))
-        return x_LD + self._linear(F.silu(gate) * up, p + "mlp.down_proj.weight")
+            q = rms_norm(q, w[n.q_norm], c.rms_norm_eps)
+            k = rms_norm(k, w[n.k_norm], c.rms_norm_eps)
+        q, k = apply_rope_heads(q, cos_LE, sin_LE), apply_rope_heads(k, cos_LE, sin_LE)
+        x_LD = x_LD + K.linear(attend(i, q, k, v), n.o)
+        h = rms_norm(x_LD, w[n.post_norm], c.rms_norm_eps)
+        gate, up = K.linears(h, n.gate_up)
+        return x_LD + K.linear(F.silu(gate) * up, n.down)
 
     def _layers_and_head(self, x, cos, sin, attend, hidden_layer, select):
         """Every decoder layer, then logits (and hidden states) at `select` (an index into x's
@@ -309,15 +326,10 @@ class LlamaLM(torch.nn.Module):
         if select is not None:
             x = x[select]
             hidden = hidden[select] if hidden is not None else None
-        return self._head(x, hidden, hidden_layer)
-
-    def _head(self, x_ND: torch.Tensor, hidden, hidden_layer):
-        x_ND = rms_norm(x_ND, self.w["norm.weight"], self.config.rms_norm_eps)
+        x = rms_norm(x, self.w["norm.weight"], self.config.rms_norm_eps)
         if hidden_layer == -1:
-            hidden = x_ND
-        if self.w32 is not None:  # matmul='fp32'; logits rounded as a native head's are
-            return F.linear(x_ND.float(), self.w32["lm_head.weight"]).to(x_ND.dtype).float(), hidden
-        return F.linear(x_ND, self.w["lm_head.weight"]).float(), hidden
+            hidden = x
+        return self.kernels.logits(x), hidden
 
     def forward(self, tokens_BT: torch.Tensor, pos_BT: torch.Tensor, cache: KVCache | None = None,
                 hidden_layer: int | None = None, select: tuple[torch.Tensor, torch.Tensor] | None = None,
@@ -336,24 +348,30 @@ class LlamaLM(torch.nn.Module):
             if cache is not None:
                 raise ValueError("lengths_B is for cache-free replay of whole sequences")
             return self._forward_packed(tokens_BT, lengths_B, hidden_layer, select)
-        c, w = self.config, self.w
         B, T = tokens_BT.shape
-        x = F.embedding(tokens_BT, w["embed_tokens.weight"])
-        cos, sin = rope_cos_sin(pos_BT, c.head_dim, c.rope_theta, x.dtype)
+        x = F.embedding(tokens_BT, self.w["embed_tokens.weight"])
+        needed = int(pos_BT.max()) + 1
         if cache is None:  # keys are this call's tokens; plain causal when positions are 0..T-1
-            arange = bool((pos_BT == torch.arange(T, device=pos_BT.device)).all())
+            self._grow(max(needed, T))
+            arange = needed == T and bool((pos_BT == self._arange_P[:T]).all())
             mask_BTS = None if arange else pos_BT[:, None, :] <= pos_BT[:, :, None]
+
+            def attend(i, q_BTHE, k_BTGE, v_BTGE):
+                a_BHTE = self.kernels.attention(q_BTHE.transpose(1, 2), k_BTGE.transpose(1, 2),
+                                                v_BTGE.transpose(1, 2), mask_BTS)
+                return a_BHTE.transpose(1, 2).reshape(B, T, -1)
         else:
-            S = self._key_slots(int(pos_BT.max().item()) + 1, cache)
-            mask_BTS = torch.arange(S, device=x.device)[None, None, :] <= pos_BT[:, :, None]
+            S = self.kernels.slots_to_read(needed, cache.max_slots)
+            self._grow(max(S, B))
+            mask_BTS = self._arange_P[:S][None, None, :] <= pos_BT[:, :, None]
+            index = (self._arange_P[:B, None].expand(B, T), pos_BT)
 
-        def attend(i, q_BTHE, k_BTGE, v_BTGE):
-            keys, vals = k_BTGE.transpose(1, 2), v_BTGE.transpose(1, 2)
-            if cache is not None:
-                cache.write(i, keys, vals, pos_BT)
-                keys, vals = cache.k[i][:, :, :S], cache.v[i][:, :, :S]
-            return self._attention(q_BTHE.transpose(1, 2), keys, vals, mask_BTS).transpose(1, 2).reshape(B, T, -1)
+            def attend(i, q_BTHE, k_BTGE, v_BTGE):
+                cache.write(i, k_BTGE, v_BTGE, index)
+                a_BHTE = self.kernels.attention(q_BTHE.transpose(1, 2), cache.keys(i, S), cache.values(i, S), mask_BTS)
+                return a_BHTE.transpose(1, 2).reshape(B, T, -1)
 
+        cos, sin = self._cos_PE[pos_BT][:, :, None], self._sin_PE[pos_BT][:, :, None]
         return self._layers_and_head(x, cos, sin, attend, hidden_layer, select)
 
     def _forward_packed(self, tokens_BT, lengths_B, hidden_layer, select):
@@ -361,14 +379,15 @@ class LlamaLM(torch.nn.Module):
         layers, norms, RoPE): only attention sees the padded [B, T] layout. A padded token never
         reaches a real one (causal, padding is at the end), so real tokens get the values of the
         padded forward up to GEMM row order (the honest noise of DESIGN.md)."""
-        c, w = self.config, self.w
         B, T = tokens_BT.shape
         dev = tokens_BT.device
         lengths_B = lengths_B.to(dev)
-        keep_BT = torch.arange(T, device=dev)[None, :] < lengths_B[:, None]
+        self._grow(T)
+        keep_BT = self._arange_P[:T][None, :] < lengths_B[:, None]
         flat_N = keep_BT.reshape(-1).nonzero().squeeze(1)  # packed token -> index into B*T
-        x = F.embedding(tokens_BT.reshape(-1)[flat_N], w["embed_tokens.weight"])
-        cos, sin = rope_cos_sin(flat_N % T, c.head_dim, c.rope_theta, x.dtype)
+        x = F.embedding(tokens_BT.reshape(-1)[flat_N], self.w["embed_tokens.weight"])
+        pos_N = flat_N % T
+        cos, sin = self._cos_PE[pos_N][:, None], self._sin_PE[pos_N][:, None]
 
         def pad(t_NHE):
             buf = t_NHE.new_zeros(B * T, *t_NHE.shape[1:])
@@ -376,7 +395,7 @@ class LlamaLM(torch.nn.Module):
             return buf.view(B, T, *t_NHE.shape[1:]).transpose(1, 2)
 
         def attend(i, q_NHE, k_NGE, v_NGE):
-            a_BHTE = self._attention(pad(q_NHE), pad(k_NGE), pad(v_NGE), None)
+            a_BHTE = self.kernels.attention(pad(q_NHE), pad(k_NGE), pad(v_NGE), None)
             return a_BHTE.transpose(1, 2).reshape(B * T, -1)[flat_N]
 
         if select is not None:  # (row, time) -> packed index

@@ -1,8 +1,8 @@
 """Load a causal LM and its tokenizer from a local Hugging Face directory (safetensors only).
 
-`load_model(dir, numerics, device, impl)` returns the lean forward (models/llama.py) by default
-or the transformers model (impl="hf", the reference). `model_info(dir)` identifies a model and
-tokenizer by name and content hash, so claims made for another model are refused.
+`load_model(dir, numerics, device, kernels)` returns the model forward (models/llama.py LlamaLM)
+as `numerics` computes it. `model_info(dir)` identifies a model and tokenizer by name and
+content hash, so claims made for another model are refused.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import torch
 from verinfer.errors import ModelError
 from verinfer.models.llama import LlamaLM
 from verinfer.numerics import Numerics
+from verinfer.numerics.kernels import Native
 
 
 @dataclass(frozen=True)
@@ -62,23 +63,14 @@ def model_info(local_dir: str | Path) -> ModelInfo:
 
 
 def load_model(local_dir: str | Path, numerics: Numerics = Numerics(), device: str | torch.device = "cpu",
-               impl: str = "lean"):
-    """The model as `numerics` would compute it. impl='lean' (fast, KV-cache engine path) or
-    'hf' (transformers, the reference; numerics dtype and fake-quant weights are applied too)."""
-    d = Path(local_dir)
-    if impl == "lean":
-        return LlamaLM.from_pretrained(d, dtype=numerics.torch_dtype, device=device, attn=numerics.attn,
-                                       weight_transform=numerics.apply_weights, matmul=numerics.matmul)
-    if impl == "hf":
-        if numerics.matmul != "native":
-            raise ValueError(f"matmul={numerics.matmul!r} is a lean-forward option; impl='hf' computes natively")
-        from transformers import AutoModelForCausalLM
-
-        m = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32, attn_implementation=numerics.attn)
-        sd = {k: v for k, v in m.state_dict().items()}
-        m.load_state_dict(numerics.apply_weights(sd))
-        return m.to(device=device, dtype=numerics.torch_dtype).eval()
-    raise ValueError(f"impl must be 'lean' or 'hf', got {impl!r}")
+               kernels: Native | None = None) -> LlamaLM:
+    """The model as `numerics` would compute it (dtype, attention, fake-quant weights, matmul).
+    kernels: another kernel strategy than Native(numerics.matmul) (numerics/kernels.py)."""
+    if kernels is not None and numerics.matmul != "native":
+        raise ValueError(f"numerics.matmul={numerics.matmul!r} with kernels={kernels!r}: "
+                         "set matmul on the kernel strategy instead (e.g. Fused('fp32'))")
+    return LlamaLM.from_pretrained(Path(local_dir), dtype=numerics.torch_dtype, device=device, attn=numerics.attn,
+                                   weight_transform=numerics.apply_weights, matmul=numerics.matmul, kernels=kernels)
 
 
 def load_tokenizer(local_dir: str | Path):

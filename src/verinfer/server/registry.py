@@ -77,7 +77,7 @@ def load_registry(root: str | Path, *, misconfig: str | None = None, device: str
     name are keys). Raises ModelError on anything unloadable, before the server starts.
 
     deterministic="best": every model decodes on the fixed-shape deterministic path
-    (determinism/invariant.FixedShapeLM, certified for this machine at the current thread count),
+    (LlamaLM on numerics/kernels.FixedShape, certified for this machine at the current thread count),
     so a greedy request's tokens are the determinism reference's, the tokens
     `verinfer generate --deterministic best` gives it in any batch."""
     if deterministic not in (None, *DETERMINISTIC):

@@ -1,13 +1,15 @@
-"""FastLM (the decode-speed forward of the speculative benchmark) against LlamaLM and transformers:
-logits of a fused prefill-verification and of cached decode steps on mixed-length rows, greedy
-tokens of target-only and speculative decoding, the greedy draft cut at stop tokens."""
+"""The Fused kernel strategy (q/k/v and gate/up as one GEMM each; numerics/kernels.py) against
+LlamaLM's default Native kernels and transformers: logits of a fused prefill-verification and of
+cached decode steps on mixed-length rows, greedy tokens of target-only and speculative decoding,
+the greedy draft cut at stop tokens. (Was the test of speculative/fast.py's FastLM, whose cached
+path the Fused kernels reproduce bit for bit.)"""
 
 import pytest
 import torch
 
-from verinfer.models.llama import KVCache, LlamaLM
+from verinfer.models.llama import LlamaLM
 from verinfer.models.testbed import DRAFT_DIR, TARGET_DIR, load_tokenizer
-from verinfer.speculative.fast import FastLM, SlotMajorCache
+from verinfer.numerics.kernels import Fused
 from verinfer.speculative.loop import SpeculativeDecoder, autoregressive, prefill
 from verinfer.speculative.rules import Rule
 
@@ -24,18 +26,17 @@ def _prompts(tok):
 
 
 @torch.no_grad()
-def test_fast_forward_matches_lean_and_transformers(models):
+def test_fused_forward_matches_native_and_transformers(models):
     from transformers import AutoModelForCausalLM
 
     target, _, tok = models
-    fast = FastLM(target)
-    assert fast.fast and fast.w is target.w           # the same weight tensors, no copy
+    fast = target.with_kernels(Fused())
+    assert fast.kernels.name == "fused" and fast.w is target.w   # the same weight tensors, no copy
     hf = AutoModelForCausalLM.from_pretrained(TARGET_DIR, dtype=torch.float32).eval()
     prompts = _prompts(tok)
     app = torch.tensor([[5, 6, 7], [8, 9, 10], [11, 12, 13], [14, 15, 16]])
     s_ref, lg_ref, h_ref = prefill(target, prompts, 8, append_BA=app, hidden_layer=-1)
     s_fast, lg_fast, h_fast = prefill(fast, prompts, 8, append_BA=app, hidden_layer=-1)
-    assert isinstance(s_fast.cache, SlotMajorCache) and isinstance(s_ref.cache, KVCache)
     assert lg_fast.shape == (4, 4, target.config.vocab_size)
     assert (lg_fast - lg_ref).abs().max() < 2e-5 and (h_fast - h_ref).abs().max() < 2e-5
     # two decode steps on top of the caches (rows at different lengths), against full HF forwards
@@ -52,21 +53,27 @@ def test_fast_forward_matches_lean_and_transformers(models):
             assert (b[r, 0] - ref).abs().max() < 1e-4
 
 
-def test_fast_falls_back_where_it_does_not_apply(models):
+def test_fused_applies_to_eager_bf16_and_cache_free_forwards(models):
+    """Unlike FastLM (fp32 sdpa cached decode only), the Fused strategy runs on every path: eager
+    attention, bf16, cache-free replay; within rounding of Native there."""
     target, _, _ = models
-    eager = FastLM(LlamaLM(target.config, target.w, attn="eager"))
-    assert not eager.fast and isinstance(eager.new_cache(1, 4), KVCache)
-    fast = FastLM(target)
-    ids = torch.tensor([[3, 4, 5, 6]])
-    with torch.no_grad():  # cache-free forwards (replay) take LlamaLM's path: bitwise equal
-        assert torch.equal(fast(ids, torch.arange(4)[None])[0], target(ids, torch.arange(4)[None])[0])
+    ids = torch.tensor([[3, 4, 5, 6, 7, 8, 9, 10], [11, 12, 13, 14, 15, 16, 17, 18]])
+    pos = torch.arange(8).expand(2, -1)
+    eager = LlamaLM(target.config, target.w, attn="eager")
+    bf16 = LlamaLM(target.config, {k: t.bfloat16() for k, t in target.w.items()})
+    with torch.no_grad():
+        bf16_noise = (bf16(ids, pos)[0] - target(ids, pos)[0]).abs().max()  # bf16 against fp32: ~0.1
+        for native, bound in ((target, 2e-5), (eager, 2e-5), (bf16, bf16_noise / 8)):
+            a, _ = native(ids, pos)
+            b, _ = native.with_kernels(Fused())(ids, pos)
+            assert (a - b).abs().max() < bound
 
 
-def test_greedy_tokens_fast_equal_lean(models):
-    """Target-only and speculative greedy decoding give the same tokens with FastLM models, and
-    the greedy draft cut (drafting stops once every row drafted a stop token) changes no token."""
+def test_greedy_tokens_fused_equal_native(models):
+    """Target-only and speculative greedy decoding give the same tokens with Fused-kernel models,
+    and the greedy draft cut (drafting stops once every row drafted a stop token) changes no token."""
     target, draft, tok = models
-    ft, fd = FastLM(target), FastLM(draft)
+    ft, fd = target.with_kernels(Fused()), draft.with_kernels(Fused())
     nl = tuple(i for i in range(len(tok)) if "\n" in tok.decode([i]))
     prompts = _prompts(tok)
     ref = autoregressive(target, prompts, 12, stop_token_ids=nl, batch_size=4)
