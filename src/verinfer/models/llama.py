@@ -12,7 +12,7 @@ another strategy over the same weights.
 
 Per-op overhead is kept low where it costs no bits (each measured bitwise equal to the
 previous forward on this CPU, tests/models/test_llama.py): RoPE cos/sin gathered from a table
-built with the same float ops, the KV cache slot-major ([B, S, G, E], one index_put_ per write
+built with the same float ops and applied to q and k heads in one rotation, the KV cache slot-major ([B, S, G, E], one index_put_ per write
 instead of a scatter with an expanded index), the attention mask from a cached arange, fp32
 RMSNorm without its no-op dtype casts, weight names built once. Fusing q/k/v and gate/up into one
 GEMM changes bits (it is the opt-in `Fused` strategy).
@@ -303,13 +303,15 @@ class LlamaLM(torch.nn.Module):
         L = x_LD.shape[:-1]
         h = rms_norm(x_LD, w[n.input_norm], c.rms_norm_eps)
         q, k, v = K.linears(h, n.qkv)
-        q = q.reshape(*L, c.num_attention_heads, c.head_dim)
+        H = c.num_attention_heads
+        q = q.reshape(*L, H, c.head_dim)
         k = k.reshape(*L, c.num_key_value_heads, c.head_dim)
         v = v.reshape(*L, c.num_key_value_heads, c.head_dim)
         if c.qk_norm:
             q = rms_norm(q, w[n.q_norm], c.rms_norm_eps)
             k = rms_norm(k, w[n.k_norm], c.rms_norm_eps)
-        q, k = apply_rope_heads(q, cos_LE, sin_LE), apply_rope_heads(k, cos_LE, sin_LE)
+        qk = apply_rope_heads(torch.cat((q, k), dim=-2), cos_LE, sin_LE)  # one rotation of q and k heads
+        q, k = qk[..., :H, :], qk[..., H:, :]
         x_LD = x_LD + K.linear(attend(i, q, k, v), n.o)
         h = rms_norm(x_LD, w[n.post_norm], c.rms_norm_eps)
         gate, up = K.linears(h, n.gate_up)
