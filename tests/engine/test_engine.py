@@ -124,3 +124,74 @@ def test_generate_records_the_hidden_states_score_replays(tiny_llama_dir, layer)
         assert c.hidden_TD.shape == r.hidden_TD.shape == (7, eng.model.config.hidden_size)
         torch.testing.assert_close(c.hidden_TD, r.hidden_TD, atol=1e-4, rtol=1e-4)
     assert eng.generate(reqs[:1])[0].hidden_TD is None
+
+
+@pytest.mark.parametrize("lean", [False, True])
+def test_prefill_extend_is_prefill_then_extend(tiny_llama_dir, lean):
+    """The fused prefill + extend gives the logits of prefill followed by extend (fp32: equal up
+    to float reordering), the batch state of both, and the same logits as plain prefill at A=0;
+    a chunked prefill returns the same positions."""
+    eng = Engine(load_model(tiny_llama_dir, FP32), FP32, lean_prefill=lean)
+    prompts = _prompts(4, seed=6)
+    reqs = [Request(str(i), p, SamplingParams(temperature=0.0, max_tokens=6)) for i, p in enumerate(prompts)]
+    app_BA = torch.tensor([[5, 6, 7]] * 4)
+    fused, logits_BTV, hidden_BTD = eng.prefill_extend(reqs, app_BA, hidden_layer=-1)
+    plain = eng.prefill(reqs, hidden_layer=-1)
+    ext_BTV, ext_hidden = eng.extend(plain, app_BA, hidden_layer=-1)
+    assert logits_BTV.shape == (4, 4, 97) and hidden_BTD.shape == (4, 4, 64)
+    torch.testing.assert_close(logits_BTV[:, 0], eng.prefill(reqs).logits_BV, atol=1e-5, rtol=0)
+    torch.testing.assert_close(logits_BTV[:, 1:], ext_BTV, atol=1e-4, rtol=0)
+    torch.testing.assert_close(hidden_BTD[:, 1:], ext_hidden, atol=1e-4, rtol=0)
+    assert torch.equal(fused.len_B, plain.len_B) and torch.equal(fused.logits_BV, logits_BTV[:, -1])
+    chunked = Engine(eng.model, FP32.with_(prefill_chunk=3), lean_prefill=lean)
+    _, chunk_BTV, _ = chunked.prefill_extend(reqs, app_BA)
+    torch.testing.assert_close(chunk_BTV, logits_BTV, atol=1e-4, rtol=0)
+
+
+def test_join_select_rows_keep_every_field(tiny_llama_dir):
+    """Continuous batching: rows joined from two prefills and cut back decode exactly as the
+    original batches do, hidden states included (the fields a scheduler must not drop)."""
+    from verinfer.engine.engine import join, select_rows
+
+    eng = _engine(tiny_llama_dir)
+    prompts = _prompts(5, seed=7)
+    reqs = [Request(str(i), p, SamplingParams(temperature=1.0, seed=i, max_tokens=6)) for i, p in enumerate(prompts)]
+    pre = lambda rs: eng.prefill(rs, extra_slots=30 - max(len(r.prompt_token_ids) for r in rs),  # noqa: E731
+                                 hidden_layer=-1)  # the same slot count whatever the longest prompt
+    a, b, ref = pre(reqs[:2]), pre(reqs[2:]), pre(reqs[2:])
+    both = join(a, b)
+    assert both.hidden_BD.shape == (5, 64) and len(both.hiddens) == len(both.streams) == 5
+    eng.decode_step(both)
+    eng.decode_step(ref)
+    cut = select_rows(both, [2, 3, 4])
+    assert cut.hidden_layer == -1 and [r.id for r in cut.requests] == ["2", "3", "4"]
+    for _ in range(3):
+        eng.decode_step(cut)
+        eng.decode_step(ref)
+    assert cut.outputs == ref.outputs
+    torch.testing.assert_close(cut.logits_BV, ref.logits_BV, atol=1e-4, rtol=0)
+    torch.testing.assert_close(cut.hidden_BD, ref.hidden_BD, atol=1e-4, rtol=0)
+    assert [len(h) for h in cut.hiddens] == [4, 4, 4]
+
+
+def test_recompute_and_rollback_row(tiny_llama_dir):
+    """A verifier recomputes a row's last two steps on a private copy of its cache (the batch is
+    untouched until commit) and rolls the row back to its first output: the row then decodes as
+    a fresh batch fed the same tokens does."""
+    eng = _engine(tiny_llama_dir)
+    prompts = _prompts(2, seed=8)
+    reqs = [Request(str(i), p, SamplingParams(temperature=0.0, max_tokens=5)) for i, p in enumerate(prompts)]
+    batch = eng.prefill(reqs, extra_slots=8)
+    for _ in range(3):
+        eng.decode_step(batch)
+    P, outs = len(prompts[1]), list(batch.outputs[1])
+    before = batch.cache.k[0].clone()
+    tokens_NT = torch.tensor([[prompts[1][-1], outs[0]]])
+    logits_NTV, scratch = eng.recompute(batch, [1], tokens_NT, torch.tensor([[P - 1, P]]))
+    assert torch.equal(batch.cache.k[0], before)  # private copy
+    assert logits_NTV[0].argmax(-1).tolist() == outs[:2]
+    scratch.commit(0, P - 1, P + 1)
+    eng.rollback_row(batch, 1, 1, logits_NTV[0, 1])
+    assert batch.outputs[1] == outs[:1] and int(batch.len_B[1]) == P + 1 and not batch.done_B[1]
+    eng.decode_step(batch)
+    assert batch.outputs[1] == outs[:2]

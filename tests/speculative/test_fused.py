@@ -10,7 +10,9 @@ import torch
 from verinfer.models.llama import LlamaLM
 from verinfer.models.testbed import DRAFT_DIR, TARGET_DIR, load_tokenizer
 from verinfer.numerics.kernels import Fused
-from verinfer.speculative.loop import SpeculativeDecoder, autoregressive, prefill
+from verinfer.engine.engine import Engine, Request
+from verinfer.sampling.params import SamplingParams
+from verinfer.speculative.loop import SpeculativeDecoder, autoregressive
 from verinfer.speculative.rules import Rule
 
 
@@ -35,8 +37,9 @@ def test_fused_forward_matches_native_and_transformers(models):
     hf = AutoModelForCausalLM.from_pretrained(TARGET_DIR, dtype=torch.float32).eval()
     prompts = _prompts(tok)
     app = torch.tensor([[5, 6, 7], [8, 9, 10], [11, 12, 13], [14, 15, 16]])
-    s_ref, lg_ref, h_ref = prefill(target, prompts, 8, append_BA=app, hidden_layer=-1)
-    s_fast, lg_fast, h_fast = prefill(fast, prompts, 8, append_BA=app, hidden_layer=-1)
+    reqs = [Request(str(i), p, SamplingParams(temperature=0.0, max_tokens=8)) for i, p in enumerate(prompts)]
+    s_ref, lg_ref, h_ref = Engine(target, lean_prefill=True).prefill_extend(reqs, app, extra_slots=8, hidden_layer=-1)
+    s_fast, lg_fast, h_fast = Engine(fast, lean_prefill=True).prefill_extend(reqs, app, extra_slots=8, hidden_layer=-1)
     assert lg_fast.shape == (4, 4, target.config.vocab_size)
     assert (lg_fast - lg_ref).abs().max() < 2e-5 and (h_fast - h_ref).abs().max() < 2e-5
     # two decode steps on top of the caches (rows at different lengths), against full HF forwards

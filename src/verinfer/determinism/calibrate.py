@@ -102,17 +102,14 @@ def eps_pert(eng: Engines, reqs, ref: dict, max_batch: int) -> list[float]:
     out, _ = Server(eng.fast, eng.det, "bf16", max_batch=max_batch).run(reqs, sampler=capture)
     by_id = {r.id: r for r in reqs}
     eps: list[float] = []
-    model = eng.det.model
     for rid, logits in seen.items():
         r, a, b = by_id[rid], out[rid], ref[rid]
         j = next((t for t in range(len(a)) if a[t] != b[t]), len(a))
         n = min(j + 1, len(logits))
-        seq = r.prompt_token_ids + b[: n - 1]
-        P = len(r.prompt_token_ids)
-        cache = model.new_cache(1, eng.det.max_positions + 1)
-        with torch.no_grad():
-            lg, _ = model(torch.tensor([seq]), torch.arange(len(seq))[None], cache)
-        ref_TV = lg[0, P - 1 : P - 1 + n]
+        # the reference's logits at the first n output steps: its prompt + first n-1 tokens, one forward
+        one = Request(rid, r.prompt_token_ids, SamplingParams(temperature=0.0, max_tokens=1))
+        _, lg, _ = eng.det.prefill_extend([one], torch.tensor([b[: n - 1]], dtype=torch.long), extra_slots=0)
+        ref_TV = lg[0]
         for t in range(n):
             top = ref_TV[t].topk(TOP_K_EPS).indices
             eps.append(float((logits[t][top] - ref_TV[t][top]).abs().max()))

@@ -15,14 +15,11 @@ Whether a library kernel gives a row the same bits at every position of a fixed-
 checked, not assumed: tests/determinism/test_invariant.py compares batch sizes 1..32, other
 co-batched requests, chunked prefill and token-by-token decode bitwise.
 
-`RowsCache` is a private copy of some rows of a KV cache for a verifier.
 """
 
 from __future__ import annotations
 
-import torch
-
-from verinfer.models.llama import KVCache, LlamaLM
+from verinfer.models.llama import LlamaLM
 from verinfer.numerics.kernels import FixedShape, LayerCast, Tiled
 
 
@@ -39,23 +36,3 @@ def batch_invariant(model: LlamaLM, **options) -> LlamaLM:
 def layercast(model: LlamaLM) -> LlamaLM:
     """LayerCast: keep the (bf16-rounded) weights, compute every layer in fp32."""
     return model.with_kernels(LayerCast())
-
-
-class RowsCache(KVCache):
-    """A private copy of some rows of a KV cache: a verifier computes on it without touching the
-    live cache; `commit(rows_i, slots)` copies chosen columns back (native K/V column repair)."""
-
-    def __init__(self, parent: KVCache, rows: list[int]):
-        idx = torch.tensor(rows, device=parent.k[0].device)
-        self.parent, self.rows = parent, list(rows)
-        self.k = [k.index_select(0, idx) for k in parent.k]
-        self.v = [v.index_select(0, idx) for v in parent.v]
-        self.max_slots = parent.max_slots
-        self.write_hook = parent.write_hook
-
-    def commit(self, i: int, slot0: int, slot1: int) -> None:
-        """Copy slots [slot0, slot1) of local row i into the parent's row."""
-        r = self.rows[i]
-        for pk, pv, k, v in zip(self.parent.k, self.parent.v, self.k, self.v):
-            pk[r, slot0:slot1] = k[i, slot0:slot1]
-            pv[r, slot0:slot1] = v[i, slot0:slot1]

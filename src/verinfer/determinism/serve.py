@@ -46,8 +46,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from verinfer.determinism.invariant import RowsCache
-from verinfer.engine.engine import Batch, Engine, Request
+from verinfer.engine.engine import Batch, Engine, Request, join, select_rows
 
 POLICIES = ("bf16", "batch_invariant", "layercast", "margingate", "llm42", "gated_llm42", "best")
 
@@ -185,9 +184,7 @@ class Server:
         last = torch.tensor([(batch.outputs[b][-1] if batch.outputs[b] else batch.requests[b].prompt_token_ids[-1])
                              for b in trig])[:, None]
         pos = (batch.len_B[trig] - 1)[:, None]
-        sub = RowsCache(batch.cache, trig)
-        with self.det.numerics.threads_ctx():
-            logits_NTV, _ = self.det.model(last.to(self.det.device), pos, sub)
+        logits_NTV, sub = self.det.recompute(batch, trig, last, pos)
         v_N = logits_NTV[:, 0]
         fast_tok = batch.logits_BV[trig].argmax(-1)
         ver_tok = v_N.argmax(-1)
@@ -240,9 +237,7 @@ class Server:
             tokens_NT[i, : len(x)] = torch.tensor(x)
             tokens_NT[i, len(x):] = x[-1]
             pos_NT[i] = torch.clamp(torch.arange(p0, p0 + T), max=p0 + len(x) - 1)  # pads repeat the last token
-        sub = RowsCache(batch.cache, todo)
-        with self.det.numerics.threads_ctx():
-            logits_NTV, _ = self.det.model(tokens_NT.to(self.det.device), pos_NT.to(self.det.device), sub)
+        logits_NTV, sub = self.det.recompute(batch, todo, tokens_NT, pos_NT)
         pred_NT = logits_NTV.argmax(-1)
         for i, b in enumerate(todo):
             s, outs, n = start[b], batch.outputs[b], len(seqs[i])
@@ -260,31 +255,7 @@ class Server:
                 st.repaired += 1
                 sub.commit(i, pos0[i], pos0[i] + j + 1)
                 st.rolled_back += len(outs) - (s + j)
-                del outs[s + j:]
-                batch.len_B[b] = pos0[i] + j + 1
-                batch.logits_BV[b] = logits_NTV[i, j]
-                batch.done_B[b], batch.finish[b] = False, None
+                self.det.rollback_row(batch, b, s + j, logits_NTV[i, j])
                 rows[b].verified = s + j + 1
                 rows[b].det_logits = True
             rows[b].armed_at = None
-
-
-# --- continuous batching helpers (general engine state operations) -----------------------
-def join(a: Batch, b: Batch) -> Batch:
-    """One batch holding a's rows then b's rows (caches must have the same slot count)."""
-    if a.cache.max_slots != b.cache.max_slots:
-        raise ValueError(f"cannot join caches with {a.cache.max_slots} and {b.cache.max_slots} slots; "
-                         f"prefill both with the same extra_slots")
-    a.cache.k = [torch.cat([x, y]) for x, y in zip(a.cache.k, b.cache.k)]
-    a.cache.v = [torch.cat([x, y]) for x, y in zip(a.cache.v, b.cache.v)]
-    return Batch(a.requests + b.requests, a.cache, torch.cat([a.len_B, b.len_B]),
-                 torch.cat([a.logits_BV, b.logits_BV]), a.streams + b.streams, a.outputs + b.outputs,
-                 a.done_B + b.done_B, a.finish + b.finish)
-
-
-def select_rows(batch: Batch, keep: list[int]) -> Batch:
-    idx = torch.tensor(keep, device=batch.len_B.device)
-    batch.cache.select_rows(idx)
-    pick = lambda xs: [xs[i] for i in keep]  # noqa: E731
-    return Batch(pick(batch.requests), batch.cache, batch.len_B[idx], batch.logits_BV[idx], pick(batch.streams),
-                 pick(batch.outputs), pick(batch.done_B), pick(batch.finish))

@@ -81,6 +81,54 @@ class Batch:
         return all(self.done_B)
 
 
+class RowsCache(KVCache):
+    """A private copy of some rows of a KV cache: a verifier computes on it without touching the
+    live cache; `commit(rows_i, slots)` copies chosen columns back (native K/V column repair)."""
+
+    def __init__(self, parent: KVCache, rows: list[int]):
+        idx = torch.tensor(rows, device=parent.k[0].device)
+        self.parent, self.rows = parent, list(rows)
+        self.k = [k.index_select(0, idx) for k in parent.k]
+        self.v = [v.index_select(0, idx) for v in parent.v]
+        self.max_slots = parent.max_slots
+        self.write_hook = parent.write_hook
+
+    def commit(self, i: int, slot0: int, slot1: int) -> None:
+        """Copy slots [slot0, slot1) of local row i into the parent's row."""
+        r = self.rows[i]
+        for pk, pv, k, v in zip(self.parent.k, self.parent.v, self.k, self.v):
+            pk[r, slot0:slot1] = k[i, slot0:slot1]
+            pv[r, slot0:slot1] = v[i, slot0:slot1]
+
+
+def join(a: Batch, b: Batch) -> Batch:
+    """One batch holding a's rows then b's rows, every field kept (a's cache grows in place;
+    the caches must have the same slot count and both batches the same hidden_layer)."""
+    if a.cache.max_slots != b.cache.max_slots:
+        raise ValueError(f"cannot join caches with {a.cache.max_slots} and {b.cache.max_slots} slots; "
+                         f"prefill both with the same extra_slots")
+    if a.hidden_layer != b.hidden_layer:
+        raise ValueError(f"cannot join batches recording hidden_layer {a.hidden_layer} and {b.hidden_layer}")
+    a.cache.k = [torch.cat([x, y]) for x, y in zip(a.cache.k, b.cache.k)]
+    a.cache.v = [torch.cat([x, y]) for x, y in zip(a.cache.v, b.cache.v)]
+    hidden_BD = None if a.hidden_BD is None else torch.cat([a.hidden_BD, b.hidden_BD])
+    return Batch(a.requests + b.requests, a.cache, torch.cat([a.len_B, b.len_B]),
+                 torch.cat([a.logits_BV, b.logits_BV]), a.streams + b.streams, a.outputs + b.outputs,
+                 a.done_B + b.done_B, a.finish + b.finish, a.hidden_layer, hidden_BD, a.hiddens + b.hiddens)
+
+
+def select_rows(batch: Batch, keep: list[int]) -> Batch:
+    """The batch with only rows `keep` (in this order), every field kept; the cache is cut in
+    place (finished requests leave a continuous batch)."""
+    idx = torch.tensor(keep, dtype=torch.long, device=batch.len_B.device)
+    batch.cache.select_rows(idx)
+    pick = lambda xs: [xs[i] for i in keep]  # noqa: E731
+    hidden_BD = None if batch.hidden_BD is None else batch.hidden_BD[idx]
+    return Batch(pick(batch.requests), batch.cache, batch.len_B[idx], batch.logits_BV[idx], pick(batch.streams),
+                 pick(batch.outputs), pick(batch.done_B), pick(batch.finish), batch.hidden_layer, hidden_BD,
+                 pick(batch.hiddens))
+
+
 def check_finite(logits: torch.Tensor, what: str) -> None:
     if not torch.isfinite(logits).all():
         bad = (~torch.isfinite(logits)).nonzero()[0].tolist()
@@ -90,11 +138,16 @@ def check_finite(logits: torch.Tensor, what: str) -> None:
 
 class Engine:
     def __init__(self, model: LlamaLM, numerics: Numerics = Numerics(), eos_token_id: int | None = None,
-                 packed_replay: bool = True):
+                 packed_replay: bool = True, lean_prefill: bool = False):
         """packed_replay: `score` runs linear layers, norms and RoPE on the real tokens only,
-        not on the padding of its length-sorted batches (LlamaLM's lengths_B)."""
+        not on the padding of its length-sorted batches (LlamaLM's lengths_B).
+        lean_prefill: prefill runs the lm_head only at the positions whose logits it returns (the
+        speculative decoders' engines); False runs it at every position of each prefill chunk,
+        the bits every recorded claim and reference was produced with. They differ in the last
+        fp32 bits (on CPU the GEMM's row count changes its reduction; bf16 was equal on the testbed)."""
         self.model = model
         self.packed_replay = packed_replay and isinstance(model, LlamaLM)
+        self.lean_prefill = lean_prefill
         self.numerics = numerics
         self.eos_token_id = eos_token_id
         self.vocab_size = model.config.vocab_size
@@ -105,49 +158,77 @@ class Engine:
         return self.model.device
 
     # --- prefill / decode ------------------------------------------------------------
-    @torch.no_grad()
     def prefill(self, requests: list[Request], extra_slots: int | None = None,
                 hidden_layer: int | None = None) -> Batch:
         """Run the prompts (right-padded, optionally in chunks) and return the decoding state.
         With hidden_layer set, decode_step records, per row, the hidden state at the position
         that produced each sampled token (the rows `score(..., hidden_layer)` returns)."""
+        return self.prefill_extend(requests, None, extra_slots, hidden_layer)[0]
+
+    @torch.no_grad()
+    def prefill_extend(self, requests: list[Request], append_BA: torch.Tensor | None, extra_slots: int | None = None,
+                       hidden_layer: int | None = None) -> tuple[Batch, torch.Tensor, torch.Tensor | None]:
+        """`prefill(requests)` followed by `extend(batch, append_BA)` in the SAME forward: row b's
+        A appended tokens sit right after its own prompt (positions n_b..n_b+A-1). Returns
+        (batch, logits_BTV, hidden_BTD) with T = A+1: the logits at positions n_b-1..n_b+A-1, the
+        distribution of the first token after the prompt and after each appended one (speculative
+        decoding's first verification fused with the target's prefill). append_BA None: A = 0.
+
+        The batch's lengths count prompt + appended tokens and its logits_BV are logits_BTV[:, -1].
+        With lean_prefill the lm_head runs only at those positions (the full [B, T, V] logits are a
+        large share of a short prompt's prefill). `extra_slots` (default: the largest max_tokens)
+        are cache slots past the longest prompt + A."""
         B = len(requests)
+        A = 0 if append_BA is None else append_BA.shape[1]
         lens = [len(r.prompt_token_ids) for r in requests]
         for r, n in zip(requests, lens):
             if n == 0:
                 raise ValueError(f"request {r.id}: empty prompt")
-            if n + r.params.max_tokens > self.max_positions:
+            if n + A + r.params.max_tokens > self.max_positions:
                 raise ValueError(f"request {r.id}: prompt ({n}) + max_tokens ({r.params.max_tokens}) exceeds "
                                  f"the model's context of {self.max_positions} positions")
-        T = max(lens)
+        T = max(lens) + A
         slots = T + (extra_slots if extra_slots is not None else max(r.params.max_tokens for r in requests)) + 1
         cache = self.model.new_cache(B, slots, self.numerics.kv_write_hook())
         tokens_BT = torch.zeros(B, T, dtype=torch.long)
         for b, r in enumerate(requests):
             tokens_BT[b, : lens[b]] = torch.tensor(r.prompt_token_ids)
+            if A:
+                tokens_BT[b, lens[b] : lens[b] + A] = append_BA[b].cpu()
         tokens_BT = tokens_BT.to(self.device)
-        len_B = torch.tensor(lens, device=self.device)
+        # the (row, position) pairs whose logits are returned, row-major: n_b-1 .. n_b+A-1
+        t_BT = torch.tensor(lens)[:, None] - 1 + torch.arange(A + 1)[None, :]
+        b_BT = torch.arange(B)[:, None].expand(B, A + 1)
+        logits_BTV = torch.empty(B, A + 1, self.vocab_size, device=self.device)
+        hidden_BTD = None
         chunk = self.numerics.prefill_chunk or T
-        last_BV = torch.empty(B, self.vocab_size, device=self.device)
-        last_BD = None
         with self.numerics.threads_ctx():
             for c0 in range(0, T, chunk):
                 c1 = min(T, c0 + chunk)
+                here_BT = (t_BT >= c0) & (t_BT < c1)
+                b_N, t_N = b_BT[here_BT], t_BT[here_BT]
                 pos_BT = torch.arange(c0, c1, device=self.device).expand(B, -1)
-                logits_BTV, hidden_BTD = self.model(tokens_BT[:, c0:c1], pos_BT, cache, hidden_layer=hidden_layer)
-                if hidden_BTD is not None and last_BD is None:
-                    last_BD = torch.empty(B, hidden_BTD.shape[-1], dtype=torch.float32, device=self.device)
-                for b in range(B):
-                    if c0 <= lens[b] - 1 < c1:
-                        last_BV[b] = logits_BTV[b, lens[b] - 1 - c0]
-                        if hidden_BTD is not None:
-                            last_BD[b] = hidden_BTD[b, lens[b] - 1 - c0].float()
-        check_finite(last_BV, "prefill logits")
+                select = (b_N.to(self.device), (t_N - c0).to(self.device))
+                logits_NV, hidden_ND = self.model(tokens_BT[:, c0:c1], pos_BT, cache, hidden_layer=hidden_layer,
+                                                  select=select if self.lean_prefill else None)
+                if not self.lean_prefill:
+                    logits_NV = logits_NV[select]
+                    hidden_ND = None if hidden_ND is None else hidden_ND[select]
+                logits_BTV[here_BT.to(self.device)] = logits_NV
+                if hidden_ND is not None:
+                    if hidden_BTD is None:
+                        hidden_BTD = torch.empty(B, A + 1, hidden_ND.shape[-1], dtype=hidden_ND.dtype,
+                                                 device=self.device)
+                    hidden_BTD[here_BT.to(self.device)] = hidden_ND
+        check_finite(logits_BTV, "prefill logits")
+        len_B = torch.tensor(lens, device=self.device) + A
         streams = [None if r.params.greedy else
-                   get_backend(r.params.noise).stream(r.params.seed, self.vocab_size, start_position=lens[b])
+                   get_backend(r.params.noise).stream(r.params.seed, self.vocab_size, start_position=lens[b] + A)
                    for b, r in enumerate(requests)]
-        return Batch(requests, cache, len_B, last_BV, streams, [[] for _ in range(B)], [False] * B, [None] * B,
-                     hidden_layer, last_BD, [[] for _ in range(B)])
+        batch = Batch(requests, cache, len_B, logits_BTV[:, -1], streams, [[] for _ in range(B)], [False] * B,
+                      [None] * B, hidden_layer, None if hidden_BTD is None else hidden_BTD[:, -1].float(),
+                      [[] for _ in range(B)])
+        return batch, logits_BTV, hidden_BTD
 
     @torch.no_grad()
     def sample(self, batch: Batch, sampler=None) -> torch.Tensor:
@@ -169,9 +250,44 @@ class Engine:
         batch.len_B = batch.len_B + T
         return logits_BTV, hidden
 
+    def truncate(self, batch: Batch, len_B: torch.Tensor) -> None:
+        """Keep the first len_B[b] tokens of each row's cache (KV-level rollback: the slots past
+        them are overwritten by later writes and never attended to, key slot <= query position).
+        The outputs decode_step recorded are not touched (`rollback_row` does that)."""
+        batch.len_B = len_B.to(batch.len_B.device)
+
     def rollback(self, batch: Batch, n_B: torch.Tensor) -> None:
-        """Forget the last n_B[b] tokens of each row (their cache slots are overwritten later)."""
-        batch.len_B = batch.len_B - n_B.to(batch.len_B.device)
+        """Forget the last n_B[b] tokens of each row's cache (`truncate` to len_B - n_B)."""
+        self.truncate(batch, batch.len_B - n_B.to(batch.len_B.device))
+
+    def rollback_row(self, batch: Batch, row: int, n_keep: int, logits_V: torch.Tensor,
+                     hidden_D: torch.Tensor | None = None) -> None:
+        """Row `row` keeps its first n_keep outputs and samples its next one from logits_V (e.g. a
+        verifier's logits at the first mismatch): later outputs and their hidden states are dropped,
+        the row is unfinished again and its cache holds prompt + n_keep tokens (the caller has
+        written those K/V columns: a verifier's, see `recompute`)."""
+        if batch.hidden_BD is not None and hidden_D is None:
+            raise ValueError("this batch records hidden states: rollback_row needs the hidden state of logits_V")
+        del batch.outputs[row][n_keep:]
+        del batch.hiddens[row][n_keep:]
+        batch.len_B[row] = len(batch.requests[row].prompt_token_ids) + n_keep
+        batch.logits_BV[row] = logits_V
+        if hidden_D is not None:
+            batch.hidden_BD[row] = hidden_D.float()
+        batch.done_B[row], batch.finish[row] = False, None
+
+    @torch.no_grad()
+    def recompute(self, batch: Batch, rows: list[int], tokens_NT: torch.Tensor,
+                  pos_NT: torch.Tensor) -> tuple[torch.Tensor, RowsCache]:
+        """Run tokens_NT at absolute positions pos_NT for batch rows `rows` (N of them) on a private
+        copy of their KV cache, with this engine's model (a verifier recomputing steps another
+        engine decoded): the batch is untouched. Returns (logits_NTV, scratch); the caller copies
+        chosen K/V columns back with scratch.commit(i, slot0, slot1) (MarginGate's native repair,
+        LLM-42's verified columns)."""
+        scratch = RowsCache(batch.cache, rows)
+        with self.numerics.threads_ctx():
+            logits_NTV, _ = self.model(tokens_NT.to(self.device), pos_NT.to(self.device), scratch)
+        return logits_NTV, scratch
 
     @torch.no_grad()
     def decode_step(self, batch: Batch, sampler=None) -> torch.Tensor:

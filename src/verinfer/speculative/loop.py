@@ -33,10 +33,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from verinfer.engine.engine import Engine, check_finite
+from verinfer.engine.engine import Engine, Request, check_finite, select_rows
 from verinfer.models.llama import LlamaLM
 from verinfer.sampling.noise import SpeculativeNoise, speculative_noise
 from verinfer.sampling.sampler import sample_probs
+from verinfer.sampling.params import SamplingParams
 from verinfer.speculative.rules import Rule, verify
 
 
@@ -57,49 +58,17 @@ class SpecOutput:
         return len(self.output_token_ids) / max(1, self.target_forwards)
 
 
-@dataclass
-class _State:
-    """What Engine.extend needs of a batch: the KV cache and each row's length."""
+def _requests(prompts: list[list[int]], max_tokens: int) -> list[Request]:
+    """Engine requests for the decoders' rows. Greedy params: the decoders draw their own
+    randomness (rules.verify and the draft's draws), so the engine's rows carry no noise stream."""
+    return [Request(str(i), list(p), SamplingParams(temperature=0.0, max_tokens=max_tokens))
+            for i, p in enumerate(prompts)]
 
-    cache: object
-    len_B: torch.Tensor
 
-
-@torch.no_grad()
-def prefill(model: LlamaLM, prompts: list[list[int]], extra_slots: int, append_BA: torch.Tensor | None = None,
-            hidden_layer: int | None = None) -> tuple[_State, torch.Tensor, torch.Tensor | None]:
-    """Right-padded prompts through the model into a fresh KV cache; returns the state, the
-    next-token logits of each row and (with hidden_layer) the hidden states there. The lm_head
-    runs only where logits are needed (the full [B, T, V] logits are a large share of a short
-    prompt's prefill).
-
-    append_BA: A tokens per row written right after each row's own prompt (row b: positions
-    n_b..n_b+A-1) in the SAME forward; the logits are then those of positions n_b-1..n_b+A-1,
-    [B, A+1, V] (the first verification of speculative decoding fused with the target's prefill).
-    Without it: [B, V] at position n_b-1. The state's lengths count the prompt only."""
-    dev = model.device
-    lens = [len(p) for p in prompts]
-    A = 0 if append_BA is None else append_BA.shape[1]
-    B, T = len(prompts), max(lens) + A
-    if T + extra_slots > model.config.max_position_embeddings:
-        raise ValueError(f"prompt ({max(lens)} tokens) + generation ({A + extra_slots} slots) exceeds the model's "
-                         f"context of {model.config.max_position_embeddings} positions")
-    tokens = torch.zeros(B, T, dtype=torch.long)
-    for b, p in enumerate(prompts):
-        tokens[b, : lens[b]] = torch.tensor(p)
-        if A:
-            tokens[b, lens[b] : lens[b] + A] = append_BA[b].cpu()
-    cache = model.new_cache(B, T + extra_slots + 1)
-    len_B = torch.tensor(lens)
-    t_BA = (len_B - 1)[:, None] + torch.arange(A + 1)[None, :]          # [B, A+1]
-    b_BA = torch.arange(B)[:, None].expand(B, A + 1)
-    logits_NV, hidden_ND = model(tokens.to(dev), torch.arange(T, device=dev).expand(B, -1), cache,
-                                 hidden_layer=hidden_layer, select=(b_BA.reshape(-1).to(dev), t_BA.reshape(-1).to(dev)))
-    check_finite(logits_NV, "prefill logits")
-    shape = (B, A + 1) if A else (B,)
-    logits = logits_NV.view(*shape, -1)
-    hidden = None if hidden_ND is None else hidden_ND.view(*shape, -1)
-    return _State(cache, len_B.to(dev)), logits, hidden
+def _check_context(model: LlamaLM, prompts: list[list[int]], slots: int) -> None:
+    if max(len(p) for p in prompts) + slots > model.config.max_position_embeddings:
+        raise ValueError(f"prompt ({max(len(p) for p in prompts)} tokens) + generation ({slots} slots) exceeds the "
+                         f"model's context of {model.config.max_position_embeddings} positions")
 
 
 def _probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -129,7 +98,7 @@ class SpeculativeDecoder:
                              f"{draft.config.vocab_size}): speculative decoding needs one tokenizer")
         if temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {temperature}")
-        self.target, self.draft = Engine(target), Engine(draft)
+        self.target, self.draft = Engine(target, lean_prefill=True), Engine(draft, lean_prefill=True)
         self.rule, self.gamma, self.temperature = rule, gamma, temperature
         self.stop = set(stop_token_ids) | ({eos_token_id} if eos_token_id is not None else set())
 
@@ -167,7 +136,10 @@ class SpeculativeDecoder:
         # round 1: the draft's prefill gives q_1; the target's prefill is fused with the first
         # verification (one forward over prompt + x_1..x_G), so no target forward is spent on
         # the prompt alone
-        db, lg, hd = prefill(self.draft.model, prompts, slots, hidden_layer=hl)
+        _check_context(self.target.model, prompts, slots + G)
+        reqs = _requests(prompts, max_tokens)
+        db = self.draft.prefill(reqs, extra_slots=slots, hidden_layer=hl)
+        lg, hd = db.logits_BV, db.hidden_BD
         tb = None
         rows = _Rows(prompts, max_tokens)
         active = list(range(len(prompts)))
@@ -177,7 +149,7 @@ class SpeculativeDecoder:
             n_B = torch.tensor([len(rows.seqs[r]) for r in active], device=dev)
             # --- draft gamma tokens
             if tb is not None:
-                db.len_B = n_B - 2
+                self.draft.truncate(db, n_B - 2)
                 last2 = torch.tensor([rows.seqs[r][-2:] for r in active], device=dev)
                 logits, h = self.draft.extend(db, last2, hidden_layer=hl)
                 lg, hd = logits[:, -1], (h[:, -1] if h is not None else None)
@@ -210,9 +182,9 @@ class SpeculativeDecoder:
             q_BGV = torch.stack(qs, 1)
             # --- verify with one target forward over [last, x_1..x_G] (round 1: [prompt, x_1..x_G])
             if tb is None:
-                tb, tlogits, th = prefill(self.target.model, prompts, slots, append_BA=x_BG, hidden_layer=hl)
+                tb, tlogits, th = self.target.prefill_extend(reqs, x_BG, extra_slots=slots, hidden_layer=hl)
             else:
-                tb.len_B = n_B - 1
+                self.target.truncate(tb, n_B - 1)
                 last = torch.tensor([rows.seqs[r][-1] for r in active], device=dev)
                 tlogits, th = self.target.extend(tb, torch.cat([last[:, None], x_BG], 1), hidden_layer=hl)
                 check_finite(tlogits, "target verification logits")
@@ -249,9 +221,7 @@ class SpeculativeDecoder:
                 if not done:
                     keep.append(b)
             if len(keep) < B:
-                idx = torch.tensor(keep, dtype=torch.long, device=dev)
-                for bt in (tb, db):
-                    bt.cache.select_rows(idx)
+                tb, db = select_rows(tb, keep), select_rows(db, keep)
                 active = [active[b] for b in keep]
         return rows.outs
 
@@ -263,7 +233,7 @@ def autoregressive(target: LlamaLM, prompts: list[list[int]], max_tokens: int, t
     """Target-only decoding (one target forward per token) with the same stop logic and the same
     per-row noise as SpeculativeDecoder (step t draws round t's token noise: speculative decoding
     with gamma = 0): the baseline speculative decoding is timed against."""
-    eng = Engine(target)
+    eng = Engine(target, lean_prefill=True)
     stop = set(stop_token_ids) | ({eos_token_id} if eos_token_id is not None else set())
     if temperature > 0 and (seeds is None or len(seeds) != len(prompts)):
         raise ValueError(f"sampling (temperature {temperature}) needs one seed per prompt ({len(prompts)})")
@@ -272,7 +242,9 @@ def autoregressive(target: LlamaLM, prompts: list[list[int]], max_tokens: int, t
         group = prompts[i0 : i0 + batch_size]
         gens = None if temperature == 0 else [speculative_noise(int(s), target.config.vocab_size)
                                               for s in seeds[i0 : i0 + batch_size]]
-        batch, logits, _ = prefill(target, group, extra_slots=max_tokens + 1)
+        _check_context(target, group, max_tokens + 1)
+        batch = eng.prefill(_requests(group, max_tokens), extra_slots=max_tokens + 1)
+        logits = batch.logits_BV
         outs = [SpecOutput(list(p), [], "", "length") for p in group]
         active = list(range(len(group)))
         while active:
@@ -298,9 +270,7 @@ def autoregressive(target: LlamaLM, prompts: list[list[int]], max_tokens: int, t
             if not keep:
                 break
             if len(keep) < len(active):
-                idx = torch.tensor(keep, dtype=torch.long, device=eng.device)
-                batch.cache.select_rows(idx)
-                batch.len_B = batch.len_B[idx]
+                batch = select_rows(batch, keep)
                 tok = tok[keep]
                 active = [active[b] for b in keep]
             lg, _ = eng.extend(batch, tok[:, None].to(eng.device))
