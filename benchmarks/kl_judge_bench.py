@@ -10,7 +10,7 @@ greedy decoding's (a fidelity measure that sees changes even where both answers 
 Metrics:
   mat            emitted tokens / target forwards; COUNTS the token the target contributes in every
                  round (correction or bonus), so target-only decoding has 1.0. Speculative round 1's
-                 target forward is the prefill fused with the first verification (loop.py)
+                 target forward is the prefill fused with the first verification (speculative/decoder.py)
   accept_rate    accepted draft tokens / drafted tokens
   tokens_per_s   generated tokens / wall-clock seconds of the whole generate call (prefill of both
                  models, drafting, verification, rule evaluation), median over interleaved repeats
@@ -37,8 +37,8 @@ import torch
 from verinfer.io import atomic_write_json
 from verinfer.models.corpus import Problem
 from verinfer.models.llama import LlamaLM
-from verinfer.speculative.judge import final_answer
-from verinfer.speculative.loop import SpecOutput, SpeculativeDecoder, autoregressive
+from verinfer.speculative.autojudge import final_answer
+from verinfer.speculative.decoder import SpecOutput, SpeculativeDecoder, autoregressive
 from verinfer.speculative.rules import Rule
 
 # Threshold grids (the knob of each rule; see rules.py for the direction of each)
@@ -314,7 +314,7 @@ def run(out_dir, device: str = "cpu", quick: bool = False, batch_sizes=(1, 16), 
     from verinfer.models.corpus import train_problems
     from verinfer.models.load import model_info
     from verinfer.models.testbed import DRAFT_DIR, TARGET_DIR, load_tokenizer
-    from verinfer.speculative.judge import mine, train_judge
+    from verinfer.speculative.autojudge import mine, train_judge
 
     torch.set_num_threads(1)
     t_start = time.time()
@@ -471,7 +471,7 @@ def timing_run(json_path, device: str = "cpu", batch_sizes=(1, 16), repeats: int
     from pathlib import Path
 
     from verinfer.models.testbed import DRAFT_DIR, TARGET_DIR, load_tokenizer
-    from verinfer.speculative.judge import Judge
+    from verinfer.speculative.autojudge import Judge
 
     torch.set_num_threads(1)
     json_path = Path(json_path)

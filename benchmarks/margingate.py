@@ -16,8 +16,8 @@ from pathlib import Path
 import torch
 from rich.progress import Progress
 
-from verinfer.determinism import calibrate as C
-from verinfer.determinism.serve import Server, Stats
+from verinfer.determinism import tau as C
+from verinfer.determinism.scheduler import Server, Stats
 from verinfer.models.testbed import TARGET_DIR
 
 OUT = Path(__file__).parent / "results"

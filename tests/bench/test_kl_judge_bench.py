@@ -4,7 +4,7 @@ import pytest
 
 from verinfer.models.testbed import DRAFT_DIR, load_tokenizer
 from benchmarks.kl_judge_bench import GRIDS, accuracy, agreement, cost_model, select_thresholds, summarize
-from verinfer.speculative.loop import SpecOutput
+from verinfer.speculative.decoder import SpecOutput
 
 
 def _row(rule, thr, g, mat, acc):

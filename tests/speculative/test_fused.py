@@ -12,7 +12,7 @@ from verinfer.models.testbed import DRAFT_DIR, TARGET_DIR, load_tokenizer
 from verinfer.numerics.kernels import Fused
 from verinfer.engine.engine import Engine, Request
 from verinfer.sampling.params import SamplingParams
-from verinfer.speculative.loop import SpeculativeDecoder, autoregressive
+from verinfer.speculative.decoder import SpeculativeDecoder, autoregressive
 from verinfer.speculative.rules import Rule
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from verinfer.determinism.calibrate import calibrate, make_engines, read_tau, split_prompts, write_tau
-from verinfer.determinism.serve import POLICIES, Server
+from verinfer.determinism.tau import calibrate, make_engines, read_tau, split_prompts, write_tau
+from verinfer.determinism.scheduler import POLICIES, Server
 from verinfer.engine.engine import Request
 from verinfer.io import atomic_write_text, check_writable
 from verinfer.models.load import model_info

@@ -14,7 +14,7 @@ from verinfer.io import atomic_write_parquet, check_writable
 from verinfer.models.llama import LlamaLM
 from verinfer.models.load import model_info
 from verinfer.models.prompts import prompts_for
-from verinfer.speculative.judge import Judge
+from verinfer.speculative.autojudge import Judge
 from verinfer.speculative.rules import Rule
 from verinfer.speculative.spec_claims import spec_claims, verify_spec_claims
 

@@ -22,7 +22,7 @@ The relaxations (each a boolean mask, `threshold` is the knob swept in the bench
   target_entropy H(p) > threshold: accept where the target itself is uncertain
   draft_entropy  H(q) < threshold: accept where the draft is confident
   autojudge     P(important | [h_target; h_draft]) < threshold, a logistic regression trained on
-                mined labels (judge.py; Garipov et al. 2025)
+                mined labels (autojudge.py; Garipov et al. 2025)
 """
 
 from __future__ import annotations
@@ -63,7 +63,10 @@ def standard_accept(p_BGV: torch.Tensor, q_BGV: torch.Tensor, x_BG: torch.Tensor
     return u_BG * qx < px
 
 
-def relax_kl(p_BGV, q_BGV, x_BG, threshold: float, **_) -> torch.Tensor:
+def kl_judge(p_BGV, q_BGV, x_BG, threshold: float, **_) -> torch.Tensor:
+    """The KL judge (KL-judge paper, section 4.1): accept the drafted token beyond the standard
+    rule when KL(p || q) < threshold AND max p <= CONFIDENT_TOP1 (0.9); where the target's top-1
+    probability exceeds 0.9 only the standard rule decides."""
     return (kl_divergence(p_BGV, q_BGV) < threshold) & (p_BGV.amax(-1) <= CONFIDENT_TOP1)
 
 
@@ -86,12 +89,12 @@ def relax_draft_entropy(p_BGV, q_BGV, x_BG, threshold: float, **_) -> torch.Tens
 def relax_autojudge(p_BGV, q_BGV, x_BG, threshold: float, *, judge=None, feats_BGD=None, **_) -> torch.Tensor:
     if judge is None or feats_BGD is None:
         raise ValueError("the autojudge rule needs a trained judge and hidden-state features "
-                         "(train one with verinfer.speculative.judge.train_judge)")
+                         "(train one with verinfer.speculative.autojudge.train_judge)")
     return judge.prob_important(feats_BGD) < threshold
 
 
 RELAX: dict[str, Callable[..., torch.Tensor] | None] = {
-    "standard": None, "kl": relax_kl, "topk": relax_topk, "target_entropy": relax_target_entropy,
+    "standard": None, "kl": kl_judge, "topk": relax_topk, "target_entropy": relax_target_entropy,
     "draft_entropy": relax_draft_entropy, "autojudge": relax_autojudge,
 }
 

@@ -45,7 +45,7 @@ from verinfer.sampling.gap import probs_margin
 from verinfer.sampling.noise import SpeculativeNoise, speculative_noise
 from verinfer.sampling.params import SamplingParams
 from verinfer.sampling.sampler import sample_probs
-from verinfer.speculative.loop import SpeculativeDecoder
+from verinfer.speculative.decoder import SpeculativeDecoder
 from verinfer.speculative.rules import Rule, residual
 
 SPEC_NOISE = "speculative-keyed"  # the noise stream SpeculativeDecoder draws from (sampling/noise.py)

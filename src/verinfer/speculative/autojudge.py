@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from verinfer.models.llama import LlamaLM
-from verinfer.speculative.loop import autoregressive
+from verinfer.speculative.decoder import autoregressive
 
 
 def final_answer(text: str) -> str:

@@ -7,7 +7,7 @@ from scipy.stats import chisquare
 
 from verinfer.models.llama import LlamaLM
 from verinfer.models.testbed import DRAFT_DIR, TARGET_DIR, load_tokenizer
-from verinfer.speculative.loop import SpeculativeDecoder, autoregressive
+from verinfer.speculative.decoder import SpeculativeDecoder, autoregressive
 from verinfer.speculative.rules import Rule
 
 

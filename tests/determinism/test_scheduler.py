@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from verinfer.determinism.serve import Server
+from verinfer.determinism.scheduler import Server
 from verinfer.engine.engine import Request
 from verinfer.sampling.params import SamplingParams
 

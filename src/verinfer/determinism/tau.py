@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from verinfer.determinism.invariant import batch_invariant
-from verinfer.determinism.serve import Server
+from verinfer.determinism.scheduler import Server
 from verinfer.engine.engine import Engine, Request
 from verinfer.models.load import load_model, model_info
 from verinfer.numerics import Numerics
