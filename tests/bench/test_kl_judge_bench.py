@@ -43,7 +43,6 @@ def test_cost_model_lean_and_fast_match_transformers():
     r = c["draft_b2_ctx8"]
     assert r["max_abs_logit_diff_T1"] < 1e-4 and r["max_abs_logit_diff_T5"] < 1e-4
     assert r["fast_max_abs_logit_diff_T1"] < 1e-4 and r["fast_max_abs_logit_diff_T5"] < 1e-4
-    assert r["lean_T1_ms"] > 0 and r["hf_T1_ms"] > 0 and r["fast_T5_ms"] > 0
     assert c["draft_params"] == 625_280  # the model card's count (tied embeddings counted once)
 
 

@@ -1,0 +1,335 @@
+"""Behaviour fixtures for the one-core refactor (issue 13): record what the CURRENT code computes
+on the shipped testbed, then check that the refactored code computes the same bits.
+
+    PYTHONPATH=src .venv/bin/python benchmarks/refactor_fixtures.py record   # before the refactor
+    PYTHONPATH=src .venv/bin/python benchmarks/refactor_fixtures.py check    # after: table, exit 1 on a diff
+    ... check --only gen/ --only replay/                                      # a subset (name prefixes)
+
+What is recorded (tests/fixtures/refactor/fixtures.json + replay_logits.safetensors):
+  gen/<provider>, gen/noise-<backend>, gen/fingerprint  `verinfer generate` output token ids
+                      per claim (and the `activations` payload); prompts too
+  det/<policy>        `verinfer generate --deterministic <policy>` greedy token ids
+  spec/<rule>-t0|t1   `verinfer generate --speculative <rule>` token ids and spec.events;
+                      the temperature-1 ones are reported but NOT must-equal (speculative sampling
+                      moves onto the sampling/ noise streams in the refactor)
+  score/<name>        `verinfer score --gaps` Parquet: every column's values (exact) + sha256
+  replay/<config>     teacher-forced replay logits (fp32) of 4 claims, padded and packed, for
+                      bf16, bf16 with fp32 matmuls, and fp32: sha256 per claim + full rows at a
+                      few positions (the only part that uses internal API: `replay_logits`)
+
+Everything else runs the `verinfer` command (the typer app `verinfer.cli:app`, in a subprocess) in a
+temp dir, at the recorded torch thread count (OMP_NUM_THREADS / MKL_NUM_THREADS). Bitwise results
+can depend on the CPU ISA, thread count and torch build: `check` on another CPU or torch version
+says so and exits 3 (the test skips) instead of reporting differences.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import hashlib
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+FIXTURES = ROOT / "tests" / "fixtures" / "refactor"
+N, MAX_TOKENS, SEED = 8, 32, 0
+TAU = 0.0625  # fixed MarginGate tau (calibrated testbed eps_pert p99 is 0.0625): no calibration run
+JUDGE = ROOT / "benchmarks" / "results" / "kl_judge_autojudge.json"
+HONEST = ("honest-bf16-b8", "honest-bf16-b1", "honest-fp32-b4", "honest-bf16-eager-t1", "honest-bf16-chunk16")
+MISCONFIGURED = ("int4", "fp8-kv", "temp-1.1", "wrong-seed", "sampling-bug")
+NOISES = ("vllm-cpu", "vllm-v1-exponential", "keyed", "inverse-cdf")
+POLICIES = ("best", "margingate", "llm42", "gated_llm42", "batch_invariant", "layercast", "bf16")
+SPEC_RULES = ("standard", "kl", "topk", "target_entropy", "draft_entropy", "autojudge")
+SCORED = {"honest": "gen/honest-bf16-b8", "int4": "gen/int4", "wrong-seed": "gen/wrong-seed"}
+REPLAY_CLAIMS = 4        # claims of gen/honest-bf16-b8 replayed for the logits fixture
+REPLAY_ROWS = (0, 15, -1)  # output positions whose full logits rows are stored, per claim (first 2 claims)
+
+
+# --- the items ---------------------------------------------------------------------------------
+def items() -> list[dict]:
+    """Every fixture item: name, the CLI argv after `verinfer`, and whether it must be equal."""
+    base = ["--n", str(N), "--max-tokens", str(MAX_TOKENS), "--seed", str(SEED)]
+    out = [dict(name=f"gen/{p}", argv=["generate", p, *base]) for p in HONEST + MISCONFIGURED]
+    out += [dict(name=f"gen/noise-{z}", argv=["generate", "honest-bf16-b8", *base, "--noise", z])
+            for z in NOISES if z != "vllm-cpu"]  # vllm-cpu is the default: gen/honest-bf16-b8
+    out.append(dict(name="gen/fingerprint", argv=["generate", "honest-bf16-b8", *base, "--fingerprint",
+                                                  "k=8,stride=4"]))
+    out += [dict(name=f"det/{p}", argv=["generate", "--deterministic", p, "--tau-file", "{tau}", *base])
+            for p in POLICIES]
+    for rule in SPEC_RULES:
+        judge = ["--judge", str(JUDGE)] if rule == "autojudge" else []
+        if rule == "autojudge" and not JUDGE.is_file():
+            continue
+        for t in (0, 1):
+            out.append(dict(name=f"spec/{rule}-t{t}", argv=["generate", "--speculative", rule, *judge, *base,
+                                                            "--temperature", str(float(t))],
+                            must_equal=t == 0,
+                            note=None if t == 0 else "sampled speculative tokens are expected to change "
+                                                     "(speculative sampling moves onto sampling/ noise streams)"))
+    out += [dict(name=f"score/{k}", argv=["score", "{claims:" + src + "}", "--gaps"]) for k, src in SCORED.items()]
+    out.append(dict(name="score/honest-matmul-fp32",
+                    argv=["score", "{claims:gen/honest-bf16-b8}", "--gaps", "--matmul", "fp32"]))
+    for it in out:
+        it.setdefault("must_equal", True)
+        it.setdefault("note", None)
+    return out
+
+
+def run_cli(argv: list[str], out: Path, threads: int) -> None:
+    """`verinfer <argv> -o out` in a fresh process at `threads` torch threads."""
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
+           "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
+    cmd = [sys.executable, "-c", "from verinfer.cli import app; app()", *argv, "-o", str(out)]
+    r = subprocess.run(cmd, cwd=out.parent, env=env, capture_output=True, text=True)
+    if r.returncode != 0:
+        raise RuntimeError(f"`verinfer {' '.join(argv)}` exited {r.returncode}:\n{r.stderr[-2000:]}")
+
+
+def claims_record(path: Path) -> list[dict]:
+    """Per claim (file order): id, prompt and output token ids, activations / spec if present."""
+    rows = []
+    for line in path.read_text().splitlines():
+        c = json.loads(line)
+        r = dict(id=c["id"], prompt=c["prompt_token_ids"], tokens=c["output_token_ids"])
+        if "activations" in c:
+            r["activations"] = c["activations"]
+        if "spec" in c:  # the rng description text is documentation, not behaviour
+            r["spec"] = {k: v for k, v in c["spec"].items() if k != "rng"}
+        rows.append(r)
+    return rows
+
+
+def _canon(col) -> bytes:
+    """A column's values as bytes, independent of Parquet chunking and encoding."""
+    a = col.to_numpy()
+    if a.dtype == object:
+        return json.dumps([None if v is None else str(v) for v in a]).encode()
+    return np.ascontiguousarray(a).tobytes() + a.dtype.str.encode()
+
+
+def scores_record(path: Path) -> dict:
+    """Every column of a scores Parquet, rows sorted by (claim_id, position): values + sha256."""
+    import pyarrow.parquet as pq
+
+    t = pq.read_table(path)
+    order = sorted(range(t.num_rows), key=lambda i: (t["claim_id"][i].as_py(), t["position"][i].as_py()))
+    t = t.take(order)
+    return {name: dict(sha256=hashlib.sha256(_canon(t[name])).hexdigest(), values=t[name].to_pylist())
+            for name in t.column_names}
+
+
+# --- replay logits: the ONE place that uses internal API (update these lines in the refactor) -----
+REPLAY_CONFIGS = {  # name -> (dtype, matmul, packed)
+    "bf16-padded": ("bf16", "native", False), "bf16-packed": ("bf16", "native", True),
+    "bf16-matmul-fp32-padded": ("bf16", "fp32", False), "bf16-matmul-fp32-packed": ("bf16", "fp32", True),
+    "fp32-padded": ("fp32", "native", False), "fp32-packed": ("fp32", "native", True),
+}
+
+
+def replay_logits(pairs: list[tuple[list[int], list[int]]], dtype: str, matmul: str, packed: bool) -> list:
+    """Teacher-forced replay logits_TV (fp32) of each (prompt, output) pair on the testbed target,
+    as `verinfer score` computes them (Engine.score: claims batched, padded or packed)."""
+    from verinfer.engine.engine import Engine
+    from verinfer.models.load import load_model
+    from verinfer.models.testbed import TARGET_DIR
+    from verinfer.numerics import Numerics
+
+    num = Numerics(dtype=dtype, attn="sdpa", matmul=matmul)
+    engine = Engine(load_model(TARGET_DIR, num, "cpu"), num, packed_replay=packed)
+    return [r.logits_TV for r in engine.score(pairs)]
+# ------------------------------------------------------------------------------------------------
+
+
+def replay_record(pairs, threads: int) -> tuple[dict, dict]:
+    """Per config: sha256 of each claim's logits bytes; tensors: full rows at REPLAY_ROWS."""
+    import torch
+
+    torch.set_num_threads(threads)
+    meta, tensors = {}, {}
+    for name, (dtype, matmul, packed) in REPLAY_CONFIGS.items():
+        logits = [x.contiguous().float() for x in replay_logits(pairs, dtype, matmul, packed)]
+        meta[f"replay/{name}"] = dict(sha256=[hashlib.sha256(x.numpy().tobytes()).hexdigest() for x in logits],
+                                      shape=[list(x.shape) for x in logits])
+        tensors[name] = torch.stack([x[t] for x in logits[:2] for t in REPLAY_ROWS])
+    return meta, tensors
+
+
+# --- environment ---------------------------------------------------------------------------------
+def environment(threads: int) -> dict:
+    import torch
+
+    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").is_file() else ""
+    field = lambda k: next((ln.split(":", 1)[1].strip() for ln in info.splitlines() if ln.startswith(k)), "")  # noqa: E731
+    flags = sorted(f for f in field("flags").split() if f.startswith(("avx", "amx", "fma", "f16c", "sse4")))
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    dirty = subprocess.run(["git", "status", "--porcelain", "src"], cwd=ROOT, capture_output=True, text=True).stdout
+    return dict(commit=commit, src_modified=bool(dirty.strip()), torch=torch.__version__, threads=threads, cpu_model=field("model name"),
+                cpu_isa_flags=flags, machine=platform.machine(), python=platform.python_version(),
+                date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
+
+
+def env_mismatch(rec: dict, now: dict) -> str | None:
+    """Why bitwise comparison is not meaningful here (another CPU / ISA / torch), or None."""
+    why = [f"{k}: recorded {rec[k]!r}, here {now[k]!r}" for k in ("cpu_model", "cpu_isa_flags", "torch", "machine")
+           if rec.get(k) != now.get(k)]
+    return "; ".join(why) or None
+
+
+# --- record / check ------------------------------------------------------------------------------
+def compute(selected: list[dict], threads: int, log) -> tuple[dict, dict]:
+    """Run the selected items (and the replay fixture if selected); returns (results, tensors)."""
+    results, tensors = {}, {}
+    with tempfile.TemporaryDirectory(prefix="verinfer-fixtures-") as tmp:
+        d = Path(tmp)
+        tau = d / "tau.json"
+        tau.write_text(json.dumps({"verinfer-testbed-target": {"bf16": {
+            "model": "verinfer-testbed-target", "dtype": "bf16", "tau": TAU}}}))
+        files: dict[str, Path] = {}
+        needed = {src for it in selected for a in it["argv"] if a.startswith("{claims:") for src in [a[8:-1]]}
+        todo = [it for it in items() if it["name"] in needed and it not in selected] + selected
+        for it in todo:
+            t0 = time.time()
+            out = d / (it["name"].replace("/", "_") + (".parquet" if it["argv"][0] == "score" else ".jsonl"))
+            argv = [str(tau) if a == "{tau}" else str(files[a[8:-1]]) if a.startswith("{claims:") else a
+                    for a in it["argv"]]
+            run_cli(argv, out, threads)
+            files[it["name"]] = out
+            if it in selected:
+                results[it["name"]] = scores_record(out) if it["argv"][0] == "score" else claims_record(out)
+            log(f"  {it['name']:32s} {time.time() - t0:5.1f} s")
+    return results, tensors
+
+
+def replay_pairs(fixture_results: dict) -> list[tuple[list[int], list[int]]]:
+    return [(c["prompt"], c["tokens"]) for c in fixture_results["gen/honest-bf16-b8"][:REPLAY_CLAIMS]]
+
+
+def record(threads: int, log=print) -> None:
+    FIXTURES.mkdir(parents=True, exist_ok=True)
+    its = items()
+    results, _ = compute(its, threads, log)
+    t0 = time.time()
+    replay_meta, tensors = replay_record(replay_pairs(results), threads)
+    log(f"  {'replay/* (6 configs)':32s} {time.time() - t0:5.1f} s")
+    from safetensors.torch import save_file
+
+    save_file(tensors, str(FIXTURES / "replay_logits.safetensors"))
+    doc = dict(meta=dict(environment(threads), n=N, max_tokens=MAX_TOKENS, seed=SEED, tau=TAU,
+                         replay_claims=REPLAY_CLAIMS, replay_rows=list(REPLAY_ROWS),
+                         notes=["spec/*-t1 (sampled speculative tokens) are EXPECTED to change in the refactor: "
+                                "speculative sampling moves onto the sampling/ noise streams; check reports them "
+                                "but only spec/*-t0 (greedy) must be equal",
+                                "claims JSON formatting and `spec.rng` text are not compared, only values"]),
+               items={it["name"]: dict(argv=it["argv"], must_equal=it["must_equal"], note=it["note"]) for it in its},
+               results={**results, **replay_meta})
+    (FIXTURES / "fixtures.json").write_text(json.dumps(doc, separators=(",", ":")))
+    log(f"wrote {FIXTURES}/fixtures.json and replay_logits.safetensors")
+
+
+def diff_claims(old: list[dict], new: list[dict]) -> str | None:
+    if [c["id"] for c in old] != [c["id"] for c in new]:
+        return f"claim ids differ ({len(old)} recorded, {len(new)} now)"
+    parts = []
+    for key in ("prompt", "tokens", "activations", "spec"):
+        bad = [i for i, (a, b) in enumerate(zip(old, new)) if a.get(key) != b.get(key)]
+        if bad:
+            extra = ""
+            if key == "tokens":
+                nt = sum(sum(x != y for x, y in zip(old[i][key], new[i][key])) + abs(len(old[i][key]) - len(new[i][key]))
+                         for i in bad)
+                extra = f", {nt}/{sum(len(c['tokens']) for c in old)} tokens"
+            parts.append(f"{key}: {len(bad)}/{len(old)} claims{extra}")
+    return "; ".join(parts) or None
+
+
+def diff_scores(old: dict, new: dict) -> str | None:
+    parts = []
+    for col, rec in old.items():
+        if col not in new:
+            parts.append(f"{col} missing")
+        elif new[col]["sha256"] != rec["sha256"]:
+            a, b = rec["values"], new[col]["values"]
+            n = sum(not (x == y or (x != x and y != y)) for x, y in zip(a, b)) + abs(len(a) - len(b))
+            parts.append(f"{col} {n}/{len(a)}")
+    return ("values differ: " + ", ".join(parts)) if parts else None
+
+
+def diff_replay(name: str, old: dict, new: dict, old_t, new_t) -> str | None:
+    bad = sum(a != b for a, b in zip(old["sha256"], new["sha256"])) + abs(len(old["sha256"]) - len(new["sha256"]))
+    if not bad:
+        return None
+    k = name.split("/", 1)[1]
+    d = (old_t[k] - new_t[k]).abs()
+    return (f"{bad}/{len(old['sha256'])} claims' logits; stored rows: {int((d != 0).sum())}/{d.numel()} values "
+            f"differ, max |diff| {float(d.max()):.3g}")
+
+
+def check(only: list[str] | None, log=print) -> int:
+    """Rerun and compare; prints a table. 0: all must-equal items equal; 1: a difference;
+    3: another CPU / torch than the recording (comparison not meaningful)."""
+    from safetensors.torch import load_file
+
+    doc = json.loads((FIXTURES / "fixtures.json").read_text())
+    meta = doc["meta"]
+    why = env_mismatch(meta, environment(meta["threads"]))
+    if why:
+        log(f"NOT COMPARABLE: the fixtures were recorded on another machine or torch ({why}); bitwise results "
+            f"depend on the CPU ISA and torch build, so nothing is compared. Re-record on this machine from "
+            f"commit {meta['commit'][:7]} to compare here.")
+        return 3
+    sel = lambda name: not only or any(name.startswith(p) for p in only)  # noqa: E731
+    its = [it for it in items() if sel(it["name"])]
+    new, _ = compute(its, meta["threads"], log)
+    if any(sel(f"replay/{k}") for k in REPLAY_CONFIGS):
+        pairs = [(c["prompt"], c["tokens"]) for c in doc["results"]["gen/honest-bf16-b8"][:REPLAY_CLAIMS]]
+        replay_meta, tensors = replay_record(pairs, meta["threads"])
+        new.update({k: v for k, v in replay_meta.items() if sel(k)})
+    old_t = load_file(str(FIXTURES / "replay_logits.safetensors"))
+    rows, failed = [], 0
+    for name in sorted(new):
+        old = doc["results"].get(name)
+        spec = doc["items"].get(name, dict(must_equal=True))
+        if old is None:
+            d = "no recorded fixture"
+        elif name.startswith("replay/"):
+            d = diff_replay(name, old, new[name], old_t, tensors)
+        elif name.startswith("score/"):
+            d = diff_scores(old, new[name])
+        else:
+            d = diff_claims(old, new[name])
+        must = spec["must_equal"]
+        failed += bool(d) and must
+        rows.append((name, "equal" if d is None else "DIFFERS", "yes" if must else "no (expected to change)", d or ""))
+    w = max(len(r[0]) for r in rows)
+    log(f"\n{'item':{w}s}  {'result':8s} {'must equal':24s} detail")
+    for r in rows:
+        log(f"{r[0]:{w}s}  {r[1]:8s} {r[2]:24s} {r[3]}")
+    log(f"\n{len(rows)} items, {sum(r[1] == 'equal' for r in rows)} equal, {failed} must-equal items differ "
+        f"(threads {meta['threads']}, recorded at {meta['commit'][:7]})")
+    return 1 if failed else 0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("mode", choices=("record", "check"))
+    ap.add_argument("--threads", type=int, default=1, help="torch threads when recording (check uses the recorded); "
+                    "1: 2 threads on a shared 2-core machine run up to 25x slower (spinning OpenMP threads)")
+    ap.add_argument("--only", action="append", help="check only items whose name starts with this (repeatable)")
+    a = ap.parse_args()
+    if a.mode == "record":
+        record(a.threads)
+        return 0
+    return check(a.only)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
