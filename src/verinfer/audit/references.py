@@ -23,12 +23,14 @@ All references are real PyTorch kernels; none is a misconfiguration.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
 
 from verinfer.numerics import Numerics
+from verinfer.audit.scores import score_column
+from verinfer.engine.engine import Replay, Request
 
 
 @dataclass(frozen=True)
@@ -61,10 +63,6 @@ def decode_replay(engine, claims, batch: int = 1, group_seed: int = 0) -> list:
     time (right-padded mixed-length prompts, as `Engine.generate` batches them; with batch > 1 the
     claims are grouped in the random order of `group_seed`; a row whose claim has ended is fed
     token 0, which no other row sees). Returns `engine.Replay`s like `Engine.score`."""
-    from dataclasses import replace
-
-    from verinfer.engine.engine import Replay, Request
-
     out: list = [None] * len(claims)
     order = np.arange(len(claims)) if batch <= 1 else np.random.default_rng(group_seed).permutation(len(claims))
     for s in range(0, len(order), max(1, batch)):
@@ -116,8 +114,6 @@ def envelope_table(tables: list, columns) -> dict:
     """{column: envelope of that column over the tables} for the named signed-gap columns of
     several features / score tables of the same claims (rows in the same order, checked by
     claim_id and position when the tables carry them)."""
-    from verinfer.audit.scores import _column
-
     if not tables:
         raise ValueError("no reference tables")
 
@@ -134,4 +130,4 @@ def envelope_table(tables: list, columns) -> dict:
             other = raw(t, key)
             if ref is not None and other is not None and not np.array_equal(ref, other):
                 raise ValueError(f"reference tables disagree on {key}: replays of different claims or order")
-    return {c: envelope([_column(t, c) for t in tables]) for c in columns}
+    return {c: envelope([score_column(t, c) for t in tables]) for c in columns}

@@ -34,6 +34,7 @@ from verinfer.audit.scores import likelihood_score
 from verinfer.engine.engine import Engine, Replay
 from verinfer.errors import VerinferError
 from verinfer.sampling.gap import block_gaps, score_claimed
+from verinfer.fingerprint import l2_distances, parse_fingerprint
 
 SCORE_SCHEMA = pa.schema([
     ("claim_id", pa.string()), ("provider", pa.string()), ("position", pa.int32()), ("token_id", pa.int32()),
@@ -74,8 +75,6 @@ def gap_columns_of(claims: list[Claim], replays: list[Replay], factors=GAP_TEMPE
 def fingerprints_of(claims: list[Claim], hidden_size: int) -> tuple[list, int | None]:
     """Parse and validate every claim's `activations` before any compute (bad input fails fast,
     naming file:line and field); return them (None where absent) and the hidden layer to replay."""
-    from verinfer.fingerprint import parse_fingerprint
-
     fps, layer, first = [], None, None
     for i, c in enumerate(claims):
         obj = c.extra.get("activations")
@@ -92,8 +91,6 @@ def fingerprints_of(claims: list[Claim], hidden_size: int) -> tuple[list, int | 
 
 
 def fingerprint_distances(claims: list[Claim], replays: list[Replay], fps: list) -> np.ndarray:
-    from verinfer.fingerprint import l2_distances
-
     out = []
     for c, r, fp in zip(claims, replays, fps):
         d = np.full(len(c.output_token_ids), np.nan)

@@ -37,7 +37,7 @@ def likelihood_score(margin, sigma: float) -> np.ndarray:
     return log_ndtr(-m / (np.sqrt(2.0) * sigma))
 
 
-def _column(table_or_dict, name: str) -> np.ndarray:
+def score_column(table_or_dict, name: str) -> np.ndarray:
     if isinstance(table_or_dict, (pa.Table, pa.RecordBatch)):
         if name not in table_or_dict.column_names:
             raise KeyError(f"score column {name!r} not in table (columns: {', '.join(table_or_dict.column_names)})")
@@ -67,7 +67,7 @@ def divergence(table_or_dict, score_name: str) -> np.ndarray:
         else:
             v = np.asarray(table_or_dict["fp_l2"], dtype=np.float64)
         return v[~np.isnan(v)]
-    v = _column(table_or_dict, score_name)
+    v = score_column(table_or_dict, score_name)
     if score_name == "exact_match":
         return 1.0 - v
     if score_name == "likelihood":

@@ -37,11 +37,12 @@ from dataclasses import replace
 import numpy as np
 import pyarrow as pa
 import torch
+from scipy.optimize import minimize
 from scipy.special import log_ndtr, ndtr
 from scipy.stats import norm
 
 from verinfer.audit.replay import gap_args, gap_column, scores_table, temperature_column  # noqa: F401 (names)
-from verinfer.audit.scores import winsorize
+from verinfer.audit.scores import fit_sigma, winsorize
 from verinfer.sampling import gap
 from verinfer.sampling.sampler import inverse_cdf_interval
 
@@ -252,10 +253,6 @@ def fit_perturbation(gap, outlier_p: float = 0.02, min_eps: float = 1e-6) -> tup
     """(sigma, eps) maximizing sum(perturbation_loglik(gap, sigma, eps, outlier_p)) over honest
     tokens (L-BFGS-B on log sigma and logit eps, from the half-normal sigma of `scores.fit_sigma`);
     eps >= min_eps so that a rare honest outlier the train set happened to lack keeps a finite cost."""
-    from scipy.optimize import minimize
-
-    from verinfer.audit.scores import fit_sigma
-
     d = np.asarray(gap, dtype=np.float64)
     d = d[~np.isnan(d)]
     if d.size == 0:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 from scipy.stats import norm
 
-from verinfer.audit.scores import _column
+from verinfer.audit.scores import score_column
 from verinfer.audit.replay import gap_column, temperature_column
 from verinfer.audit.variants import fit_perturbation, perturbation_llr, perturbation_llr_centered
 from verinfer.detect.base import (ColumnStatistics, column_names, decode_groups, encode_f8, group_labels,
@@ -27,7 +27,7 @@ def gap_columns(table, temperature_factors=(), top_p_slack: float = 0.0) -> np.n
     """[N, 1 + len(temperature_factors)] signed gaps: column 0 at the claimed temperature (`gap_0`
     of a features table, or `gap` of a score table), then `gapT_{r}` per factor r; with a top-p
     slack tau the columns suffixed `_s{tau}` (`variants.block_gaps(..., top_p_slack=tau)`)."""
-    return np.stack([_column(table, c) for c in _gap_names(column_names(table), temperature_factors, top_p_slack)],
+    return np.stack([score_column(table, c) for c in _gap_names(column_names(table), temperature_factors, top_p_slack)],
                     axis=1)
 
 

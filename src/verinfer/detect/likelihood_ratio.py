@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from verinfer.audit.scores import _column
+from verinfer.audit.scores import score_column
 from verinfer.detect.base import Detector, decode_f8, encode_f8
 from verinfer.detect.clipped_mean import ClippedMeanDetector
 from verinfer.errors import VerinferError
@@ -163,12 +163,12 @@ class LikelihoodRatioDetector(Detector):
 
     def _arrays(self, table) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         self.require_columns(table)
-        m = _column(table, "margin")
-        em = _column(table, "exact_match") > 0.5
-        ce = _column(table, "cross_entropy")
+        m = score_column(table, "margin")
+        em = score_column(table, "exact_match") > 0.5
+        ce = score_column(table, "cross_entropy")
         if np.isnan(m).any() or np.isnan(ce).any():
             raise ValueError("margin / cross_entropy contain NaN")
-        gap = _column(table, "logit_gap") if self.use_direction else np.zeros_like(m)
+        gap = score_column(table, "logit_gap") if self.use_direction else np.zeros_like(m)
         return m, em, ce, gap
 
     def _bins(self, table, margin_edges=None, ce_edges=None) -> np.ndarray:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 from scipy.stats import norm
 
-from verinfer.audit.scores import _column, clip_at_quantile, winsorize
+from verinfer.audit.scores import score_column, clip_at_quantile, winsorize
 from verinfer.audit.variants import alternative_evidence
 from verinfer.detect.base import ColumnStatistics, decode_groups, encode_f8, group_labels, stratified_subsample
 from verinfer.errors import VerinferError
@@ -49,7 +49,7 @@ class ReplayLibraryDetector(ColumnStatistics):
         (tau_c / sd_c): honest configurations differ in their mean, and a pooled null would flag
         the noisier ones more and more often as batches grow."""
         self.require_columns(table)
-        self.clip_ = clip_at_quantile(_column(table, "margin"), self.clip_quantile)
+        self.clip_ = clip_at_quantile(score_column(table, "margin"), self.clip_quantile)
         x = self.token_scores(table)
         self.mu_ = x.mean(axis=0)
         self.sd_ = np.maximum(x.std(axis=0, ddof=1), 1e-12)
@@ -65,8 +65,8 @@ class ReplayLibraryDetector(ColumnStatistics):
         if not hasattr(self, "clip_"):
             raise VerinferError("the detector is not fitted", fix="call fit(honest_scores) first")
         self.require_columns(table)
-        m = _column(table, "margin")
-        cols = [winsorize(m, self.clip_)] + [alternative_evidence(m, [_column(table, a)], self.clip_)
+        m = score_column(table, "margin")
+        cols = [winsorize(m, self.clip_)] + [alternative_evidence(m, [score_column(table, a)], self.clip_)
                                              for a in self.alternatives]
         return np.stack(cols, axis=1)
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from verinfer.providers.simulated import MISCONFIGURED, ProviderConfig
+from verinfer.determinism.invariant import fixed_shape
 from verinfer.engine.engine import Engine
 from verinfer.errors import ModelError
 from verinfer.models.load import ModelInfo, load_model, load_tokenizer, model_info
@@ -89,8 +90,6 @@ def load_registry(root: str | Path, *, misconfig: str | None = None, device: str
         info = model_info(d)
         model = load_model(d, cfg.numerics, device)
         if deterministic == "best":
-            from verinfer.determinism.invariant import fixed_shape
-
             model = fixed_shape(model)
         tok = load_tokenizer(d)
         names = list(dict.fromkeys([info.name, d.name]))
