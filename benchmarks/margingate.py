@@ -17,7 +17,9 @@ import torch
 from rich.progress import Progress
 
 from verinfer.determinism import tau as C
-from verinfer.determinism.scheduler import Server, Stats
+from verinfer.determinism.policies import Stats
+from verinfer.determinism.scheduler import Scheduler, make_engines
+from verinfer.models.prompts import split_prompts
 from verinfer.models.testbed import TARGET_DIR
 
 OUT = Path(__file__).parent / "results"
@@ -54,7 +56,7 @@ def main():
     a = ap.parse_args()
     OUT, CACHE = a.out, a.out / "margingate_cache"
     torch.set_num_threads(a.threads)
-    eng = C.make_engines(TARGET_DIR)
+    eng = make_engines(TARGET_DIR)
 
     with Progress() as prog:
         t = prog.add_task("calibrate tau (arithmetic)", total=None)
@@ -62,8 +64,8 @@ def main():
                                                          progress=lambda k: prog.advance(t, k)))
         prog.update(t, completed=1, total=1)
         tau = cal["tau"]
-        code, _ = C.split_prompts(TARGET_DIR, a.n_heldout, seed=1)
-        _, arith = C.split_prompts(TARGET_DIR, a.n_unprotected, seed=2)
+        code, _ = split_prompts(TARGET_DIR, a.n_heldout, seed=1)
+        _, arith = split_prompts(TARGET_DIR, a.n_unprotected, seed=2)
         prot = C.make_requests(code, "code", tuple(a.max_tokens), seed=1)
         unprot = C.make_requests(arith, "free", tuple(a.max_tokens), seed=2)
         reqs = [r for pair in zip(prot[:: max(1, len(prot) // max(len(unprot), 1))], unprot) for r in pair]
@@ -83,7 +85,7 @@ def main():
             fast = eng.layercast if method == "layercast" else eng.fast
             det = eng.tiled if method == "batch_invariant" else eng.det
             window = int(w) if w else a.gated_window
-            return Server(fast, det, method, tau=tau, window=window, max_batch=batch), window
+            return Scheduler(fast, det, method, tau=tau, window=window, max_batch=batch), window
 
         def interleaved(names, batch, label):
             """Run every method's server loop at once, advancing them in turn one batch step at a

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from verinfer.determinism.scheduler import Server
+from verinfer.determinism.scheduler import Scheduler
 from verinfer.engine.engine import Request
 from verinfer.sampling.params import SamplingParams
 
@@ -16,18 +16,18 @@ def _workload(n=6, seed=0):
 
 
 def _reference(det_engine, reqs):
-    out, _ = Server(det_engine, det_engine, "batch_invariant", max_batch=1).run(reqs)
+    out, _ = Scheduler(det_engine, det_engine, "batch_invariant", max_batch=1).run(reqs)
     return out
 
 
 def test_continuous_batching_bf16_matches_engine_generate_token_counts(fast_engine, det_engine):
     reqs = _workload()
-    out, st = Server(fast_engine, det_engine, "bf16", max_batch=4).run(reqs)
+    out, st = Scheduler(fast_engine, det_engine, "bf16", max_batch=4).run(reqs)
     assert sorted(out) == sorted(r.id for r in reqs)
     assert all(len(out[r.id]) == r.params.max_tokens for r in reqs)
     # the batch-invariant policy in a continuous batch equals the batch-size-1 reference bitwise
     ref = _reference(det_engine, reqs)
-    got, _ = Server(fast_engine, det_engine, "batch_invariant", max_batch=4).run(reqs)
+    got, _ = Scheduler(fast_engine, det_engine, "batch_invariant", max_batch=4).run(reqs)
     assert got == ref
 
 
@@ -36,7 +36,7 @@ def test_llm42_and_gated_llm42_at_infinite_tau_are_exact(fast_engine, det_engine
     ref = _reference(det_engine, reqs)
     protected = {r.id for r in reqs[::2]}
     for policy, kw in (("llm42", dict(window=5)), ("gated_llm42", dict(window=3, tau=float("inf")))):
-        got, st = Server(fast_engine, det_engine, policy, max_batch=5, **kw).run(reqs, protected)
+        got, st = Scheduler(fast_engine, det_engine, policy, max_batch=5, **kw).run(reqs, protected)
         for rid in protected:
             assert got[rid] == ref[rid], (policy, rid)
         assert st.verify_passes > 0
@@ -50,7 +50,7 @@ def test_best_equals_the_reference_without_verifying(fast_engine, det_engine):
     ref = _reference(det_engine, reqs)
     protected = {r.id for r in reqs[1::2]}
     for max_batch in (3, 10):
-        got, st = Server(fast_engine, det_engine, "best", max_batch=max_batch).run(reqs, protected)
+        got, st = Scheduler(fast_engine, det_engine, "best", max_batch=max_batch).run(reqs, protected)
         assert {rid: got[rid] for rid in protected} == {rid: ref[rid] for rid in protected}
         assert st.triggered == 0 and st.verify_passes == 0 and st.rolled_back == 0
         assert st.protected_steps == sum(r.params.max_tokens for r in reqs if r.id in protected)
@@ -58,9 +58,9 @@ def test_best_equals_the_reference_without_verifying(fast_engine, det_engine):
 
 def test_margingate_rates_and_zero_tau_is_bf16_after_det_prefill(fast_engine, det_engine):
     reqs = _workload(seed=2)
-    mg0, st0 = Server(fast_engine, det_engine, "margingate", tau=0.0, max_batch=5).run(reqs)
+    mg0, st0 = Scheduler(fast_engine, det_engine, "margingate", tau=0.0, max_batch=5).run(reqs)
     assert st0.triggered == 0 and st0.repaired == 0
-    mg, st = Server(fast_engine, det_engine, "margingate", tau=1e9, max_batch=5).run(reqs)
+    mg, st = Scheduler(fast_engine, det_engine, "margingate", tau=1e9, max_batch=5).run(reqs)
     assert st.triggered == st.protected_steps - len(reqs)  # every step but the det-prefill first one
     assert 0 <= st.repaired <= st.triggered
 
@@ -92,7 +92,7 @@ def test_server_deterministic_best_gives_the_reference_tokens(fast_engine, det_e
 
     reqs = _workload(n=6, seed=4)
     ref = _reference(det_engine, reqs)
-    batched, _ = Server(fast_engine, det_engine, "best", max_batch=6).run(reqs)
+    batched, _ = Scheduler(fast_engine, det_engine, "best", max_batch=6).run(reqs)
     served = load_registry(TARGET_DIR, deterministic="best")["verinfer-testbed-target"]
     plain = load_registry(TARGET_DIR)["verinfer-testbed-target"]
     for r in reqs:

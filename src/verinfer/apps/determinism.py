@@ -5,11 +5,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from verinfer.determinism.tau import calibrate, make_engines, read_tau, split_prompts, write_tau
-from verinfer.determinism.scheduler import POLICIES, Server
+from verinfer.determinism.scheduler import POLICIES, Scheduler, make_engines
+from verinfer.determinism.tau import calibrate, read_tau, write_tau
 from verinfer.engine.engine import Request
 from verinfer.io import atomic_write_text, check_writable
 from verinfer.models.load import model_info
+from verinfer.models.prompts import split_prompts
 from verinfer.sampling.params import SamplingParams
 
 DEFAULT_TAU_FILE = Path("runs/margingate_tau.json")
@@ -31,7 +32,7 @@ def generate(model_dir, out, *, policy: str = "margingate", n: int = 8, max_toke
     (the others share the batch on the bf16 path). Writes one JSON line per request."""
     check_writable(out, "completions file")
     if policy not in POLICIES:
-        raise ValueError(f"--deterministic must be one of {POLICIES}, got {policy!r}")
+        raise ValueError(f"--deterministic must be one of {tuple(POLICIES)}, got {policy!r}")
     info = model_info(model_dir)
     if policy in ("margingate", "gated_llm42") and tau is None:
         tau = read_tau(tau_file, info.name)
@@ -43,7 +44,7 @@ def generate(model_dir, out, *, policy: str = "margingate", n: int = 8, max_toke
     protected = {r.id for r in reqs[::protect_every]}
     fast = eng.layercast if policy == "layercast" else eng.fast
     det = eng.tiled if policy == "batch_invariant" else eng.det
-    outs, st = Server(fast, det, policy, tau=tau or 0.0, window=window, max_batch=max_batch).run(reqs, protected)
+    outs, st = Scheduler(fast, det, policy, tau=tau or 0.0, window=window, max_batch=max_batch).run(reqs, protected)
     rows = [dict(id=r.id, model=info.name, prompt_token_ids=r.prompt_token_ids, output_token_ids=outs[r.id],
                  sampling=dict(temperature=0.0, top_k=-1, top_p=1.0, min_p=0.0, seed=None, noise="vllm-cpu"),
                  deterministic=policy if r.id in protected else None) for r in reqs]

@@ -11,48 +11,17 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from verinfer.determinism.invariant import batch_invariant
-from verinfer.determinism.scheduler import Server
+from verinfer.determinism.scheduler import Engines, Scheduler, make_engines
 from verinfer.engine.engine import Engine, Request
-from verinfer.models.load import load_model, model_info
-from verinfer.numerics import Numerics
+from verinfer.models.load import model_info
+from verinfer.models.prompts import split_prompts
 from verinfer.sampling.params import SamplingParams
 
 TOP_K_EPS = 50
-
-
-@dataclass
-class Engines:
-    fast: Engine   # bf16 default, chunked prefill
-    det: Engine    # fixed-shape deterministic path: the reference and every verifier
-    tiled: Engine  # op-level batch-invariant kernels (the batch_invariant baseline; its own reference)
-    layercast: Engine
-
-
-def make_engines(model_dir, device="cpu", prefill_chunk: int = 16, threads: int | None = None) -> Engines:
-    from verinfer.determinism.invariant import fixed_shape, layercast
-
-    num = Numerics(dtype="bf16", threads=threads)
-    m = load_model(model_dir, num, device)
-    with num.threads_ctx():  # certify the kernels at the thread count they will run with
-        det = fixed_shape(m)
-    return Engines(Engine(m, num.with_(prefill_chunk=prefill_chunk), eos_token_id=None),
-                   Engine(det, num, eos_token_id=None),
-                   Engine(batch_invariant(m), num, eos_token_id=None),
-                   Engine(layercast(m), num.with_(dtype="fp32", prefill_chunk=prefill_chunk), eos_token_id=None))
-
-
-def split_prompts(model_dir, n: int, seed: int, max_prompt_tokens: int = 48) -> tuple[list, list]:
-    """(code prompts, arithmetic prompts), n of each (eval_prompts alternates the two kinds)."""
-    from verinfer.models.prompts import prompts_for
-
-    ps = prompts_for(model_dir, 2 * n, seed, max_prompt_tokens)
-    return ps[0::2], ps[1::2]
 
 
 def make_requests(prompts, tag: str, max_tokens: tuple[int, int], seed: int) -> list[Request]:
@@ -67,7 +36,7 @@ def reference(eng: Engines, reqs, max_batch: int = 16, det: Engine | None = None
     """The batch-size-1 answer of the deterministic path (`det`, default eng.det). Computed
     batched: the path is batch-invariant (tests/determinism/test_invariant.py checks it bitwise)."""
     det = det or eng.det
-    out, _ = Server(det, det, "batch_invariant", max_batch=max_batch).run(reqs)
+    out, _ = Scheduler(det, det, "batch_invariant", max_batch=max_batch).run(reqs)
     return out
 
 
@@ -99,7 +68,7 @@ def eps_pert(eng: Engines, reqs, ref: dict, max_batch: int) -> list[float]:
                 seen.setdefault(r.id, []).append(logits_BV[b].clone())
         return logits_BV.argmax(-1)
 
-    out, _ = Server(eng.fast, eng.det, "bf16", max_batch=max_batch).run(reqs, sampler=capture)
+    out, _ = Scheduler(eng.fast, eng.det, "bf16", max_batch=max_batch).run(reqs, sampler=capture)
     by_id = {r.id: r for r in reqs}
     eps: list[float] = []
     for rid, logits in seen.items():
@@ -119,7 +88,7 @@ def eps_pert(eng: Engines, reqs, ref: dict, max_batch: int) -> list[float]:
 def sweep_tau(eng: Engines, reqs, ref: dict, taus, max_batch: int, progress=None) -> list[dict]:
     rows = []
     for tau in taus:
-        out, st = Server(eng.fast, eng.det, "margingate", tau=float(tau), max_batch=max_batch).run(reqs)
+        out, st = Scheduler(eng.fast, eng.det, "margingate", tau=float(tau), max_batch=max_batch).run(reqs)
         rows.append(dict(tau=float(tau), determinism=determinism(out, ref, ref), **st.rates()))
         if progress is not None:
             progress(1)
