@@ -332,6 +332,18 @@ class Engine:
 
     # --- replay ------------------------------------------------------------------------
     @torch.no_grad()
+    def forward_sequence(self, tokens_T: list[int], hidden_layer: int | None = None):
+        """One sequence teacher-forced without a cache: (logits_TV fp32, hidden_TD or None) at
+        EVERY position (row t: the distribution of token t+1). For checks that read each position
+        of one sequence (AutoJudge mining, speculative-claim checks); `score` batches many claims
+        and returns their output positions only."""
+        tokens_1T = torch.tensor([tokens_T], device=self.device)
+        with self.numerics.threads_ctx():
+            logits_1TV, hidden_1TD = self.model(tokens_1T, torch.arange(len(tokens_T), device=self.device)[None],
+                                                hidden_layer=hidden_layer)
+        return logits_1TV[0], None if hidden_1TD is None else hidden_1TD[0]
+
+    @torch.no_grad()
     def score(self, pairs: list[tuple[list[int], list[int]]], batch_tokens: int = 2048,
               hidden_layer: int | None = None) -> list[Replay]:
         """Teacher-forced replay: for each (prompt, output) one forward over prompt+output[:-1]

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from verinfer.engine.engine import Engine
 from verinfer.models.llama import LlamaLM
 from verinfer.speculative.decoder import autoregressive
 
@@ -44,17 +45,17 @@ class MinedSet:
     mismatches_per_problem: float
 
 
-@torch.no_grad()
-def _hidden_at(model: LlamaLM, seq: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    logits, h = model(torch.tensor([seq], device=model.device), torch.arange(len(seq), device=model.device)[None],
-                      hidden_layer=-1)
-    return logits[0].cpu(), h[0].float().cpu()
+def _hidden_at(engine: Engine, seq: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits and final-norm hidden states (what lm_head sees) at every position of seq."""
+    logits_TV, hidden_TD = engine.forward_sequence(seq, hidden_layer=-1)
+    return logits_TV.cpu(), hidden_TD.float().cpu()
 
 
 @torch.no_grad()
 def mine(target: LlamaLM, draft: LlamaLM, tokenizer, prompts: list[list[int]], max_tokens: int,
          stop_token_ids: tuple[int, ...], progress=None) -> MinedSet:
     feats, labels, n_mis = [], [], 0
+    target_engine, draft_engine = Engine(target), Engine(draft)
     dec = lambda ids: tokenizer.decode(ids)  # noqa: E731
     refs = autoregressive(target, prompts, max_tokens, stop_token_ids=stop_token_ids, batch_size=16)
     for k, (prompt, ref) in enumerate(zip(prompts, refs)):
@@ -64,13 +65,13 @@ def mine(target: LlamaLM, draft: LlamaLM, tokenizer, prompts: list[list[int]], m
         left = 0
         while True:
             seq = prompt + resp
-            dlogits, hd = _hidden_at(draft, seq)
+            dlogits, hd = _hidden_at(draft_engine, seq)
             d_argmax = dlogits[P - 1 : P - 1 + len(resp)].argmax(-1).tolist()
             mism = [i for i in range(left, len(resp)) if resp[i] != d_argmax[i]]
             if not mism:
                 break
             i = mism[0]
-            _, ht = _hidden_at(target, seq)
+            _, ht = _hidden_at(target_engine, seq)
             feats.append(torch.cat([ht[P - 1 + i], hd[P - 1 + i]]))
             alt_prefix = resp[:i] + [d_argmax[i]]
             done = d_argmax[i] in stop_token_ids or len(alt_prefix) >= max_tokens

@@ -39,6 +39,7 @@ import numpy as np
 import torch
 
 from verinfer.claims import Claim
+from verinfer.engine.engine import Engine
 from verinfer.errors import ClaimError
 from verinfer.models.llama import LlamaLM
 from verinfer.sampling.gap import probs_margin
@@ -138,16 +139,15 @@ def verify_spec_claims(claims: list[Claim], target: LlamaLM, draft: LlamaLM) -> 
     replay_match, margin, accept_gap (greedy claims: replay_match = argmax check, margin 0, NaN)."""
     keys = ("claim", "position", "event", "accept_nll", "violation", "score", "replay_match", "margin", "accept_gap")
     rows: dict[str, list] = {k: [] for k in keys}
+    target_engine, draft_engine = Engine(target), Engine(draft)
     for ci, c in enumerate(claims):
         s = _spec_of(c)
         seq = c.prompt_token_ids + c.output_token_ids
         P, n = len(c.prompt_token_ids), len(c.output_token_ids)
-        x = torch.tensor([seq[:-1]], device=target.device)
-        pos = torch.arange(len(seq) - 1, device=target.device)[None]
-        lt, _ = target(x, pos)
-        ld, _ = draft(x.to(draft.device), pos.to(draft.device))
+        lt, _ = target_engine.forward_sequence(seq[:-1])
+        ld, _ = draft_engine.forward_sequence(seq[:-1])
         T = c.sampling.temperature
-        lt, ld = lt[0, P - 1 :].float().cpu(), ld[0, P - 1 :].float().cpu()
+        lt, ld = lt[P - 1 :].float().cpu(), ld[P - 1 :].float().cpu()
         y = torch.tensor(c.output_token_ids)
         if T > 0:
             if c.sampling.noise != SPEC_NOISE:
