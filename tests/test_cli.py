@@ -153,3 +153,10 @@ def test_unwritable_outputs_fail_before_any_compute(tmp_path):
         r = run(*args)
         assert r.exit_code == 2, r.output
         assert "lies under a file" in r.output or "is a directory" in r.output
+
+
+def test_calibrate_help_names_every_registered_detector():
+    from verinfer.detect import DETECTORS
+
+    r = run("calibrate", "--help")
+    assert all(name in r.output for name in DETECTORS), r.output
