@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import json
 import tempfile
-import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -28,9 +26,7 @@ from verinfer.audit.replay import read_scores, score_claims
 from verinfer.engine.engine import Engine
 from verinfer.errors import ClaimError
 from verinfer.models.load import load_model, model_info
-from verinfer.models.testbed import TARGET_DIR
 from verinfer.numerics import Numerics
-from verinfer.report.html import compute_auc_curves, write_report
 from verinfer.sampling.params import SamplingParams
 
 VERIFIER_NUMERICS = Numerics(dtype="bf16", attn="sdpa")
@@ -171,36 +167,3 @@ def _more_tokens(d: dict) -> str:
     if d.get("flagged") or "more_tokens_needed" not in d:
         return "-"
     return "none (no excess)" if d["more_tokens_needed"] is None else f"~{d['more_tokens_needed']}"
-
-
-@dataclass
-class DemoResult:
-    verdicts: list[dict]
-    report: Path
-    seconds: float
-
-
-def demo(out_dir: str | Path = "runs/demo", *, model_dir: str | Path | None = None, n: int = 128,
-         max_tokens: int = 64, seed: int = 0, audit_tokens: int = 1000, show_progress: bool = True) -> DemoResult:
-    """Generate honest and misconfigured claims on the testbed, score, calibrate, audit, report."""
-    t0 = time.perf_counter()
-    model_dir = Path(model_dir or TARGET_DIR)
-    out = Path(out_dir)
-    engine = verifier_engine(model_dir)
-    paths = []
-    for name in PROVIDERS:
-        cpath, spath = out / "claims" / f"{name}.jsonl", out / "scores" / f"{name}.parquet"
-        if not cpath.is_file():  # resumable: finished steps are kept
-            generate(name, model_dir, cpath, n=n, max_tokens=max_tokens, seed=seed, show_progress=show_progress)
-        if not spath.is_file():
-            score(cpath, model_dir, spath, engine=engine, show_progress=show_progress)
-        paths.append(spath)
-    table = load_score_tables(paths)
-    honest = list(HONEST)
-    det, held_out = calibrate(table, honest, seed=seed)
-    det.save(out / "detector.json")
-    verdicts = audit(table, det, list(PROVIDERS), held_out, max_tokens=audit_tokens)
-    (out / "verdicts.json").write_text(json.dumps(verdicts, indent=1, default=float))
-    curves = compute_auc_curves(table, honest, seed=seed)
-    report = write_report(table, out, honest, verdicts, curves)
-    return DemoResult(verdicts, report, time.perf_counter() - t0)

@@ -59,7 +59,8 @@ def demo(out: Path = typer.Option(Path("runs/demo"), help="Output directory (res
          seed: int = typer.Option(0), audit_tokens: int = typer.Option(1000, help="Tokens per audited provider."),
          quiet: bool = typer.Option(False, help="No progress bars.")):
     """Generate honest and misconfigured claims on the testbed, score, calibrate, audit, report."""
-    from verinfer.apps.pipeline import demo as run_demo, print_verdicts
+    from verinfer.apps.demo import demo as run_demo
+    from verinfer.apps.pipeline import print_verdicts
 
     res = run_demo(out, n=n, max_tokens=max_tokens, seed=seed, audit_tokens=audit_tokens, show_progress=not quiet)
     print_verdicts(res.verdicts)

@@ -1,0 +1,50 @@
+"""The demo: ten simulated providers (five honest configurations, five misconfigurations) generate
+claims on the testbed; verinfer scores them, calibrates a detector on honest runs only, audits
+every provider and writes the HTML report. Built from apps/pipeline's steps; the report (and
+matplotlib) is imported only here."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from verinfer.apps.pipeline import audit, calibrate, generate, load_score_tables, score, verifier_engine
+from verinfer.io import atomic_write_text
+from verinfer.models.testbed import TARGET_DIR
+from verinfer.providers.simulated import HONEST, PROVIDERS
+from verinfer.report.html import compute_auc_curves, write_report
+
+
+@dataclass
+class DemoResult:
+    verdicts: list[dict]
+    report: Path
+    seconds: float
+
+
+def demo(out_dir: str | Path = "runs/demo", *, model_dir: str | Path | None = None, n: int = 128,
+         max_tokens: int = 64, seed: int = 0, audit_tokens: int = 1000, show_progress: bool = True) -> DemoResult:
+    """Generate honest and misconfigured claims on the testbed, score, calibrate, audit, report."""
+    t0 = time.perf_counter()
+    model_dir = Path(model_dir or TARGET_DIR)
+    out = Path(out_dir)
+    engine = verifier_engine(model_dir)
+    paths = []
+    for name in PROVIDERS:
+        cpath, spath = out / "claims" / f"{name}.jsonl", out / "scores" / f"{name}.parquet"
+        if not cpath.is_file():  # resumable: finished steps are kept
+            generate(name, model_dir, cpath, n=n, max_tokens=max_tokens, seed=seed, show_progress=show_progress)
+        if not spath.is_file():
+            score(cpath, model_dir, spath, engine=engine, show_progress=show_progress)
+        paths.append(spath)
+    table = load_score_tables(paths)
+    honest = list(HONEST)
+    det, held_out = calibrate(table, honest, seed=seed)
+    det.save(out / "detector.json")
+    verdicts = audit(table, det, list(PROVIDERS), held_out, max_tokens=audit_tokens)
+    atomic_write_text(out / "verdicts.json", json.dumps(verdicts, indent=1, default=float))
+    curves = compute_auc_curves(table, honest, seed=seed)
+    report = write_report(table, out, honest, verdicts, curves)
+    return DemoResult(verdicts, report, time.perf_counter() - t0)
