@@ -27,10 +27,10 @@ def tiny_llama_dir(tmp_path_factory):
 # The fast tier `pytest -m "not slow"` leaves them out; the full suite (what .ci/run runs) keeps
 # them. Kept here by file and name prefix, one list, rather than as decorators spread over files.
 SLOW = (
-    "tests/determinism/test_serve.py::test_continuous_batching_bf16_matches_engine_generate_token_counts",
-    "tests/determinism/test_serve.py::test_best_equals_the_reference_without_verifying",
-    "tests/determinism/test_serve.py::test_llm42_and_gated_llm42_at_infinite_tau_are_exact",
-    "tests/determinism/test_serve.py::test_server_deterministic_best_gives_the_reference_tokens",
+    "tests/determinism/test_scheduler.py::test_continuous_batching_bf16_matches_engine_generate_token_counts",
+    "tests/determinism/test_scheduler.py::test_best_equals_the_reference_without_verifying",
+    "tests/determinism/test_scheduler.py::test_llm42_and_gated_llm42_at_infinite_tau_are_exact",
+    "tests/determinism/test_scheduler.py::test_server_deterministic_best_gives_the_reference_tokens",
     "tests/determinism/test_invariant.py::test_prefill_and_decode_bitwise_equal_for_batch_sizes_1_to_32",
     "tests/determinism/test_invariant.py::test_other_cobatched_requests_do_not_change_bits",
     "tests/audit/test_replay.py::test_fp32_matmul_verifier_reproduces_a_bf16_provider_like_the_native_one",
@@ -38,7 +38,7 @@ SLOW = (
     "tests/audit/test_references.py::test_decode_replay_reproduces_a_batch_one_provider_bit_for_bit",
     "tests/server/test_audit_api.py::",
     "tests/server/test_concurrency.py::test_concurrent_clients_equal_sequential",
-    "tests/speculative/test_loop.py::test_standard_speculative_sampling_is_lossless",
+    "tests/speculative/test_decoder.py::test_standard_speculative_sampling_is_lossless",
 )
 
 
