@@ -4,7 +4,6 @@ generate claims (simulated providers) -> score (replay) -> calibrate (honest onl
 
 from __future__ import annotations
 
-import json
 import tempfile
 from pathlib import Path
 

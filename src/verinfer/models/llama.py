@@ -28,7 +28,6 @@ L=any leading shape.
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple

@@ -13,7 +13,7 @@ draws 1% of tokens uniformly from the top-k. The claim always states the adverti
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from verinfer.claims import Claim

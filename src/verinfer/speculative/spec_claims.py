@@ -33,7 +33,6 @@ margin (post-Gumbel margin of the claimed token, sampling/gap.py) and accept_gap
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import numpy as np
 import torch
