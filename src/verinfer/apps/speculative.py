@@ -28,8 +28,8 @@ def generate_claims_file(model_dir, draft_dir, out, *, rule: str = "kl", thresho
     judge = None
     if rule == "autojudge":
         if judge_path is None:
-            raise ValueError("--speculative autojudge needs --judge PATH (a judge JSON, e.g. "
-                             "benchmarks/results/kl_judge_autojudge.json)")
+            raise ValueError("--speculative autojudge needs --judge PATH: a trained AutoJudge head (JSON, as "
+                             "`python -m benchmarks.kl_judge` writes it)")
         judge = Judge.from_json(judge_path)
     r = Rule(rule, 0.0 if rule == "standard" else threshold, judge)
     info, dinfo = model_info(model_dir), model_info(draft_dir)
