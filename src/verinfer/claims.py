@@ -198,13 +198,20 @@ def read_claims(path: str | Path) -> list[Claim]:
 
 
 def check_claims_fit(claims: Iterable[Claim], path: str | Path, *, model_name: str, vocab_size: int,
-                     max_positions: int) -> None:
-    """Refuse claims made for another model, with out-of-vocabulary ids, or over the context."""
+                     max_positions: int, aliases: Iterable[str] = ()) -> None:
+    """Refuse claims made for another model, with out-of-vocabulary ids, or over the context.
+    A claim's `model` must be `model_name` or one of `aliases` (the names the checkpoint records,
+    ModelInfo.aliases, and those the user vouches for with --model-name)."""
+    accepted = tuple(dict.fromkeys([model_name, *aliases]))
     for i, c in enumerate(claims):
         where = f"{path}: claim {c.id!r}"
-        if c.model != model_name:
-            raise ClaimError(f"claim is for model {c.model!r} but the verifier loaded {model_name!r}", where=where,
-                             fix="audit with the model the provider claims to serve (--model DIR)")
+        if c.model not in accepted:
+            names = ", ".join(repr(a) for a in accepted)
+            raise ClaimError(f"claim is for model {c.model!r} but the verifier loaded {model_name!r}, which answers "
+                             f"to {names}", where=where,
+                             fix=f"audit with the model the provider claims to serve (--model DIR or NAME); if "
+                                 f"{c.model!r} is a name this checkpoint is served under, say so with "
+                                 f"--model-name {c.model!r}")
         for fld, ids in (("prompt_token_ids", c.prompt_token_ids), ("output_token_ids", c.output_token_ids)):
             bad = [t for t in ids if not 0 <= t < vocab_size]
             if bad:

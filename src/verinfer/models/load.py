@@ -1,8 +1,8 @@
 """Load a causal LM and its tokenizer from a local Hugging Face directory (safetensors only).
 
 `load_model(dir, numerics, device, kernels)` returns the model forward (models/llama.py LlamaLM)
-as `numerics` computes it. `model_info(dir)` identifies a model and tokenizer by name and
-content hash, so claims made for another model are refused.
+as `numerics` computes it. `model_info(dir)` identifies a model and tokenizer by name, the other
+names the checkpoint answers to, and content hash, so claims made for another model are refused.
 """
 
 from __future__ import annotations
@@ -29,6 +29,8 @@ class ModelInfo:
     weights_sha256: str  # of the safetensors bytes (first 16 hex digits)
     tokenizer_sha256: str | None
     eos_token_id: int | None
+    aliases: tuple[str, ...] = ()  # every name claims may use for it: `name` first, then what the
+    #                                checkpoint records (config.json verinfer_aliases, a hub id in _name_or_path)
 
 
 def _sha(paths: list[Path]) -> str:
@@ -49,16 +51,22 @@ def model_info(local_dir: str | Path) -> ModelInfo:
     eos = cfg.get("eos_token_id")
     if isinstance(eos, list):
         eos = eos[0] if eos else None
-    name = cfg.get("_name_or_path") or ""
-    name = name if name and not name.startswith("/") else d.name
+    hub = cfg.get("_name_or_path") or ""  # a hub id (org/name), not a local path
+    hub = hub if hub and not hub.startswith("/") else ""
+    name = cfg.get("verinfer_name", hub or d.name)
+    recorded = cfg.get("verinfer_aliases") or []
+    if not isinstance(recorded, list) or not all(isinstance(a, str) and a for a in recorded):
+        raise ModelError("`verinfer_aliases` must be a list of non-empty strings", where=f"{d / 'config.json'}",
+                         fix='e.g. "verinfer_aliases": ["HuggingFaceTB/SmolLM2-135M-Instruct"]')
     return ModelInfo(
-        name=cfg.get("verinfer_name", name),
+        name=name,
         path=str(d),
         vocab_size=int(cfg["vocab_size"]),
         max_positions=int(cfg.get("max_position_embeddings", 2048)),
         weights_sha256=_sha(sorted(d.glob("*.safetensors"))),
         tokenizer_sha256=_sha([tok]) if tok.is_file() else None,
         eos_token_id=eos,
+        aliases=tuple(dict.fromkeys([name, *recorded, *([hub] if hub else [])])),
     )
 
 

@@ -74,8 +74,9 @@ DETERMINISTIC = ("best",)
 
 def load_registry(root: str | Path, *, misconfig: str | None = None, device: str = "cpu",
                   deterministic: str | None = None) -> dict[str, ServedModel]:
-    """name -> ServedModel for every model under `root` (both its model name and its directory
-    name are keys). Raises ModelError on anything unloadable, before the server starts.
+    """name -> ServedModel for every model under `root` (its model name, the aliases its checkpoint
+    records (ModelInfo.aliases) and its directory name are keys). Raises ModelError on anything
+    unloadable, before the server starts.
 
     deterministic="best": every model decodes on the fixed-shape deterministic path
     (LlamaLM on numerics/kernels.FixedShape, certified for this machine at the current thread count),
@@ -92,7 +93,7 @@ def load_registry(root: str | Path, *, misconfig: str | None = None, device: str
         if deterministic == "best":
             model = fixed_shape(model)
         tok = load_tokenizer(d)
-        names = list(dict.fromkeys([info.name, d.name]))
+        names = list(dict.fromkeys([*info.aliases, d.name]))
         sm = ServedModel(info.name, info, Engine(model, cfg.numerics, eos_token_id=info.eos_token_id),
                          Engine(model, cfg.numerics, eos_token_id=None), tok, cfg, names)
         for n in names:
