@@ -72,3 +72,12 @@ def test_fit_checks_model_vocab_and_context(tmp_path):
         check_claims_fit([c], "f", model_name="m", vocab_size=5, max_positions=10)
     with pytest.raises(ClaimError, match="over the model's context"):
         check_claims_fit([c], "f", model_name="m", vocab_size=10, max_positions=4)
+
+
+def test_fit_accepts_any_alias_and_names_them_all_on_a_mismatch(tmp_path):
+    (c,) = read_claims(_write(tmp_path, [json.dumps({**GOOD, "model": "Org/M-Instruct"})]))
+    check_claims_fit([c], "f", model_name="m", aliases=("m", "Org/M-Instruct"), vocab_size=10, max_positions=10)
+    with pytest.raises(ClaimError) as e:
+        check_claims_fit([c], "f", model_name="m", aliases=("m", "Org/M"), vocab_size=10, max_positions=10)
+    assert "is for model 'Org/M-Instruct' but the verifier loaded 'm', which answers to 'm', 'Org/M'" in e.value.what
+    assert "--model-name 'Org/M-Instruct'" in e.value.fix
