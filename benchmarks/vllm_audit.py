@@ -228,7 +228,7 @@ def main() -> None:
     for name in gens:
         sp = cache / f"{name}.parquet"
         sp.unlink(missing_ok=True)
-        tables[name] = score(cache / f"{name}.jsonl", TARGET_DIR, sp, engine=engine, show_progress=False)
+        tables[name] = score(cache / f"{name}.jsonl", TARGET_DIR, sp, engine=engine, show_progress=False).table()
     honest_tokens = gens["honest"].n_tokens
     med = {k: statistics.median(v) for k, v in t_runs.items()}
     replay_tps = honest_tokens / med["replay"]

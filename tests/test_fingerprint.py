@@ -125,7 +125,7 @@ def test_honest_replay_at_another_batch_size_not_flagged_int4_flagged(tiny_llama
                 ProviderConfig("other-batch", Numerics(dtype="bf16"), batch_size=5),
                 ProviderConfig("int4", Numerics(dtype="bf16", weight_bits=4), batch_size=4, honest=False)):
         claims = run_provider(cfg, tiny_llama_dir, prompts, SPEC, fingerprint=spec, base_seed=3)
-        t = score_claims(claims, eng, tmp_path / f"{cfg.name}.parquet")
+        t = score_claims(claims, eng, tmp_path / f"{cfg.name}.parquet").table()
         vals[cfg.name] = divergence(t, "fp_l2")
         tables[cfg.name] = t
         assert vals[cfg.name].size > 64  # one distance per output token (stride 1; EOS may end a claim early)

@@ -18,6 +18,8 @@ Every writer in verinfer goes through this module:
 from __future__ import annotations
 
 import fcntl
+import hashlib
+import itertools
 import json
 import os
 import shutil
@@ -26,7 +28,7 @@ import tempfile
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import pyarrow.parquet as pq
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
@@ -37,6 +39,23 @@ from verinfer.errors import VerinferError
 
 class OutputBusyError(VerinferError):
     """Another process is writing the same output."""
+
+
+def chunked(items: Iterable, n: int) -> Iterator[list]:
+    """Lists of n consecutive items (the last may be shorter), read lazily from any iterable."""
+    it = iter(items)
+    while chunk := list(itertools.islice(it, n)):
+        yield chunk
+
+
+def sha256_files(paths, digits: int = 16) -> str:
+    """sha256 of the files' bytes in order, read 1 MiB at a time (first `digits` hex digits)."""
+    h = hashlib.sha256()
+    for p in paths:
+        with open(p, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                h.update(chunk)
+    return h.hexdigest()[:digits]
 
 
 def atomic_write(path: str | Path, write_fn: Callable[[Path], None]) -> Path:

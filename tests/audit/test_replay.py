@@ -29,7 +29,7 @@ def verifier(tiny_llama_dir):
 def test_honest_fp32_provider_replays_exactly(tiny_llama_dir, verifier, tmp_path):
     cfg = ProviderConfig("same", FP32, batch_size=1)
     claims = run_provider(cfg, tiny_llama_dir, _prompts(6), SPEC)
-    t = score_claims(claims, verifier, tmp_path / "s.parquet")
+    t = score_claims(claims, verifier, tmp_path / "s.parquet").table()
     assert t.num_rows == 6 * 16
     assert np.all(t["exact_match"].to_numpy(zero_copy_only=False))
     assert np.allclose(t["margin"].to_numpy(), 0.0)
@@ -38,9 +38,9 @@ def test_honest_fp32_provider_replays_exactly(tiny_llama_dir, verifier, tmp_path
 
 def test_wrong_seed_and_int4_diverge(tiny_llama_dir, verifier, tmp_path):
     honest = score_claims(run_provider(ProviderConfig("h", FP32, batch_size=3), tiny_llama_dir, _prompts(8), SPEC),
-                          verifier, tmp_path / "h.parquet")
+                          verifier, tmp_path / "h.parquet").table()
     wrong = score_claims(run_provider(ProviderConfig("w", FP32, seed_offset=1, honest=False), tiny_llama_dir,
-                                      _prompts(8), SPEC), verifier, tmp_path / "w.parquet")
+                                      _prompts(8), SPEC), verifier, tmp_path / "w.parquet").table()
     em = lambda t: t["exact_match"].to_numpy(zero_copy_only=False).mean()  # noqa: E731
     assert em(honest) > 0.95 and em(wrong) < 0.8
     assert np.mean(np.minimum(wrong["margin"].to_numpy(), 10)) > np.mean(honest["margin"].to_numpy())
@@ -52,11 +52,11 @@ def test_resume_skips_finished_parts_and_output_is_atomic(tiny_llama_dir, verifi
     calls = {"n": 0}
     real = replay_mod.scores_table
 
-    def dying(c, r, sigma):
+    def dying(c, r, sigma, **kw):
         calls["n"] += 1
         if calls["n"] == 2:
             raise KeyboardInterrupt("killed")
-        return real(c, r, sigma)
+        return real(c, r, sigma, **kw)
 
     monkeypatch.setattr(replay_mod, "scores_table", dying)
     with pytest.raises(KeyboardInterrupt):
@@ -64,7 +64,7 @@ def test_resume_skips_finished_parts_and_output_is_atomic(tiny_llama_dir, verifi
     assert not out.exists()  # nothing half-written
     assert len(list(out.with_name(out.name + ".parts").glob("part-*.parquet"))) == 1
     calls["n"] = 10  # the rerun must only compute the missing chunk
-    full = score_claims(claims, verifier, out, chunk_claims=4)
+    full = score_claims(claims, verifier, out, chunk_claims=4).table()
     assert calls["n"] == 11 and full.num_rows == 8 * 16
     assert pq.read_table(out).equals(full)
 
@@ -87,6 +87,6 @@ def test_fp32_matmul_verifier_reproduces_a_bf16_provider_like_the_native_one(tin
     match = {}
     for mm in ("native", "fp32"):
         v = Engine(load_model(tiny_llama_dir, bf16.with_(matmul=mm)), bf16.with_(matmul=mm))
-        match[mm] = float(np.mean(score_claims(claims, v, tmp_path / f"{mm}.parquet")["exact_match"].to_numpy()))
-        assert np.mean(score_claims(wrong, v, tmp_path / f"w{mm}.parquet")["exact_match"].to_numpy()) < 0.8
+        match[mm] = float(np.mean(score_claims(claims, v, tmp_path / f"{mm}.parquet").table()["exact_match"].to_numpy()))
+        assert np.mean(score_claims(wrong, v, tmp_path / f"w{mm}.parquet").table()["exact_match"].to_numpy()) < 0.8
     assert match["fp32"] >= 0.97 and abs(match["fp32"] - match["native"]) <= 0.02, match

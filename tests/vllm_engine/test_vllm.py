@@ -66,7 +66,7 @@ def test_replay_reproduces_real_vllm_generations(tmp_path):
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     claims = read_claims(out)
     assert len(claims) == 16 and all(c.sampling.noise == "vllm-cpu" and c.sampling.seed is not None for c in claims)
-    table = score(out, TARGET_DIR, tmp_path / "vllm.parquet", engine=verifier_engine(TARGET_DIR), show_progress=False)
+    table = score(out, TARGET_DIR, tmp_path / "vllm.parquet", engine=verifier_engine(TARGET_DIR), show_progress=False).table()
     match = float(np.mean(table["exact_match"].to_numpy()))
     assert table.num_rows >= 400
     assert match >= 0.99, match

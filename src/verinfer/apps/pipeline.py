@@ -14,14 +14,14 @@ from rich.console import Console
 from rich.table import Table
 
 
-from verinfer.claims import Claim, check_claims_fit, read_claims, write_claims
+from verinfer.claims import Claim, check_claims_fit, iter_claims, read_claims, write_claims
 from verinfer.detect import Detector, make_detector
 from verinfer.detect.metrics import split_tokens
-from verinfer.io import check_writable, progress_bar
+from verinfer.io import check_writable, chunked, progress_bar, sha256_files
 from verinfer.models.prompts import prompts_for
 from verinfer.providers import vllm
 from verinfer.providers.simulated import DEFAULT_SPEC, HONEST, PROVIDERS, get_provider, run_provider
-from verinfer.audit.replay import read_scores, score_claims
+from verinfer.audit.replay import Scored, fingerprints_of, read_scores, score_claims
 from verinfer.engine.engine import Engine
 from verinfer.errors import ClaimError
 from verinfer.models.load import load_model, model_info
@@ -72,19 +72,25 @@ def verifier_engine(model_dir: str | Path, numerics: Numerics = VERIFIER_NUMERIC
 
 def score(claims_path: str | Path, model_dir: str | Path, out: str | Path, *, engine: Engine | None = None,
           device: str = "cpu", show_progress: bool = True, gaps: bool = False, matmul: str = "native",
-          model_names: tuple[str, ...] = ()) -> pa.Table:
+          model_names: tuple[str, ...] = ()) -> Scored:
     """Replay and score every claim (one Parquet row per token). matmul: the verifier's
     Numerics.matmul when no engine is given ('fp32' is the faster bf16-faithful path on CPU).
-    model_names: names the user vouches the model is claimed under, besides its own aliases."""
+    model_names: names the user vouches the model is claimed under, besides its own aliases.
+    The claims file is read twice as a stream, never whole: a first pass checks every claim
+    (model, vocabulary, context, fingerprint fields) before any compute, the second scores."""
     check_writable(out, "scores file")
-    claims = read_claims(claims_path)
     info = model_info(model_dir)
-    check_claims_fit(claims, claims_path, model_name=info.name, vocab_size=info.vocab_size,
-                     max_positions=info.max_positions, aliases=(*info.aliases, *model_names))
     engine = engine or verifier_engine(model_dir, VERIFIER_NUMERICS.with_(matmul=matmul), device=device)
-    total = sum(len(c.output_token_ids) for c in claims)
+    total, first_fp = 0, None
+    for chunk in chunked(iter_claims(claims_path), 256):
+        check_claims_fit(chunk, claims_path, model_name=info.name, vocab_size=info.vocab_size,
+                         max_positions=info.max_positions, aliases=(*info.aliases, *model_names))
+        fps, _ = fingerprints_of(chunk, engine.model.config.hidden_size, first_fp)
+        first_fp = first_fp or next((f for f in fps if f is not None), None)
+        total += sum(len(c.output_token_ids) for c in chunk)
     with progress_bar(f"score {Path(claims_path).name}", total, show_progress) as adv:
-        return score_claims(claims, engine, out, model_sha=info.weights_sha256, progress=adv, gaps=gaps)
+        return score_claims(iter_claims(claims_path), engine, out, claims_sha=sha256_files([claims_path]),
+                            model_sha=info.weights_sha256, progress=adv, gaps=gaps)
 
 
 def load_score_tables(paths: list[str | Path]) -> pa.Table:

@@ -14,14 +14,24 @@ claimed temperature, r in GAP_TEMPERATURE_FACTORS).
 Long runs resume: claims are scored in chunks, each written atomically as a part file under
 `<out>.parts/` beside a manifest of what is being scored; a rerun skips finished parts; the
 final file is assembled atomically and the parts removed.
+
+Speed and memory: every per-token score (filters, noise regeneration, the gap, cross-entropy,
+exact match) is computed on the replay device, one forward batch at a time
+(`Engine.replay_batches`); only [tokens]-long columns cross to the host, never a tokens x
+vocabulary tensor. Claims stream in chunks and the parts are concatenated into the output one
+at a time, so memory is bounded by a chunk (and the [rows, V] logits of one batch, at most
+LOGITS_BUDGET elements), not by the file.
 """
 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import math
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterable
 
 import numpy as np
 import pyarrow as pa
@@ -29,7 +39,7 @@ import pyarrow.parquet as pq
 import torch
 
 from verinfer.claims import Claim
-from verinfer.io import ResumableParts, atomic_write_parquet
+from verinfer.io import ResumableParts, atomic_write, chunked
 from verinfer.audit.scores import likelihood_score
 from verinfer.engine.engine import Engine, Replay
 from verinfer.errors import VerinferError
@@ -44,6 +54,7 @@ SCORE_SCHEMA = pa.schema([
 DEFAULT_SIGMA = 0.1
 GAP_TEMPERATURE_FACTORS = (0.8, 0.9, 1.1, 1.2)
 GAP_TOP_P_SLACK = 0.01  # = PerturbationGLRTDetector.top_p_slack
+LOGITS_BUDGET = 1 << 25  # elements of one replay batch's [rows, V] logits (128 MiB in fp32)
 
 
 def temperature_column(factor: float, top_p_slack: float = 0.0) -> str:
@@ -59,7 +70,9 @@ def gap_column(top_p_slack: float = 0.0) -> str:
 
 def gap_args(claims: list[Claim], replays: list[Replay]) -> tuple[list, list, list, list]:
     """What `sampling.gap` takes of replayed claims: logits, claimed ids, params, start positions."""
-    return ([r.logits_TV for r in replays], [torch.tensor(c.output_token_ids, dtype=torch.long) for c in claims],
+    dev = replays[0].logits_TV.device if replays else None
+    return ([r.logits_TV for r in replays],
+            [torch.tensor(c.output_token_ids, dtype=torch.long, device=dev) for c in claims],
             [c.sampling for c in claims], [len(c.prompt_token_ids) for c in claims])
 
 
@@ -68,14 +81,19 @@ def gap_columns_of(claims: list[Claim], replays: list[Replay], factors=GAP_TEMPE
     """{"gap{s}": [N], "gapT_{r}{s}": [N] per factor}: `sampling.gap.block_gaps` at 1 and each factor
     with that top-p slack (suffix s = "_s{slack}" when the slack is not 0)."""
     g = block_gaps(*gap_args(claims, replays), (1.0, *factors), 1, top_p_slack)[:, :, 0].numpy()
-    first = "gap" + gap_column(top_p_slack)[len("gap_0"):]
-    return {first: g[:, 0], **{temperature_column(r, top_p_slack): g[:, j + 1] for j, r in enumerate(factors)}}
+    return dict(zip(gap_column_names(factors, top_p_slack), g.T))
 
 
-def fingerprints_of(claims: list[Claim], hidden_size: int) -> tuple[list, int | None]:
+def gap_column_names(factors=GAP_TEMPERATURE_FACTORS, top_p_slack: float = GAP_TOP_P_SLACK) -> list[str]:
+    """The signed-gap columns `gap_columns_of` writes: at 1 x the temperature, then each factor."""
+    return ["gap" + gap_column(top_p_slack)[len("gap_0"):]] + [temperature_column(r, top_p_slack) for r in factors]
+
+
+def fingerprints_of(claims: list[Claim], hidden_size: int, first=None) -> tuple[list, int | None]:
     """Parse and validate every claim's `activations` before any compute (bad input fails fast,
-    naming file:line and field); return them (None where absent) and the hidden layer to replay."""
-    fps, layer, first = [], None, None
+    naming file:line and field); return them (None where absent) and the hidden layer to replay.
+    first: a fingerprint of earlier claims of the same file, whose spec every one must share."""
+    fps, layer = [], first.spec.layer if first is not None else None
     for i, c in enumerate(claims):
         obj = c.extra.get("activations")
         if obj is None:
@@ -106,7 +124,7 @@ def scores_table(claims: list[Claim], replays: list[Replay], sigma: float = DEFA
     (-log p_y under the verifier's filtered sampling distribution, +inf if filtered out) and
     the likelihood score. All claims of the chunk are scored in one vectorized pass.
     gaps: also the signed-gap columns (module docstring)."""
-    margin_N, replay_N, kept_N, logp_N = score_claimed(*gap_args(claims, replays))
+    margin_N, replay_N, kept_N, logp_N = (x.cpu() for x in score_claimed(*gap_args(claims, replays)))
     n_i = [len(c.output_token_ids) for c in claims]
     token_N = np.concatenate([np.asarray(c.output_token_ids, dtype=np.int32) for c in claims]) if claims else np.zeros(0, np.int32)
     margin = margin_N.numpy()
@@ -153,39 +171,87 @@ def _manifest(claims_sha: str, model_sha: str, numerics: dict, sigma: float, chu
     return m
 
 
-def score_claims(claims: list[Claim], engine: Engine, out: str | Path, *, claims_sha: str | None = None,
+@dataclass(frozen=True)
+class Scored:
+    """What `score_claims` wrote: the Parquet file and its size (read it with `table()`)."""
+
+    path: Path
+    claims: int
+    tokens: int
+
+    def table(self) -> pa.Table:
+        return read_scores(self.path)
+
+
+def score_chunk(claims: list[Claim], engine: Engine, *, sigma: float = DEFAULT_SIGMA, fps: list | None = None,
+                layer: int | None = None, gaps: bool = False, batch_tokens: int = 2048) -> pa.Table:
+    """`scores_table` of the claims, in their order, computed batch by batch on the engine's
+    device: each forward batch of `Engine.replay_batches` is scored where its logits are and
+    dropped before the next one."""
+    pairs = [(c.prompt_token_ids, c.output_token_ids) for c in claims]
+    max_rows = max(1, LOGITS_BUDGET // engine.model.config.vocab_size)
+    per_claim: list[pa.Table | None] = [None] * len(claims)
+    for group, logits_NV, hidden_ND in engine.replay_batches(pairs, batch_tokens, layer, max_rows):
+        cs = [claims[i] for i in group]
+        n = [len(c.output_token_ids) for c in cs]
+        hidden = hidden_ND.float().cpu().split(n) if hidden_ND is not None else [None] * len(cs)
+        replays = [Replay(l_TV, h_TD) for l_TV, h_TD in zip(logits_NV.split(n), hidden)]
+        fp_l2 = fingerprint_distances(cs, replays, [fps[i] for i in group]) if layer is not None else None
+        t = scores_table(cs, replays, sigma, **({"fp_l2": fp_l2} if fp_l2 is not None else {}), gaps=gaps)
+        for i, o, k in zip(group, itertools.accumulate([0] + n), n):
+            per_claim[i] = t.slice(o, k)
+    return pa.concat_tables(per_claim) if claims else _schema(gaps).empty_table()
+
+
+def _schema(gaps: bool) -> pa.Schema:
+    if not gaps:
+        return SCORE_SCHEMA
+    return pa.schema(list(SCORE_SCHEMA) + [pa.field(c, pa.float64()) for c in gap_column_names()])
+
+
+def score_claims(claims: Iterable[Claim], engine: Engine, out: str | Path, *, claims_sha: str | None = None,
                  model_sha: str = "", sigma: float = DEFAULT_SIGMA, chunk_claims: int = 64,
-                 batch_tokens: int = 2048, progress=None, gaps: bool = False) -> pa.Table:
+                 batch_tokens: int = 2048, progress=None, gaps: bool = False) -> Scored:
     """Score every claim into `out` (Parquet), resuming finished chunks of an earlier run
     (verinfer.io.ResumableParts: `<out>.parts/`, under a lock on `out`, so a second writer of the
-    same output is refused). gaps: add the signed-gap columns (see `scores_table`)."""
+    same output is refused). gaps: add the signed-gap columns (see `scores_table`).
+
+    claims may be a stream (`claims.iter_claims`): it is read `chunk_claims` at a time, and then
+    `claims_sha` (of the file; identifies the job for resuming) is required."""
     out = Path(out)
     if claims_sha is None:
+        if not isinstance(claims, (list, tuple)):
+            raise ValueError("score_claims: pass claims_sha (e.g. the claims file's sha256) with a stream of claims")
         claims_sha = hashlib.sha256("".join(json.dumps(c.to_json()) for c in claims).encode()).hexdigest()[:16]
     manifest = _manifest(claims_sha, model_sha, engine.numerics.to_dict(), sigma, chunk_claims, gaps)
-    fps, layer = fingerprints_of(claims, engine.model.config.hidden_size)
-    tables = []
+    hidden_size = engine.model.config.hidden_size
+    n_claims = n_tokens = n_parts = 0
+    first_fp = None
     with ResumableParts(out, manifest) as parts:
-        for k, start in enumerate(range(0, len(claims), chunk_claims)):
-            chunk = claims[start : start + chunk_claims]
-            t = None
+        for k, chunk in enumerate(chunked(claims, chunk_claims)):
+            n_parts, n_claims = k + 1, n_claims + len(chunk)
+            tokens = sum(len(c.output_token_ids) for c in chunk)
+            n_tokens += tokens
+            fps, layer = fingerprints_of(chunk, hidden_size, first_fp)
+            first_fp = first_fp or next((f for f in fps if f is not None), None)
             if parts.done(k):
                 try:
-                    t = pq.read_table(parts.path(k))
+                    pq.read_metadata(parts.path(k))
                 except Exception:
                     parts.discard(k)  # unreadable: recompute it
-            if t is None:
-                replays = engine.score([(c.prompt_token_ids, c.output_token_ids) for c in chunk],
-                                       batch_tokens=batch_tokens, hidden_layer=layer)
-                fp_l2 = fingerprint_distances(chunk, replays, fps[start : start + chunk_claims]) if layer is not None \
-                    else None
-                extra = {k: v for k, v in (("fp_l2", fp_l2), ("gaps", gaps)) if v is not None and v is not False}
-                t = scores_table(chunk, replays, sigma, **extra)
+            if not parts.done(k):
+                t = score_chunk(chunk, engine, sigma=sigma, fps=fps, layer=layer, gaps=gaps,
+                                batch_tokens=batch_tokens)
                 parts.write(k, lambda tmp: pq.write_table(t, tmp))
-            tables.append(t)
+                del t
             if progress is not None:
-                progress(sum(len(c.output_token_ids) for c in chunk))
-        table = pa.concat_tables(tables) if tables else SCORE_SCHEMA.empty_table()
-        atomic_write_parquet(table, out)
+                progress(tokens)
+
+        def assemble(tmp: Path) -> None:
+            with pq.ParquetWriter(tmp, _schema(gaps)) as w:
+                for k in range(n_parts):
+                    w.write_table(pq.read_table(parts.path(k)).cast(_schema(gaps)))
+
+        atomic_write(out, assemble)
         parts.finish()
-    return table
+    return Scored(out, n_claims, n_tokens)

@@ -181,8 +181,8 @@ def score(claims: Path = typer.Argument(..., help="Claims JSONL."),
         if r["violations"]:
             raise typer.Exit(1)
         return
-    t = run_score(claims, model_dir, out, device=device, gaps=gaps, matmul=matmul, model_names=names)
-    typer.echo(f"scored {t.num_rows} tokens -> {out}")
+    r = run_score(claims, model_dir, out, device=device, gaps=gaps, matmul=matmul, model_names=names)
+    typer.echo(f"scored {r.tokens} tokens of {r.claims} claims -> {out}")
 
 
 @command(app)

@@ -344,20 +344,19 @@ class Engine:
         return logits_1TV[0], None if hidden_1TD is None else hidden_1TD[0]
 
     @torch.no_grad()
-    def score(self, pairs: list[tuple[list[int], list[int]]], batch_tokens: int = 2048,
-              hidden_layer: int | None = None) -> list[Replay]:
-        """Teacher-forced replay: for each (prompt, output) one forward over prompt+output[:-1]
-        (claims batched together, sorted by length to limit padding; batches of about
-        `batch_tokens` padded tokens: 2048 replays 1.2x faster than 8192 on a 2-core CPU, the
-        activations stay in cache and attention pads less); returns the logits that
-        each output token was sampled from, and hidden states at those steps if asked."""
+    def replay_batches(self, pairs: list[tuple[list[int], list[int]]], batch_tokens: int = 2048,
+                       hidden_layer: int | None = None, max_rows: int | None = None):
+        """Teacher-forced replay, one forward batch at a time, results left on the model's device:
+        yields (group, logits_NV, hidden_ND) where group lists the indices of `pairs` in the batch
+        and row block i of logits_NV (len(pairs[group[i]][1]) rows, in group order) holds the logits
+        each claimed output token of pairs[group[i]] was sampled from. Claims are sorted by length to
+        limit padding; a batch holds about `batch_tokens` padded tokens (2048 replays 1.2x faster
+        than 8192 on a 2-core CPU: the activations stay in cache and attention pads less) and at
+        most `max_rows` output rows (bounds the [rows, V] logits of a large vocabulary)."""
         order = sorted(range(len(pairs)), key=lambda i: len(pairs[i][0]) + len(pairs[i][1]))
-        results: list[Replay | None] = [None] * len(pairs)
         group: list[int] = []
 
-        def flush():
-            if not group:
-                return
+        def forward():
             seqs = [pairs[i][0] + pairs[i][1][:-1] for i in group]
             T = max(len(s) for s in seqs)
             tokens_BT = torch.zeros(len(seqs), T, dtype=torch.long)
@@ -380,16 +379,9 @@ class Engine:
                 b = int(b_N[bad])
                 check_finite(logits_NV[bad], f"replay of claim #{group[b]} at output position "
                                               f"{int(t_N[bad]) - len(pairs[group[b]][0]) + 1}")
-            logits_NV = logits_NV.cpu()
-            hidden_ND = hidden_ND.float().cpu() if hidden_ND is not None else None
-            o = 0
-            for i in group:
-                n = len(pairs[i][1])
-                results[i] = Replay(logits_NV[o : o + n], None if hidden_ND is None else hidden_ND[o : o + n])
-                o += n
-            group.clear()
+            return list(group), logits_NV, hidden_ND
 
-        longest = 0
+        longest = rows = 0
         for i in order:
             p, o = pairs[i]
             if not p or not o:
@@ -398,10 +390,28 @@ class Engine:
             if n > self.max_positions:
                 raise ValueError(f"claim #{i}: prompt+output is {n + 1} tokens, over the model's context of "
                                  f"{self.max_positions}")
-            if group and max(longest, n) * (len(group) + 1) > batch_tokens:
-                flush()
-                longest = 0
+            if group and (max(longest, n) * (len(group) + 1) > batch_tokens
+                          or (max_rows is not None and rows + len(o) > max_rows)):
+                yield forward()
+                group.clear()
+                longest = rows = 0
             group.append(i)
-            longest = max(longest, n)
-        flush()
+            longest, rows = max(longest, n), rows + len(o)
+        if group:
+            yield forward()
+
+    def score(self, pairs: list[tuple[list[int], list[int]]], batch_tokens: int = 2048,
+              hidden_layer: int | None = None) -> list[Replay]:
+        """Teacher-forced replay (`replay_batches`) gathered per claim on the host: the logits
+        each output token was sampled from, and hidden states at those steps if asked. For
+        scoring at the device's speed use `replay_batches` (audit/replay.py does)."""
+        results: list[Replay | None] = [None] * len(pairs)
+        for group, logits_NV, hidden_ND in self.replay_batches(pairs, batch_tokens, hidden_layer):
+            logits_NV = logits_NV.cpu()
+            hidden_ND = hidden_ND.float().cpu() if hidden_ND is not None else None
+            o = 0
+            for i in group:
+                n = len(pairs[i][1])
+                results[i] = Replay(logits_NV[o : o + n], None if hidden_ND is None else hidden_ND[o : o + n])
+                o += n
         return results  # type: ignore[return-value]

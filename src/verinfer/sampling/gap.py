@@ -261,20 +261,23 @@ def score_claimed(logits_list: list[torch.Tensor], claimed_list: list[torch.Tens
     distribution, for many claims at once: (margin_N, replay_N, kept_N, logp_N), rows of all
     claims concatenated in order. Equal to postgumbel_margin per claim; claims with hash noise
     (vllm-cpu, keyed) share one filter pass and one noise pass, others go one by one; inverse-cdf
-    claims get margin 0 where the replay reproduces the claimed token, +inf elsewhere."""
+    claims get margin 0 where the replay reproduces the claimed token, +inf elsewhere.
+    Everything runs on the logits' device and the four results stay there ([N] each: only
+    they need cross to the host, never a [N, V] tensor)."""
     fast = [i for i, p in enumerate(params_list) if not p.greedy and get_backend(p.noise).name in HASH_BACKENDS]
     n_i = [int(l.shape[0]) for l in logits_list]
     offs = _offsets(n_i)
     N = offs[-1]
-    margin_N = torch.empty(N, dtype=torch.float64)
-    replay_N = torch.empty(N, dtype=torch.int64)
-    kept_N = torch.empty(N, dtype=torch.bool)
-    logp_N = torch.empty(N, dtype=torch.float64)
+    dev = logits_list[0].device if logits_list else torch.device("cpu")
+    margin_N = torch.empty(N, dtype=torch.float64, device=dev)
+    replay_N = torch.empty(N, dtype=torch.int64, device=dev)
+    kept_N = torch.empty(N, dtype=torch.bool, device=dev)
+    logp_N = torch.empty(N, dtype=torch.float64, device=dev)
     fast_set = set(fast)
     for i in range(len(logits_list)):  # greedy / exponential / inverse-cdf claims: one by one
         if i in fast_set:
             continue
-        p, l_TV, y_T = params_list[i], logits_list[i], claimed_list[i].to(torch.int64)
+        p, l_TV, y_T = params_list[i], logits_list[i], claimed_list[i].to(device=dev, dtype=torch.int64)
         s = slice(offs[i], offs[i + 1])
         if p.greedy:
             lp_TV = torch.log_softmax(l_TV.double(), -1)
@@ -288,8 +291,8 @@ def score_claimed(logits_list: list[torch.Tensor], claimed_list: list[torch.Tens
                 r = replay_tokens(l_TV, p, starts[i])
                 k = keep_TV.gather(1, y_T[:, None])[:, 0]
                 m = torch.where(r == y_T, 0.0, math.inf).double()
-        margin_N[s], replay_N[s], kept_N[s] = m.cpu(), r.cpu(), k.cpu()
-        logp_N[s] = lp_TV.gather(1, y_T[:, None])[:, 0].cpu()
+        margin_N[s], replay_N[s], kept_N[s] = m, r, k
+        logp_N[s] = lp_TV.gather(1, y_T[:, None])[:, 0]
     if not fast:
         return margin_N, replay_N, kept_N, logp_N
     l_NV = torch.cat([logits_list[i] for i in fast])
@@ -298,8 +301,10 @@ def score_claimed(logits_list: list[torch.Tensor], claimed_list: list[torch.Tens
     V = l_NV.shape[1]
     keys_N = torch.cat([_tape(params_list[i], n_i[i], V, starts[i]).keys_T for i in fast])
     m_N, rep_N, kept, lp_N = _score_rows(l_NV, y_N, rows_p, _RowsTape(keys_N, V))
-    idx = torch.cat([torch.arange(offs[i], offs[i + 1]) for i in fast])
-    margin_N[idx], replay_N[idx], kept_N[idx], logp_N[idx] = m_N.cpu(), rep_N.cpu(), kept.cpu(), lp_N.cpu()
+    if len(fast) == len(logits_list):  # the common case: every row, in order
+        return m_N, rep_N, kept, lp_N
+    idx = torch.cat([torch.arange(offs[i], offs[i + 1]) for i in fast]).to(dev)
+    margin_N[idx], replay_N[idx], kept_N[idx], logp_N[idx] = m_N, rep_N, kept, lp_N
     return margin_N, replay_N, kept_N, logp_N
 
 
