@@ -4,6 +4,7 @@ decoding on the audit prompts, and verify such a file into per-token Parquet (th
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Iterable
 
 import numpy as np
 import pyarrow as pa
@@ -44,7 +45,7 @@ def generate_claims_file(model_dir, draft_dir, out, *, rule: str = "kl", thresho
     return claims
 
 
-def has_spec(claims: list[Claim]) -> bool:
+def has_spec(claims: Iterable[Claim]) -> bool:
     return any("spec" in c.extra for c in claims)
 
 

@@ -167,11 +167,11 @@ def score(claims: Path = typer.Argument(..., help="Claims JSONL."),
     """Replay claims with the trusted model: one Parquet row per token with every score."""
     from verinfer.apps.pipeline import score as run_score
     from verinfer.apps.speculative import has_spec, score_file
-    from verinfer.claims import read_claims
+    from verinfer.claims import iter_claims
     from verinfer.models.testbed import DRAFT_DIR
 
     model_dir, names = _model_dir(model), tuple(model_name or ())
-    if has_spec(read_claims(claims)):  # speculative claims: check each token under its mode (DiFR app. F)
+    if has_spec(iter_claims(claims)):  # a stream: stops at the first speculative claim  # speculative claims: check each token under its mode (DiFR app. F)
         r = score_file(claims, model_dir, draft or DRAFT_DIR, out, device=device, model_names=names)
         typer.echo(f"speculative claims: {r['tokens']} tokens, accepted fraction {r['accepted_fraction']:.3f}, "
                    f"mean accept -log min(1,p/q) {r['mean_accept_nll']:.4f}, {r['violations']} violations of "
