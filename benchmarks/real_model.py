@@ -1,0 +1,139 @@
+"""Replay speed on a real pretrained model (issue 14, first part): `replay_vs_forward`.
+
+    .venv/bin/verinfer models get smollm2-135m-instruct
+    .venv/bin/verinfer generate honest-bf16-b8 --model smollm2-135m-instruct -o runs/smol-honest.jsonl --n 32
+    .venv/bin/python benchmarks/real_model.py speed runs/smol-honest.jsonl
+
+For the same claims, same device and threads, interleaved rounds (medians):
+  score     `audit.replay.score_claims`: replay + every Token-DiFR score + Parquet (what `verinfer
+            score` runs after reading the file)
+  forward   the same model's plain teacher-forced forward over the same claims, no scoring: one
+            LlamaLM forward per batch of `Engine.replay_batches` (logits of the claimed positions)
+  hf        transformers' LlamaForCausalLM forward over the same padded batches (logits of every
+            position, as a plain `model(input_ids)` call computes them), same dtype
+replay_vs_forward = score tokens/s / forward tokens/s (>= 0.7 is the issue's target on CPU).
+Writes benchmarks/results/real_model.{json,md} (the `speed` section; other sections are kept).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from verinfer.apps.pipeline import VERIFIER_NUMERICS, verifier_engine
+from verinfer.audit.replay import score_claims
+from verinfer.claims import read_claims
+from verinfer.io import atomic_write_json, atomic_write_text, sha256_files
+from verinfer.models.catalog import resolve_model
+from verinfer.models.load import model_info
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def _forward_only(engine, pairs) -> None:
+    for _ in engine.replay_batches(pairs):
+        pass
+
+
+def _hf_forward(hf, pairs, batch_tokens: int = 2048) -> None:
+    order = sorted(range(len(pairs)), key=lambda i: len(pairs[i][0]) + len(pairs[i][1]))
+    group: list[list[int]] = []
+
+    def run():
+        T = max(len(s) for s in group)
+        ids = torch.zeros(len(group), T, dtype=torch.long)
+        mask = torch.zeros(len(group), T, dtype=torch.long)
+        for b, s in enumerate(group):
+            ids[b, : len(s)], mask[b, : len(s)] = torch.tensor(s), 1
+        with torch.inference_mode():
+            hf(input_ids=ids, attention_mask=mask)
+        group.clear()
+
+    for i in order:
+        s = pairs[i][0] + pairs[i][1][:-1]
+        if group and max(len(s), *(len(g) for g in group)) * (len(group) + 1) > batch_tokens:
+            run()
+        group.append(s)
+    if group:
+        run()
+
+
+def speed(claims_path: Path, model: str, rounds: int, threads: int, out: Path) -> dict:
+    from transformers import LlamaForCausalLM
+
+    model_dir = resolve_model(model)
+    torch.set_num_threads(threads)
+    claims = read_claims(claims_path)
+    pairs = [(c.prompt_token_ids, c.output_token_ids) for c in claims]
+    tokens = sum(len(o) for _, o in pairs)
+    numerics = VERIFIER_NUMERICS.with_(threads=threads)
+    engine = verifier_engine(model_dir, numerics)
+    hf = LlamaForCausalLM.from_pretrained(model_dir, dtype=numerics.torch_dtype).eval()
+    info = model_info(model_dir)
+    times: dict[str, list[float]] = {"score": [], "forward": [], "hf": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        def run_score():
+            p = Path(tmp) / "s.parquet"
+            p.unlink(missing_ok=True)
+            score_claims(claims, engine, p, model_sha=info.weights_sha256)
+
+        jobs = {"score": run_score, "forward": lambda: _forward_only(engine, pairs), "hf": lambda: _hf_forward(hf, pairs)}
+        for fn in jobs.values():  # warm-up
+            fn()
+        for r in range(rounds):
+            for name, fn in jobs.items():
+                t0 = time.perf_counter()
+                fn()
+                times[name].append(time.perf_counter() - t0)
+            print(f"round {r + 1}/{rounds}: " + ", ".join(f"{k} {v[-1]:.2f}s" for k, v in times.items()), flush=True)
+    tps = {k: tokens / statistics.median(v) for k, v in times.items()}
+    res = {
+        "model": info.name, "claims_file": str(claims_path), "claims_sha256": sha256_files([claims_path]),
+        "claims": len(claims), "tokens": tokens, "device": "cpu", "threads": threads, "rounds": rounds,
+        "numerics": numerics.to_dict(), "cpu": platform.processor() or platform.machine(),
+        "torch": torch.__version__, "seconds": times, "tokens_per_s": tps,
+        "replay_vs_forward": tps["score"] / tps["forward"], "replay_vs_hf_forward": tps["score"] / tps["hf"],
+    }
+    doc = json.loads((out / "real_model.json").read_text()) if (out / "real_model.json").is_file() else {}
+    doc["speed"] = res
+    atomic_write_json(out / "real_model.json", doc)
+    atomic_write_text(out / "real_model.md", render(doc))
+    return res
+
+
+def render(doc: dict) -> str:
+    s = doc.get("speed")
+    lines = ["# Real model (SmolLM2-135M-Instruct)", ""]
+    if s:
+        lines += [f"## Replay speed: {s['model']}, {s['claims']} claims, {s['tokens']} tokens, {s['device']}, "
+                  f"{s['threads']} threads, {s['numerics']['dtype']}, median of {s['rounds']} interleaved rounds", "",
+                  "| job | tokens/s |", "|---|---|"]
+        lines += [f"| {k} | {v:.0f} |" for k, v in s["tokens_per_s"].items()]
+        lines += ["", f"replay_vs_forward (score / LlamaLM forward) = {s['replay_vs_forward']:.3f}; "
+                      f"score / transformers forward = {s['replay_vs_hf_forward']:.3f}", ""]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="stage", required=True)
+    sp = sub.add_parser("speed", help="replay_vs_forward on a claims file")
+    sp.add_argument("claims", type=Path)
+    sp.add_argument("--model", default="smollm2-135m-instruct")
+    sp.add_argument("--rounds", type=int, default=3)
+    sp.add_argument("--threads", type=int, default=2)
+    sp.add_argument("--out", type=Path, default=RESULTS)
+    a = ap.parse_args()
+    res = speed(a.claims, a.model, a.rounds, a.threads, a.out)
+    print(json.dumps({k: res[k] for k in ("tokens_per_s", "replay_vs_forward", "replay_vs_hf_forward")}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
