@@ -7,7 +7,6 @@ names the checkpoint answers to, and content hash, so claims made for another mo
 
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,6 +14,7 @@ from pathlib import Path
 import torch
 
 from verinfer.errors import ModelError
+from verinfer.io import sha256_files
 from verinfer.models.llama import LlamaLM
 from verinfer.numerics import Numerics
 from verinfer.numerics.kernels import Native
@@ -31,15 +31,6 @@ class ModelInfo:
     eos_token_id: int | None
     aliases: tuple[str, ...] = ()  # every name claims may use for it: `name` first, then what the
     #                                checkpoint records (config.json verinfer_aliases, a hub id in _name_or_path)
-
-
-def _sha(paths: list[Path]) -> str:
-    h = hashlib.sha256()
-    for p in paths:
-        with open(p, "rb") as f:
-            for chunk in iter(lambda: f.read(1 << 20), b""):
-                h.update(chunk)
-    return h.hexdigest()[:16]
 
 
 def model_info(local_dir: str | Path) -> ModelInfo:
@@ -63,8 +54,8 @@ def model_info(local_dir: str | Path) -> ModelInfo:
         path=str(d),
         vocab_size=int(cfg["vocab_size"]),
         max_positions=int(cfg.get("max_position_embeddings", 2048)),
-        weights_sha256=_sha(sorted(d.glob("*.safetensors"))),
-        tokenizer_sha256=_sha([tok]) if tok.is_file() else None,
+        weights_sha256=sha256_files(sorted(d.glob("*.safetensors"))),
+        tokenizer_sha256=sha256_files([tok]) if tok.is_file() else None,
         eos_token_id=eos,
         aliases=tuple(dict.fromkeys([name, *recorded, *([hub] if hub else [])])),
     )
