@@ -12,15 +12,25 @@ For the same claims, same device and threads, interleaved rounds (medians):
   hf        transformers' LlamaForCausalLM forward over the same padded batches (logits of every
             position, as a plain `model(input_ids)` call computes them), same dtype
 replay_vs_forward = score tokens/s / forward tokens/s (>= 0.7 is the issue's target on CPU).
-Writes benchmarks/results/real_model.{json,md} (the `speed` section; other sections are kept).
+
+    .venv/bin/python benchmarks/real_model.py memory runs/smol-honest.jsonl --sizes 5000 12500 50000
+
+Bounded memory: a file of N claims (the real claims cycled under new ids, each output cut to
+--tokens-per-claim tokens) is scored by `verinfer score` in a fresh process; peak RSS (the child's
+ru_maxrss) and wall time per N, and time per token (linear in N if it stays flat).
+Writes benchmarks/results/real_model.{json,md} (its section; other sections are kept).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
+import resource
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -101,11 +111,47 @@ def speed(claims_path: Path, model: str, rounds: int, threads: int, out: Path) -
         "torch": torch.__version__, "seconds": times, "tokens_per_s": tps,
         "replay_vs_forward": tps["score"] / tps["forward"], "replay_vs_hf_forward": tps["score"] / tps["hf"],
     }
+    return _save(out, "speed", res)
+
+
+def _save(out: Path, section: str, res: dict) -> dict:
     doc = json.loads((out / "real_model.json").read_text()) if (out / "real_model.json").is_file() else {}
-    doc["speed"] = res
+    doc[section] = res
     atomic_write_json(out / "real_model.json", doc)
     atomic_write_text(out / "real_model.md", render(doc))
     return res
+
+
+def memory(claims_path: Path, model: str, sizes: list[int], tokens_per_claim: int, out: Path) -> dict:
+    """Peak RSS and time of `verinfer score` on files of N claims (module docstring)."""
+    model_dir = resolve_model(model)
+    base = [json.loads(line) for line in claims_path.read_text().splitlines() if line.strip()]
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for n in sizes:
+            f = Path(tmp) / f"claims-{n}.jsonl"
+            with open(f, "w") as w:
+                for i in range(n):
+                    c = dict(base[i % len(base)])
+                    c["id"], c["output_token_ids"] = f"m{i}", c["output_token_ids"][:tokens_per_claim]
+                    w.write(json.dumps(c, separators=(",", ":")) + "\n")
+            tokens = sum(min(len(base[i % len(base)]["output_token_ids"]), tokens_per_claim) for i in range(n))
+            t0 = time.perf_counter()
+            before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+            r = subprocess.run([sys.executable, "-m", "verinfer.cli", "score", str(f), "--model", str(model_dir),
+                                "-o", str(Path(tmp) / f"s-{n}.parquet")], capture_output=True, text=True,
+                               env={**os.environ, "TERM": "dumb"})
+            wall = time.perf_counter() - t0
+            if r.returncode != 0:
+                raise SystemExit(f"verinfer score failed on {n} claims:\n{r.stderr[-2000:]}")
+            peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss  # KiB, the largest child so far
+            rows.append({"claims": n, "tokens": tokens, "file_mb": f.stat().st_size / 1e6, "wall_s": wall,
+                         "ms_per_token": 1e3 * wall / tokens, "peak_rss_gb": peak / 2**20,
+                         "peak_rss_is_new_max": peak > before})
+            print(json.dumps(rows[-1]), flush=True)
+    return _save(out, "memory", {"model": model_info(model_dir).name, "tokens_per_claim": tokens_per_claim,
+                                 "cpu": platform.processor() or platform.machine(), "runs": rows,
+                                 "peak_rss_gb": max(r["peak_rss_gb"] for r in rows)})
 
 
 def render(doc: dict) -> str:
@@ -118,6 +164,15 @@ def render(doc: dict) -> str:
         lines += [f"| {k} | {v:.0f} |" for k, v in s["tokens_per_s"].items()]
         lines += ["", f"replay_vs_forward (score / LlamaLM forward) = {s['replay_vs_forward']:.3f}; "
                       f"score / transformers forward = {s['replay_vs_hf_forward']:.3f}", ""]
+    m = doc.get("memory")
+    if m:
+        lines += [f"## Bounded memory: `verinfer score` on N claims of {m['model']} "
+                  f"({m['tokens_per_claim']} output tokens each at most), one fresh process per N", "",
+                  "| claims | tokens | file MB | wall s | ms/token | peak RSS GB |", "|---|---|---|---|---|---|"]
+        lines += [f"| {r['claims']} | {r['tokens']} | {r['file_mb']:.1f} | {r['wall_s']:.1f} | "
+                  f"{r['ms_per_token']:.2f} | {r['peak_rss_gb']:.2f} |" for r in m["runs"]]
+        lines += ["", "Peak RSS is the largest of the child processes so far (getrusage), so sizes run in "
+                      "increasing order.", ""]
     return "\n".join(lines)
 
 
@@ -130,7 +185,17 @@ def main() -> None:
     sp.add_argument("--rounds", type=int, default=3)
     sp.add_argument("--threads", type=int, default=2)
     sp.add_argument("--out", type=Path, default=RESULTS)
+    mp = sub.add_parser("memory", help="peak RSS and time of `verinfer score` on files of N claims")
+    mp.add_argument("claims", type=Path)
+    mp.add_argument("--model", default="smollm2-135m-instruct")
+    mp.add_argument("--sizes", type=int, nargs="+", default=[5000, 12500, 50000])
+    mp.add_argument("--tokens-per-claim", type=int, default=64)
+    mp.add_argument("--out", type=Path, default=RESULTS)
     a = ap.parse_args()
+    if a.stage == "memory":
+        res = memory(a.claims, a.model, sorted(a.sizes), a.tokens_per_claim, a.out)
+        print(json.dumps({k: res[k] for k in ("peak_rss_gb",)}))
+        return
     res = speed(a.claims, a.model, a.rounds, a.threads, a.out)
     print(json.dumps({k: res[k] for k in ("tokens_per_s", "replay_vs_forward", "replay_vs_hf_forward")}, indent=1))
 
