@@ -231,3 +231,38 @@ def test_with_kernels_shares_the_weights_and_fused_stays_close(tiny_llama_dir):
     assert (a - b).abs().max() < 2e-5
     with pytest.raises(ValueError, match="matmul"):
         LlamaLM(lean.config, lean.w, matmul="fp32", kernels=Fused())
+
+
+@pytest.mark.parametrize("drop", ["vocab_size", "hidden_size"])
+def test_config_missing_a_size_is_a_model_error_naming_file_and_key(tiny_llama_dir, tmp_path, drop):
+    """A config.json without vocab_size or hidden_size is refused by model_info and the loader
+    with the file and the key named (it was a bare KeyError)."""
+    import json
+    import shutil
+
+    from verinfer.models.load import model_info
+
+    d = tmp_path / "m"
+    shutil.copytree(tiny_llama_dir, d)
+    cfg = json.loads((d / "config.json").read_text())
+    del cfg[drop]
+    (d / "config.json").write_text(json.dumps(cfg))
+    for load in (model_info, LlamaLM.from_pretrained):
+        with pytest.raises(ModelError) as e:
+            load(d)
+        assert str(d / "config.json") in str(e.value) and f"`{drop}`" in str(e.value)
+
+
+def test_truncated_config_is_a_model_error_naming_the_file(tiny_llama_dir, tmp_path):
+    import shutil
+
+    from verinfer.models.load import model_info
+
+    d = tmp_path / "m"
+    shutil.copytree(tiny_llama_dir, d)
+    text = (d / "config.json").read_text()
+    (d / "config.json").write_text(text[: len(text) // 2])
+    for load in (model_info, LlamaLM.from_pretrained):
+        with pytest.raises(ModelError, match="not valid JSON") as e:
+            load(d)
+        assert str(d / "config.json") in str(e.value)

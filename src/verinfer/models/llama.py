@@ -79,6 +79,11 @@ class LlamaConfig:
             raise ModelError(f"sliding_window {window} is not supported by the lean forward (full attention only)",
                              where=f"{where}: sliding_window",
                              fix="use a checkpoint without a sliding window shorter than max_position_embeddings")
+        for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
+            if not isinstance(cfg.get(key), int) or isinstance(cfg.get(key), bool):
+                raise ModelError(f"`{key}` is missing or not an integer (got {cfg.get(key)!r})",
+                                 where=f"{where}: {key}",
+                                 fix="re-save the model with save_pretrained (a Hugging Face config.json has it)")
         heads = cfg["num_attention_heads"]
         rope_params = cfg.get("rope_parameters") or {}
         return cls(

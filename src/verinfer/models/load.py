@@ -37,7 +37,19 @@ def model_info(local_dir: str | Path) -> ModelInfo:
     d = Path(local_dir)
     if not (d / "config.json").is_file():
         raise ModelError("no config.json here", where=str(d), fix="pass a save_pretrained directory")
-    cfg = json.loads((d / "config.json").read_text())
+    cfg_path = d / "config.json"
+    try:
+        cfg = json.loads(cfg_path.read_text())
+    except json.JSONDecodeError as e:
+        raise ModelError(f"config.json is not valid JSON ({e.msg} at column {e.colno})", where=f"{cfg_path}:{e.lineno}",
+                         fix="the file looks truncated or hand-edited: re-save the model with save_pretrained") from None
+    if not isinstance(cfg, dict):
+        raise ModelError("config.json must hold a JSON object", where=str(cfg_path),
+                         fix="re-save the model with save_pretrained")
+    for key in ("vocab_size", "hidden_size"):
+        if not isinstance(cfg.get(key), int) or isinstance(cfg.get(key), bool):
+            raise ModelError(f"`{key}` is missing or not an integer (got {cfg.get(key)!r})", where=f"{cfg_path}: {key}",
+                             fix="re-save the model with save_pretrained (a Hugging Face config.json has it)")
     tok = d / "tokenizer.json"
     eos = cfg.get("eos_token_id")
     if isinstance(eos, list):
