@@ -133,3 +133,45 @@ def test_honest_replay_at_another_batch_size_not_flagged_int4_flagged(tiny_llama
     assert not det.verdict(tables["other-batch"])["flagged"]
     assert det.verdict(tables["int4"])["flagged"]
     assert vals["int4"].mean() > 3 * vals["other-batch"].mean()
+
+
+@pytest.mark.parametrize("over,field", [(dict(seed=2**70), "activations.seed"), (dict(seed=-1), "activations.seed"),
+                                        (dict(layer=-2), "activations.layer")])
+def test_out_of_range_seed_and_layer_name_line_and_field(over, field):
+    with pytest.raises(ClaimError) as e:
+        fpm.parse_fingerprint(_obj(**over), "claims.jsonl:3", n_output=6, hidden_size=64)
+    assert "claims.jsonl:3" in e.value.message and field in e.value.message
+    with pytest.raises(ClaimError, match="activations.layer"):
+        fpm.parse_fingerprint(_obj(layer=2), "claims.jsonl:3", n_output=6, hidden_size=64, n_layers=2)
+
+
+def test_sampling_seed_2_pow_70_is_a_claim_error_with_line_and_field():
+    from verinfer.claims import parse_claim
+
+    obj = {"id": 1, "model": "m", "prompt_token_ids": [1], "output_token_ids": [2],
+           "sampling": {"temperature": 1.0, "seed": 2**70}}
+    with pytest.raises(ClaimError) as e:
+        parse_claim(obj, "c.jsonl:7")
+    assert "c.jsonl:7" in e.value.message and "sampling.seed" in e.value.message
+
+
+def test_score_refuses_a_fingerprint_layer_the_model_lacks_before_any_replay(tiny_llama_dir, tmp_path, monkeypatch):
+    """The README promises bad fields stop before any compute: a `layer` past the model's decoder
+    layers is refused by the checking pass, naming file:line and field, and no replay runs."""
+    from verinfer.apps import pipeline
+
+    claims = run_provider(ProviderConfig("p", FP32, batch_size=2), tiny_llama_dir, _prompts(3), SPEC,
+                          fingerprint=fpm.FingerprintSpec(k=4, stride=2))
+    for c in claims:
+        c.extra["activations"]["layer"] = 2  # the tiny model has layers 0 and 1
+    write_claims(tmp_path / "c.jsonl", claims)
+
+    def no_replay(*a, **k):
+        raise AssertionError("replay started before the layer was checked")
+
+    monkeypatch.setattr(pipeline, "score_claims", no_replay)
+    monkeypatch.setattr(Engine, "replay_batches", no_replay)
+    with pytest.raises(ClaimError) as e:
+        pipeline.score(tmp_path / "c.jsonl", tiny_llama_dir, tmp_path / "s.parquet", show_progress=False)
+    assert "c.jsonl:1" in e.value.message and "activations.layer" in e.value.message
+    assert not (tmp_path / "s.parquet").exists()

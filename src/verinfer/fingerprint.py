@@ -146,8 +146,9 @@ class Fingerprint:
 
 
 def parse_fingerprint(obj, where: str, *, n_output: int, hidden_size: int | None = None,
-                      expect: FingerprintSpec | None = None) -> Fingerprint:
-    """Validate a claim's `activations` field; errors name `where` (file:line) and the field."""
+                      expect: FingerprintSpec | None = None, n_layers: int | None = None) -> Fingerprint:
+    """Validate a claim's `activations` field; errors name `where` (file:line) and the field.
+    n_layers: the verifier model's decoder layer count (`layer` must be -1 or below it)."""
     def bad(msg: str, fld: str, fix: str = "regenerate the claims with `verinfer generate --fingerprint ...`"):
         return ClaimError(f"`activations.{fld}`: {msg}", where=where, fix=fix)
 
@@ -161,6 +162,10 @@ def parse_fingerprint(obj, where: str, *, n_output: int, hidden_size: int | None
     for fld in ("k", "stride", "layer", "seed"):
         if not isinstance(obj[fld], int) or isinstance(obj[fld], bool):
             raise bad(f"must be an integer, got {obj[fld]!r}", fld)
+    if not 0 <= obj["seed"] < 2**63:
+        raise bad(f"seed {obj['seed']} is outside [0, 2**63)", "seed")
+    if obj["layer"] < -1 or (n_layers is not None and obj["layer"] >= n_layers):
+        raise bad(_layer_problem(obj["layer"], n_layers), "layer", LAYER_FIX)
     if obj["dtype"] not in DTYPES:
         raise bad(f"dtype {obj['dtype']!r} is not supported; use one of {', '.join(DTYPES)}", "dtype")
     try:
@@ -220,3 +225,17 @@ def l2_distances(claimed: Fingerprint, hidden_TD: torch.Tensor) -> np.ndarray:
     values, scales = quantize(project(hidden_TD, claimed.spec), claimed.spec.dtype)
     mine_NK = dequantize(values, scales)
     return torch.linalg.vector_norm(mine_NK - claimed.fp_NK, dim=-1).double().numpy()
+
+
+LAYER_FIX = "fingerprint a layer the verifier model has (-1, the default, is the final norm)"
+
+
+def _layer_problem(layer: int, n_layers: int | None) -> str:
+    has = f"the model has {n_layers} decoder layers: " if n_layers is not None else ""
+    return f"layer {layer} is out of range ({has}-1 = final norm, i >= 0 = after decoder layer i)"
+
+
+def check_layer(fp: Fingerprint, n_layers: int, where: str) -> None:
+    """Refuse a fingerprint of a layer the verifier model does not have (before any compute)."""
+    if not -1 <= fp.spec.layer < n_layers:
+        raise ClaimError(f"`activations.layer`: {_layer_problem(fp.spec.layer, n_layers)}", where=where, fix=LAYER_FIX)
