@@ -244,20 +244,27 @@ class BodyLimit:
                 return await self._reply(send, 400, "invalid Content-Length header")
             if n > self.max_bytes:
                 return await self._reply(send, 413, too_big)
-        seen = 0
-        started = False
+        seen, started, over = 0, False, False
 
         async def limited_receive():
-            nonlocal seen
+            nonlocal seen, over
             msg = await receive()
             if msg["type"] == "http.request":
                 seen += len(msg.get("body", b""))
                 if seen > self.max_bytes:
+                    over = True
                     raise _BodyTooLarge()
             return msg
 
         async def tracking_send(msg):
+            # A framework may catch _BodyTooLarge while reading the body (FastAPI answers 400 "error
+            # parsing the body"): once the body went over the limit, whatever it answers becomes the 413.
             nonlocal started
+            if over:
+                if not started:
+                    started = True
+                    await self._reply(send, 413, too_big)
+                return
             if msg["type"] == "http.response.start":
                 started = True
             await send(msg)
@@ -266,6 +273,7 @@ class BodyLimit:
             await self.app(scope, limited_receive, tracking_send)
         except _BodyTooLarge:
             if not started:
+                started = True
                 await self._reply(send, 413, too_big)
 
 
