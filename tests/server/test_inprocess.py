@@ -1,6 +1,9 @@
-"""The server app in process (no port): body limits at the ASGI level."""
+"""The server app in process (no port): body limits and client disconnects at the ASGI level."""
 
 from __future__ import annotations
+
+import asyncio
+import json
 
 import pytest
 
@@ -35,3 +38,42 @@ def test_a_chunked_body_over_the_limit_gets_413(app):
                                  headers={"content-type": "application/json"})
     assert small.status_code == 200, small.text
     assert len(small.json()["choices"][0]["token_ids"]) == 2
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/completions", {"model": MODEL, "prompt": [[5, 6], [7]], "max_tokens": 200, "ignore_eos": True}),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 200,
+                              "ignore_eos": True}),
+])
+def test_a_disconnected_client_stops_its_non_streaming_generation(app, monkeypatch, path, body):
+    """The client goes away right after sending its request: the server stops decoding for it
+    within a step or two (it used to decode all 200 tokens for nobody)."""
+    steps = []
+    real = server_app.generate_steps
+
+    def counting(*a, **k):
+        for s in real(*a, **k):
+            steps.append(s)
+            yield s
+
+    monkeypatch.setattr(server_app, "generate_steps", counting)
+    raw = json.dumps(body).encode()
+    sent, out = [], []
+
+    async def receive():
+        if not sent:
+            sent.append(1)
+            return {"type": "http.request", "body": raw, "more_body": False}
+        return {"type": "http.disconnect"}
+
+    async def send(msg):
+        out.append(msg)
+
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
+             "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "",
+             "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(raw)).encode())],
+             "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80)}
+    asyncio.run(app(scope, receive, send))
+    n_jobs = len(body.get("prompt", [None]))
+    assert 1 <= len(steps) <= 2 * n_jobs, f"{len(steps)} steps decoded for a client that was gone"
+    assert out[0]["status"] == 499

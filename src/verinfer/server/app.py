@@ -31,6 +31,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import AsyncIterator
 
+from starlette.requests import Request  # module level: FastAPI resolves the handlers' annotations here
+
 from verinfer.sampling.params import NOISE_BACKENDS, SamplingParams
 from verinfer.server.generation import Step, generate_steps
 from verinfer.server.protocol import ChatCompletionRequest, CompletionRequest, Limits
@@ -220,6 +222,10 @@ class _BodyTooLarge(Exception):
     pass
 
 
+class _ClientGone(Exception):
+    """The client of a non-streaming request disconnected: its generation is stopped."""
+
+
 class BodyLimit:
     """ASGI middleware: refuse request bodies over max_bytes (Content-Length or streamed) with 413."""
 
@@ -278,9 +284,9 @@ class BodyLimit:
 
 
 def create_app(registry: dict[str, ServedModel], cfg: ServeConfig):
-    from fastapi import FastAPI, Request
+    from fastapi import FastAPI
     from fastapi.exceptions import RequestValidationError
-    from fastapi.responses import JSONResponse, StreamingResponse
+    from fastapi.responses import JSONResponse, Response, StreamingResponse
     from starlette.concurrency import iterate_in_threadpool, run_in_threadpool
 
     limits = cfg.limits
@@ -309,6 +315,10 @@ def create_app(registry: dict[str, ServedModel], cfg: ServeConfig):
             parts.append(f"{'.'.join(loc) or 'body'}: {msg}")
         return JSONResponse(APIError(400, "invalid request: " + "; ".join(parts), param).body(), status_code=400)
 
+    @app.exception_handler(_ClientGone)
+    async def _client_gone(_req: Request, _e: _ClientGone):
+        return Response(status_code=499)  # nginx's "client closed request": nobody reads it
+
     @app.get("/health")
     async def health():
         return {"status": "ok"}
@@ -323,10 +333,18 @@ def create_app(registry: dict[str, ServedModel], cfg: ServeConfig):
     def meta(model: ServedModel, params: SamplingParams) -> dict:
         return {"seed": params.seed, "noise": params.noise}
 
-    async def run_job(model: ServedModel, rid: str, job: Job) -> list[Step]:
+    async def run_job(model: ServedModel, rid: str, job: Job, request: Request) -> list[Step]:
+        """Decode in a worker thread one step at a time; a client that disconnected stops it
+        between two steps (its slot is freed, no more compute is spent on it)."""
         async with slots().hold():
-            return await run_in_threadpool(lambda: list(generate_steps(
-                model, rid, job.prompt_ids, job.params, logprobs=job.logprobs, ignore_eos=job.ignore_eos)))
+            steps = []
+            it = generate_steps(model, rid, job.prompt_ids, job.params, logprobs=job.logprobs,
+                                ignore_eos=job.ignore_eos)
+            async for step in iterate_in_threadpool(it):
+                steps.append(step)
+                if step.finish_reason is None and await request.is_disconnected():
+                    raise _ClientGone()
+            return steps
 
     async def stream_job(model: ServedModel, rid: str, job: Job) -> AsyncIterator[Step]:
         async with slots().hold():
@@ -340,7 +358,7 @@ def create_app(registry: dict[str, ServedModel], cfg: ServeConfig):
         return {"prompt_tokens": p, "completion_tokens": sum(outs), "total_tokens": p + sum(outs)}
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest):
+    async def completions(body: CompletionRequest, request: Request):
         model = _lookup(registry, body.model)
         prompts = body.prompts()
         if not prompts:
@@ -380,7 +398,7 @@ def create_app(registry: dict[str, ServedModel], cfg: ServeConfig):
                 yield b"data: [DONE]\n\n"
 
             return StreamingResponse(events(), media_type="text/event-stream")
-        results = await asyncio.gather(*[run_job(model, f"{rid}-{i}", j) for i, j in enumerate(jobs)])
+        results = await asyncio.gather(*[run_job(model, f"{rid}-{i}", j, request) for i, j in enumerate(jobs)])
         choices = []
         for i, (job, steps) in enumerate(zip(jobs, results)):
             ids = [s.token_id for s in steps]
@@ -392,7 +410,7 @@ def create_app(registry: dict[str, ServedModel], cfg: ServeConfig):
                 "sampling": meta(model, jobs[0].params)}
 
     @app.post("/v1/chat/completions")
-    async def chat(body: ChatCompletionRequest):
+    async def chat(body: ChatCompletionRequest, request: Request):
         model = _lookup(registry, body.model)
         ids = chat_prompt_ids(model, body.messages, limits)
         lp = _logprobs_n(body.n_logprobs, limits, "top_logprobs")
@@ -422,7 +440,7 @@ def create_app(registry: dict[str, ServedModel], cfg: ServeConfig):
                 yield b"data: [DONE]\n\n"
 
             return StreamingResponse(events(), media_type="text/event-stream")
-        steps = await run_job(model, rid, job)
+        steps = await run_job(model, rid, job, request)
         out = [s.token_id for s in steps]
         return {"id": rid, "object": "chat.completion", "created": created, "model": body.model,
                 "prompt_token_ids": ids, "sampling": meta(model, job.params),
