@@ -114,3 +114,20 @@ def test_two_score_runs_on_one_output_one_is_refused(tmp_path):
     finally:
         proc.kill()
         proc.wait()
+
+
+@pytest.mark.parametrize("mask", [0o022, 0o027, 0o002])
+def test_atomic_writes_get_the_umask_mode_not_0600(tmp_path, mask):
+    """Outputs are shared like any file the user writes: mode 0o666 less the umask (mkstemp
+    alone made every output 0600)."""
+    import os
+
+    old = os.umask(mask)
+    try:
+        for name, write in (("a.txt", lambda p: atomic_write_text(p, "x")),
+                            ("a.json", lambda p: atomic_write_json(p, {"a": 1})),
+                            ("a.parquet", lambda p: atomic_write_parquet(pa.table({"a": [1]}), p))):
+            write(tmp_path / name)
+            assert (tmp_path / name).stat().st_mode & 0o777 == 0o666 & ~mask, name
+    finally:
+        os.umask(old)

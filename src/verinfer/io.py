@@ -58,14 +58,22 @@ def sha256_files(paths, digits: int = 16) -> str:
     return h.hexdigest()[:digits]
 
 
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def atomic_write(path: str | Path, write_fn: Callable[[Path], None]) -> Path:
-    """Write `path` through a temp file in its directory, then os.replace it into place."""
+    """Write `path` through a temp file in its directory, then os.replace it into place. The file
+    gets the mode a plain open() would give it (0o666 less the umask; mkstemp makes it 0600)."""
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=f".{p.name}.", suffix=".tmp")
     os.close(fd)
     try:
         write_fn(Path(tmp))
+        os.chmod(tmp, 0o666 & ~_umask())
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
         os.replace(tmp, p)
