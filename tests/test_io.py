@@ -131,3 +131,19 @@ def test_atomic_writes_get_the_umask_mode_not_0600(tmp_path, mask):
             assert (tmp_path / name).stat().st_mode & 0o777 == 0o666 & ~mask, name
     finally:
         os.umask(old)
+
+
+def test_a_run_that_fails_before_any_part_leaves_no_parts_folder(tmp_path):
+    """A failed run with nothing finished removes its `<out>.parts/` (it used to leave an empty
+    folder holding only the manifest); one with finished parts keeps them for the resume."""
+    out = tmp_path / "s.parquet"
+    with pytest.raises(RuntimeError):
+        with ResumableParts(out, {"job": 1}) as parts:
+            assert parts.dir.is_dir()
+            raise RuntimeError("the replay failed")
+    assert not parts.dir.exists() and not (tmp_path / "s.parquet.lock").exists()
+    with pytest.raises(KeyboardInterrupt):
+        with ResumableParts(out, {"job": 1}) as parts:
+            parts.write(0, lambda tmp: tmp.write_text("zero"))
+            raise KeyboardInterrupt
+    assert parts.path(0).read_text() == "zero"

@@ -204,7 +204,11 @@ class ResumableParts:
         return self
 
     def __exit__(self, *exc) -> None:
-        self._lock.__exit__(*exc)
+        try:  # a run that failed before finishing any part leaves nothing behind to resume
+            if self.dir.is_dir() and not any(self.dir.glob(f"part-*{self.suffix}")):
+                shutil.rmtree(self.dir, ignore_errors=True)
+        finally:
+            self._lock.__exit__(*exc)
 
     def path(self, k: int) -> Path:
         return self.dir / f"part-{k:05d}{self.suffix}"
