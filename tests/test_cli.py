@@ -160,3 +160,33 @@ def test_calibrate_help_names_every_registered_detector():
 
     r = run("calibrate", "--help")
     assert all(name in r.output for name in DETECTORS), r.output
+
+
+def test_ctrl_c_says_what_is_kept_and_how_to_resume_then_the_rerun_resumes(tmp_path, monkeypatch):
+    """Ctrl-C during `score` (after its first part): exit 130 and a line saying finished parts
+    are kept and to rerun the same command (it printed an empty line); the rerun resumes, scoring
+    only what was not finished."""
+    import functools
+
+    from verinfer.apps import pipeline
+    from verinfer.audit import replay
+
+    claims, out = tmp_path / "c.jsonl", tmp_path / "s.parquet"
+    assert run("generate", "honest-bf16-b8", "--out", claims, "--n", 4, "--max-tokens", 4).exit_code == 0
+    monkeypatch.setattr(pipeline, "score_claims", functools.partial(replay.score_claims, chunk_claims=2))
+    real, calls = replay.score_chunk, []
+
+    def interrupted(*a, **k):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(*a, **k)
+
+    monkeypatch.setattr(replay, "score_chunk", interrupted)
+    r = run("score", claims, "--out", out)
+    assert r.exit_code == 130
+    assert "interrupted" in r.output and "finished work is kept" in r.output and "run the same command again" in r.output
+    assert len(list(out.with_name(out.name + ".parts").glob("part-*.parquet"))) == 1 and not out.exists()
+    calls.clear()
+    r = run("score", claims, "--out", out)
+    assert r.exit_code == 0 and len(calls) == 1 and out.is_file()

@@ -31,15 +31,23 @@ def _fail(e: Exception) -> None:
     raise typer.Exit(2)
 
 
+INTERRUPTED = ("interrupted (Ctrl-C): finished work is kept (score's <out>.parts/, demo steps, audit-api replies, "
+               "testbed build checkpoints)\n  -> run the same command again to resume where it stopped")
+
+
 def _user_errors_exit_2(fn):
     """The one error handler: a VerinferError or ValueError (bad input, with what / where / fix)
-    is printed without a traceback and exits with 2 (1 means "flagged")."""
+    is printed without a traceback and exits with 2 (1 means "flagged"); Ctrl-C says what is kept
+    and how to resume, and exits with 130 (the shell's code for SIGINT)."""
     @functools.wraps(fn)
     def run(*args, **kwargs):
         try:
             return fn(*args, **kwargs)
         except (VerinferError, ValueError) as e:
             _fail(e)
+        except KeyboardInterrupt:
+            typer.secho(INTERRUPTED, fg="yellow", err=True)
+            raise typer.Exit(130) from None
     return run
 
 
