@@ -190,3 +190,28 @@ def test_ctrl_c_says_what_is_kept_and_how_to_resume_then_the_rerun_resumes(tmp_p
     calls.clear()
     r = run("score", claims, "--out", out)
     assert r.exit_code == 0 and len(calls) == 1 and out.is_file()
+
+
+def test_report_and_audit_read_scores_with_and_without_gaps_together(scored, tmp_path):
+    """`verinfer report *.parquet` over files scored with and without --gaps (it failed with a raw
+    pyarrow schema dump): the rows of both, on their shared columns; a detector that needs the
+    gap columns names them."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from verinfer.apps.pipeline import load_score_tables
+
+    d, out = scored
+    gaps = tmp_path / "wrong-seed-gaps.parquet"
+    assert run("score", d / "wrong-seed.jsonl", "--out", gaps, "--gaps").exit_code == 0
+    plain = out["honest-bf16-b8"]
+    t = load_score_tables([plain, gaps])
+    assert t.num_rows == pq.read_metadata(plain).num_rows + pq.read_metadata(gaps).num_rows
+    assert t.column_names == pq.read_schema(plain).names
+    r = run("report", plain, gaps, "--out", tmp_path / "report")
+    assert r.exit_code == 0, r.output
+    assert (tmp_path / "report" / "index.html").is_file() or list((tmp_path / "report").glob("*.html"))
+    odd = tmp_path / "odd.parquet"  # a column of another type: an error naming the file
+    pq.write_table(pq.read_table(plain).set_column(5, "margin", pa.array(["x"] * pq.read_metadata(plain).num_rows)), odd)
+    r = run("report", plain, odd, "--out", tmp_path / "report2")
+    assert r.exit_code == 2 and str(odd) in r.output and "margin: double vs string" in r.output

@@ -23,7 +23,7 @@ from verinfer.providers import vllm
 from verinfer.providers.simulated import DEFAULT_SPEC, HONEST, PROVIDERS, get_provider, run_provider
 from verinfer.audit.replay import Scored, fingerprints_of, read_scores, score_claims
 from verinfer.engine.engine import Engine
-from verinfer.errors import ClaimError
+from verinfer.errors import ClaimError, VerinferError
 from verinfer.fingerprint import check_layer
 from verinfer.models.load import load_model, model_info
 from verinfer.numerics import Numerics
@@ -98,7 +98,23 @@ def score(claims_path: str | Path, model_dir: str | Path, out: str | Path, *, en
 
 
 def load_score_tables(paths: list[str | Path]) -> pa.Table:
-    return pa.concat_tables([read_scores(p) for p in paths])
+    """The rows of every scores file in one table, on the columns all of them have (files scored
+    with and without --gaps or fingerprints read together; a detector that needs a dropped column
+    says so). Columns of another type than the first file's are an error naming the file."""
+    tables = [read_scores(p) for p in paths]
+    if not tables:
+        raise VerinferError("no scores files given", fix="pass the Parquet files `verinfer score` wrote")
+    common = [c for c in tables[0].column_names if all(c in t.column_names for t in tables[1:])]
+    out = [tables[0].select(common)]
+    for p, t in zip(paths[1:], tables[1:]):
+        t = t.select(common)
+        try:
+            out.append(t.cast(out[0].schema))
+        except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError) as e:
+            diff = [f"{a.name}: {a.type} vs {b.type}" for a, b in zip(out[0].schema, t.schema) if a.type != b.type]
+            raise VerinferError(f"its score columns do not fit those of {paths[0]} ({'; '.join(diff) or e})",
+                                where=str(p), fix="rescore the claims with this verinfer (`verinfer score`)") from None
+    return pa.concat_tables(out)
 
 
 def calibrate(table: pa.Table, honest: list[str], *, detector: str = "clipped-mean", seed: int = 0,
