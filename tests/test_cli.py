@@ -215,3 +215,18 @@ def test_report_and_audit_read_scores_with_and_without_gaps_together(scored, tmp
     pq.write_table(pq.read_table(plain).set_column(5, "margin", pa.array(["x"] * pq.read_metadata(plain).num_rows)), odd)
     r = run("report", plain, odd, "--out", tmp_path / "report2")
     assert r.exit_code == 2 and str(odd) in r.output and "margin: double vs string" in r.output
+
+
+def test_combined_audit_rows_keep_their_detector_labels(capsys):
+    """`audit -d token.json -d fp.json` rows are `int4 [margin]`, `int4 [fp_l2]`, `int4 [combined]`:
+    rich read the brackets as markup and printed `int4` three times."""
+    from verinfer.apps.pipeline import combine_verdicts, print_verdicts
+
+    def verdict(score, flagged, p):
+        return {"provider": "int4", "honest": False, "flagged": flagged, "n_tokens": 96, "pooled": 0.5,
+                "threshold": 0.1, "p_value": p, "target_fpr": 0.005, "threshold_fpr": 0.004, "score": score}
+
+    print_verdicts(combine_verdicts([[verdict("margin", True, 1e-5)], [verdict("fp_l2", False, 0.3)]]))
+    out = capsys.readouterr().out
+    for label in ("int4 [margin]", "int4 [fp_l2]", "int4 [combined]"):
+        assert label in out, out

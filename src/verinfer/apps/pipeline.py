@@ -11,6 +11,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 
@@ -183,7 +184,7 @@ def print_verdicts(verdicts: list[dict]) -> None:
     for d in verdicts:
         truth = {True: "honest", False: "misconfigured", None: "?"}[d.get("honest")]
         fpr = f"{d['target_fpr']:.0%}" + (f" / {d['threshold_fpr']:.2%}" if "threshold_fpr" in d else "")
-        t.add_row(d["provider"], truth, "[red]FLAGGED[/red]" if d["flagged"] else "[green]ok[/green]",
+        t.add_row(escape(d["provider"]), truth, "[red]FLAGGED[/red]" if d["flagged"] else "[green]ok[/green]",
                   str(d["n_tokens"]), f"{d['pooled']:.2g}", f"{d['threshold']:.2g}",
                   (f"{d['p_value']:.2g}" if d["p_value"] > 0 else "<1e-300"), fpr, _more_tokens(d))
     Console(width=max(160, Console().width)).print(t)
