@@ -81,3 +81,17 @@ def test_fit_accepts_any_alias_and_names_them_all_on_a_mismatch(tmp_path):
         check_claims_fit([c], "f", model_name="m", aliases=("m", "Org/M"), vocab_size=10, max_positions=10)
     assert "is for model 'Org/M-Instruct' but the verifier loaded 'm', which answers to 'm', 'Org/M'" in e.value.what
     assert "--model-name 'Org/M-Instruct'" in e.value.fix
+
+
+def test_non_utf8_claims_file_is_a_claim_error_with_file_and_line(tmp_path):
+    """Issue 16 item 5: bytes that are not UTF-8 (here latin-1 on line 2) name the file, the line
+    and the byte in it (a text reader decodes ahead: it blamed line 1, at a file offset)."""
+    from verinfer.claims import read_claims
+    from verinfer.errors import ClaimError
+
+    line = '{"id": 1, "model": "m", "prompt_token_ids": [1], "output_token_ids": [2], "sampling": {"temperature": 0}}\n'
+    p = tmp_path / "c.jsonl"
+    p.write_bytes(line.encode() + '{"id": "caf\xe9"}\n'.encode("latin-1"))
+    with pytest.raises(ClaimError) as e:
+        read_claims(p)
+    assert f"{p}:2" in e.value.message and "not UTF-8" in e.value.message and "byte 11 of the line" in e.value.message

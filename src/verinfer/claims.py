@@ -164,17 +164,18 @@ def iter_claims(path: str | Path) -> Iterator[Claim]:
     if not p.is_file():
         raise ClaimError("no such claims file", where=str(p))
     seen: dict[str, int] = {}
-    with open(p, encoding="utf-8", errors="strict") as f:
+    with open(p, "rb") as f:  # decoded line by line: a text reader decodes ahead and names the wrong line
         lineno = 0
         while True:
-            try:
-                line = f.readline()
-            except UnicodeDecodeError as e:
-                raise ClaimError(f"not UTF-8 text ({e.reason} at byte {e.start} of line {lineno + 1})",
-                                 where=f"{p}:{lineno + 1}", fix="claims files are UTF-8 JSONL") from None
-            if not line:
+            raw = f.readline()
+            if not raw:
                 break
             lineno += 1
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ClaimError(f"not UTF-8 text ({e.reason} at byte {e.start} of the line)",
+                                 where=f"{p}:{lineno}", fix="claims files are UTF-8 JSONL") from None
             if not line.strip():
                 continue
             where = f"{p}:{lineno}"
