@@ -6,7 +6,7 @@
 
 Writes benchmarks/results/kl_judge.{json,md}, kl_judge_frontier.png and the trained AutoJudge
 head (kl_judge_autojudge.json). The protocol and the metric definitions are in
-src/verinfer/speculative/bench.py (also `verinfer bench speculative`).
+benchmarks/kl_judge_bench.py.
 """
 
 from __future__ import annotations
