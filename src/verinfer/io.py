@@ -59,6 +59,15 @@ def sha256_files(paths, digits: int = 16) -> str:
 
 
 def _umask() -> int:
+    """The process umask, read without changing it where Linux tells it (os.umask can only be
+    read by setting it, which other threads would see for a moment)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
     mask = os.umask(0o022)
     os.umask(mask)
     return mask
