@@ -25,7 +25,6 @@ from verinfer.providers.simulated import DEFAULT_SPEC, HONEST, PROVIDERS, get_pr
 from verinfer.audit.replay import Scored, fingerprints_of, read_scores, score_claims
 from verinfer.engine.engine import Engine
 from verinfer.errors import ClaimError, VerinferError
-from verinfer.fingerprint import check_layer
 from verinfer.models.load import load_model, model_info
 from verinfer.numerics import Numerics
 from verinfer.sampling.params import SamplingParams
@@ -87,11 +86,7 @@ def score(claims_path: str | Path, model_dir: str | Path, out: str | Path, *, en
     for chunk in chunked(iter_claims(claims_path), 256):
         check_claims_fit(chunk, claims_path, model_name=info.name, vocab_size=info.vocab_size,
                          max_positions=info.max_positions, aliases=(*info.aliases, *model_names))
-        fps, _ = fingerprints_of(chunk, engine.model.config.hidden_size, first_fp)
-        for c, fp in zip(chunk, fps):
-            if fp is not None:
-                check_layer(fp, engine.model.config.num_hidden_layers, c.source or f"{claims_path}: claim {c.id!r}")
-        first_fp = first_fp or next((f for f in fps if f is not None), None)
+        _, _, first_fp = fingerprints_of(chunk, engine.model.config, first_fp)
         total += sum(len(c.output_token_ids) for c in chunk)
     with progress_bar(f"score {Path(claims_path).name}", total, show_progress) as adv:
         return score_claims(iter_claims(claims_path), engine, out, claims_sha=sha256_files([claims_path]),

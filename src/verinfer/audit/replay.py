@@ -44,7 +44,7 @@ from verinfer.audit.scores import likelihood_score
 from verinfer.engine.engine import Engine, Replay
 from verinfer.errors import VerinferError
 from verinfer.sampling.gap import block_gaps, score_claimed
-from verinfer.fingerprint import l2_distances, parse_fingerprint
+from verinfer.fingerprint import check_layer, l2_distances, parse_fingerprint
 
 SCORE_SCHEMA = pa.schema([
     ("claim_id", pa.string()), ("provider", pa.string()), ("position", pa.int32()), ("token_id", pa.int32()),
@@ -89,10 +89,11 @@ def gap_column_names(factors=GAP_TEMPERATURE_FACTORS, top_p_slack: float = GAP_T
     return ["gap" + gap_column(top_p_slack)[len("gap_0"):]] + [temperature_column(r, top_p_slack) for r in factors]
 
 
-def fingerprints_of(claims: list[Claim], hidden_size: int, first=None) -> tuple[list, int | None]:
+def fingerprints_of(claims: list[Claim], config, first=None) -> tuple[list, int | None, object]:
     """Parse and validate every claim's `activations` before any compute (bad input fails fast,
-    naming file:line and field); return them (None where absent) and the hidden layer to replay.
-    first: a fingerprint of earlier claims of the same file, whose spec every one must share."""
+    naming file:line and field; a layer the model (`config`: hidden_size, num_hidden_layers) does
+    not have included); return them (None where absent), the hidden layer to replay and the first
+    fingerprint seen. first: one of earlier claims of the same file, whose spec all must share."""
     fps, layer = [], first.spec.layer if first is not None else None
     for i, c in enumerate(claims):
         obj = c.extra.get("activations")
@@ -100,12 +101,13 @@ def fingerprints_of(claims: list[Claim], hidden_size: int, first=None) -> tuple[
             fps.append(None)
             continue
         where = c.source or f"claim {c.id!r}"
-        fp = parse_fingerprint(obj, where, n_output=len(c.output_token_ids), hidden_size=hidden_size,
+        fp = parse_fingerprint(obj, where, n_output=len(c.output_token_ids), hidden_size=config.hidden_size,
                                expect=first.spec if first is not None else None)
+        check_layer(fp, config.num_hidden_layers, where)
         first = first or fp
         layer = fp.spec.layer
         fps.append(fp)
-    return fps, layer
+    return fps, layer, first
 
 
 def fingerprint_distances(claims: list[Claim], replays: list[Replay], fps: list) -> np.ndarray:
@@ -197,7 +199,7 @@ def score_chunk(claims: list[Claim], engine: Engine, *, sigma: float = DEFAULT_S
         hidden = hidden_ND.float().cpu().split(n) if hidden_ND is not None else [None] * len(cs)
         replays = [Replay(l_TV, h_TD) for l_TV, h_TD in zip(logits_NV.split(n), hidden)]
         fp_l2 = fingerprint_distances(cs, replays, [fps[i] for i in group]) if layer is not None else None
-        t = scores_table(cs, replays, sigma, **({"fp_l2": fp_l2} if fp_l2 is not None else {}), gaps=gaps)
+        t = scores_table(cs, replays, sigma, fp_l2=fp_l2, gaps=gaps)
         for i, o, k in zip(group, itertools.accumulate([0] + n), n):
             per_claim[i] = t.slice(o, k)
     return pa.concat_tables(per_claim) if claims else _schema(gaps).empty_table()
@@ -224,7 +226,6 @@ def score_claims(claims: Iterable[Claim], engine: Engine, out: str | Path, *, cl
             raise ValueError("score_claims: pass claims_sha (e.g. the claims file's sha256) with a stream of claims")
         claims_sha = hashlib.sha256("".join(json.dumps(c.to_json()) for c in claims).encode()).hexdigest()[:16]
     manifest = _manifest(claims_sha, model_sha, engine.numerics.to_dict(), sigma, chunk_claims, gaps)
-    hidden_size = engine.model.config.hidden_size
     n_claims = n_tokens = n_parts = 0
     first_fp = None
     with ResumableParts(out, manifest) as parts:
@@ -232,8 +233,7 @@ def score_claims(claims: Iterable[Claim], engine: Engine, out: str | Path, *, cl
             n_parts, n_claims = k + 1, n_claims + len(chunk)
             tokens = sum(len(c.output_token_ids) for c in chunk)
             n_tokens += tokens
-            fps, layer = fingerprints_of(chunk, hidden_size, first_fp)
-            first_fp = first_fp or next((f for f in fps if f is not None), None)
+            fps, layer, first_fp = fingerprints_of(chunk, engine.model.config, first_fp)
             if parts.done(k):
                 try:
                     pq.read_metadata(parts.path(k))
