@@ -54,7 +54,26 @@ SCORE_SCHEMA = pa.schema([
 DEFAULT_SIGMA = 0.1
 GAP_TEMPERATURE_FACTORS = (0.8, 0.9, 1.1, 1.2)
 GAP_TOP_P_SLACK = 0.01  # = PerturbationGLRTDetector.top_p_slack
-LOGITS_BUDGET = 1 << 25  # elements of one replay batch's [rows, V] logits (128 MiB in fp32)
+# Replay batch sizes by device: claims per resumable part, padded tokens per forward batch, and
+# elements of one batch's [rows, V] logits. CPU: parts of 64 claims; 2048 tokens keep the
+# activations in cache (1.2x faster than 8192 on 2 cores); 2^25 elements = 128 MiB in fp32. Any
+# other device (a GPU) needs larger batches to be busy: parts of 1024 claims, and a logits budget
+# of 1/64 of a CUDA device's memory in elements (at least 2^28; scoring holds a few fp32/fp64
+# copies of a batch's logits): benchmarks/real_model.py speed --device cuda sweeps batch_tokens
+# (benchmarks/results/real_model.md).
+CHUNK_CLAIMS, BATCH_TOKENS, LOGITS_BUDGET = 64, 2048, 1 << 25
+ACCELERATOR_CHUNK_CLAIMS, ACCELERATOR_BATCH_TOKENS, ACCELERATOR_LOGITS_BUDGET = 1024, 16384, 1 << 28
+
+
+def replay_batch_size(device: str | torch.device) -> tuple[int, int, int]:
+    """(chunk_claims, batch_tokens, logits_budget) that `score_claims` uses on `device` (above)."""
+    d = torch.device(device)
+    if d.type == "cpu":
+        return CHUNK_CLAIMS, BATCH_TOKENS, LOGITS_BUDGET
+    budget = ACCELERATOR_LOGITS_BUDGET
+    if d.type == "cuda":
+        budget = max(budget, torch.cuda.get_device_properties(d).total_memory // 64)
+    return ACCELERATOR_CHUNK_CLAIMS, ACCELERATOR_BATCH_TOKENS, budget
 
 
 def temperature_column(factor: float, top_p_slack: float = 0.0) -> str:
@@ -186,12 +205,16 @@ class Scored:
 
 
 def score_chunk(claims: list[Claim], engine: Engine, *, sigma: float = DEFAULT_SIGMA, fps: list | None = None,
-                layer: int | None = None, gaps: bool = False, batch_tokens: int = 2048) -> pa.Table:
+                layer: int | None = None, gaps: bool = False, batch_tokens: int | None = None,
+                logits_budget: int | None = None) -> pa.Table:
     """`scores_table` of the claims, in their order, computed batch by batch on the engine's
     device: each forward batch of `Engine.replay_batches` is scored where its logits are and
-    dropped before the next one."""
+    dropped before the next one. batch_tokens / logits_budget: `replay_batch_size` of the
+    engine's device unless given."""
     pairs = [(c.prompt_token_ids, c.output_token_ids) for c in claims]
-    max_rows = max(1, LOGITS_BUDGET // engine.model.config.vocab_size)
+    _, default_tokens, default_budget = replay_batch_size(engine.device)
+    batch_tokens, logits_budget = batch_tokens or default_tokens, logits_budget or default_budget
+    max_rows = max(1, logits_budget // engine.model.config.vocab_size)
     per_claim: list[pa.Table | None] = [None] * len(claims)
     for group, logits_NV, hidden_ND in engine.replay_batches(pairs, batch_tokens, layer, max_rows):
         cs = [claims[i] for i in group]
@@ -212,15 +235,18 @@ def _schema(gaps: bool) -> pa.Schema:
 
 
 def score_claims(claims: Iterable[Claim], engine: Engine, out: str | Path, *, claims_sha: str | None = None,
-                 model_sha: str = "", sigma: float = DEFAULT_SIGMA, chunk_claims: int = 64,
-                 batch_tokens: int = 2048, progress=None, gaps: bool = False) -> Scored:
+                 model_sha: str = "", sigma: float = DEFAULT_SIGMA, chunk_claims: int | None = None,
+                 batch_tokens: int | None = None, logits_budget: int | None = None, progress=None,
+                 gaps: bool = False) -> Scored:
     """Score every claim into `out` (Parquet), resuming finished chunks of an earlier run
     (verinfer.io.ResumableParts: `<out>.parts/`, under a lock on `out`, so a second writer of the
     same output is refused). gaps: add the signed-gap columns (see `scores_table`).
 
     claims may be a stream (`claims.iter_claims`): it is read `chunk_claims` at a time, and then
-    `claims_sha` (of the file; identifies the job for resuming) is required."""
+    `claims_sha` (of the file; identifies the job for resuming) is required. chunk_claims,
+    batch_tokens, logits_budget: `replay_batch_size` of the engine's device unless given."""
     out = Path(out)
+    chunk_claims = chunk_claims or replay_batch_size(engine.device)[0]
     if claims_sha is None:
         if not isinstance(claims, (list, tuple)):
             raise ValueError("score_claims: pass claims_sha (e.g. the claims file's sha256) with a stream of claims")
@@ -241,7 +267,7 @@ def score_claims(claims: Iterable[Claim], engine: Engine, out: str | Path, *, cl
                     parts.discard(k)  # unreadable: recompute it
             if not parts.done(k):
                 t = score_chunk(chunk, engine, sigma=sigma, fps=fps, layer=layer, gaps=gaps,
-                                batch_tokens=batch_tokens)
+                                batch_tokens=batch_tokens, logits_budget=logits_budget)
                 parts.write(k, lambda tmp: pq.write_table(t, tmp))
                 del t
             if progress is not None:
