@@ -1,8 +1,8 @@
 """KL-judge speculative decoding vs vanilla speculative sampling and the judge baselines.
 
-    nice -n 15 .venv/bin/python benchmarks/kl_judge.py --no-timing        # quality: sweeps, selection, test
-    flock /tmp/verinfer-timing.lock .venv/bin/python benchmarks/kl_judge.py --timing   # cost model, tokens/s
-    .venv/bin/python benchmarks/kl_judge.py [--quick]                      # both in one process
+    nice -n 15 .venv/bin/python -m benchmarks.kl_judge --no-timing        # quality: sweeps, selection, test
+    flock /tmp/verinfer-timing.lock .venv/bin/python -m benchmarks.kl_judge --timing   # cost model, tokens/s
+    .venv/bin/python -m benchmarks.kl_judge [--quick]                      # both in one process
 
 Writes benchmarks/results/kl_judge.{json,md}, kl_judge_frontier.png and the trained AutoJudge
 head (kl_judge_autojudge.json). The protocol and the metric definitions are in

@@ -71,6 +71,16 @@ def test_vllm_cpu_noise_equals_pure_python_pipeline(seed, n_steps, vocab):
     assert torch.equal(tape.gumbel(ids_TK), ref.gather(1, ids_TK))
 
 
+@pytest.mark.parametrize("seed", [0, 2024, 2**62 + 7])
+def test_vllm_cpu_tape_step_keys_equal_the_streams_one_draw_per_step(seed):
+    """The tape draws all step seeds in one randint call, the stream one per step (as vLLM does):
+    the same keys, also past the lengths where a vectorized kernel could change the order."""
+    n = 5000
+    stream = get_backend("vllm-cpu").stream(seed, 8)
+    keys = [stream.next().key for _ in range(n)]
+    assert get_backend("vllm-cpu").tape(seed, n, 8).keys_T.tolist() == [as_int64(k) for k in keys]
+
+
 @pytest.mark.parametrize("seed,start", [(0, 0), (7, 5), (2**63 - 1, 1000)])
 def test_keyed_noise_equals_pure_python_pipeline(seed, start):
     vocab, n = 40, 4
