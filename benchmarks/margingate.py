@@ -3,6 +3,12 @@ llm42 and best on the testbed target (bf16), continuous batching with mixed leng
 
     .venv/bin/python benchmarks/margingate.py            # resumable: stages cached in
                                                           # benchmarks/results/margingate_cache/
+    ... --cross-machine DIR   # also compare the deterministic references with another machine's
+                              # (DIR holds its reference.json, reference_tiled.json, machine.json)
+
+The cache holds this machine's references and timings: a cache recorded on another machine
+(cache/machine.json, verinfer.numerics.machine) is refused, since `best`'s fixed-shape reference
+is machine-specific (see "Across machines" in the results).
 Writes benchmarks/results/margingate.{json,md}, margingate_frontier.png, margingate_scaling.png.
 """
 
@@ -21,6 +27,7 @@ from verinfer.determinism.policies import Stats
 from verinfer.determinism.scheduler import Scheduler, make_engines
 from verinfer.models.prompts import split_prompts
 from verinfer.models.testbed import TARGET_DIR
+from verinfer.numerics.machine import fingerprint_mismatch, machine_fingerprint
 
 OUT = Path(__file__).parent / "results"
 METHODS = ("bf16", "margingate", "llm42", "gated_llm42", "best", "batch_invariant", "layercast")
@@ -38,6 +45,36 @@ def cached(name, fn):  # noqa: D103
     return res
 
 
+def check_cache_machine(cache: Path, here: dict) -> None:
+    """Refuse a cache recorded on another machine; stamp a new (or unstamped) cache with this one."""
+    stamp = cache / "machine.json"
+    if stamp.is_file():
+        why = fingerprint_mismatch(json.loads(stamp.read_text()), here)
+        if why:
+            raise SystemExit(f"{cache}: recorded on another machine ({why}). Its references and timings are that "
+                             f"machine's: move it away to recompute here, and pass it as --cross-machine to compare.")
+        return
+    cache.mkdir(parents=True, exist_ok=True)
+    stamp.write_text(json.dumps(here, indent=1))
+
+
+def cross_machine(here_ref: dict, other_dir: Path, pids: list) -> dict:
+    """How many of the deterministic reference sequences another machine's run reproduced, per
+    reference (best: fixed-shape; batch_invariant: tiled), with where they first diverge."""
+    stamp = other_dir / "machine.json"
+    out = dict(other=json.loads(stamp.read_text()) if stamp.is_file() else None, references={})
+    for name, method in (("reference", "best"), ("reference_tiled", "batch_invariant")):
+        other = json.loads((other_dir / f"{name}.json").read_text())
+        mine = here_ref[name]
+        diff = [k for k in mine if other.get(k) != mine[k]]
+        first = [next((i for i, (x, y) in enumerate(zip(mine[k], other.get(k, []))) if x != y),
+                      min(len(mine[k]), len(other.get(k, [])))) for k in diff]
+        out["references"][method] = dict(sequences=len(mine), differ=len(diff),
+                                         protected_differ=sum(k in set(pids) for k in diff),
+                                         first_divergence=sorted(first), same=not diff)
+    return out
+
+
 def main():
     global OUT, CACHE
     ap = argparse.ArgumentParser()
@@ -53,9 +90,14 @@ def main():
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=2, help="interleaved timing rounds; times are means")
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    ap.add_argument("--cross-machine", type=Path, action="append", default=[],
+                    help="another machine's margingate_cache (or a copy of its reference*.json and machine.json): "
+                         "compare the deterministic references with this machine's (repeatable)")
     a = ap.parse_args()
     OUT, CACHE = a.out, a.out / "margingate_cache"
     torch.set_num_threads(a.threads)
+    machine = machine_fingerprint(a.threads)
+    check_cache_machine(CACHE, machine)
     eng = make_engines(TARGET_DIR)
 
     with Progress() as prog:
@@ -148,8 +190,8 @@ def main():
     main_runs["llm42"] = main_runs[f"llm42@{llm42_w}"]
     methods = list(METHODS)
     res = dict(
-        command="python benchmarks/margingate.py",
-        model=cal["model"], dtype="bf16", device="cpu", threads=a.threads,
+        command="python benchmarks/margingate.py" + "".join(f" --cross-machine {p}" for p in a.cross_machine),
+        model=cal["model"], dtype="bf16", device="cpu", threads=a.threads, machine=machine,
         workload=dict(protected_heldout=len(pids), kind="code (held-out stdlib snippets)",
                       unprotected_cobatched=len(unprot), max_tokens_range=list(a.max_tokens), max_batch=a.batch,
                       scaling_batches=a.scaling, continuous_batching=True, prefill_chunk=16, ignore_eos=True,
@@ -186,6 +228,8 @@ def main():
         runs=main_runs,
         scaling={f"{m}@{b}": v for (m, b), v in scale.items()},
     )
+    res["cross_machine"] = [cross_machine(dict(reference=ref, reference_tiled=ref_tiled), p, pids)
+                            for p in a.cross_machine]
     res["margingate_trigger_rate"] = res["trigger_rate"]["margingate"]
     res["margingate_repair_rate"] = res["repair_rate"]["margingate"]
     (OUT / "margingate.json").write_text(json.dumps(res, indent=1))
@@ -225,6 +269,26 @@ def write_md(res):
     for k, v in res["scaling"].items():
         L.append(f"| {k} | {v['determinism']:.3f} | {v['seconds']:.1f} | {v['cpu_seconds']:.1f} | "
                  f"{v['trigger_rate']:.4f} |")
+    m = res["machine"]
+    L += ["", "## Machine", "",
+          f"{m['cpu_model']} ({m['cpu_capability']}; ISA {' '.join(m['cpu_isa_flags'])}), {m['machine']}, "
+          f"torch {m['torch']}, {m['blas']}, {m['onednn']}, {m['threads']} thread(s)."]
+    if res["cross_machine"]:
+        L += ["", "## Across machines: the deterministic references reproduced elsewhere?", "",
+              "The exact policies' reference (each one's batch-size-1 answer) for the same prompts, computed on another "
+              "machine (the 2759d1c run: by the code before the one-core refactor, whose tokens the refactor "
+              "fixtures show unchanged). A policy whose reference differs across machines gives the same greedy "
+              "tokens as itself on one machine only; one whose reference is equal is the cross-machine "
+              "reproducible mode (`verinfer generate --deterministic batch_invariant`).", "",
+              "| other machine | policy (reference) | sequences differing | protected | first divergence (token) |",
+              "|---|---|---|---|---|"]
+        for x in res["cross_machine"]:
+            o = x["other"] or {}
+            label = o.get("label") or f"{o.get('cpu_model', 'not recorded')} ({o.get('cpu_capability', '?')})"
+            for pol, r in x["references"].items():
+                fd = r["first_divergence"]
+                L.append(f"| {label} | {pol} | {r['differ']} of {r['sequences']} | {r['protected_differ']} | "
+                         f"{'-' if not fd else f'{fd[0]}-{fd[-1]} (median {fd[len(fd) // 2]})'} |")
     (OUT / "margingate.md").write_text("\n".join(L) + "\n")
 
 

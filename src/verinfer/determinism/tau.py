@@ -17,8 +17,10 @@ import torch
 
 from verinfer.determinism.scheduler import Engines, Scheduler, make_engines
 from verinfer.engine.engine import Engine, Request
+from verinfer.io import atomic_write_json
 from verinfer.models.load import model_info
 from verinfer.models.prompts import split_prompts
+from verinfer.numerics.machine import machine_fingerprint
 from verinfer.sampling.params import SamplingParams
 
 TOP_K_EPS = 50
@@ -115,7 +117,8 @@ def calibrate(model_dir, n: int = 16, max_tokens=(48, 128), max_batch: int = 16,
     return dict(model=model_info(model_dir).name, dtype="bf16", calibration="arithmetic", n_prompts=len(reqs),
                 max_batch=max_batch, eps_pert_max=max(eps), eps_pert_mean=sum(eps) / len(eps),
                 eps_pert_p99=sorted(eps)[int(0.99 * (len(eps) - 1))], sweep_range=2 * max(eps), sweep=sweep,
-                tau=min(r["tau"] for r in ok) if ok else None)
+                tau=min(r["tau"] for r in ok) if ok else None,
+                machine=machine_fingerprint(device=eng.fast.device))  # near-tie margins are this machine's
 
 
 def write_tau(path, record: dict) -> None:
@@ -124,7 +127,7 @@ def write_tau(path, record: dict) -> None:
     data = json.loads(p.read_text()) if p.is_file() else {}
     data.setdefault(record["model"], {})[record["dtype"]] = record
     p.parent.mkdir(parents=True, exist_ok=True)
-    p.write_text(json.dumps(data, indent=1))
+    atomic_write_json(p, data)
 
 
 def read_tau(path, model: str, dtype: str = "bf16") -> float:
