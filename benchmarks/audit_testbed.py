@@ -3,6 +3,7 @@ misconfiguration (margin score, clipped at the 99.9th honest-train percentile, A
 and the replay speedup over generation.
 
     .venv/bin/python benchmarks/audit_testbed.py [--n 160] [--max-tokens 64]
+    .venv/bin/python benchmarks/audit_testbed.py --speed-only   # re-measure the speedup alone (quiet machine)
 
 Writes benchmarks/results/audit_testbed.{json,md} and audit_testbed_auc.png. Claims and scores are
 cached under benchmarks/.cache/audit_testbed/ so an interrupted run resumes; the speedup is always
@@ -20,9 +21,9 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow.compute as pc
-import torch
 
 from verinfer.io import atomic_write_text
+from verinfer.numerics.machine import machine_fingerprint
 from verinfer.apps.pipeline import (DEFAULT_SPEC, generate, load_score_tables, prompts_for, score,
                                      verifier_engine)
 from verinfer.providers.simulated import HONEST, MISCONFIGURED, PROVIDERS, run_provider
@@ -69,7 +70,20 @@ def main(argv=None) -> dict:
     ap.add_argument("--speed-n", type=int, default=128)
     ap.add_argument("--cache", type=Path, default=ROOT / ".cache" / "audit_testbed")
     ap.add_argument("--out", type=Path, default=ROOT / "results")
+    ap.add_argument("--speed-only", action="store_true",
+                    help="re-measure only the replay speedup and update it in the existing audit_testbed.json/md")
     a = ap.parse_args(argv)
+    command = "python benchmarks/audit_testbed.py " + " ".join(argv or sys.argv[1:])
+    fp = machine_fingerprint()
+    machine = f"{fp['cpu_model']} ({platform.machine()}), {fp['threads']} threads, torch {fp['torch']}"
+    if a.speed_only:
+        result = json.loads((a.out / "audit_testbed.json").read_text())
+        speed = measure_speedup(a.speed_n, result["setup"]["max_tokens"], result["setup"]["seed"])
+        result.update(replay_speedup_vs_generate=speed["speedup"], speed=dict(speed, command=command, machine=machine))
+        atomic_write_text(a.out / "audit_testbed.json", json.dumps(result, indent=1, default=float))
+        atomic_write_text(a.out / "audit_testbed.md", markdown(result))
+        print(markdown(result))
+        return result
 
     engine = verifier_engine(TARGET_DIR)
     paths = []
@@ -90,7 +104,7 @@ def main(argv=None) -> dict:
     curves = compute_auc_curves(table, honest, batch_sizes=BATCH_SIZES, seed=a.seed)
     ttd = {m: tokens_to_detect(curves[m]["margin"]) for m in MISCONFIGURED}
     ttd_all = {m: {s: tokens_to_detect(c) for s, c in curves[m].items()} for m in MISCONFIGURED}
-    speed = measure_speedup(a.speed_n, a.max_tokens, a.seed)
+    speed = dict(measure_speedup(a.speed_n, a.max_tokens, a.seed), command=command, machine=machine)
 
     result = {
         "honest_exact_match": honest_em,
@@ -104,8 +118,7 @@ def main(argv=None) -> dict:
                   "tokens_by_provider": {p: int(pc.sum(pc.equal(table["provider"], p)).as_py()) for p in PROVIDERS},
                   "spec": DEFAULT_SPEC, "verifier": "bf16 sdpa, one prefill per claim",
                   "score_for_tokens_to_detect": "margin clipped at the 99.9th percentile of honest train tokens",
-                  "machine": f"{platform.machine()} {torch.get_num_threads()} threads, torch {torch.__version__}",
-                  "command": "python benchmarks/audit_testbed.py " + " ".join(argv or sys.argv[1:])},
+                  "machine": machine, "command": command},
     }
     a.out.mkdir(parents=True, exist_ok=True)
     atomic_write_text(a.out / "audit_testbed.json", json.dumps(result, indent=1, default=float))
@@ -122,6 +135,9 @@ def markdown(r: dict) -> str:
              f"| honest exact match | {r['honest_exact_match']:.4f} |",
              f"| replay speedup vs generate | {r['replay_speedup_vs_generate']:.1f}x "
              f"({r['speed']['score_tokens_per_s']:.0f} vs {r['speed']['generate_tokens_per_s']:.0f} tokens/s) |", "",
+             f"Speedup: generation and replay of the same {r['speed']['tokens']} tokens in one process, median of "
+             f"{r['speed']['repeats']}; `{r['speed'].get('command', r['setup']['command'])}` on "
+             f"{r['speed'].get('machine', r['setup']['machine'])}.", "",
              "Tokens to detect (smallest batch reaching AUC@1%FPR >= 0.99; '-' = not within the tokens available):", "",
              "| misconfiguration | " + " | ".join(next(iter(r["tokens_to_detect_by_score"].values())).keys()) + " |",
              "|---|" + "---|" * len(next(iter(r["tokens_to_detect_by_score"].values())))]

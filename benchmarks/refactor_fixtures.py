@@ -3,9 +3,13 @@ on the shipped testbed, then check that the refactored code computes the same bi
 
     PYTHONPATH=src .venv/bin/python benchmarks/refactor_fixtures.py record   # before the refactor
     PYTHONPATH=src .venv/bin/python benchmarks/refactor_fixtures.py check    # after: table, exit 1 on a diff
+    ... record --fixtures tests/fixtures/refactor-NAME    # another machine's recording: run from a
+                      # checkout of the pre-refactor commit 621fd5b with this script and
+                      # src/verinfer/numerics/machine.py copied into it, PYTHONPATH=src
     ... check --only gen/ --only replay/                                      # a subset (name prefixes)
 
-What is recorded (tests/fixtures/refactor/fixtures.json + replay_logits.safetensors):
+What is recorded (tests/fixtures/refactor*/fixtures.json + replay_logits.safetensors; one
+directory per recording machine, `check` compares against the one recorded on this CPU and torch):
   gen/<provider>, gen/noise-<backend>, gen/fingerprint  `verinfer generate` output token ids
                       per claim (and the `activations` payload); prompts too
   det/<policy>        `verinfer generate --deterministic <policy>` greedy token ids
@@ -39,8 +43,10 @@ from pathlib import Path
 
 import numpy as np
 
+from verinfer.numerics.machine import fingerprint_mismatch, machine_fingerprint
+
 ROOT = Path(__file__).resolve().parents[1]
-FIXTURES = ROOT / "tests" / "fixtures" / "refactor"
+FIXTURES = ROOT / "tests" / "fixtures" / "refactor"  # the first recording (record's default)
 N, MAX_TOKENS, SEED = 8, 32, 0
 TAU = 0.0625  # fixed MarginGate tau (calibrated testbed eps_pert p99 is 0.0625): no calibration run
 JUDGE = ROOT / "benchmarks" / "results" / "kl_judge_autojudge.json"
@@ -165,23 +171,17 @@ def replay_record(pairs, threads: int) -> tuple[dict, dict]:
 
 # --- environment ---------------------------------------------------------------------------------
 def environment(threads: int) -> dict:
-    import torch
-
-    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").is_file() else ""
-    field = lambda k: next((ln.split(":", 1)[1].strip() for ln in info.splitlines() if ln.startswith(k)), "")  # noqa: E731
-    flags = sorted(f for f in field("flags").split() if f.startswith(("avx", "amx", "fma", "f16c", "sse4")))
+    """The machine fingerprint (verinfer.numerics.machine) plus the commit, python and date."""
     commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     dirty = subprocess.run(["git", "status", "--porcelain", "src"], cwd=ROOT, capture_output=True, text=True).stdout
-    return dict(commit=commit, src_modified=bool(dirty.strip()), torch=torch.__version__, threads=threads, cpu_model=field("model name"),
-                cpu_isa_flags=flags, machine=platform.machine(), python=platform.python_version(),
+    return dict(machine_fingerprint(threads), commit=commit, src_modified=bool(dirty.strip()),
+                python=platform.python_version(),
                 date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
 
 
 def env_mismatch(rec: dict, now: dict) -> str | None:
-    """Why bitwise comparison is not meaningful here (another CPU / ISA / torch), or None."""
-    why = [f"{k}: recorded {rec[k]!r}, here {now[k]!r}" for k in ("cpu_model", "cpu_isa_flags", "torch", "machine")
-           if rec.get(k) != now.get(k)]
-    return "; ".join(why) or None
+    """Why bitwise comparison is not meaningful here (another CPU / ISA / torch / BLAS), or None."""
+    return fingerprint_mismatch(rec, now)
 
 
 # --- record / check ------------------------------------------------------------------------------
@@ -213,8 +213,8 @@ def replay_pairs(fixture_results: dict) -> list[tuple[list[int], list[int]]]:
     return [(c["prompt"], c["tokens"]) for c in fixture_results["gen/honest-bf16-b8"][:REPLAY_CLAIMS]]
 
 
-def record(threads: int, log=print) -> None:
-    FIXTURES.mkdir(parents=True, exist_ok=True)
+def record(threads: int, dest: Path = FIXTURES, log=print) -> None:
+    dest.mkdir(parents=True, exist_ok=True)
     its = items()
     results, _ = compute(its, threads, log)
     t0 = time.time()
@@ -222,7 +222,7 @@ def record(threads: int, log=print) -> None:
     log(f"  {'replay/* (6 configs)':32s} {time.time() - t0:5.1f} s")
     from safetensors.torch import save_file
 
-    save_file(tensors, str(FIXTURES / "replay_logits.safetensors"))
+    save_file(tensors, str(dest / "replay_logits.safetensors"))
     doc = dict(meta=dict(environment(threads), n=N, max_tokens=MAX_TOKENS, seed=SEED, tau=TAU,
                          replay_claims=REPLAY_CLAIMS, replay_rows=list(REPLAY_ROWS),
                          notes=["spec/*-t1 (sampled speculative tokens) are EXPECTED to change in the refactor: "
@@ -231,8 +231,8 @@ def record(threads: int, log=print) -> None:
                                 "claims JSON formatting and `spec.rng` text are not compared, only values"]),
                items={it["name"]: dict(argv=it["argv"], must_equal=it["must_equal"], note=it["note"]) for it in its},
                results={**results, **replay_meta})
-    (FIXTURES / "fixtures.json").write_text(json.dumps(doc, separators=(",", ":")))
-    log(f"wrote {FIXTURES}/fixtures.json and replay_logits.safetensors")
+    (dest / "fixtures.json").write_text(json.dumps(doc, separators=(",", ":")))
+    log(f"wrote {dest}/fixtures.json and replay_logits.safetensors")
 
 
 def diff_claims(old: list[dict], new: list[dict]) -> str | None:
@@ -273,19 +273,32 @@ def diff_replay(name: str, old: dict, new: dict, old_t, new_t) -> str | None:
             f"differ, max |diff| {float(d.max()):.3g}")
 
 
-def check(only: list[str] | None, log=print) -> int:
-    """Rerun and compare; prints a table. 0: all must-equal items equal; 1: a difference;
-    3: another CPU / torch than the recording (comparison not meaningful)."""
+def recordings(dirs: list[Path] | None = None) -> list[Path]:
+    """The recording directories: tests/fixtures/refactor*/ holding a fixtures.json."""
+    dirs = dirs or sorted((ROOT / "tests" / "fixtures").glob("refactor*"))
+    return [d for d in dirs if (d / "fixtures.json").is_file()]
+
+
+def check(only: list[str] | None, dirs: list[Path] | None = None, log=print) -> int:
+    """Rerun and compare against the recording made on this CPU and torch; prints a table.
+    0: all must-equal items equal; 1: a difference; 3: no recording from this CPU / torch
+    (comparison not meaningful)."""
     from safetensors.torch import load_file
 
-    doc = json.loads((FIXTURES / "fixtures.json").read_text())
-    meta = doc["meta"]
-    why = env_mismatch(meta, environment(meta["threads"]))
-    if why:
-        log(f"NOT COMPARABLE: the fixtures were recorded on another machine or torch ({why}); bitwise results "
-            f"depend on the CPU ISA and torch build, so nothing is compared. Re-record on this machine from "
-            f"commit {meta['commit'][:7]} to compare here.")
+    why_not = []
+    for src in recordings(dirs):
+        doc = json.loads((src / "fixtures.json").read_text())
+        meta = doc["meta"]
+        why = env_mismatch(meta, environment(meta["threads"]))
+        if not why:
+            break
+        why_not.append(f"{src.relative_to(ROOT) if src.is_relative_to(ROOT) else src}: {why}")
+    else:
+        log(f"NOT COMPARABLE: no fixtures were recorded on this machine and torch ({'; '.join(why_not) or 'none found'}); "
+            f"bitwise results depend on the CPU ISA and torch build, so nothing is compared. Re-record here from "
+            f"the pre-refactor commit 621fd5b (record --fixtures tests/fixtures/refactor-NAME) to compare here.")
         return 3
+    log(f"comparing against {src} (recorded at {meta['commit'][:7]} on {meta['cpu_model']}, torch {meta['torch']})")
     sel = lambda name: not only or any(name.startswith(p) for p in only)  # noqa: E731
     its = [it for it in items() if sel(it["name"])]
     new, _ = compute(its, meta["threads"], log)
@@ -293,7 +306,7 @@ def check(only: list[str] | None, log=print) -> int:
         pairs = [(c["prompt"], c["tokens"]) for c in doc["results"]["gen/honest-bf16-b8"][:REPLAY_CLAIMS]]
         replay_meta, tensors = replay_record(pairs, meta["threads"])
         new.update({k: v for k, v in replay_meta.items() if sel(k)})
-    old_t = load_file(str(FIXTURES / "replay_logits.safetensors"))
+    old_t = load_file(str(src / "replay_logits.safetensors"))
     rows, failed = [], 0
     for name in sorted(new):
         old = doc["results"].get(name)
@@ -324,11 +337,14 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=1, help="torch threads when recording (check uses the recorded); "
                     "1: 2 threads on a shared 2-core machine run up to 25x slower (spinning OpenMP threads)")
     ap.add_argument("--only", action="append", help="check only items whose name starts with this (repeatable)")
+    ap.add_argument("--fixtures", type=Path, help="record: the directory to write (default tests/fixtures/refactor); "
+                    "check: compare against this directory only (default: every tests/fixtures/refactor*/, "
+                    "the one recorded on this CPU and torch)")
     a = ap.parse_args()
     if a.mode == "record":
-        record(a.threads)
+        record(a.threads, a.fixtures or FIXTURES)
         return 0
-    return check(a.only)
+    return check(a.only, [a.fixtures] if a.fixtures else None)
 
 
 if __name__ == "__main__":
