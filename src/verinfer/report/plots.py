@@ -63,7 +63,7 @@ class AucVsTokensPlot:
         ax.grid(True, which="major", alpha=0.3)
         if title:
             ax.set_title(title)
-        ax.legend(fontsize=LEGEND_SIZE, loc="upper left", framealpha=0.9)
+        ax.legend(fontsize=LEGEND_SIZE, loc="best", framealpha=0.9)
         _style(ax)
         return self
 
