@@ -17,9 +17,11 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pytest
 
-from verinfer.report.html import ReportContext, write_report
+from verinfer.detect.clipped_mean import ClippedMeanDetector
+from verinfer.report.html import ReportContext, compute_auc_curves, write_report
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 if CHROMIUM is None:
@@ -72,9 +74,6 @@ def _table(rng) -> pa.Table:
 
 @pytest.fixture(scope="module")
 def report(tmp_path_factory) -> Path:
-    from verinfer.detect.clipped_mean import ClippedMeanDetector
-    import pyarrow.compute as pc
-
     table = _table(np.random.default_rng(0))
     honest = ["honest-a", "honest-b"]
     det = ClippedMeanDetector().fit(table.filter(pc.is_in(table["provider"], pa.array(honest))))
@@ -82,8 +81,6 @@ def report(tmp_path_factory) -> Path:
                  "honest": p in honest} for p in ("honest-a", "honest-b", "int4", "wrong-seed")]
     ctx = ReportContext(model="synthetic scores (tests/report/test_browser.py)", weights_sha256="none",
                         sampling="temperature 1.0, top_k 50, top_p 0.95")
-    from verinfer.report.html import compute_auc_curves
-
     curves = compute_auc_curves(table, honest, batch_sizes=(1, 10, 100, 1000), n_batches=200)
     return write_report(table, tmp_path_factory.mktemp("browser"), honest, verdicts, curves,
                         batch_sizes=(1, 10, 100, 1000), context=ctx)

@@ -219,7 +219,7 @@ def test_plots_are_drawn_at_the_size_the_page_shows_them(table, tmp_path):
     assert re.search(r"body\{[^}]*max-width:(\d+)px", out.read_text()).group(1) >= str(2 * w)
 
 
-def test_test_report_computes_curves_when_missing(table, tmp_path):
+def test_write_report_computes_curves_when_missing(table, tmp_path):
     small = table.filter(pc.is_in(table["provider"], value_set=pa.array(["honest-a", "int4"])))
     out = write_report(small, tmp_path, ["honest-a"], None, None, batch_sizes=(1, 100))
     text = out.read_text()
