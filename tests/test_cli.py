@@ -69,6 +69,13 @@ def test_demo_small(tmp_path):
     assert (tmp_path / "demo" / "report.html").is_file()
     verdicts = json.loads((tmp_path / "demo" / "verdicts.json").read_text())
     assert len(verdicts) == 10 and {v["provider"] for v in verdicts} >= {"int4", "honest-bf16-b8"}
+    from verinfer.models.load import model_info
+
+    info, html = model_info(TARGET_DIR), (tmp_path / "demo" / "report.html").read_text()
+    assert f'id="model">{info.name}<' in html and f'id="weights">{info.weights_sha256}<' in html
+    assert 'id="sampling">temperature 1.0, top_k 50, top_p 0.95, min_p 0.0, noise vllm-cpu, max_tokens 16, seed 0<' in html
+    flagged = sum(v["flagged"] for v in verdicts if not v["honest"])
+    assert f"{flagged} of 5 audited providers flagged" in html
 
 
 def test_fingerprints_generate_calibrate_and_combined_audit(tmp_path):
@@ -215,6 +222,23 @@ def test_report_and_audit_read_scores_with_and_without_gaps_together(scored, tmp
     pq.write_table(pq.read_table(plain).set_column(5, "margin", pa.array(["x"] * pq.read_metadata(plain).num_rows)), odd)
     r = run("report", plain, odd, "--out", tmp_path / "report2")
     assert r.exit_code == 2 and str(odd) in r.output and "margin: double vs string" in r.output
+
+
+def test_report_names_the_model_given_and_says_not_recorded_otherwise(scored, tmp_path):
+    """Scores files do not record the model: `verinfer report --model` names it (and its weights
+    hash) on the page; without it the page says so rather than leaving the model out."""
+    from verinfer.models.load import model_info
+
+    _, out = scored
+    files = [out["honest-bf16-b8"], out["wrong-seed"]]
+    r = run("report", *files, "--out", tmp_path / "named", "--model", TARGET_DIR)
+    assert r.exit_code == 0, r.output
+    info, html = model_info(TARGET_DIR), (tmp_path / "named" / "report.html").read_text()
+    assert f'id="model">{info.name}<' in html and f'id="weights">{info.weights_sha256}<' in html
+    assert "AUC@1%FPR reaches 0.99 for wrong-seed" in html
+    r = run("report", *files, "--out", tmp_path / "plain")
+    assert r.exit_code == 0, r.output
+    assert 'id="model">not recorded<' in (tmp_path / "plain" / "report.html").read_text()
 
 
 def test_combined_audit_rows_keep_their_detector_labels(capsys):

@@ -13,8 +13,8 @@ from pathlib import Path
 from verinfer.apps.pipeline import audit, calibrate, generate, load_score_tables, score, verifier_engine
 from verinfer.io import atomic_write_text
 from verinfer.models.testbed import TARGET_DIR
-from verinfer.providers.simulated import HONEST, PROVIDERS
-from verinfer.report.html import compute_auc_curves, write_report
+from verinfer.providers.simulated import DEFAULT_SPEC, HONEST, PROVIDERS
+from verinfer.report.html import ReportContext, compute_auc_curves, write_report
 
 
 @dataclass
@@ -46,5 +46,6 @@ def demo(out_dir: str | Path = "runs/demo", *, model_dir: str | Path | None = No
     verdicts = audit(table, det, list(PROVIDERS), held_out, max_tokens=audit_tokens)
     atomic_write_text(out / "verdicts.json", json.dumps(verdicts, indent=1, default=float))
     curves = compute_auc_curves(table, honest, seed=seed)
-    report = write_report(table, out, honest, verdicts, curves)
+    context = ReportContext.for_model(model_dir, {**DEFAULT_SPEC, "max_tokens": max_tokens, "seed": seed})
+    report = write_report(table, out, honest, verdicts, curves, context=context)
     return DemoResult(verdicts, report, time.perf_counter() - t0)

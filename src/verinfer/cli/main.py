@@ -254,17 +254,21 @@ def audit(inputs: List[Path] = typer.Argument(..., help="Scores Parquet or claim
 
 @command(app)
 def report(scores: List[Path] = typer.Argument(...), out: Path = typer.Option(Path("runs/report"), "--out", "-o"),
-           honest: List[str] = typer.Option(None, help="Honest provider names (default: names starting 'honest').")):
+           honest: List[str] = typer.Option(None, help="Honest provider names (default: names starting 'honest')."),
+           model: Optional[str] = typer.Option(None, help=f"{MODEL_HELP}: the model the scores were replayed "
+                                               "with, named in the report with its weights hash (scores files do "
+                                               "not record it: without this the report says 'not recorded').")):
     """HTML report with AUC@1%FPR-vs-tokens curves and score histograms."""
     from verinfer.apps.pipeline import load_score_tables
-    from verinfer.report.html import compute_auc_curves, write_report
+    from verinfer.report.html import ReportContext, compute_auc_curves, write_report
 
     table = load_score_tables(scores)
     names = sorted(set(table["provider"].to_pylist()))
     hon = honest or [n for n in names if n.startswith("honest")]
     if not hon:
         raise VerinferError("no honest provider among the scores", fix="pass --honest NAME")
-    path = write_report(table, out, hon, None, compute_auc_curves(table, hon))
+    context = ReportContext.for_model(_model_dir(model)) if model else ReportContext()
+    path = write_report(table, out, hon, None, compute_auc_curves(table, hon), context=context)
     typer.echo(f"report: {path}")
 
 

@@ -1,35 +1,68 @@
-"""Audit report: AUC@1%FPR-vs-tokens curves per misconfiguration and score (DiFR figure 1 style),
-score histograms honest vs each misconfiguration, a verdict table; one self-contained HTML file
-with the PNGs next to it.
+"""Audit report: one self-contained HTML page an auditor can send on (the PNGs are embedded, and
+also written next to it). Top to bottom: what was audited (model, weights hash, sampling, date,
+verinfer version), a one-line summary, one row per provider (verdict, tokens, p-value, exact
+match), then the evidence: verdict details, AUC@1%FPR-vs-tokens curves per misconfiguration and
+score (DiFR figure 1 style), score histograms honest vs each misconfiguration, the scored data.
 
-Figures are drawn on `matplotlib.figure.Figure` objects (Agg canvas, no pyplot global state) by
-small plot classes that own an Axes, in the style of scikit-learn's Display objects:
-
-    AucVsTokensPlot(ax).plot(curves[misconf])          # one line per score
-    ScoreHistogramPlot(ax).plot(honest, misconf, ...)  # log-y histograms
+The page is `templates/report.html.j2` (jinja2); numbers go through `report.format`; figures are
+`report.plots` objects at the size the page shows them.
 """
 
 from __future__ import annotations
 
-import html
+import base64
 import re
 import zlib
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
 from pathlib import Path
 
+import jinja2
 import numpy as np
 import pyarrow as pa
-from matplotlib.axes import Axes
-from matplotlib.figure import Figure
 
-from verinfer.io import atomic_write, atomic_write_text
-from verinfer.detect.metrics import auc_vs_tokens, tokens_to_detect
+from verinfer import __version__
 from verinfer.audit.scores import SCORES, divergence
+from verinfer.detect.metrics import auc_vs_tokens, tokens_to_detect
 from verinfer.errors import VerinferError
+from verinfer.io import atomic_write_text
+from verinfer.report import format as fmt
+from verinfer.report.plots import TARGET_AUC, AucVsTokensPlot, ScoreHistogramPlot, new_figure, save_png
+
+__all__ = ["AucVsTokensPlot", "ReportContext", "ScoreHistogramPlot", "compute_auc_curves", "summarize",
+           "write_report"]
 
 BATCH_SIZES = (1, 3, 10, 30, 100, 300, 1000, 3000, 10000)
 HIST_SCORES = ("margin", "cross_entropy")
-TARGET_AUC = 0.99
+NOT_RECORDED = "not recorded"
+
+
+# -- what was audited ----------------------------------------------------------------------------
+def _now() -> str:
+    return datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+
+
+@dataclass(frozen=True)
+class ReportContext:
+    """What the report says was audited. Fields the caller cannot know stay "not recorded"
+    (`verinfer report` reads scores files, which record no model unless --model names it)."""
+
+    model: str = NOT_RECORDED
+    weights_sha256: str = NOT_RECORDED
+    sampling: str = NOT_RECORDED
+    created: str = field(default_factory=_now)
+    version: str = __version__
+
+    @classmethod
+    def for_model(cls, model_dir: str | Path, sampling: Mapping | None = None, **kw) -> "ReportContext":
+        """The model's name and weights hash from its directory (`models.load.model_info`);
+        sampling: the advertised settings, e.g. {"temperature": 1.0, "top_k": 50, ...}."""
+        from verinfer.models.load import model_info
+
+        info = model_info(model_dir)
+        text = ", ".join(f"{k} {v}" for k, v in sampling.items()) if sampling else NOT_RECORDED
+        return cls(model=info.name, weights_sha256=info.weights_sha256, sampling=text, **kw)
 
 
 # -- data ----------------------------------------------------------------------------------------
@@ -74,185 +107,187 @@ def compute_auc_curves(table, honest_providers: list[str], scores: Iterable[str]
     return curves
 
 
-# -- plots ---------------------------------------------------------------------------------------
-class AucVsTokensPlot:
-    """AUC@1%FPR against tokens per batch (log x), one line per score, for one misconfiguration."""
-
-    def __init__(self, ax: Axes):
-        self.ax = ax
-
-    def plot(self, curves: Mapping[str, Mapping], title: str | None = None,
-             target: float = TARGET_AUC) -> "AucVsTokensPlot":
-        ax = self.ax
-        for score, by_batch in curves.items():
-            pts = sorted((int(b), a) for b, a in by_batch.items() if a is not None)
-            if pts:
-                ax.plot([b for b, _ in pts], [a for _, a in pts], marker="o", ms=3, lw=1.4, label=score)
-        ax.axhline(target, color="grey", lw=0.8, ls="--")
-        ax.set_xscale("log")
-        ax.set_ylim(0.45, 1.02)
-        ax.set_xlabel("tokens per batch")
-        ax.set_ylabel("AUC @ 1% FPR")
-        ax.grid(True, which="major", alpha=0.3)
-        if title:
-            ax.set_title(title)
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=7, loc="lower right")
-        return self
+def _first_detection(by_score: Mapping) -> tuple[int, str] | None:
+    """(tokens, score) of the smallest batch size at which any score reaches the target AUC."""
+    hits = [(t, i, s) for i, (s, by_batch) in enumerate(by_score.items())
+            if (t := tokens_to_detect(by_batch, TARGET_AUC)) is not None]
+    return min(hits)[::2] if hits else None  # ties: the first score (SCORES order: margin first)
 
 
-class ScoreHistogramPlot:
-    """Density histograms (log y) of one score, honest vs one misconfiguration; the share of
-    infinite values (claimed token filtered out) is given in the legend."""
-
-    def __init__(self, ax: Axes):
-        self.ax = ax
-
-    def plot(self, honest, misconf, score: str, misconf_name: str = "misconfigured",
-             bins: int = 60) -> "ScoreHistogramPlot":
-        ax = self.ax
-        h, m = np.asarray(honest, dtype=np.float64), np.asarray(misconf, dtype=np.float64)
-        hf, mf = h[np.isfinite(h)], m[np.isfinite(m)]
-        both = np.r_[hf, mf]
-        edges = np.histogram_bin_edges(both, bins=bins) if both.size else np.linspace(0, 1, bins + 1)
-        for vals, fin, name, color in ((h, hf, "honest", "tab:blue"), (m, mf, misconf_name, "tab:red")):
-            label = f"{name} (n={vals.size}, inf {1 - fin.size / max(vals.size, 1):.2%})"
-            if fin.size:
-                ax.hist(fin, bins=edges, density=True, histtype="step", lw=1.4, color=color, label=label)
-        ax.set_yscale("log")
-        ax.set_xlabel(score)
-        ax.set_ylabel("density")
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=7)
-        return self
+def _auc_at(by_batch: Mapping | None, n_tokens: int) -> tuple[int, float] | None:
+    """(batch size, AUC) at the largest evaluated batch size <= n_tokens."""
+    pts = sorted((int(b), a) for b, a in (by_batch or {}).items() if a is not None and int(b) <= n_tokens)
+    return pts[-1] if pts else None
 
 
-def _save(fig: Figure, path: Path) -> None:
-    atomic_write(path, lambda tmp: fig.savefig(tmp, format="png", dpi=110))
+# -- summary -------------------------------------------------------------------------------------
+def _names(names: list[str]) -> str:
+    return f" ({', '.join(names)})" if names else ""
 
 
-def _slug(name: str) -> str:
-    return re.sub(r"[^A-Za-z0-9_.-]+", "_", name)
+def summarize(verdicts: list[dict] | None, curves: Mapping, honest: Iterable[str]) -> str:
+    """The page's one-line summary: how many providers were flagged (and which), on how many
+    tokens at what target FPR; without verdicts, which misconfigurations the curves separate."""
+    honest = set(honest)
+    if verdicts:
+        audited = [d for d in verdicts if d.get("provider") not in honest]
+        ref = [d for d in verdicts if d.get("provider") in honest]
+        flagged = [d["provider"] for d in audited if d["flagged"]]
+        ref_flagged = [d["provider"] for d in ref if d["flagged"]]
+        n = sorted({int(d["n_tokens"]) for d in verdicts})
+        size = f"{fmt.tokens(n[0])} tokens" if len(n) == 1 else f"{fmt.tokens(n[0])}-{fmt.tokens(n[-1])} tokens"
+        fprs = sorted({float(d["target_fpr"]) for d in verdicts})
+        line = f"{len(flagged)} of {len(audited)} audited providers flagged{_names(flagged)}"
+        if ref:
+            line += f"; {len(ref_flagged)} of {len(ref)} honest reference providers flagged{_names(ref_flagged)}"
+        return line + f". Each judged on {size} at a {' / '.join(fmt.share(f) for f in fprs)} target false-positive rate."
+    found = {m: d for m in curves if (d := _first_detection(curves[m]))}
+    missed = [m for m in curves if m not in found]
+    parts = [f"{m} at {fmt.tokens(t)} tokens ({s})" for m, (t, s) in found.items()]
+    line = "No detector verdicts in this report (audit with `verinfer audit`). "
+    line += (f"AUC@1%FPR reaches {TARGET_AUC:g} for " + ", ".join(parts)) if parts else \
+        f"No misconfiguration reaches AUC@1%FPR {TARGET_AUC:g}"
+    return line + (f"; not within the tokens available: {', '.join(missed)}." if missed and parts else ".")
 
 
-# -- report --------------------------------------------------------------------------------------
-def _fmt(x, spec: str = ".4f") -> str:
-    if x is None:
-        return "&mdash;"
-    if isinstance(x, (bool, np.bool_)):
-        return "yes" if x else "no"
-    if isinstance(x, (float, np.floating)):
-        return format(float(x), spec)
-    return html.escape(str(x))
+# -- rows ----------------------------------------------------------------------------------------
+VERDICT_KEYS = ("provider", "honest", "flagged", "n_tokens", "pooled", "threshold", "p_value", "p_value_method",
+                "target_fpr", "threshold_fpr", "score", "clip")
 
 
-def _table(header: list[str], rows: list[list[str]]) -> str:
-    th = "".join(f"<th>{h}</th>" for h in header)
-    body = "".join("<tr>" + "".join(f"<td>{c}</td>" for c in r) + "</tr>" for r in rows)
-    return f"<table><thead><tr>{th}</tr></thead><tbody>{body}</tbody></table>"
+def _verdict_view(d: dict) -> dict:
+    """A verdict with every key the page reads (None where a detector does not report it) and
+    `more`: the tokens a decision would still need ('-' when flagged or not reported)."""
+    v = {k: d.get(k) for k in VERDICT_KEYS}
+    if d.get("flagged") or "more_tokens_needed" not in d:
+        v["more"] = fmt.DASH
+    else:
+        more = d["more_tokens_needed"]
+        v["more"] = "none (no excess)" if more is None else f"~{fmt.tokens(more)}"
+    return v
 
 
-def _data_table(cols: dict, honest: set[str]) -> str:
+def _provider_rows(cols: dict, honest: set[str], verdicts: list[dict], curves: Mapping) -> list[dict]:
+    prov = cols["provider"].astype(str)
+    by_name = {d.get("provider"): d for d in verdicts}
+    names = _providers_in_order(prov) + [p for p in by_name if p not in set(prov)]
+    rows = []
+    for p in names:
+        sel = prov == p
+        d = by_name.get(p)
+        row = {"provider": p, "role": "honest reference" if p in honest else "audited",
+               "scored": int(sel.sum()),
+               "exact_match": float(np.mean(cols["exact_match"][sel])) if "exact_match" in cols and sel.any() else None,
+               "verdict": d, "auc": None, "detect": _first_detection(curves[p]) if p in curves else None}
+        if d is not None and p in curves:
+            row["auc"] = _auc_at(curves[p].get(d.get("score") or "margin"), int(d["n_tokens"]))
+        rows.append(row)
+    return rows
+
+
+def _data_rows(cols: dict, honest: set[str]) -> list[dict]:
     prov = cols["provider"].astype(str)
     rows = []
     for p in _providers_in_order(prov):
         sel = prov == p
         margin = cols["margin"][sel].astype(np.float64) if "margin" in cols else np.empty(0)
-        em = f"{np.mean(cols['exact_match'][sel]):.4f}" if "exact_match" in cols else "&mdash;"
         fin = margin[np.isfinite(margin)]
-        rows.append([html.escape(p), "honest" if p in honest else "audited", str(int(sel.sum())), em,
-                     f"{fin.mean():.4g}" if fin.size else "&mdash;",
-                     f"{1 - fin.size / margin.size:.3%}" if margin.size else "&mdash;"])
-    return _table(["provider", "role", "tokens", "exact match", "mean finite margin", "filtered out (inf)"], rows)
+        rows.append({"provider": p, "role": "honest reference" if p in honest else "audited",
+                     "tokens": int(sel.sum()), "mean_margin": float(fin.mean()) if fin.size else None,
+                     "filtered": 1 - fin.size / margin.size if margin.size else None})
+    return rows
 
 
-def _verdict_table(verdicts: list[dict]) -> str:
-    rows = []
-    for d in verdicts:
-        truth = {True: "honest", False: "misconfigured"}.get(d.get("honest"), "?")
-        flag = '<b class="bad">FLAGGED</b>' if d["flagged"] else '<span class="ok">ok</span>'
-        rows.append([_fmt(d.get("provider", "?")), truth, flag, str(d["n_tokens"]), _fmt(d["pooled"]),
-                     _fmt(d["threshold"]), f"{d['p_value']:.3g} ({html.escape(str(d.get('p_value_method', '')))})",
-                     f"{d['target_fpr']:.2%}", _fmt(d.get("score")), _fmt(d.get("clip"), ".4g")])
-    return _table(["provider", "truth", "verdict", "tokens", "pooled (clipped mean)", "threshold",
-                   "p-value (method)", "target FPR", "score", "clip"], rows)
-
-
-def _auc_table(curves: Mapping, batch_sizes: list[int]) -> str:
+def _auc_rows(curves: Mapping, batch_sizes: list[int]) -> list[dict]:
     rows = []
     for m, by_score in curves.items():
         for s, by_batch in by_score.items():
             auc = {int(b): a for b, a in by_batch.items()}
-            cells = []
-            for b in batch_sizes:
-                a = auc.get(b)
-                cells.append("&mdash;" if a is None else
-                             (f'<b>{a:.3f}</b>' if a >= TARGET_AUC else f"{a:.3f}"))
-            ttd = tokens_to_detect(auc, TARGET_AUC)
-            rows.append([html.escape(m), html.escape(s), *cells, "&mdash;" if ttd is None else str(ttd)])
-    return _table(["misconfiguration", "score", *map(str, batch_sizes), "tokens to detect"], rows)
+            rows.append({"misconf": m, "score": s, "auc": [auc.get(b) for b in batch_sizes],
+                         "detect": tokens_to_detect(auc, TARGET_AUC)})
+    return rows
 
 
-_CSS = """body{font-family:system-ui,sans-serif;margin:2em;max-width:1200px}
-table{border-collapse:collapse;margin:1em 0;font-size:13px}th,td{border:1px solid #ccc;padding:3px 8px;text-align:right}
-th{background:#f3f3f3}td:first-child,td:nth-child(2){text-align:left}.bad{color:#b00}.ok{color:#070}
-.figs{display:flex;flex-wrap:wrap;gap:8px}.figs img{max-width:560px;border:1px solid #eee}"""
+# -- figures -------------------------------------------------------------------------------------
+def _slug(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", name)
+
+
+@dataclass(frozen=True)
+class Image:
+    """A PNG written next to the page and embedded in it."""
+
+    file: str
+    title: str
+    data_uri: str
+    width: int
+    height: int
+
+
+def _image(fig, out: Path, file: str, title: str) -> Image:
+    png = save_png(fig, out / file)
+    w, h = int.from_bytes(png[16:20], "big"), int.from_bytes(png[20:24], "big")  # the IHDR chunk
+    return Image(file, title, "data:image/png;base64," + base64.b64encode(png).decode(), w, h)
+
+
+def _figures(cols: dict, honest: set[str], curves: Mapping, out: Path, overview_score: str) -> tuple:
+    prov = cols["provider"].astype(str)
+    is_honest = np.isin(prov, list(honest))
+    misconfs = [p for p in _providers_in_order(prov) if p not in honest]
+    overview = None
+    lines = {m: by_score[overview_score] for m, by_score in curves.items() if overview_score in by_score}
+    if lines:
+        fig = new_figure()
+        AucVsTokensPlot(fig.axes[0]).plot(lines, title=f"{overview_score}: AUC@1%FPR of every misconfiguration")
+        overview = _image(fig, out, "auc_overview.png", f"{overview_score}, every misconfiguration")
+    sections = []
+    for m in sorted(set(misconfs) | set(curves), key=lambda x: (x not in curves, x)):
+        imgs = []
+        if m in curves:
+            fig = new_figure()
+            AucVsTokensPlot(fig.axes[0]).plot(curves[m], title=f"honest vs {m}: AUC@1%FPR by score")
+            imgs.append(_image(fig, out, f"auc_{_slug(m)}.png", f"AUC@1%FPR vs tokens, honest vs {m}"))
+        is_m = prov == m
+        for s in (s for s in HIST_SCORES if s in cols and is_m.any()):
+            v = divergence(cols, s)
+            fig = new_figure()
+            ScoreHistogramPlot(fig.axes[0]).plot(v[is_honest], v[is_m], s, m)
+            imgs.append(_image(fig, out, f"hist_{_slug(m)}_{s}.png", f"{s} histogram, honest vs {m}"))
+        if imgs:
+            sections.append({"name": m, "images": imgs})
+    return overview, sections
+
+
+# -- report --------------------------------------------------------------------------------------
+def _environment() -> jinja2.Environment:
+    env = jinja2.Environment(loader=jinja2.PackageLoader("verinfer.report", "templates"), autoescape=True,
+                             undefined=jinja2.StrictUndefined, trim_blocks=True, lstrip_blocks=True)
+    env.filters.update(sig=fmt.sig, p=fmt.p_value, tokens=fmt.tokens, share=fmt.share)
+    return env
 
 
 def write_report(scores_table, out_dir: str | Path, honest_providers: list[str], verdicts: list[dict] | None = None,
-                 auc_curves: dict | None = None, batch_sizes: Iterable[int] = BATCH_SIZES) -> Path:
-    """Write out_dir/report.html and its PNGs (auc_<misconf>.png, hist_<misconf>.png); return the
-    HTML path. `auc_curves` as returned by `compute_auc_curves` (computed here if None)."""
+                 auc_curves: dict | None = None, batch_sizes: Iterable[int] = BATCH_SIZES,
+                 context: ReportContext | None = None) -> Path:
+    """Write out_dir/report.html (self-contained) and its PNGs (auc_overview.png,
+    auc_<misconf>.png, hist_<misconf>_<score>.png); return the HTML path. `auc_curves` as returned
+    by `compute_auc_curves` (computed here if None); `context`: what was audited (every field
+    "not recorded" if None)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     batch_sizes = [int(b) for b in batch_sizes]
     honest = set(honest_providers)
+    verdicts = [_verdict_view(d) for d in verdicts or []]
     cols = _columns(scores_table, ["provider", "exact_match", *SCORES])
     if auc_curves is None:
         auc_curves = compute_auc_curves(scores_table, list(honest_providers), batch_sizes=batch_sizes)
-    prov = cols["provider"].astype(str)
-    is_honest = np.isin(prov, list(honest))
-    misconfs = [p for p in _providers_in_order(prov) if p not in honest]
-
-    figures = []
-    for m in sorted(set(misconfs) | set(auc_curves), key=lambda x: (x not in auc_curves, x)):
-        imgs = []
-        if m in auc_curves:
-            fig = Figure(figsize=(5.2, 3.6), layout="constrained")
-            AucVsTokensPlot(fig.add_subplot()).plot(auc_curves[m], title=f"honest vs {m}")
-            _save(fig, out / f"auc_{_slug(m)}.png")
-            imgs.append(f"auc_{_slug(m)}.png")
-        is_m = prov == m
-        hist_scores = [s for s in HIST_SCORES if s in cols]
-        if is_m.any() and hist_scores:
-            fig = Figure(figsize=(5.2 * len(hist_scores), 3.6), layout="constrained")
-            for ax, s in zip(fig.subplots(1, len(hist_scores), squeeze=False)[0], hist_scores):
-                v = divergence(cols, s)
-                ScoreHistogramPlot(ax).plot(v[is_honest], v[is_m], s, m)
-            _save(fig, out / f"hist_{_slug(m)}.png")
-            imgs.append(f"hist_{_slug(m)}.png")
-        if imgs:
-            figures.append(f"<h3>{html.escape(m)}</h3><div class=figs>" +
-                           "".join(f'<img src="{html.escape(i)}" alt="{html.escape(i)}">' for i in imgs) + "</div>")
-
-    parts = [
-        "<!doctype html><html><head><meta charset=utf-8><title>verinfer audit report</title>",
-        f"<style>{_CSS}</style></head><body><h1>verinfer audit report</h1>",
-        f"<p>Honest providers (the null): {html.escape(', '.join(sorted(honest)))}. "
-        "Scores are oriented so that higher = more divergent from the trusted replay "
-        "(margin, cross-entropy, 1 &minus; exact match, &minus;likelihood).</p>",
-        "<h2>Data</h2>", _data_table(cols, honest),
-    ]
-    if verdicts:
-        parts += ["<h2>Verdicts</h2>", "<p>Flagged iff the clipped mean of the batch exceeds the "
-                  "(1 &minus; target FPR) quantile of resampled honest batch means of the same size; the p-value "
-                  "is the tail probability of the pooled score under that honest null.</p>", _verdict_table(verdicts)]
-    parts += ["<h2>AUC at 1% FPR by tokens per batch</h2>",
-              "<p>McClish-standardized partial AUC (FPR &le; 1%) of honest vs misconfigured batch means on a "
-              "token-level 50/50 split: clipped at a quantile of the honest train split, batches drawn from the "
-              "test splits (DiFR 5.2). 0.5 = chance or not more divergent than honest; bold = reaches "
-              f"{TARGET_AUC}; &mdash; = batch larger than the tokens available.</p>",
-              _auc_table(auc_curves, batch_sizes), "<h2>Plots</h2>", *figures, "</body></html>"]
+    overview_score = next((d["score"] for d in verdicts if d.get("score")), "margin")
+    overview, sections = _figures(cols, honest, auc_curves, out, overview_score)
+    page = _environment().get_template("report.html.j2").render(
+        context=context or ReportContext(), summary=summarize(verdicts, auc_curves, honest),
+        honest=sorted(honest), providers=_provider_rows(cols, honest, verdicts, auc_curves), verdicts=verdicts,
+        auc_rows=_auc_rows(auc_curves, batch_sizes), batch_sizes=batch_sizes, target_auc=TARGET_AUC,
+        overview=overview, sections=sections, data=_data_rows(cols, honest))
     path = out / "report.html"
-    atomic_write_text(path, "\n".join(parts) + "\n")
+    atomic_write_text(path, page)
     return path
