@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import platform
 import statistics
 import time
@@ -153,6 +154,7 @@ def main() -> None:
     from verinfer.providers.vllm import VllmRun, generate_claims, make_llm
     from verinfer.models.load import model_info
     from verinfer.models.testbed import TARGET_DIR
+    from verinfer.numerics.machine import machine_fingerprint
     from verinfer.sampling.params import SamplingParams
 
     t_start = time.perf_counter()
@@ -300,8 +302,8 @@ def main() -> None:
                   "max_tokens": args.max_tokens, "sampling": "T=1.0, top_k=50, top_p=0.95, noise vllm-cpu",
                   "vllm": vllm.__version__, "torch": torch.__version__, "verifier": f"verinfer bf16 sdpa, matmul {args.matmul}, {all_threads} threads",
                   "vllm_generate_s_runs": gen_s, "vllm_generate_cpu_s_runs": gen_cpu,
-                  "replay_timing_s_runs": t_runs, "threads": all_threads, "llm_init_s": init_s, "machine": f"{platform.machine()} "
-                  f"{__import__('os').cpu_count()} cpus (shared)", "seconds": time.perf_counter() - t_start},
+                  "replay_timing_s_runs": t_runs, "threads": all_threads, "llm_init_s": init_s, "machine": f"{machine_fingerprint()['cpu_model']}, "
+                  f"{platform.machine()} {os.cpu_count()} cpus (shared)", "seconds": time.perf_counter() - t_start},
         "command": command_line(args),
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
