@@ -76,6 +76,21 @@ def test_demo_small(tmp_path):
     assert 'id="sampling">temperature 1.0, top_k 50, top_p 0.95, min_p 0.0, noise vllm-cpu, max_tokens 16, seed 0<' in html
     flagged = sum(v["flagged"] for v in verdicts if not v["honest"])
     assert f"{flagged} of 5 audited providers flagged" in html
+    # the run's settings are recorded; a rerun with others is refused before any work (not mixed in)
+    assert json.loads((tmp_path / "demo" / "demo.json").read_text()) == dict(
+        model=info.name, weights_sha256=info.weights_sha256, n=6, max_tokens=16, seed=0)
+    r = runner.invoke(app, ["demo", "--out", str(tmp_path / "demo"), "--n", "8", "--max-tokens", "16", "--quiet"])
+    assert r.exit_code == 2 and "a demo run with other settings (different n)" in r.output, r.output
+    # resuming with the same settings recomputes nothing: the claims stay as they were
+    before = (tmp_path / "demo" / "claims" / "int4.jsonl").stat().st_mtime_ns
+    r = run("demo", "--out", tmp_path / "demo", "--n", 6, "--max-tokens", 16, "--quiet", "--audit-tokens", 48)
+    assert r.exit_code == 0 and (tmp_path / "demo" / "claims" / "int4.jsonl").stat().st_mtime_ns == before
+
+
+def test_demo_model_option_takes_a_directory_and_refuses_a_missing_one(tmp_path):
+    r = runner.invoke(app, ["demo", "--out", str(tmp_path / "d"), "--model", str(tmp_path / "nope"), "--quiet"])
+    assert r.exit_code == 2 and "nope" in r.output
+    assert not (tmp_path / "d").exists()
 
 
 def test_fingerprints_generate_calibrate_and_combined_audit(tmp_path):

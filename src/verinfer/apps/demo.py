@@ -11,7 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from verinfer.apps.pipeline import audit, calibrate, generate, load_score_tables, score, verifier_engine
-from verinfer.io import atomic_write_text
+from verinfer.io import atomic_write_json, atomic_write_text, check_manifest
+from verinfer.models.load import model_info
 from verinfer.models.testbed import TARGET_DIR
 from verinfer.providers.simulated import DEFAULT_SPEC, HONEST, PROVIDERS
 from verinfer.report.html import ReportContext, compute_auc_curves, write_report
@@ -26,10 +27,20 @@ class DemoResult:
 
 def demo(out_dir: str | Path = "runs/demo", *, model_dir: str | Path | None = None, n: int = 128,
          max_tokens: int = 64, seed: int = 0, audit_tokens: int = 1000, show_progress: bool = True) -> DemoResult:
-    """Generate honest and misconfigured claims on the testbed, score, calibrate, audit, report."""
+    """Generate honest and misconfigured claims on the testbed (or `model_dir`), score, calibrate,
+    audit, report. Resumes the finished claims and scores in `out_dir` when they were made with the
+    same model, n, max_tokens and seed (out_dir/demo.json); other settings are refused."""
     t0 = time.perf_counter()
     model_dir = Path(model_dir or TARGET_DIR)
     out = Path(out_dir)
+    info = model_info(model_dir)
+    manifest = dict(model=info.name, weights_sha256=info.weights_sha256, n=n, max_tokens=max_tokens, seed=seed)
+    mpath = out / "demo.json"
+    if mpath.is_file() or (out / "claims").is_dir():
+        check_manifest(mpath, manifest, on_mismatch="error", where=out, what="a demo run with other settings")
+    else:
+        out.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(mpath, manifest)
     engine = verifier_engine(model_dir)
     paths = []
     for name in PROVIDERS:

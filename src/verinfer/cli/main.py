@@ -87,12 +87,14 @@ def demo(out: Path = typer.Option(Path("runs/demo"), help="Output directory (res
          n: int = typer.Option(128, help="Requests per provider (half of each honest provider's tokens calibrate)."),
          max_tokens: int = typer.Option(64, help="Output tokens per request."),
          seed: int = typer.Option(0), audit_tokens: int = typer.Option(1000, help="Tokens per audited provider."),
+         model: Optional[str] = typer.Option(None, help=f"{MODEL_HELP} (default: testbed target)."),
          quiet: bool = typer.Option(False, help="No progress bars.")):
-    """Generate honest and misconfigured claims on the testbed, score, calibrate, audit, report."""
+    """Generate honest and misconfigured claims on the testbed (or --model), score, calibrate, audit, report."""
     from verinfer.apps.demo import demo as run_demo
     from verinfer.apps.pipeline import print_verdicts
 
-    res = run_demo(out, n=n, max_tokens=max_tokens, seed=seed, audit_tokens=audit_tokens, show_progress=not quiet)
+    res = run_demo(out, model_dir=_model_dir(model), n=n, max_tokens=max_tokens, seed=seed, audit_tokens=audit_tokens,
+                   show_progress=not quiet)
     print_verdicts(res.verdicts)
     typer.echo(f"report: {res.report}   ({res.seconds:.0f} s)")
 
