@@ -84,7 +84,9 @@ def _model_names_option():
 
 @command(app)
 def demo(out: Path = typer.Option(Path("runs/demo"), help="Output directory (resumes if it exists)."),
-         n: int = typer.Option(128, help="Requests per provider (half of each honest provider's tokens calibrate)."),
+         n: Optional[int] = typer.Option(None, help="Requests per provider (half of each honest provider's tokens "
+                                        "calibrate). Default 128 on the testbed, 32 with --model (a real model "
+                                        "decodes about 20x slower on a CPU)."),
          max_tokens: int = typer.Option(64, help="Output tokens per request."),
          seed: int = typer.Option(0), audit_tokens: int = typer.Option(1000, help="Tokens per audited provider."),
          model: Optional[str] = typer.Option(None, help=f"{MODEL_HELP} (default: testbed target)."),
@@ -93,7 +95,7 @@ def demo(out: Path = typer.Option(Path("runs/demo"), help="Output directory (res
     from verinfer.apps.demo import demo as run_demo
     from verinfer.apps.pipeline import print_verdicts
 
-    res = run_demo(out, model_dir=_model_dir(model), n=n, max_tokens=max_tokens, seed=seed, audit_tokens=audit_tokens,
+    res = run_demo(out, model_dir=_model_dir(model), n=n or (128 if model is None else 32), max_tokens=max_tokens, seed=seed, audit_tokens=audit_tokens,
                    show_progress=not quiet)
     print_verdicts(res.verdicts)
     typer.echo(f"report: {res.report}   ({res.seconds:.0f} s)")
