@@ -148,18 +148,37 @@ def test_calibrate_and_audit_go_through_the_detector_registry(scored, tmp_path):
     assert r.exit_code == 2 and "not a verinfer detector file" in r.output and "verinfer.Nope" in r.output
 
 
-def test_unwritable_outputs_fail_before_any_compute(tmp_path):
+def test_unwritable_outputs_fail_before_any_compute(scored, tmp_path):
+    """Every command refuses an output path that is a directory or lies under a file with exit 2
+    and what/where/fix, before computing (calibrate, report, audit --json, determinism calibrate
+    and audit-api raised tracebacks; audit --json after printing its verdicts, exit 1)."""
+    d, p = scored
     (tmp_path / "f").write_text("a file")
     (tmp_path / "d").mkdir()
     claims = tmp_path / "c.jsonl"
     claims.write_text(json.dumps({"id": "a", "model": TARGET_DIR.name, "prompt_token_ids": [1, 2],
                                   "output_token_ids": [3], "sampling": {"temperature": 0.0}}) + "\n")
-    for args in (("generate", "honest-bf16-b8", "--out", tmp_path / "f" / "c.jsonl"),
-                 ("generate", "--deterministic", "best", "--out", tmp_path / "d"),
-                 ("score", claims, "--out", tmp_path / "d")):
-        r = run(*args)
-        assert r.exit_code == 2, r.output
-        assert "lies under a file" in r.output or "is a directory" in r.output
+    det = tmp_path / "det.json"
+    assert run("calibrate", p["honest-bf16-b8"], "--out", det).exit_code == 0
+    dead = ("audit-api", "--base-url", "http://127.0.0.1:9/v1", "--model", "m", "--mode", "seeded")
+    for bad in (tmp_path / "d", tmp_path / "f" / "x.json"):
+        for args in (("generate", "honest-bf16-b8", "--out", bad),
+                     ("generate", "--deterministic", "best", "--out", bad),
+                     ("generate", "--speculative", "standard", "--out", bad),
+                     ("score", claims, "--out", bad),
+                     ("calibrate", p["honest-bf16-b8"], "--out", bad),
+                     ("audit", p["honest-bf16-b8"], "-d", det, "--json", bad),
+                     ("determinism", "calibrate", "--out", bad),
+                     (*dead, "--out", tmp_path / "aa", "--detector", bad)):
+            r = run(*args)  # catch_exceptions=False: a traceback fails the test
+            assert r.exit_code == 2, (args, r.output)
+            assert ("lies under a file" in r.output or "is a directory" in r.output) and str(bad) in r.output, r.output
+            assert "DiFR verdicts" not in r.output and "->" in r.output  # no verdicts printed first; a fix
+    for bad in (tmp_path / "f", tmp_path / "f" / "sub"):  # directory outputs: a file, or under one
+        for args in (("report", p["honest-bf16-b8"], "--out", bad), (*dead, "--out", bad)):
+            r = run(*args)
+            assert r.exit_code == 2 and str(bad) in r.output, (args, r.output)
+            assert "is a file, not a directory" in r.output or "lies under a file" in r.output, r.output
 
 
 def test_calibrate_help_names_every_registered_detector():

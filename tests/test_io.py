@@ -1,6 +1,7 @@
 """verinfer.io: atomic writes, the output lock, resumable parts, output checks."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -99,6 +100,30 @@ def test_check_writable_refuses_before_any_compute(tmp_path):
         check_writable(tmp_path / "f" / "out.parquet")
     assert check_writable(tmp_path / "new" / "out.parquet") == tmp_path / "new" / "out.parquet"
 
+
+
+def test_check_writable_directories(tmp_path):
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(VerinferError, match="is a file, not a directory"):
+        check_writable(tmp_path / "f", directory=True)
+    with pytest.raises(VerinferError, match="lies under a file"):
+        check_writable(tmp_path / "f" / "sub", directory=True)
+    assert check_writable(tmp_path, directory=True) == tmp_path
+    assert check_writable(tmp_path / "new" / "dir", directory=True) == tmp_path / "new" / "dir"
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only directories")
+def test_check_writable_refuses_a_read_only_directory(tmp_path):
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o555)
+    try:
+        with pytest.raises(VerinferError, match="is not writable"):
+            check_writable(ro / "out.json")
+        with pytest.raises(VerinferError, match="is not writable"):
+            check_writable(ro / "report", directory=True)
+    finally:
+        ro.chmod(0o755)
 
 def test_two_score_runs_on_one_output_one_is_refused(tmp_path):
     """The issue-16 scenario at the level of score_claims: while one run holds the output, a second

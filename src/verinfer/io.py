@@ -11,7 +11,8 @@ Every writer in verinfer goes through this module:
 - `ResumableParts`: a job's finished pieces in `<out>.parts/` next to a manifest of what the job is
   (inputs' hashes, settings). A rerun with the same manifest skips finished parts; with another
   manifest it starts over (or refuses, `on_mismatch="error"`). Held under `exclusive_lock(out)`.
-- `check_writable(path)`: fail before any compute when an output cannot be written.
+- `check_writable(path, what, directory=False)`: fail before any compute when an output file (or
+  directory) cannot be written.
 - `progress_bar`: the one rich progress bar of long jobs.
 """
 
@@ -109,14 +110,16 @@ def atomic_save_safetensors(tensors: dict, path: str | Path, metadata: dict[str,
     return atomic_write(path, lambda tmp: save_file(tensors, str(tmp), metadata=metadata))
 
 
-def check_writable(path: str | Path, what: str = "output") -> Path:
-    """Refuse, before any compute, an output path that is a directory, lies under a file, or whose
-    directory cannot be created or written."""
+def check_writable(path: str | Path, what: str = "output", *, directory: bool = False) -> Path:
+    """Refuse, before any compute, an output path that is a directory (a file when `directory`:
+    an output directory), lies under a file, or whose directory cannot be created or written."""
     p = Path(path)
-    if p.is_dir():
-        raise VerinferError(f"the {what} path is a directory", where=str(p), fix="name a file, e.g. out.parquet")
-    parent = p.parent
-    for a in (parent, *parent.parents):
+    if directory and p.exists() and not p.is_dir():
+        raise VerinferError(f"the {what} path is a file, not a directory", where=str(p),
+                            fix="name a directory (it is created if missing)")
+    if not directory and p.is_dir():
+        raise VerinferError(f"the {what} path is a directory", where=str(p), fix="name a file in it, or another path")
+    for a in ((p,) if directory else ()) + (p.parent, *p.parent.parents):
         if a.exists():
             if not a.is_dir():
                 raise VerinferError(f"the {what} path lies under a file ({a})", where=str(p),
@@ -125,7 +128,7 @@ def check_writable(path: str | Path, what: str = "output") -> Path:
                 raise VerinferError(f"cannot write the {what}: {a} is not writable", where=str(p),
                                     fix="choose a writable directory")
             break
-    if p.exists() and not os.access(p, os.W_OK):
+    if not directory and p.exists() and not os.access(p, os.W_OK):
         raise VerinferError(f"cannot overwrite the {what}", where=str(p), fix="check its permissions")
     return p
 

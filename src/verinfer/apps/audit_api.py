@@ -36,7 +36,7 @@ import numpy as np
 from verinfer.apps.pipeline import VERIFIER_NUMERICS, calibrate, load_score_tables, score, verifier_engine
 from verinfer.models.prompts import prompts_for
 from verinfer.claims import Claim, read_claims, write_claims
-from verinfer.io import atomic_write_json, atomic_write_text, check_manifest, exclusive_lock
+from verinfer.io import atomic_write_json, atomic_write_text, check_manifest, check_writable, exclusive_lock
 from verinfer.detect import Detector, load_detector
 from verinfer.providers.openai_http import Endpoint, EndpointError, openai_client, probe_seeds, request_completion
 from verinfer.providers.simulated import HONEST, MISCONFIGURED, PROVIDERS, request_seed, run_provider
@@ -285,6 +285,9 @@ def nearest_band(point: dict, bands: dict) -> str:
 # --- the whole audit --------------------------------------------------------------------------
 def audit_api(cfg: ApiAuditConfig, *, progress=None) -> ApiAuditResult:
     t0 = time.perf_counter()
+    check_writable(cfg.out_dir, "audit directory", directory=True)
+    if cfg.detector:
+        check_writable(cfg.detector, "detector file")
     if cfg.threads is not None:
         import torch
 

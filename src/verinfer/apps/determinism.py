@@ -18,6 +18,7 @@ DEFAULT_TAU_FILE = Path("runs/margingate_tau.json")
 
 def run_calibrate(model_dir, out=DEFAULT_TAU_FILE, n: int = 16, max_batch: int = 16, seed: int = 0,
                   device: str = "cpu") -> dict:
+    check_writable(out, "tau file")
     rec = calibrate(model_dir, n=n, max_batch=max_batch, seed=seed, device=device)
     if rec["tau"] is None:
         raise ValueError("no swept tau reached sequence determinism 1.0 on the calibration prompts")

@@ -207,7 +207,9 @@ def calibrate(scores: List[Path] = typer.Argument(..., help="Scores Parquet file
                                             "`verinfer score --gaps`)")):
     """Fit a detector on honest scores: winsorize, batch mean, threshold at a target FPR."""
     from verinfer.apps.pipeline import calibrate as run_calibrate_detector, load_score_tables
+    from verinfer.io import check_writable
 
+    check_writable(out, "detector file")
     table = load_score_tables(scores)
     honest = sorted(set(table["provider"].to_pylist()))
     options = {k: v for k, v in (("score_name", score_name), ("clip_quantile", clip_quantile)) if v is not None}
@@ -229,8 +231,10 @@ def audit(inputs: List[Path] = typer.Argument(..., help="Scores Parquet or claim
     """Verdict per provider: flagged or not, tokens used, tail probability under the honest null."""
     from verinfer.apps.pipeline import (audit as run_audit, combine_verdicts, load_score_tables, print_verdicts, score as run_score)
     from verinfer.detect import load_detector
-    from verinfer.io import atomic_write_text
+    from verinfer.io import atomic_write_text, check_writable
 
+    if json_out:
+        check_writable(json_out, "verdicts JSON")
     dets = [load_detector(d) for d in detector]
     gaps = any(d.requires_gaps for d in dets)
     paths = []
@@ -260,8 +264,10 @@ def report(scores: List[Path] = typer.Argument(...), out: Path = typer.Option(Pa
                                                "not record it: without this the report says 'not recorded').")):
     """HTML report with AUC@1%FPR-vs-tokens curves and score histograms."""
     from verinfer.apps.pipeline import load_score_tables
+    from verinfer.io import check_writable
     from verinfer.report.html import ReportContext, compute_auc_curves, write_report
 
+    check_writable(out, "report directory", directory=True)
     table = load_score_tables(scores)
     names = sorted(set(table["provider"].to_pylist()))
     hon = honest or [n for n in names if n.startswith("honest")]
