@@ -163,7 +163,8 @@ def _collect(client, cfg: ApiAuditConfig, mode: str, prompts: list[list[int]], l
             continue
         params = claimed_params(cfg, mode, i)
         try:
-            p_ids, o_ids, finish = request_completion(client, cfg.endpoint, prompt, params)
+            p_ids, o_ids, finish = request_completion(client, cfg.endpoint, prompt, params,
+                                                         f"request {i} (claim {cid})")
         except EndpointError as e:
             raise EndpointError(f"{e.what} ({len(claims)} of {len(prompts)} claims collected, saved in {path})",
                                 where=e.where, fix=e.fix) from e
