@@ -15,8 +15,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from typer.testing import CliRunner
 
+from verinfer.apps.audit_api import ApiAuditConfig, _detector_meta
 from verinfer.claims import read_claims
 from verinfer.cli.main import app
+from verinfer.models.load import model_info
 from verinfer.models.testbed import TARGET_DIR
 
 pytestmark = pytest.mark.skipif(not (TARGET_DIR / "config.json").is_file(), reason="testbed not built")
@@ -99,6 +101,27 @@ def test_bad_reply_is_an_error_naming_endpoint_and_request_and_claims_stay_valid
     assert stub.base_url in r.output and "request 2 (claim api-00002)" in r.output, r.output
     assert field in r.output, r.output
     assert "2 of 4 claims collected" in r.output, r.output
+    assert f"audit-api: requests to {stub.base_url} 1/4" in r.output  # its progress (was silent)
     claims = read_claims(out / "claims.jsonl")  # the resumable file stays valid
     assert [c.id for c in claims] == ["api-00000", "api-00001"]
     assert all(c.output_token_ids == [5, 6, 7] for c in claims)
+
+
+@pytest.mark.parametrize("mode", ["seeded", "auto"])
+def test_a_saved_detector_for_other_settings_fails_before_the_first_request(mode, tmp_path):
+    """A --detector calibrated for another max_tokens is refused before any request is sent (it
+    failed after collecting every claim); in auto mode before the seed probe too."""
+    det = tmp_path / "det.json"
+    det.write_text("{}")  # the sidecar is compared first: its settings are what differ
+    other = ApiAuditConfig("http://x/v1", "m", TARGET_DIR, tmp_path, max_tokens=64)
+    det.with_name(det.name + ".meta.json").write_text(json.dumps(_detector_meta(other, "seeded",
+                                                                                model_info(TARGET_DIR))))
+    stub = StubEndpoint(good=100, bad=None)
+    try:
+        r = CliRunner().invoke(app, ["audit-api", "--base-url", stub.base_url, "--model", "m", "--out",
+                                     str(tmp_path / "a"), "--mode", mode, "--n", "4", "--max-tokens", "3",
+                                     "--detector", str(det)], catch_exceptions=False)
+    finally:
+        stub.close()
+    assert r.exit_code == 2 and "calibrated for other settings (different max_tokens)" in r.output, r.output
+    assert str(det) in r.output and stub.requests == []
