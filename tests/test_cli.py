@@ -1,15 +1,29 @@
 """The CLI end to end on the shipped testbed: generate -> score -> calibrate -> audit, and bad input."""
 
+import importlib
 import json
+import re
+import subprocess
+import typing
+from pathlib import Path
 
 import pytest
+import typer
 from typer.testing import CliRunner
 
 from verinfer.cli.main import app
-from verinfer.models.testbed import TARGET_DIR
+from verinfer.apps.audit_api import MODES
+from verinfer.audit.scores import ALL_SCORES
+from verinfer.determinism.scheduler import POLICIES
+from verinfer.models.testbed import BUDGETS, TARGET_DIR
+from verinfer.providers.simulated import MISCONFIGURED
+from verinfer.sampling.params import NOISE_BACKENDS
+from verinfer.server.registry import DETERMINISTIC
+from verinfer.speculative.rules import RULES
 
 pytestmark = pytest.mark.skipif(not (TARGET_DIR / "config.json").is_file(), reason="testbed not built")
 runner = CliRunner()
+cli = importlib.import_module("verinfer.cli.main")  # the module (verinfer.cli.main is also its main function)
 
 
 def run(*args):
@@ -273,3 +287,73 @@ def test_combined_audit_rows_keep_their_detector_labels(capsys):
     out = capsys.readouterr().out
     for label in ("int4 [margin]", "int4 [fp_l2]", "int4 [combined]"):
         assert label in out, out
+
+
+def _commands(group, path=()):
+    """(command path, click command) of every command and group of the CLI."""
+    yield path, group
+    for name, cmd in getattr(group, "commands", {}).items():
+        yield from _commands(cmd, (*path, name))
+
+
+def test_help_shows_no_bool_type_and_every_option_has_help():
+    """Flags showed `<bool>` in help (typer's rendering) and many options had no help text."""
+    root = typer.main.get_command(app)
+    missing = []
+    for path, cmd in _commands(root):
+        r = runner.invoke(app, [*path, "--help"], env={"COLUMNS": "200"})
+        assert r.exit_code == 0 and "<bool>" not in r.output, (path, r.output)
+        missing += [f"{' '.join(path)} {p.opts[0]}" for p in cmd.params
+                    if p.param_type_name == "option" and not p.help and p.name != "help"]
+    assert not missing, missing
+
+
+def test_option_choices_are_the_librarys_values_and_others_exit_2():
+    values = lambda t: set(typing.get_args(t))  # noqa: E731
+    assert values(cli.Noise) <= set(NOISE_BACKENDS) and values(cli.Policy) == set(POLICIES)
+    assert values(cli.SpecRule) == set(RULES) and values(cli.AuditMode) == set(MODES)
+    assert values(cli.Misconfig) == set(MISCONFIGURED) and values(cli.Score) == set(ALL_SCORES)
+    assert values(cli.ServeDeterministic) == set(DETERMINISTIC) and values(cli.Budget) == set(BUDGETS)
+    r = runner.invoke(app, ["score", "x.jsonl", "-o", "y.parquet", "--matmul", "fp16"])
+    assert r.exit_code == 2 and "fp16" in r.output and "native" in r.output and "fp32" in r.output
+    r = runner.invoke(app, ["calibrate", "--help"], env={"COLUMNS": "200"})
+    assert "margin|likelihood|exact_match|cross_entropy|fp_l2" in r.output
+
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def test_help_agrees_with_the_readme():
+    """testbed build said 15 minutes (README: ~10); --matmul promised "1.5x faster" replay, which
+    measured slower than native on real claims on another CPU (the README: time both)."""
+    readme = README.read_text()
+    minutes = re.search(r"verinfer testbed build .*~(\d+) min", readme).group(1)
+    r = runner.invoke(app, ["testbed", "build", "--help"], env={"COLUMNS": "200"})
+    assert f"about {minutes} minutes" in r.output, r.output
+    for cmd in ("score", "audit-api"):
+        r = runner.invoke(app, [cmd, "--help"], env={"COLUMNS": "200"})
+        assert "--matmul" in r.output and "faster replay" not in r.output and "1.5x" not in r.output
+        assert "depends on the CPU" in r.output
+
+
+def test_readme_quick_start_puts_verinfer_on_the_path():
+    """The quick start never activated the venv, though every later command is a bare `verinfer`."""
+    quick = README.read_text().split("## Quick start", 1)[1].split("## ", 1)[0]
+    block = quick.split("```bash", 1)[1].split("```", 1)[0]
+    assert ". .venv/bin/activate" in block
+    assert not re.search(r"(^|[;&|]\s*)verinfer ", block, re.M)  # inside the block: .venv/bin/verinfer
+
+
+def test_readme_says_where_chat_responses_put_prompt_token_ids():
+    server = README.read_text().split("## Serving and auditing real endpoints", 1)[1].split("\n## ", 1)[0]
+    assert re.search(r"`prompt_token_ids`[^.]*for chat, at the top level of the\s+response", server), server
+
+
+def test_testbed_checkpoints_are_ignored_by_git():
+    """`testbed build` leaves a 46 MB .ckpt/ in the testbed directory that git did not ignore."""
+    repo = README.parent
+    if not (repo / ".git").exists():
+        pytest.skip("not a git checkout")
+    ckpt = TARGET_DIR.parent / ".ckpt" / "target.safetensors"
+    r = subprocess.run(["git", "-C", str(repo), "check-ignore", "-q", str(ckpt)])
+    assert r.returncode == 0
