@@ -1,12 +1,13 @@
 """KL-judge speculative decoding vs vanilla speculative sampling and the judge baselines.
 
-    nice -n 15 .venv/bin/python -m benchmarks.kl_judge --no-timing        # quality: sweeps, selection, test
-    flock /tmp/verinfer-timing.lock .venv/bin/python -m benchmarks.kl_judge --timing   # cost model, tokens/s
-    .venv/bin/python -m benchmarks.kl_judge [--quick]                      # both in one process
+    nice -n 15 .venv/bin/python -m benchmarks.kl_judge --no-timing --out benchmarks/results   # quality: sweeps, selection, test
+    flock /tmp/verinfer-timing.lock .venv/bin/python -m benchmarks.kl_judge --timing --out benchmarks/results   # cost model, tokens/s
+    .venv/bin/python -m benchmarks.kl_judge [--quick]                      # both in one process, into runs/kl_judge
 
-Writes benchmarks/results/kl_judge.{json,md}, kl_judge_frontier.png and the trained AutoJudge
-head (kl_judge_autojudge.json). The protocol and the metric definitions are in
-benchmarks/kl_judge_bench.py.
+Writes <out>/kl_judge.{json,md}, kl_judge_frontier.png and the trained AutoJudge head
+(kl_judge_autojudge.json); <out> is runs/kl_judge unless --out says otherwise (the committed
+results are benchmarks/results: name it to regenerate them). Ends with issue 7's criteria as a
+table. The protocol and the metric definitions are in benchmarks/kl_judge_bench.py.
 """
 
 from __future__ import annotations
@@ -14,25 +15,63 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from rich.console import Console
+from rich.table import Table
 
 from benchmarks.kl_judge_bench import run, timing_run
 
-if __name__ == "__main__":
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_OUT = ROOT / "runs" / "kl_judge"
+
+
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="small smoke run (not the committed results)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    ap.add_argument("--out", type=Path, default=DEFAULT_OUT,
+                    help="output directory (default runs/kl_judge; benchmarks/results holds the committed results)")
     stage = ap.add_mutually_exclusive_group()
     stage.add_argument("--no-timing", action="store_true", help="quality half only (no wall-clock numbers)")
     stage.add_argument("--timing", action="store_true",
                        help="timing half only: cost model and tokens/s of every method at every gamma in one "
                             "interleaved run; updates the kl_judge.json of a --no-timing run")
-    a = ap.parse_args()
+    return ap
+
+
+def _flat(d: dict, prefix: str = "") -> list[tuple[str, object]]:
+    rows = []
+    for k, v in d.items():
+        rows += _flat(v, f"{prefix}{k}.") if isinstance(v, dict) else [(f"{prefix}{k}", v)]
+    return rows
+
+
+def _shown(v) -> str:
+    if isinstance(v, bool):
+        return "yes" if v else "no"
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    if isinstance(v, (list, tuple)):
+        return "[" + ", ".join(_shown(x) for x in v) + "]"
+    return str(v)
+
+
+def criteria_table(criteria: dict | None) -> Table:
+    """Issue 7's criteria (KL judge vs vanilla, `run`'s result["criteria"]) as a two-column table."""
+    t = Table(title="KL judge vs vanilla speculative sampling: issue 7 criteria")
+    t.add_column("criterion", no_wrap=True)
+    t.add_column("value", justify="right")
+    for k, v in _flat(criteria or {}):
+        t.add_row(k, _shown(v))
+    return t
+
+
+if __name__ == "__main__":
+    a = parser().parse_args()
     log = lambda s: print(s, flush=True)  # noqa: E731
     if a.timing:
         res = timing_run(a.out / "kl_judge.json", device=a.device, repeats=a.repeats, log=log)
     else:
         res = run(a.out, device=a.device, quick=a.quick, repeats=a.repeats, log=log, timing=not a.no_timing)
-    print(res.get("criteria"))
+    Console().print(criteria_table(res.get("criteria")))
+    print(f"results -> {a.out}")

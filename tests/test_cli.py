@@ -1,15 +1,29 @@
 """The CLI end to end on the shipped testbed: generate -> score -> calibrate -> audit, and bad input."""
 
+import importlib
 import json
+import re
+import subprocess
+import typing
+from pathlib import Path
 
 import pytest
+import typer
 from typer.testing import CliRunner
 
 from verinfer.cli.main import app
-from verinfer.models.testbed import TARGET_DIR
+from verinfer.apps.audit_api import MODES
+from verinfer.audit.scores import ALL_SCORES
+from verinfer.determinism.scheduler import POLICIES
+from verinfer.models.testbed import BUDGETS, TARGET_DIR
+from verinfer.providers.simulated import MISCONFIGURED
+from verinfer.sampling.params import NOISE_BACKENDS
+from verinfer.server.registry import DETERMINISTIC
+from verinfer.speculative.rules import RULES
 
 pytestmark = pytest.mark.skipif(not (TARGET_DIR / "config.json").is_file(), reason="testbed not built")
 runner = CliRunner()
+cli = importlib.import_module("verinfer.cli.main")  # the module (verinfer.cli.main is also its main function)
 
 
 def run(*args):
@@ -163,18 +177,37 @@ def test_calibrate_and_audit_go_through_the_detector_registry(scored, tmp_path):
     assert r.exit_code == 2 and "not a verinfer detector file" in r.output and "verinfer.Nope" in r.output
 
 
-def test_unwritable_outputs_fail_before_any_compute(tmp_path):
+def test_unwritable_outputs_fail_before_any_compute(scored, tmp_path):
+    """Every command refuses an output path that is a directory or lies under a file with exit 2
+    and what/where/fix, before computing (calibrate, report, audit --json, determinism calibrate
+    and audit-api raised tracebacks; audit --json after printing its verdicts, exit 1)."""
+    d, p = scored
     (tmp_path / "f").write_text("a file")
     (tmp_path / "d").mkdir()
     claims = tmp_path / "c.jsonl"
     claims.write_text(json.dumps({"id": "a", "model": TARGET_DIR.name, "prompt_token_ids": [1, 2],
                                   "output_token_ids": [3], "sampling": {"temperature": 0.0}}) + "\n")
-    for args in (("generate", "honest-bf16-b8", "--out", tmp_path / "f" / "c.jsonl"),
-                 ("generate", "--deterministic", "best", "--out", tmp_path / "d"),
-                 ("score", claims, "--out", tmp_path / "d")):
-        r = run(*args)
-        assert r.exit_code == 2, r.output
-        assert "lies under a file" in r.output or "is a directory" in r.output
+    det = tmp_path / "det.json"
+    assert run("calibrate", p["honest-bf16-b8"], "--out", det).exit_code == 0
+    dead = ("audit-api", "--base-url", "http://127.0.0.1:9/v1", "--model", "m", "--mode", "seeded")
+    for bad in (tmp_path / "d", tmp_path / "f" / "x.json"):
+        for args in (("generate", "honest-bf16-b8", "--out", bad),
+                     ("generate", "--deterministic", "best", "--out", bad),
+                     ("generate", "--speculative", "standard", "--out", bad),
+                     ("score", claims, "--out", bad),
+                     ("calibrate", p["honest-bf16-b8"], "--out", bad),
+                     ("audit", p["honest-bf16-b8"], "-d", det, "--json", bad),
+                     ("determinism", "calibrate", "--out", bad),
+                     (*dead, "--out", tmp_path / "aa", "--detector", bad)):
+            r = run(*args)  # catch_exceptions=False: a traceback fails the test
+            assert r.exit_code == 2, (args, r.output)
+            assert ("lies under a file" in r.output or "is a directory" in r.output) and str(bad) in r.output, r.output
+            assert "DiFR verdicts" not in r.output and "->" in r.output  # no verdicts printed first; a fix
+    for bad in (tmp_path / "f", tmp_path / "f" / "sub"):  # directory outputs: a file, or under one
+        for args in (("report", p["honest-bf16-b8"], "--out", bad), (*dead, "--out", bad)):
+            r = run(*args)
+            assert r.exit_code == 2 and str(bad) in r.output, (args, r.output)
+            assert "is a file, not a directory" in r.output or "lies under a file" in r.output, r.output
 
 
 def test_calibrate_help_names_every_registered_detector():
@@ -269,3 +302,73 @@ def test_combined_audit_rows_keep_their_detector_labels(capsys):
     out = capsys.readouterr().out
     for label in ("int4 [margin]", "int4 [fp_l2]", "int4 [combined]"):
         assert label in out, out
+
+
+def _commands(group, path=()):
+    """(command path, click command) of every command and group of the CLI."""
+    yield path, group
+    for name, cmd in getattr(group, "commands", {}).items():
+        yield from _commands(cmd, (*path, name))
+
+
+def test_help_shows_no_bool_type_and_every_option_has_help():
+    """Flags showed `<bool>` in help (typer's rendering) and many options had no help text."""
+    root = typer.main.get_command(app)
+    missing = []
+    for path, cmd in _commands(root):
+        r = runner.invoke(app, [*path, "--help"], env={"COLUMNS": "200"})
+        assert r.exit_code == 0 and "<bool>" not in r.output, (path, r.output)
+        missing += [f"{' '.join(path)} {p.opts[0]}" for p in cmd.params
+                    if p.param_type_name == "option" and not p.help and p.name != "help"]
+    assert not missing, missing
+
+
+def test_option_choices_are_the_librarys_values_and_others_exit_2():
+    values = lambda t: set(typing.get_args(t))  # noqa: E731
+    assert values(cli.Noise) <= set(NOISE_BACKENDS) and values(cli.Policy) == set(POLICIES)
+    assert values(cli.SpecRule) == set(RULES) and values(cli.AuditMode) == set(MODES)
+    assert values(cli.Misconfig) == set(MISCONFIGURED) and values(cli.Score) == set(ALL_SCORES)
+    assert values(cli.ServeDeterministic) == set(DETERMINISTIC) and values(cli.Budget) == set(BUDGETS)
+    r = runner.invoke(app, ["score", "x.jsonl", "-o", "y.parquet", "--matmul", "fp16"])
+    assert r.exit_code == 2 and "fp16" in r.output and "native" in r.output and "fp32" in r.output
+    r = runner.invoke(app, ["calibrate", "--help"], env={"COLUMNS": "200"})
+    assert "margin|likelihood|exact_match|cross_entropy|fp_l2" in r.output
+
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def test_help_agrees_with_the_readme():
+    """testbed build said 15 minutes (README: ~10); --matmul promised "1.5x faster" replay, which
+    measured slower than native on real claims on another CPU (the README: time both)."""
+    readme = README.read_text()
+    minutes = re.search(r"verinfer testbed build .*~(\d+) min", readme).group(1)
+    r = runner.invoke(app, ["testbed", "build", "--help"], env={"COLUMNS": "200"})
+    assert f"about {minutes} minutes" in r.output, r.output
+    for cmd in ("score", "audit-api"):
+        r = runner.invoke(app, [cmd, "--help"], env={"COLUMNS": "200"})
+        assert "--matmul" in r.output and "faster replay" not in r.output and "1.5x" not in r.output
+        assert "depends on the CPU" in r.output
+
+
+def test_readme_quick_start_puts_verinfer_on_the_path():
+    """The quick start never activated the venv, though every later command is a bare `verinfer`."""
+    quick = README.read_text().split("## Quick start", 1)[1].split("## ", 1)[0]
+    block = quick.split("```bash", 1)[1].split("```", 1)[0]
+    assert ". .venv/bin/activate" in block
+    assert not re.search(r"(^|[;&|]\s*)verinfer ", block, re.M)  # inside the block: .venv/bin/verinfer
+
+
+def test_readme_says_where_chat_responses_put_prompt_token_ids():
+    server = README.read_text().split("## Serving and auditing real endpoints", 1)[1].split("\n## ", 1)[0]
+    assert re.search(r"`prompt_token_ids`[^.]*for chat, at the top level of the\s+response", server), server
+
+
+def test_testbed_checkpoints_are_ignored_by_git():
+    """`testbed build` leaves a 46 MB .ckpt/ in the testbed directory that git did not ignore."""
+    repo = README.parent
+    if not (repo / ".git").exists():
+        pytest.skip("not a git checkout")
+    ckpt = TARGET_DIR.parent / ".ckpt" / "target.safetensors"
+    r = subprocess.run(["git", "-C", str(repo), "check-ignore", "-q", str(ckpt)])
+    assert r.returncode == 0

@@ -1,6 +1,7 @@
 """verinfer.io: atomic writes, the output lock, resumable parts, output checks."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -9,7 +10,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from verinfer.errors import VerinferError
-from verinfer.io import (OutputBusyError, ResumableParts, atomic_write, atomic_write_json, atomic_write_parquet,
+from verinfer.io import (OutputBusyError, ProgressBar, ResumableParts, atomic_write, atomic_write_json, atomic_write_parquet,
                          atomic_write_text, check_writable, exclusive_lock)
 
 
@@ -100,6 +101,30 @@ def test_check_writable_refuses_before_any_compute(tmp_path):
     assert check_writable(tmp_path / "new" / "out.parquet") == tmp_path / "new" / "out.parquet"
 
 
+
+def test_check_writable_directories(tmp_path):
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(VerinferError, match="is a file, not a directory"):
+        check_writable(tmp_path / "f", directory=True)
+    with pytest.raises(VerinferError, match="lies under a file"):
+        check_writable(tmp_path / "f" / "sub", directory=True)
+    assert check_writable(tmp_path, directory=True) == tmp_path
+    assert check_writable(tmp_path / "new" / "dir", directory=True) == tmp_path / "new" / "dir"
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only directories")
+def test_check_writable_refuses_a_read_only_directory(tmp_path):
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o555)
+    try:
+        with pytest.raises(VerinferError, match="is not writable"):
+            check_writable(ro / "out.json")
+        with pytest.raises(VerinferError, match="is not writable"):
+            check_writable(ro / "report", directory=True)
+    finally:
+        ro.chmod(0o755)
+
 def test_two_score_runs_on_one_output_one_is_refused(tmp_path):
     """The issue-16 scenario at the level of score_claims: while one run holds the output, a second
     run gets OutputBusyError before computing anything, and the first run's parts are untouched."""
@@ -147,3 +172,14 @@ def test_a_run_that_fails_before_any_part_leaves_no_parts_folder(tmp_path):
             parts.write(0, lambda tmp: tmp.write_text("zero"))
             raise KeyboardInterrupt
     assert parts.path(0).read_text() == "zero"
+
+
+def test_progress_bar_logs_first_and_last_counts_and_grows_its_total(capsys):
+    """Off a terminal: the first count and the last (at close) are logged, and a count past the
+    total raises the total (a widened tau sweep showed 36/22 and a negative eta)."""
+    bar = ProgressBar("job", 2, log_every=1e9)
+    for k in (1, 2, 3):
+        bar.update(k)
+    bar.close()
+    lines = capsys.readouterr().err.splitlines()
+    assert [x.split()[1] for x in lines] == ["1/2", "3/3"] and "eta -" not in lines[-1]

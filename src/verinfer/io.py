@@ -11,7 +11,8 @@ Every writer in verinfer goes through this module:
 - `ResumableParts`: a job's finished pieces in `<out>.parts/` next to a manifest of what the job is
   (inputs' hashes, settings). A rerun with the same manifest skips finished parts; with another
   manifest it starts over (or refuses, `on_mismatch="error"`). Held under `exclusive_lock(out)`.
-- `check_writable(path)`: fail before any compute when an output cannot be written.
+- `check_writable(path, what, directory=False)`: fail before any compute when an output file (or
+  directory) cannot be written.
 - `progress_bar`: the one rich progress bar of long jobs.
 """
 
@@ -109,14 +110,16 @@ def atomic_save_safetensors(tensors: dict, path: str | Path, metadata: dict[str,
     return atomic_write(path, lambda tmp: save_file(tensors, str(tmp), metadata=metadata))
 
 
-def check_writable(path: str | Path, what: str = "output") -> Path:
-    """Refuse, before any compute, an output path that is a directory, lies under a file, or whose
-    directory cannot be created or written."""
+def check_writable(path: str | Path, what: str = "output", *, directory: bool = False) -> Path:
+    """Refuse, before any compute, an output path that is a directory (a file when `directory`:
+    an output directory), lies under a file, or whose directory cannot be created or written."""
     p = Path(path)
-    if p.is_dir():
-        raise VerinferError(f"the {what} path is a directory", where=str(p), fix="name a file, e.g. out.parquet")
-    parent = p.parent
-    for a in (parent, *parent.parents):
+    if directory and p.exists() and not p.is_dir():
+        raise VerinferError(f"the {what} path is a file, not a directory", where=str(p),
+                            fix="name a directory (it is created if missing)")
+    if not directory and p.is_dir():
+        raise VerinferError(f"the {what} path is a directory", where=str(p), fix="name a file in it, or another path")
+    for a in ((p,) if directory else ()) + (p.parent, *p.parent.parents):
         if a.exists():
             if not a.is_dir():
                 raise VerinferError(f"the {what} path lies under a file ({a})", where=str(p),
@@ -125,7 +128,7 @@ def check_writable(path: str | Path, what: str = "output") -> Path:
                 raise VerinferError(f"cannot write the {what}: {a} is not writable", where=str(p),
                                     fix="choose a writable directory")
             break
-    if p.exists() and not os.access(p, os.W_OK):
+    if not directory and p.exists() and not os.access(p, os.W_OK):
         raise VerinferError(f"cannot overwrite the {what}", where=str(p), fix="check its permissions")
     return p
 
@@ -239,14 +242,16 @@ class ResumableParts:
 
 class ProgressBar:
     """The progress display of every long job: a rich bar on a terminal, a log line every
-    `log_every` seconds otherwise (under nohup, CI, a pipe), nothing when disabled. `fields` are
-    extra numbers shown beside the count (e.g. loss=...)."""
+    `log_every` seconds otherwise (under nohup, CI, a pipe; the first count and the last, at
+    close, are always logged), nothing when disabled. `fields` are extra numbers shown beside the
+    count (e.g. loss=...). A count past the total raises the total to it (a job that found more
+    work than it planned, e.g. a widened tau sweep)."""
 
     def __init__(self, description: str, total: int, *, start: int = 0, enabled: bool = True,
                  fields: dict[str, float] | None = None, log_every: float = 20.0):
         self.description, self.total, self.enabled = description, total, enabled
         self.completed, self.fields, self.log_every = start, dict(fields or {}), log_every
-        self.t0, self.start, self.last_log = time.perf_counter(), start, 0.0
+        self.t0, self.start, self.last_log, self.logged = time.perf_counter(), start, None, None
         self.bar = None
         if enabled and sys.stderr.isatty():
             extra = [TextColumn(f"{k} {{task.fields[{k}]:.3f}}") for k in self.fields]
@@ -257,20 +262,24 @@ class ProgressBar:
 
     def update(self, completed: int, **fields: float) -> None:
         self.completed = completed
+        self.total = max(self.total, completed)
         self.fields.update(fields)
         if not self.enabled:
             return
         if self.bar is not None:
-            self.bar.update(self.task, completed=completed, **fields)
+            self.bar.update(self.task, completed=completed, total=self.total, **fields)
             return
         now = time.perf_counter()
-        if now - self.last_log >= self.log_every or completed >= self.total:
-            self.last_log = now
-            rate = (completed - self.start) / max(1e-9, now - self.t0)
-            eta = (self.total - completed) / max(1e-9, rate)
-            shown = "".join(f" {k} {v:.4f}" for k, v in self.fields.items())
-            print(f"{self.description} {completed}/{self.total}{shown} {rate:.2f}/s eta {eta:.0f}s",
-                  file=sys.stderr, flush=True)
+        if self.last_log is None or now - self.last_log >= self.log_every:
+            self._log(now)
+
+    def _log(self, now: float) -> None:
+        self.last_log, self.logged = now, self.completed
+        rate = (self.completed - self.start) / max(1e-9, now - self.t0)
+        eta = (self.total - self.completed) / max(1e-9, rate)
+        shown = "".join(f" {k} {v:.4f}" for k, v in self.fields.items())
+        print(f"{self.description} {self.completed}/{self.total}{shown} {rate:.2f}/s eta {eta:.0f}s",
+              file=sys.stderr, flush=True)
 
     def advance(self, n: int = 1) -> None:
         self.update(self.completed + n)
@@ -278,6 +287,8 @@ class ProgressBar:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.stop()
+        elif self.enabled and self.logged != self.completed:
+            self._log(time.perf_counter())
 
 
 @contextmanager

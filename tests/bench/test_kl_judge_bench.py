@@ -1,7 +1,9 @@
 """Benchmark harness pieces: threshold selection, metrics, the cost model's lean-vs-transformers check."""
 
 import pytest
+from rich.console import Console
 
+from benchmarks.kl_judge import ROOT, criteria_table, parser
 from verinfer.models.testbed import DRAFT_DIR, load_tokenizer
 from benchmarks.kl_judge_bench import GRIDS, accuracy, agreement, cost_model, select_thresholds, summarize
 from verinfer.speculative.decoder import SpecOutput
@@ -71,3 +73,18 @@ def test_fresh_problems_are_unseen_and_splits_are_the_heldout_set():
     assert d["difference_points"] == pytest.approx(2.0) and (d["only_first"], d["only_second"]) == (3, 1)
     se = ((4 / 100 - 0.02 ** 2) / 100) ** 0.5
     assert d["ci95_points"] == pytest.approx([100 * (0.02 - 1.96 * se), 100 * (0.02 + 1.96 * se)])
+
+
+def test_kl_judge_writes_into_runs_by_default_and_ends_with_a_table():
+    """`python -m benchmarks.kl_judge` wrote into the committed benchmarks/results/ by default and
+    ended by printing a raw dict: it defaults to runs/kl_judge and prints the criteria as a table."""
+    assert parser().parse_args([]).out == ROOT / "runs" / "kl_judge"
+    assert parser().parse_args(["--out", "benchmarks/results"]).out.parts[-1] == "results"
+    c = {"threshold": 0.01, "mat_ratio": 1.0269240452002868, "mat_ge_1.5x": False,
+         "accuracy_difference_vanilla_minus_kl": {"difference_points": 0.0, "ci95_points": [-0.5, 0.25]}}
+    con = Console(width=120, record=True)
+    con.print(criteria_table(c))
+    text = con.export_text()
+    assert "{" not in text and "criterion" in text
+    assert "mat_ratio" in text and "1.027" in text and "mat_ge_1.5x" in text and " no " in text
+    assert "accuracy_difference_vanilla_minus_kl.ci95_points" in text and "[-0.5, 0.25]" in text

@@ -74,13 +74,13 @@ class _DiesAfter:
 
     def __init__(self, client, k: int):
         self.client, self.k = client, k
-        self.completions = self
+        self.completions = self.with_raw_response = self
 
     def create(self, **kw):
         if self.k == 0:
             raise openai.APIConnectionError(request=None)  # type: ignore[arg-type]
         self.k -= 1
-        return self.client.completions.create(**kw)
+        return self.client.completions.with_raw_response.create(**kw)
 
 
 def test_resume_after_the_endpoint_died(honest_server, tmp_path):

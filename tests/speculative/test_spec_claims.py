@@ -90,11 +90,14 @@ def test_cli_generate_speculative_and_score(tmp_path):
                       catch_exceptions=False)
     assert r.exit_code == 0, r.output
     assert "speculative (standard" in r.output
+    assert "generate speculative-standard 3/3" in r.output  # its progress (was silent)
     line = json.loads(out.read_text().splitlines()[0])
     assert line["spec"]["method"] == "standard" and len(line["spec"]["events"]) == len(line["output_token_ids"])
     r = runner.invoke(app, ["score", str(out), "--out", str(tmp_path / "s.parquet")], catch_exceptions=False)
     assert r.exit_code == 0, r.output
     assert "0 violations" in r.output
+    total = sum(len(json.loads(x)["output_token_ids"]) for x in out.read_text().splitlines())
+    assert f"score s.jsonl (speculative) {total}/{total}" in r.output  # its progress (was silent)
     # a lossy rule labelled honestly cannot be verified: the error says so
     r = runner.invoke(app, ["generate", "--speculative", "kl", "--threshold", "0.5", "--out", str(tmp_path / "k.jsonl"),
                             "--n", "2", "--max-tokens", "8"], catch_exceptions=False)

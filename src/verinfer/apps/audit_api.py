@@ -36,7 +36,8 @@ import numpy as np
 from verinfer.apps.pipeline import VERIFIER_NUMERICS, calibrate, load_score_tables, score, verifier_engine
 from verinfer.models.prompts import prompts_for
 from verinfer.claims import Claim, read_claims, write_claims
-from verinfer.io import atomic_write_json, atomic_write_text, check_manifest, exclusive_lock
+from verinfer.io import (atomic_write_json, atomic_write_text, check_manifest, check_writable, exclusive_lock,
+                         progress_bar)
 from verinfer.detect import Detector, load_detector
 from verinfer.providers.openai_http import Endpoint, EndpointError, openai_client, probe_seeds, request_completion
 from verinfer.providers.simulated import HONEST, MISCONFIGURED, PROVIDERS, request_seed, run_provider
@@ -163,7 +164,8 @@ def _collect(client, cfg: ApiAuditConfig, mode: str, prompts: list[list[int]], l
             continue
         params = claimed_params(cfg, mode, i)
         try:
-            p_ids, o_ids, finish = request_completion(client, cfg.endpoint, prompt, params)
+            p_ids, o_ids, finish = request_completion(client, cfg.endpoint, prompt, params,
+                                                         f"request {i} (claim {cid})")
         except EndpointError as e:
             raise EndpointError(f"{e.what} ({len(claims)} of {len(prompts)} claims collected, saved in {path})",
                                 where=e.where, fix=e.fix) from e
@@ -188,15 +190,16 @@ def _collect(client, cfg: ApiAuditConfig, mode: str, prompts: list[list[int]], l
 
 # --- calibration and reference bands ----------------------------------------------------------
 def _local_claims(names: list[str], cfg: ApiAuditConfig, mode: str, prompts: list[list[int]], out: Path,
-                  base_seed: int) -> list[Path]:
+                  base_seed: int, show_progress: bool = True) -> list[Path]:
     """Claims of verinfer's own simulated providers on these prompts (cached in `out`)."""
     advertised = claimed_params(cfg, mode, 0)
     paths = []
     for name in names:
         p = out / f"{name}.jsonl"
         if not p.is_file():
-            claims = run_provider(PROVIDERS[name], cfg.model_dir, prompts, advertised, base_seed=base_seed,
-                                  device=cfg.device)
+            with progress_bar(f"{out.name}: generate {name}", len(prompts), show_progress) as adv:
+                claims = run_provider(PROVIDERS[name], cfg.model_dir, prompts, advertised, base_seed=base_seed,
+                                      device=cfg.device, progress=adv)
             write_claims(p, [c for c in claims if c.output_token_ids])
         paths.append(p)
     return paths
@@ -208,30 +211,51 @@ def _detector_meta(cfg: ApiAuditConfig, mode: str, info) -> dict:
             "min_p": cfg.min_p, "noise": cfg.noise, "honest": list(cfg.honest), "verifier_matmul": cfg.matmul}
 
 
-def calibrated_detector(cfg: ApiAuditConfig, mode: str, info, engine, score_fn) -> tuple[Detector, dict]:
-    """A clipped-mean margin detector fit on verinfer's honest runs; loaded from cfg.detector if it
-    exists and was made for the same model and settings (its `.meta.json` sidecar says), else fit
-    and saved there."""
-    meta = _detector_meta(cfg, mode, info)
-    det_path = Path(cfg.detector) if cfg.detector else Path(cfg.out_dir) / "detector.json"
+def _detector_path(cfg: ApiAuditConfig) -> Path:
+    return Path(cfg.detector) if cfg.detector else Path(cfg.out_dir) / "detector.json"
+
+
+def reusable_detector(cfg: ApiAuditConfig, modes: tuple[str, ...], info) -> Detector | None:
+    """The detector saved at cfg.detector (or out_dir/detector.json) when it was made for this model
+    and these settings in one of `modes` (its `.meta.json` sidecar says); None when there is none
+    yet (it is fit and saved there). Any other detector is an error: audit_api calls this before the
+    first request, so a settings mismatch costs nothing collected."""
+    det_path = _detector_path(cfg)
+    if not det_path.is_file():
+        return None
     meta_path = det_path.with_name(det_path.name + ".meta.json")
-    if det_path.is_file():
-        old = json.loads(meta_path.read_text()) if meta_path.is_file() else None
-        if old != meta:
-            raise VerinferError("this detector was calibrated for other settings "
-                                f"({'no .meta.json sidecar' if old is None else 'different ' + ', '.join(k for k in meta if old.get(k) != meta[k])})",
-                                where=str(det_path), fix="pass another --detector path (it is created if missing)")
-        det = load_detector(det_path)
-        if det.NAME != DETECTOR:
-            raise VerinferError(f"audit-api uses {DETECTOR} detectors (their clip_ sets the margin bands), "
-                                f"this is a {det.NAME} detector", where=str(det_path),
-                                fix="pass another --detector path (it is created if missing)")
+    metas = [_detector_meta(cfg, m, info) for m in modes]
+    old = json.loads(meta_path.read_text()) if meta_path.is_file() else None
+    if old not in metas:
+        ref = next((m for m in metas if isinstance(old, dict) and m["mode"] == old.get("mode")), metas[0])
+        diff = ("no .meta.json sidecar" if not isinstance(old, dict)
+                else "different " + ", ".join(k for k in ref if old.get(k) != ref[k]))
+        raise VerinferError(f"this detector was calibrated for other settings ({diff})",
+                            where=str(det_path), fix="pass another --detector path (it is created if missing)")
+    det = load_detector(det_path)
+    if det.NAME != DETECTOR:
+        raise VerinferError(f"audit-api uses {DETECTOR} detectors (their clip_ sets the margin bands), "
+                            f"this is a {det.NAME} detector", where=str(det_path),
+                            fix="pass another --detector path (it is created if missing)")
+    return det
+
+
+def calibrated_detector(cfg: ApiAuditConfig, mode: str, info, engine, score_fn,
+                        show_progress: bool = True) -> tuple[Detector, dict]:
+    """A clipped-mean margin detector fit on verinfer's honest runs; loaded from cfg.detector if it
+    exists and was made for the same model and settings (`reusable_detector`), else fit and saved
+    there."""
+    det = reusable_detector(cfg, (mode,), info)
+    if det is not None:
         return det, {}
+    meta = _detector_meta(cfg, mode, info)
+    det_path = _detector_path(cfg)
+    meta_path = det_path.with_name(det_path.name + ".meta.json")
     calib_dir = Path(cfg.out_dir) / f"calibration-{mode}"
     base = cfg.seed + CALIB_SEED_OFFSET
     prompts = prompts_for(cfg.model_dir, cfg.n_calib, base)
     t0 = time.perf_counter()
-    paths = _local_claims(list(cfg.honest), cfg, mode, prompts, calib_dir, base)
+    paths = _local_claims(list(cfg.honest), cfg, mode, prompts, calib_dir, base, show_progress)
     t1 = time.perf_counter()
     spaths = [score_fn(p, p.with_suffix(".parquet")) for p in paths]
     table = load_score_tables(spaths)
@@ -241,12 +265,14 @@ def calibrated_detector(cfg: ApiAuditConfig, mode: str, info, engine, score_fn) 
     return det, {"calibration_generate_s": t1 - t0, "calibration_score_s": time.perf_counter() - t1}
 
 
-def reference_bands(cfg: ApiAuditConfig, det: Detector, score_fn, n_boot: int = 1000) -> dict:
+def reference_bands(cfg: ApiAuditConfig, det: Detector, score_fn, n_boot: int = 1000,
+                    show_progress: bool = True) -> dict:
     """Greedy mode: mean clipped margin and mean cross-entropy (with a 95% bootstrap interval over
     claims) of verinfer's own bf16, fp8-KV and 4-bit greedy runs replayed by the bf16 verifier."""
     base = cfg.seed + CALIB_SEED_OFFSET
     prompts = prompts_for(cfg.model_dir, cfg.n_calib, base)
-    paths = _local_claims(list(BANDS.values()), cfg, "greedy", prompts, Path(cfg.out_dir) / "bands", base)
+    paths = _local_claims(list(BANDS.values()), cfg, "greedy", prompts, Path(cfg.out_dir) / "bands", base,
+                          show_progress)
     bands = {}
     for band, path in zip(BANDS, paths):
         t = load_score_tables([score_fn(path, path.with_suffix(".parquet"))])
@@ -283,8 +309,13 @@ def nearest_band(point: dict, bands: dict) -> str:
 
 
 # --- the whole audit --------------------------------------------------------------------------
-def audit_api(cfg: ApiAuditConfig, *, progress=None) -> ApiAuditResult:
+def audit_api(cfg: ApiAuditConfig, *, show_progress: bool = True) -> ApiAuditResult:
+    """The whole audit: outputs and a saved detector's settings are checked before the first
+    request; a progress bar for each long phase (requests, replay, calibration runs)."""
     t0 = time.perf_counter()
+    check_writable(cfg.out_dir, "audit directory", directory=True)
+    if cfg.detector:
+        check_writable(cfg.detector, "detector file")
     if cfg.threads is not None:
         import torch
 
@@ -295,6 +326,7 @@ def audit_api(cfg: ApiAuditConfig, *, progress=None) -> ApiAuditResult:
     prompts = prompts_for(cfg.model_dir, cfg.n, cfg.seed)
     client = openai_client(cfg.endpoint)
     mode = cfg.mode
+    reusable_detector(cfg, ("seeded", "greedy") if mode == "auto" else (mode,), info)
     mode_file = out / "mode.json"
     if mode == "auto":
         if mode_file.is_file():
@@ -303,25 +335,27 @@ def audit_api(cfg: ApiAuditConfig, *, progress=None) -> ApiAuditResult:
             mode = "seeded" if probe_seeds(client, cfg.endpoint, prompts[0], probe_params(cfg)) else "greedy"
             atomic_write_text(mode_file, json.dumps({"mode": mode, "probe": "same seed twice"}))
     t_probe = time.perf_counter()
-    claims_path, claims = collect_claims(client, cfg, mode, prompts, info.name, progress)
+    reusable_detector(cfg, (mode,), info)  # auto: the probe decided the mode
+    with progress_bar(f"audit-api: requests to {cfg.base_url}", len(prompts), show_progress) as adv:
+        claims_path, claims = collect_claims(client, cfg, mode, prompts, info.name, adv)
     t_collect = time.perf_counter()
     engine = verifier_engine(cfg.model_dir, VERIFIER_NUMERICS.with_(matmul=cfg.matmul), device=cfg.device)
 
     def score_fn(cpath: Path, spath: Path) -> Path:
         if not spath.is_file():
-            score(cpath, cfg.model_dir, spath, engine=engine, show_progress=False)
+            score(cpath, cfg.model_dir, spath, engine=engine, show_progress=show_progress)
         return spath
 
     scores_path = score_fn(claims_path, out / "scores.parquet")
     t_score = time.perf_counter()
-    det, ctimes = calibrated_detector(cfg, mode, info, engine, score_fn)
+    det, ctimes = calibrated_detector(cfg, mode, info, engine, score_fn, show_progress)
     table = load_score_tables([scores_path])
     verdict = det.verdict(table)
     verdict.update(provider=f"api:{cfg.model}", honest=None)
     bands = None
     point = summarize(table, det, seed=cfg.seed)
     if mode == "greedy":
-        bands = reference_bands(cfg, det, score_fn)
+        bands = reference_bands(cfg, det, score_fn, show_progress=show_progress)
         verdict["nearest_band"] = nearest_band(point, bands)
     timings = {"probe_s": t_probe - t0, "collect_s": t_collect - t_probe, "score_s": t_score - t_collect, **ctimes,
                "total_s": time.perf_counter() - t0}

@@ -6,9 +6,9 @@ import json
 from pathlib import Path
 
 from verinfer.determinism.scheduler import POLICIES, Scheduler, make_engines
-from verinfer.determinism.tau import calibrate, read_tau, write_tau
+from verinfer.determinism.tau import calibrate, calibration_requests, read_tau, write_tau
 from verinfer.engine.engine import Request
-from verinfer.io import atomic_write_text, check_writable
+from verinfer.io import atomic_write_text, check_writable, progress_bar
 from verinfer.models.load import model_info
 from verinfer.models.prompts import split_prompts
 from verinfer.sampling.params import SamplingParams
@@ -17,8 +17,11 @@ DEFAULT_TAU_FILE = Path("runs/margingate_tau.json")
 
 
 def run_calibrate(model_dir, out=DEFAULT_TAU_FILE, n: int = 16, max_batch: int = 16, seed: int = 0,
-                  device: str = "cpu") -> dict:
-    rec = calibrate(model_dir, n=n, max_batch=max_batch, seed=seed, device=device)
+                  device: str = "cpu", show_progress: bool = True) -> dict:
+    check_writable(out, "tau file")
+    with progress_bar("determinism calibrate (reference, eps_pert, tau sweep)", calibration_requests(n),
+                      show_progress) as adv:
+        rec = calibrate(model_dir, n=n, max_batch=max_batch, seed=seed, device=device, progress=adv)
     if rec["tau"] is None:
         raise ValueError("no swept tau reached sequence determinism 1.0 on the calibration prompts")
     write_tau(out, rec)

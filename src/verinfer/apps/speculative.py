@@ -11,7 +11,7 @@ import pyarrow as pa
 
 from verinfer.claims import Claim, check_claims_fit, read_claims, write_claims
 from verinfer.errors import ClaimError
-from verinfer.io import atomic_write_parquet, check_writable
+from verinfer.io import atomic_write_parquet, check_writable, progress_bar
 from verinfer.models.llama import LlamaLM
 from verinfer.models.load import model_info
 from verinfer.models.prompts import prompts_for
@@ -22,7 +22,8 @@ from verinfer.speculative.spec_claims import spec_claims, verify_spec_claims
 
 def generate_claims_file(model_dir, draft_dir, out, *, rule: str = "kl", threshold: float = 0.5, gamma: int = 4,
                          n: int = 32, max_tokens: int = 64, seed: int = 0, temperature: float = 1.0,
-                         judge_path=None, device: str = "cpu", claimed: str | None = None) -> list[Claim]:
+                         judge_path=None, device: str = "cpu", claimed: str | None = None,
+                         show_progress: bool = True) -> list[Claim]:
     """Speculative generation on the audit prompts (models/corpus.eval_prompts) -> claims JSONL
     with a `spec` field. `claimed` defaults to the rule actually run (an honest label)."""
     check_writable(out, "claims file")
@@ -38,9 +39,11 @@ def generate_claims_file(model_dir, draft_dir, out, *, rule: str = "kl", thresho
     draft = LlamaLM.from_pretrained(draft_dir, device=device)
     prompts = prompts_for(model_dir, n, seed)
     stop = (info.eos_token_id,) if info.eos_token_id is not None else ()
-    claims = spec_claims(target, draft, prompts, run_rule=r, claimed=claimed or rule, gamma=gamma,
-                         temperature=temperature, max_tokens=max_tokens, seed=seed, model_name=info.name,
-                         draft_name=dinfo.name, provider=f"speculative-{rule}", stop_token_ids=stop)
+    with progress_bar(f"generate speculative-{rule}", len(prompts), show_progress) as adv:
+        claims = spec_claims(target, draft, prompts, run_rule=r, claimed=claimed or rule, gamma=gamma,
+                             temperature=temperature, max_tokens=max_tokens, seed=seed, model_name=info.name,
+                             draft_name=dinfo.name, provider=f"speculative-{rule}", stop_token_ids=stop,
+                             progress=adv)
     write_claims(out, claims)
     return claims
 
@@ -49,7 +52,8 @@ def has_spec(claims: Iterable[Claim]) -> bool:
     return any("spec" in c.extra for c in claims)
 
 
-def score_file(claims_path, model_dir, draft_dir, out, device: str = "cpu", model_names: tuple[str, ...] = ()) -> dict:
+def score_file(claims_path, model_dir, draft_dir, out, device: str = "cpu", model_names: tuple[str, ...] = (),
+               show_progress: bool = True) -> dict:
     """Verify speculative claims (all must carry `spec`): per-token Parquet at `out`; returns a
     summary (tokens, violations, mean accept_nll, per-claim violations). model_names: names the
     user vouches the target is claimed under, besides its own aliases."""
@@ -64,7 +68,9 @@ def score_file(claims_path, model_dir, draft_dir, out, device: str = "cpu", mode
                      max_positions=info.max_positions, aliases=(*info.aliases, *model_names))
     target = LlamaLM.from_pretrained(model_dir, device=device)
     draft = LlamaLM.from_pretrained(draft_dir, device=device)
-    rows = verify_spec_claims(claims, target, draft)
+    with progress_bar(f"score {Path(claims_path).name} (speculative)", sum(len(c.output_token_ids) for c in claims),
+                      show_progress) as adv:
+        rows = verify_spec_claims(claims, target, draft, progress=adv)
     write_scores(rows, claims, out)
     a = rows["event"] == "a"
     return {"tokens": int(rows["score"].size), "violations": int(rows["violation"].sum()),

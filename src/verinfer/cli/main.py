@@ -10,19 +10,60 @@ from __future__ import annotations
 import functools
 import json
 from pathlib import Path
-from typing import List, Optional
+from typing import List, Literal, Optional
 
 import typer
+import typer.core
 
 from verinfer.errors import VerinferError
 
-app = typer.Typer(add_completion=False, no_args_is_help=True,
+# The fixed value sets of options, as choices (help lists them; another value is a usage error,
+# exit 2). tests/test_cli.py checks each against the library's own list.
+Noise = Literal["vllm-cpu", "vllm-v1-exponential", "keyed", "inverse-cdf"]  # sampling.params.NOISE_BACKENDS
+Matmul = Literal["native", "fp32"]                                             # numerics Numerics.matmul
+Policy = Literal["best", "margingate", "llm42", "gated_llm42", "batch_invariant", "layercast", "bf16"]
+SpecRule = Literal["standard", "kl", "topk", "target_entropy", "draft_entropy", "autojudge"]  # speculative.rules.RULES
+EngineName = Literal["verinfer", "vllm"]
+AuditMode = Literal["auto", "seeded", "greedy"]                                # apps.audit_api.MODES
+Misconfig = Literal["int4", "fp8-kv", "temp-1.1", "wrong-seed", "sampling-bug"]  # providers.simulated.MISCONFIGURED
+Score = Literal["margin", "likelihood", "exact_match", "cross_entropy", "fp_l2"]  # audit.scores.ALL_SCORES
+ServeDeterministic = Literal["best"]                                           # server.registry.DETERMINISTIC
+LogLevel = Literal["critical", "error", "warning", "info", "debug", "trace"]   # uvicorn's levels
+Budget = Literal["full", "tiny"]                                               # models.testbed budgets
+
+MATMUL_HELP = ("Verifier matmuls: native (bf16 kernels) or fp32 (bf16 operands, fp32 GEMMs, outputs rounded to "
+               "bf16). Which is faster depends on the CPU: time both (README, section vLLM).")
+DEVICE_HELP = "torch device: cpu, cuda, cuda:1, ..."
+SEED_HELP = "Seed of the prompts and the per-request sampling seeds."
+
+
+def _plain_flags(params):
+    """Flags (and --help) take no value: show no `<bool>` type for them in help."""
+    for p in params:
+        if getattr(p, "is_flag", False) and p.metavar is None:
+            p.metavar = ""
+    return params
+
+
+class Command(typer.core.TyperCommand):
+    def get_params(self, ctx):
+        return _plain_flags(super().get_params(ctx))
+
+
+class Group(typer.core.TyperGroup):
+    def get_params(self, ctx):
+        return _plain_flags(super().get_params(ctx))
+
+
+app = typer.Typer(cls=Group, add_completion=False, no_args_is_help=True,
                   help="Make LLM inference checkable: audit providers with DiFR on a shipped testbed or your own model.")
-testbed_app = typer.Typer(no_args_is_help=True, help="The shipped testbed models (tokenizer, target, draft).")
+testbed_app = typer.Typer(cls=Group, no_args_is_help=True,
+                          help="The shipped testbed models (tokenizer, target, draft).")
 app.add_typer(testbed_app, name="testbed")
-determinism_app = typer.Typer(no_args_is_help=True, help="Batched greedy decoding equal to the batch-size-1 answer.")
+determinism_app = typer.Typer(cls=Group, no_args_is_help=True,
+                              help="Batched greedy decoding equal to the batch-size-1 answer.")
 app.add_typer(determinism_app, name="determinism")
-models_app = typer.Typer(no_args_is_help=True, help="Real pretrained models by name: fetch, convert, cache.")
+models_app = typer.Typer(cls=Group, no_args_is_help=True, help="Real pretrained models by name: fetch, convert, cache.")
 app.add_typer(models_app, name="models")
 
 
@@ -52,8 +93,8 @@ def _user_errors_exit_2(fn):
 
 
 def command(group: typer.Typer, *args, **kwargs):
-    """group.command(...) with the error handler."""
-    return lambda fn: group.command(*args, **kwargs)(_user_errors_exit_2(fn))
+    """group.command(...) with the error handler (and plain flags in help)."""
+    return lambda fn: group.command(*args, cls=Command, **kwargs)(_user_errors_exit_2(fn))
 
 
 def _default_model() -> Path:
@@ -88,15 +129,16 @@ def demo(out: Path = typer.Option(Path("runs/demo"), help="Output directory (res
                                         "calibrate). Default 128 on the testbed, 32 with --model (a real model "
                                         "decodes about 20x slower on a CPU)."),
          max_tokens: int = typer.Option(64, help="Output tokens per request."),
-         seed: int = typer.Option(0), audit_tokens: int = typer.Option(1000, help="Tokens per audited provider."),
+         seed: int = typer.Option(0, help=SEED_HELP),
+         audit_tokens: int = typer.Option(1000, help="Tokens per audited provider."),
          model: Optional[str] = typer.Option(None, help=f"{MODEL_HELP} (default: testbed target)."),
          quiet: bool = typer.Option(False, help="No progress bars.")):
     """Generate honest and misconfigured claims on the testbed (or --model), score, calibrate, audit, report."""
     from verinfer.apps.demo import demo as run_demo
     from verinfer.apps.pipeline import print_verdicts
 
-    res = run_demo(out, model_dir=_model_dir(model), n=n or (128 if model is None else 32), max_tokens=max_tokens, seed=seed, audit_tokens=audit_tokens,
-                   show_progress=not quiet)
+    res = run_demo(out, model_dir=_model_dir(model), n=n or (128 if model is None else 32), max_tokens=max_tokens,
+                   seed=seed, audit_tokens=audit_tokens, show_progress=not quiet)
     print_verdicts(res.verdicts)
     typer.echo(f"report: {res.report}   ({res.seconds:.0f} s)")
 
@@ -106,28 +148,31 @@ def generate(provider: str = typer.Argument("honest-bf16-b8", help="Simulated pr
                                                                    "fp8-kv, temp-1.1, wrong-seed, sampling-bug."),
              out: Path = typer.Option(..., "--out", "-o", help="Claims JSONL to write."),
              model: Optional[str] = typer.Option(None, help=f"{MODEL_HELP} (default: testbed target)."),
-             n: int = typer.Option(32, help="Number of requests."), max_tokens: int = typer.Option(64),
-             seed: int = typer.Option(0), temperature: float = typer.Option(1.0), top_k: int = typer.Option(50),
-             top_p: float = typer.Option(0.95), min_p: float = typer.Option(0.0),
-             noise: str = typer.Option("vllm-cpu", help="vllm-cpu | vllm-v1-exponential | keyed | inverse-cdf"),
-             device: str = typer.Option("cpu"),
-             deterministic: Optional[str] = typer.Option(None, help="Greedy batched decoding equal to the "
-                                                         "batch-size-1 answer: best | margingate | llm42 | "
-                                                         "gated_llm42 | batch_invariant | layercast | bf16 "
-                                                         "(ignores the provider)."),
+             n: int = typer.Option(32, help="Number of requests."),
+             max_tokens: int = typer.Option(64, help="Output tokens per request (at most)."),
+             seed: int = typer.Option(0, help=SEED_HELP),
+             temperature: float = typer.Option(1.0, help="Advertised sampling temperature (0: greedy)."),
+             top_k: int = typer.Option(50, help="Advertised top-k (<= 0: off)."),
+             top_p: float = typer.Option(0.95, help="Advertised top-p (1: off)."),
+             min_p: float = typer.Option(0.0, help="Advertised min-p (0: off)."),
+             noise: Noise = typer.Option("vllm-cpu", help="Noise backend the sampler draws from (claims name it)."),
+             device: str = typer.Option("cpu", help=DEVICE_HELP),
+             deterministic: Optional[Policy] = typer.Option(None, help="Greedy batched decoding equal to the "
+                                                            "batch-size-1 answer with this policy (ignores the "
+                                                            "provider)."),
              tau_file: Path = typer.Option(Path("runs/margingate_tau.json"), help="From `determinism calibrate`."),
              fingerprint: Optional[str] = typer.Option(None, help="Attach Activation-DiFR fingerprints: "
                                                        "k=16,stride=4[,layer=-1,seed=0,dtype=fp16|int8]"),
-             speculative: Optional[str] = typer.Option(None, help="Speculative decoding with this acceptance rule "
-                                                       "(ignores the provider): standard | kl | topk | "
-                                                       "target_entropy | draft_entropy | autojudge. Claims carry "
-                                                       "a `spec` field; filters off, temperature only."),
+             speculative: Optional[SpecRule] = typer.Option(None, help="Speculative decoding with this acceptance "
+                                                            "rule (ignores the provider). Claims carry a `spec` "
+                                                            "field; filters off, temperature only."),
              threshold: float = typer.Option(0.5, help="Threshold of the speculative rule (kl: KL nats)."),
              gamma: int = typer.Option(4, help="Draft tokens per speculative round."),
              draft: Optional[Path] = typer.Option(None, help="Draft model directory (default: testbed draft)."),
              judge: Optional[Path] = typer.Option(None, help="Judge JSON for --speculative autojudge."),
-             engine: str = typer.Option("verinfer", help="verinfer (simulated providers) | vllm (real vLLM; "
-                                                         "provider honest | int4 | fp8-kv | temp-1.1 | wrong-seed)")):
+             engine: EngineName = typer.Option("verinfer", help="verinfer (simulated providers) or vllm (real "
+                                                                "vLLM; provider honest | int4 | fp8-kv | temp-1.1 "
+                                                                "| wrong-seed)")):
     """Write claims JSONL from a simulated (honest or misconfigured) provider, or from real vLLM."""
     from verinfer.apps.determinism import generate as det_generate
     from verinfer.apps.pipeline import generate as run_generate, generate_with_vllm
@@ -172,10 +217,10 @@ def generate(provider: str = typer.Argument("honest-bf16-b8", help="Simulated pr
 def score(claims: Path = typer.Argument(..., help="Claims JSONL."),
           out: Path = typer.Option(..., "--out", "-o", help="Scores Parquet to write (resumes)."),
           model: Optional[str] = typer.Option(None, help=f"{MODEL_HELP} (default: testbed target)."),
-          model_name: List[str] = _model_names_option(), device: str = typer.Option("cpu"),
+          model_name: List[str] = _model_names_option(), device: str = typer.Option("cpu", help=DEVICE_HELP),
           draft: Optional[Path] = typer.Option(None, help="Draft model for speculative claims (default: testbed draft)."),
           gaps: bool = typer.Option(False, "--gaps", help="Also the signed-gap columns the glrt detector reads."),
-          matmul: str = typer.Option("native", help="Verifier matmuls: native (bf16 kernels) or fp32 (bf16 operands, fp32 GEMMs, outputs rounded to bf16; about 1.5x faster replay on CPUs without AMX).")):
+          matmul: Matmul = typer.Option("native", help=MATMUL_HELP)):
     """Replay claims with the trusted model: one Parquet row per token with every score."""
     from verinfer.apps.pipeline import score as run_score
     from verinfer.apps.speculative import has_spec, score_file
@@ -200,18 +245,24 @@ def score(claims: Path = typer.Argument(..., help="Claims JSONL."),
 @command(app)
 def calibrate(scores: List[Path] = typer.Argument(..., help="Scores Parquet files of honest runs."),
               out: Path = typer.Option(..., "--out", "-o", help="Detector JSON to write."),
-              score_name: Optional[str] = typer.Option(None, "--score",
-                                                       help="clipped-mean: the score column (default margin)."),
+              score_name: Optional[Score] = typer.Option(None, "--score",
+                                                         help="clipped-mean: the per-token score column to average "
+                                                              "(default margin; fp_l2 for Activation-DiFR "
+                                                              "fingerprints)."),
               clip_quantile: Optional[float] = typer.Option(None, help="clipped-mean: honest quantile to clip at "
                                                                        "(default 0.999)."),
-              target_fpr: float = typer.Option(0.01), seed: int = typer.Option(0),
+              target_fpr: float = typer.Option(0.01, help="False-positive rate the threshold is set at, on "
+                                                          "honest batches."),
+              seed: int = typer.Option(0, help="Seed of the train/test split of the honest tokens."),
               kind: str = typer.Option("clipped-mean", "--detector",
                                        help="clipped-mean | glrt | likelihood-ratio | replay-library (detect.DETECTORS): clipped-mean (one --score column), glrt "
                                             "(perturbation GLRT, the detection lab's `best`; needs scores from "
                                             "`verinfer score --gaps`)")):
     """Fit a detector on honest scores: winsorize, batch mean, threshold at a target FPR."""
     from verinfer.apps.pipeline import calibrate as run_calibrate_detector, load_score_tables
+    from verinfer.io import check_writable
 
+    check_writable(out, "detector file")
     table = load_score_tables(scores)
     honest = sorted(set(table["provider"].to_pylist()))
     options = {k: v for k, v in (("score_name", score_name), ("clip_quantile", clip_quantile)) if v is not None}
@@ -233,8 +284,10 @@ def audit(inputs: List[Path] = typer.Argument(..., help="Scores Parquet or claim
     """Verdict per provider: flagged or not, tokens used, tail probability under the honest null."""
     from verinfer.apps.pipeline import (audit as run_audit, combine_verdicts, load_score_tables, print_verdicts, score as run_score)
     from verinfer.detect import load_detector
-    from verinfer.io import atomic_write_text
+    from verinfer.io import atomic_write_text, check_writable
 
+    if json_out:
+        check_writable(json_out, "verdicts JSON")
     dets = [load_detector(d) for d in detector]
     gaps = any(d.requires_gaps for d in dets)
     paths = []
@@ -257,15 +310,19 @@ def audit(inputs: List[Path] = typer.Argument(..., help="Scores Parquet or claim
 
 
 @command(app)
-def report(scores: List[Path] = typer.Argument(...), out: Path = typer.Option(Path("runs/report"), "--out", "-o"),
+def report(scores: List[Path] = typer.Argument(..., help="Scores Parquet files (`verinfer score`)."),
+           out: Path = typer.Option(Path("runs/report"), "--out", "-o", help="Output directory: report.html and "
+                                    "its PNG plots."),
            honest: List[str] = typer.Option(None, help="Honest provider names (default: names starting 'honest')."),
            model: Optional[str] = typer.Option(None, help=f"{MODEL_HELP}: the model the scores were replayed "
                                                "with, named in the report with its weights hash (scores files do "
                                                "not record it: without this the report says 'not recorded').")):
     """HTML report with AUC@1%FPR-vs-tokens curves and score histograms."""
     from verinfer.apps.pipeline import load_score_tables
+    from verinfer.io import check_writable
     from verinfer.report.html import ReportContext, compute_auc_curves, write_report
 
+    check_writable(out, "report directory", directory=True)
     table = load_score_tables(scores)
     names = sorted(set(table["provider"].to_pylist()))
     hon = honest or [n for n in names if n.startswith("honest")]
@@ -280,19 +337,21 @@ def report(scores: List[Path] = typer.Argument(...), out: Path = typer.Option(Pa
 def serve(model: Optional[str] = typer.Option(None, help="A model directory, a directory of model directories, or "
                                               "a name from `verinfer models list` (default: testbed target). "
                                               "Requests name models; names never become paths."),
-          host: str = typer.Option("127.0.0.1"), port: int = typer.Option(8000),
-          misconfig: Optional[str] = typer.Option(None, help="Serve a misconfigured model to test audits: int4 | "
-                                                  "fp8-kv | temp-1.1 | wrong-seed | sampling-bug."),
-          noise: str = typer.Option("vllm-cpu", help="Noise backend of the sampler."),
+          host: str = typer.Option("127.0.0.1", help="Address to listen on (127.0.0.1: this machine only)."),
+          port: int = typer.Option(8000, help="TCP port to listen on."),
+          misconfig: Optional[Misconfig] = typer.Option(None, help="Serve a misconfigured model to test audits."),
+          noise: Noise = typer.Option("vllm-cpu", help="Noise backend of the sampler."),
           threads: Optional[int] = typer.Option(None, help="torch threads (default: torch's choice)."),
           max_concurrent: int = typer.Option(2, help="Generations running at once."),
           max_waiting: int = typer.Option(64, help="Queued generations before HTTP 503."),
           max_tokens: int = typer.Option(1024, help="Largest max_tokens a request may ask for."),
-          max_body_bytes: int = typer.Option(1 << 20), device: str = typer.Option("cpu"),
-          log_level: str = typer.Option("info"),
-          deterministic: Optional[str] = typer.Option(None, help="best: decode on the fixed-shape deterministic "
-                                                      "path, so greedy tokens equal `verinfer generate "
-                                                      "--deterministic best` in any batch.")):
+          max_body_bytes: int = typer.Option(1 << 20, help="Largest request body (bytes) before HTTP 413."),
+          device: str = typer.Option("cpu", help=DEVICE_HELP),
+          log_level: LogLevel = typer.Option("info", help="uvicorn's log level."),
+          deterministic: Optional[ServeDeterministic] = typer.Option(None, help="best: decode on the fixed-shape "
+                                                                     "deterministic path, so greedy tokens equal "
+                                                                     "`verinfer generate --deterministic best` in "
+                                                                     "any batch.")):
     """OpenAI-compatible server: /v1/completions, /v1/chat/completions (SSE streaming), /v1/models."""
     try:  # the [server] extra (FastAPI, uvicorn) is optional: imported only when serving
         from verinfer.server.app import ServeConfig, serve as run
@@ -313,18 +372,28 @@ def audit_api(base_url: str = typer.Option(..., help="OpenAI-compatible base URL
                                                       "or a name from `verinfer models list` (default: testbed "
                                                       "target)."),
               out: Path = typer.Option(Path("runs/audit-api"), "--out", "-o", help="Output directory (resumes)."),
-              n: int = typer.Option(32, help="Prompts to send."), max_tokens: int = typer.Option(64),
-              seed: int = typer.Option(0), mode: str = typer.Option("auto", help="auto | seeded | greedy"),
-              temperature: float = typer.Option(1.0), top_k: int = typer.Option(50), top_p: float = typer.Option(0.95),
-              min_p: float = typer.Option(0.0), noise: str = typer.Option("vllm-cpu"),
+              n: int = typer.Option(32, help="Prompts to send."),
+              max_tokens: int = typer.Option(64, help="max_tokens of each request."),
+              seed: int = typer.Option(0, help=SEED_HELP),
+              mode: AuditMode = typer.Option("auto", help="seeded: temperature > 0 with per-request seeds; greedy: "
+                                                          "temperature 0 (endpoints that ignore seeds); auto: send "
+                                                          "one seeded prompt twice and pick."),
+              temperature: float = typer.Option(1.0, help="Sampling temperature of seeded requests."),
+              top_k: int = typer.Option(50, help="top_k of seeded requests (<= 0: off)."),
+              top_p: float = typer.Option(0.95, help="top_p of seeded requests (1: off)."),
+              min_p: float = typer.Option(0.0, help="min_p of seeded requests (0: off)."),
+              noise: Noise = typer.Option("vllm-cpu", help="Noise backend the endpoint samples with (vllm-cpu for "
+                                                           "vLLM on CPU and verinfer serve)."),
               ignore_eos: bool = typer.Option(False, help="Send vLLM's ignore_eos (fixed-length outputs)."),
-              api_key: str = typer.Option("EMPTY", envvar="OPENAI_API_KEY"),
-              timeout: float = typer.Option(120.0), calib_n: Optional[int] = typer.Option(None),
+              api_key: str = typer.Option("EMPTY", envvar="OPENAI_API_KEY", help="API key sent to the endpoint."),
+              timeout: float = typer.Option(120.0, help="Seconds to wait for each reply."),
+              calib_n: Optional[int] = typer.Option(None, help="Prompts per honest calibration run (default: the "
+                                                              "larger of --n and 64)."),
               honest: List[str] = typer.Option(None, help="Honest configurations to calibrate on (default: all)."),
               detector: Optional[Path] = typer.Option(None, help="Calibrated detector to reuse (created if missing)."),
-              device: str = typer.Option("cpu"),
+              device: str = typer.Option("cpu", help=DEVICE_HELP),
               threads: Optional[int] = typer.Option(None, help="torch threads of the auditor."),
-              matmul: str = typer.Option("native", help="Verifier matmuls: native (bf16 kernels) or fp32 (bf16 operands, fp32 GEMMs, outputs rounded to bf16; about 1.5x faster replay on CPUs without AMX).")):
+              matmul: Matmul = typer.Option("native", help=MATMUL_HELP)):
     """Audit an OpenAI-compatible endpoint: seeded (or temperature-0) prompts, replay, verdict, report."""
     from verinfer.apps.audit_api import ApiAuditConfig, audit_api as run_audit_api
     from verinfer.apps.pipeline import print_verdicts
@@ -345,10 +414,13 @@ def audit_api(base_url: str = typer.Option(..., help="OpenAI-compatible base URL
 
 @command(determinism_app, "calibrate")
 def determinism_calibrate(model: Optional[str] = typer.Option(None, help=f"{MODEL_HELP} (default: testbed target)."),
-                          out: Path = typer.Option(Path("runs/margingate_tau.json"), "--out", "-o"),
+                          out: Path = typer.Option(Path("runs/margingate_tau.json"), "--out", "-o",
+                                                   help="Tau JSON to write (merged by model; read by `generate "
+                                                        "--deterministic margingate`)."),
                           n: int = typer.Option(16, help="Calibration (arithmetic) prompts."),
-                          max_batch: int = typer.Option(16), seed: int = typer.Option(0),
-                          device: str = typer.Option("cpu")):
+                          max_batch: int = typer.Option(16, help="Largest decode batch."),
+                          seed: int = typer.Option(0, help="Seed of the calibration prompts."),
+                          device: str = typer.Option("cpu", help=DEVICE_HELP)):
     """Estimate eps_pert, sweep tau, write the smallest tau with 100% sequence determinism."""
     from verinfer.apps.determinism import run_calibrate
 
@@ -379,9 +451,12 @@ def models_list(cache: Optional[Path] = typer.Option(None, help="Cache directory
 
 
 @command(testbed_app, "build")
-def testbed_build(seed: int = typer.Option(0), out: Optional[Path] = typer.Option(None, help="Default: the shipped dir."),
-                  budget: str = typer.Option("full", help="full | tiny")):
-    """Retrain the testbed tokenizer, target and draft from a seed (about 15 minutes on 2 cores)."""
+def testbed_build(seed: int = typer.Option(0, help="Seed of the corpus, initialization and training."),
+                  out: Optional[Path] = typer.Option(None, help="Output directory (default: the shipped testbed "
+                                                     "directory)."),
+                  budget: Budget = typer.Option("full", help="full: the shipped models; tiny: a seconds-long smoke "
+                                                "build.")):
+    """Retrain the testbed tokenizer, target and draft from a seed (about 10 minutes on 2 idle cores)."""
     from verinfer.models import testbed
 
     info = testbed.build(seed, out or testbed.TESTBED_DIR, budget=budget)

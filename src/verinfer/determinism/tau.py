@@ -34,11 +34,12 @@ def make_requests(prompts, tag: str, max_tokens: tuple[int, int], seed: int) -> 
             for i, p in enumerate(prompts)]
 
 
-def reference(eng: Engines, reqs, max_batch: int = 16, det: Engine | None = None) -> dict[str, list[int]]:
+def reference(eng: Engines, reqs, max_batch: int = 16, det: Engine | None = None, progress=None) -> dict[str, list[int]]:
     """The batch-size-1 answer of the deterministic path (`det`, default eng.det). Computed
-    batched: the path is batch-invariant (tests/determinism/test_invariant.py checks it bitwise)."""
+    batched: the path is batch-invariant (tests/determinism/test_invariant.py checks it bitwise).
+    progress(1) after each finished request."""
     det = det or eng.det
-    out, _ = Scheduler(det, det, "batch_invariant", max_batch=max_batch).run(reqs)
+    out, _ = Scheduler(det, det, "batch_invariant", max_batch=max_batch).run(reqs, progress=progress)
     return out
 
 
@@ -60,8 +61,9 @@ def flip_stats(out: dict, ref: dict, ids) -> dict:
     return dict(flip_rate=flips / max(sync, 1), diverged=flips, synchronous_steps=sync, first_flip_steps=where)
 
 
-def eps_pert(eng: Engines, reqs, ref: dict, max_batch: int) -> list[float]:
-    """Per-step eps over the reference's top-50, along the synchronous prefix of bf16 batched runs."""
+def eps_pert(eng: Engines, reqs, ref: dict, max_batch: int, progress=None) -> list[float]:
+    """Per-step eps over the reference's top-50, along the synchronous prefix of bf16 batched runs.
+    progress(1) after each finished request of the batched run."""
     seen: dict[str, list[torch.Tensor]] = {}
 
     def capture(logits_BV, params, noises, batch):
@@ -70,7 +72,7 @@ def eps_pert(eng: Engines, reqs, ref: dict, max_batch: int) -> list[float]:
                 seen.setdefault(r.id, []).append(logits_BV[b].clone())
         return logits_BV.argmax(-1)
 
-    out, _ = Scheduler(eng.fast, eng.det, "bf16", max_batch=max_batch).run(reqs, sampler=capture)
+    out, _ = Scheduler(eng.fast, eng.det, "bf16", max_batch=max_batch).run(reqs, sampler=capture, progress=progress)
     by_id = {r.id: r for r in reqs}
     eps: list[float] = []
     for rid, logits in seen.items():
@@ -88,23 +90,30 @@ def eps_pert(eng: Engines, reqs, ref: dict, max_batch: int) -> list[float]:
 
 
 def sweep_tau(eng: Engines, reqs, ref: dict, taus, max_batch: int, progress=None) -> list[dict]:
+    """MarginGate end to end at each tau; progress(1) after each finished request of each run."""
     rows = []
     for tau in taus:
-        out, st = Scheduler(eng.fast, eng.det, "margingate", tau=float(tau), max_batch=max_batch).run(reqs)
+        out, st = Scheduler(eng.fast, eng.det, "margingate", tau=float(tau), max_batch=max_batch).run(
+            reqs, progress=progress)
         rows.append(dict(tau=float(tau), determinism=determinism(out, ref, ref), **st.rates()))
-        if progress is not None:
-            progress(1)
     return rows
+
+
+def calibration_requests(n: int, points: int = 9) -> int:
+    """The requests `calibrate` runs (its progress total): reference, eps_pert, then `points` sweep
+    runs of n each (a widened sweep runs n more per extra point)."""
+    return (2 + points) * n
 
 
 def calibrate(model_dir, n: int = 16, max_tokens=(48, 128), max_batch: int = 16, seed: int = 0, points: int = 9,
               device="cpu", eng: Engines | None = None, progress=None) -> dict:
-    """Calibrate tau on arithmetic prompts. Returns the full record (eps, sweep, chosen tau)."""
+    """Calibrate tau on arithmetic prompts. Returns the full record (eps, sweep, chosen tau).
+    progress(1) after each finished request of every phase (`calibration_requests` in all)."""
     eng = eng or make_engines(model_dir, device)
     _, arith = split_prompts(model_dir, n, seed)
     reqs = make_requests(arith, "cal", max_tokens, seed)
-    ref = reference(eng, reqs, max_batch)
-    eps = eps_pert(eng, reqs, ref, max_batch)
+    ref = reference(eng, reqs, max_batch, progress=progress)
+    eps = eps_pert(eng, reqs, ref, max_batch, progress=progress)
     hi = 2 * max(eps)
     taus = [hi * i / (points - 1) for i in range(points)]
     sweep = sweep_tau(eng, reqs, ref, taus, max_batch, progress)

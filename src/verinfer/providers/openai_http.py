@@ -2,11 +2,16 @@
 a provider's API), through the official `openai` client. Prompts go out as token ids; the
 endpoint's prompt and output token ids come back (vLLM's `return_token_ids`; verinfer serve
 always sends them). Text is never re-tokenized: an endpoint that returns no token ids cannot be
-audited and says so."""
+audited and says so. Every reply is validated (pydantic: JSON, at least one choice, integer token
+ids >= 0) before anything of it is kept."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from typing import Annotated
+
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
 
 from verinfer.errors import VerinferError
 from verinfer.sampling.params import SamplingParams
@@ -36,8 +41,53 @@ def openai_client(endpoint: Endpoint):
                          max_retries=endpoint.max_retries)
 
 
-def request_completion(client, cfg: Endpoint, prompt: list[int], params: SamplingParams) -> tuple[list[int], list[int], str]:
-    """One completion; returns (prompt ids, output ids, finish reason) as the endpoint reports them."""
+TokenId = Annotated[StrictInt, Field(ge=0)]
+
+
+class CompletionChoice(BaseModel):
+    """choices[0] of a completion reply: the fields an audit reads (others are allowed)."""
+    model_config = ConfigDict(extra="allow")
+    token_ids: list[TokenId] | None = None
+    prompt_token_ids: list[TokenId] | None = None
+    finish_reason: str | None = None
+
+
+class CompletionReply(BaseModel):
+    """A completion reply as an audit needs it: at least one choice, integer token ids >= 0."""
+    model_config = ConfigDict(extra="allow")
+    choices: list[CompletionChoice] = Field(min_length=1)
+    prompt_token_ids: list[TokenId] | None = None
+
+
+def parse_reply(body: bytes, where: str, request: str) -> CompletionReply:
+    """Validate a completion reply's body before anything of it is kept: an EndpointError naming
+    the endpoint (`where`) and the request when it is not JSON or not a usable reply."""
+    try:
+        data = json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        shown = body[:120].decode("utf-8", "replace").strip()
+        raise EndpointError(f"{request}: the reply is not JSON ({e.msg}; body starts {shown!r})", where=where,
+                            fix="check --base-url: it must be an OpenAI-compatible API ending in /v1, not a web "
+                                "page or a proxy's error page") from None
+    try:
+        return CompletionReply.model_validate(data)
+    except ValidationError as e:
+        bad = "; ".join(f"{'.'.join(map(str, err['loc'])) or 'body'}: {err['msg']} (got {_short(err['input'])})"
+                        for err in e.errors()[:3])
+        raise EndpointError(f"{request}: the reply is not a usable completion ({bad})", where=where,
+                            fix="audit an OpenAI-compatible completions endpoint that returns integer token ids "
+                                "(verinfer serve; vLLM >= 0.10.2 with return_token_ids)") from None
+
+
+def _short(x) -> str:
+    r = repr(x)
+    return r if len(r) <= 60 else r[:57] + "..."
+
+
+def request_completion(client, cfg: Endpoint, prompt: list[int], params: SamplingParams,
+                       request: str = "request") -> tuple[list[int], list[int], str]:
+    """One completion; returns (prompt ids, output ids, finish reason) as the endpoint reports them,
+    validated (`parse_reply`). `request` names it in errors (e.g. 'request 3 (claim api-00003)')."""
     import openai
 
     extra = {"return_token_ids": True}
@@ -52,23 +102,22 @@ def request_completion(client, cfg: Endpoint, prompt: list[int], params: Samplin
     if params.seed is not None:
         kwargs["seed"] = params.seed
     try:
-        resp = client.completions.create(**kwargs)
+        raw = client.completions.with_raw_response.create(**kwargs)
     except (openai.APIConnectionError, openai.APITimeoutError) as e:
-        raise EndpointError(f"cannot reach {cfg.base_url} ({type(e).__name__}: {e})", where=cfg.base_url,
+        raise EndpointError(f"{request}: cannot reach {cfg.base_url} ({type(e).__name__}: {e})", where=cfg.base_url,
                             fix="start the server or check --base-url; rerun the same command to resume") from e
     except openai.APIStatusError as e:
-        raise EndpointError(f"the endpoint answered HTTP {e.status_code}: {_err_message(e)}", where=cfg.base_url,
-                            fix="check --model and the sampling options the endpoint accepts") from e
-    choice = resp.choices[0]
-    extra_fields = choice.model_extra or {}
-    out_ids, prompt_ids = extra_fields.get("token_ids"), extra_fields.get("prompt_token_ids")
-    if out_ids is None:
-        raise EndpointError("the endpoint returned no output token ids (choices[0].token_ids)", where=cfg.base_url,
+        raise EndpointError(f"{request}: the endpoint answered HTTP {e.status_code}: {_err_message(e)}",
+                            where=cfg.base_url, fix="check --model and the sampling options the endpoint accepts") from e
+    reply = parse_reply(raw.http_response.content, cfg.base_url, request)
+    choice = reply.choices[0]
+    if choice.token_ids is None:
+        raise EndpointError(f"{request}: the endpoint returned no output token ids (choices[0].token_ids)",
+                            where=cfg.base_url,
                             fix="verinfer never re-tokenizes text: audit an endpoint that returns token ids "
                                 "(verinfer serve; vLLM >= 0.10.2 with return_token_ids)")
-    if prompt_ids is None:
-        prompt_ids = (resp.model_extra or {}).get("prompt_token_ids") or prompt
-    return list(prompt_ids), list(out_ids), choice.finish_reason or "length"
+    prompt_ids = next((p for p in (choice.prompt_token_ids, reply.prompt_token_ids) if p is not None), prompt)
+    return list(prompt_ids), list(choice.token_ids), choice.finish_reason or "length"
 
 
 def _err_message(e) -> str:
@@ -81,6 +130,6 @@ def _err_message(e) -> str:
 
 def probe_seeds(client, endpoint: Endpoint, prompt: list[int], params: SamplingParams) -> bool:
     """True if the endpoint gives the same tokens twice for the same seeded request."""
-    a = request_completion(client, endpoint, prompt, params)[1]
-    b = request_completion(client, endpoint, prompt, params)[1]
+    a = request_completion(client, endpoint, prompt, params, "the seed probe (first of two)")[1]
+    b = request_completion(client, endpoint, prompt, params, "the seed probe (second of two)")[1]
     return a == b

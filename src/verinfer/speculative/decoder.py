@@ -115,9 +115,10 @@ class SpeculativeDecoder:
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], max_tokens: int, seeds: list[int] | None = None,
-                 batch_size: int = 8) -> list[SpecOutput]:
+                 batch_size: int = 8, progress=None) -> list[SpecOutput]:
         """Generate every prompt, `batch_size` rows at a time. Row r's randomness comes only from
-        its speculative-keyed noise (seed r, round), so batched and batch-1 runs draw the same numbers."""
+        its speculative-keyed noise (seed r, round), so batched and batch-1 runs draw the same numbers.
+        progress(k) after each batch of k prompts."""
         for i, p in enumerate(prompts):
             if len(p) < 2:
                 raise ValueError(f"prompt #{i} has {len(p)} token(s); speculative decoding needs at least 2 "
@@ -127,6 +128,8 @@ class SpeculativeDecoder:
         for i in range(0, len(prompts), batch_size):
             out += self._generate_batch(prompts[i : i + batch_size], max_tokens,
                                         None if gens is None else gens[i : i + batch_size])
+            if progress is not None:
+                progress(len(prompts[i : i + batch_size]))
         return out
 
     def _generate_batch(self, prompts, max_tokens, gens) -> list[SpecOutput]:

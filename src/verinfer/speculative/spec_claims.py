@@ -53,12 +53,13 @@ SPEC_NOISE = "speculative-keyed"  # the noise stream SpeculativeDecoder draws fr
 
 def spec_claims(target: LlamaLM, draft: LlamaLM, prompts: list[list[int]], *, run_rule: Rule, claimed: str,
                 gamma: int, temperature: float, max_tokens: int, seed: int, model_name: str, draft_name: str,
-                provider: str, batch_size: int = 16, stop_token_ids=()) -> list[Claim]:
+                provider: str, batch_size: int = 16, stop_token_ids=(), progress=None) -> list[Claim]:
     """Generate with `run_rule` and label the claims as produced by `claimed` (a provider that
-    claims 'standard' while running 'kl' is the misconfiguration the audit must catch)."""
+    claims 'standard' while running 'kl' is the misconfiguration the audit must catch).
+    progress(k) after each batch of k prompts."""
     seeds = [seed * 1_000_003 + i for i in range(len(prompts))] if temperature > 0 else None
     dec = SpeculativeDecoder(target, draft, run_rule, gamma=gamma, temperature=temperature, stop_token_ids=stop_token_ids)
-    outs = dec.generate(prompts, max_tokens, seeds=seeds, batch_size=batch_size)
+    outs = dec.generate(prompts, max_tokens, seeds=seeds, batch_size=batch_size, progress=progress)
     claims = []
     for i, o in enumerate(outs):
         params = SamplingParams(temperature=temperature, seed=None if seeds is None else seeds[i],
@@ -132,10 +133,11 @@ def replay_draw(p_V: torch.Tensor, q_V: torch.Tensor, claimed: int, event: str, 
 
 
 @torch.no_grad()
-def verify_spec_claims(claims: list[Claim], target: LlamaLM, draft: LlamaLM) -> dict[str, np.ndarray]:
+def verify_spec_claims(claims: list[Claim], target: LlamaLM, draft: LlamaLM, progress=None) -> dict[str, np.ndarray]:
     """One row per output token: claim index, position, event, accept_nll, violation, score and
     the re-execution of the claim's draws (`replay_draw`; sampled claims, noise speculative-keyed):
-    replay_match, margin, accept_gap (greedy claims: replay_match = argmax check, margin 0, NaN)."""
+    replay_match, margin, accept_gap (greedy claims: replay_match = argmax check, margin 0, NaN).
+    progress(k) after each claim of k output tokens."""
     keys = ("claim", "position", "event", "accept_nll", "violation", "score", "replay_match", "margin", "accept_gap")
     rows: dict[str, list] = {k: [] for k in keys}
     target_engine, draft_engine = Engine(target), Engine(draft)
@@ -176,4 +178,6 @@ def verify_spec_claims(claims: list[Claim], target: LlamaLM, draft: LlamaLM) -> 
             slot, rnd = (slot + 1, rnd) if e == "a" else (0, rnd + 1)
             for k, v in zip(keys, (ci, t, e, nll, viol, math.inf if viol else nll, match, margin, agap)):
                 rows[k].append(v)
+        if progress is not None:
+            progress(n)
     return {k: np.asarray(v) for k, v in rows.items()}
