@@ -124,7 +124,7 @@ def _model_names_option():
 
 
 @command(app)
-def demo(out: Path = typer.Option(Path("runs/demo"), help="Output directory (resumes if it exists)."),
+def demo(out: Path = typer.Option(Path("runs/demo"), help="Output directory (resumes a run made with the same model and settings)."),
          n: Optional[int] = typer.Option(None, help="Requests per provider (half of each honest provider's tokens "
                                         "calibrate). Default 128 on the testbed, 32 with --model (a real model "
                                         "decodes about 20x slower on a CPU)."),
