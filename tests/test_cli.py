@@ -372,3 +372,51 @@ def test_testbed_checkpoints_are_ignored_by_git():
     ckpt = TARGET_DIR.parent / ".ckpt" / "target.safetensors"
     r = subprocess.run(["git", "-C", str(repo), "check-ignore", "-q", str(ckpt)])
     assert r.returncode == 0
+
+
+def test_audit_inputs_are_keyed_per_file(scored, tmp_path):
+    """Issue 15 item 5: the same file twice and a claim in two files are errors (they counted twice:
+    p 4e-130 -> 7e-258); claims without a provider take the file's stem (or --provider) instead of
+    merging into one `unknown` row; a provider in two files gets a row per file unless --merge."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    d, p = scored
+    det = tmp_path / "det.json"
+    assert run("calibrate", p["honest-bf16-b8"], p["honest-fp32-b4"], "--out", det).exit_code == 0
+
+    def audit(*inputs, **opts):
+        extra = [a for k, v in opts.items() for a in ((f"--{k}", v) if v is not True else (f"--{k}",))]
+        r = runner.invoke(app, ["audit", *map(str, inputs), "-d", str(det), "--json", str(tmp_path / "v.json"),
+                                *map(str, extra)])
+        rows = json.loads((tmp_path / "v.json").read_text()) if r.exit_code in (0, 1) else None
+        (tmp_path / "v.json").unlink(missing_ok=True)
+        return r, rows
+
+    r, _ = audit(p["wrong-seed"], p["wrong-seed"])
+    assert r.exit_code == 2 and "given twice" in r.output
+    copy = tmp_path / "copy.parquet"
+    copy.write_bytes(p["wrong-seed"].read_bytes())
+    r, _ = audit(p["wrong-seed"], copy)
+    assert r.exit_code == 2 and "also in" in r.output and "count twice" in r.output
+
+    t = pq.read_table(p["wrong-seed"])
+    ids = sorted(set(t["claim_id"].to_pylist()))
+    halves = [t.filter(pc.is_in(t["claim_id"], pa.array(ids[:3]))), t.filter(pc.is_in(t["claim_id"], pa.array(ids[3:])))]
+    a, b = tmp_path / "batch-a.parquet", tmp_path / "batch-b.parquet"
+    for path, h in zip((a, b), halves):
+        pq.write_table(h, path)
+    r, rows = audit(a, b)
+    assert sorted(v["provider"] for v in rows) == ["wrong-seed (batch-a)", "wrong-seed (batch-b)"]
+    assert [v["n_tokens"] for v in rows] == [3 * 24, 3 * 24]
+    r, rows = audit(a, b, merge=True)
+    assert [(v["provider"], v["n_tokens"]) for v in rows] == [("wrong-seed", 6 * 24)]
+
+    for path, h in zip((a, b), halves):  # claims that name no provider
+        pq.write_table(h.set_column(h.column_names.index("provider"), "provider",
+                                    pa.array(["unknown"] * h.num_rows)), path)
+    r, rows = audit(a, b)
+    assert sorted(v["provider"] for v in rows) == ["batch-a", "batch-b"]
+    r, rows = audit(a, b, provider="acme")
+    assert sorted(v["provider"] for v in rows) == ["acme (batch-a)", "acme (batch-b)"]

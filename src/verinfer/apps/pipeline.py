@@ -93,24 +93,64 @@ def score(claims_path: str | Path, model_dir: str | Path, out: str | Path, *, en
                             model_sha=info.weights_sha256, progress=adv, gaps=gaps)
 
 
-def load_score_tables(paths: list[str | Path]) -> pa.Table:
+UNKNOWN_PROVIDER = "unknown"  # what `score` writes for a claim without a `provider` field
+
+
+def load_score_tables(paths: list[str | Path], *, labels: list[str] | None = None, provider: str | None = None,
+                      merge: bool = False) -> pa.Table:
     """The rows of every scores file in one table, on the columns all of them have (files scored
     with and without --gaps or fingerprints read together; a detector that needs a dropped column
-    says so). Columns of another type than the first file's are an error naming the file."""
-    tables = [read_scores(p) for p in paths]
+    says so). Columns of another type than the first file's are an error naming the file.
+
+    Inputs are keyed: a row's provider is its claim's, else `provider`, else the file's label
+    (`labels[i]`, default the file's stem). The same file twice, or a claim id of a provider that
+    another file also holds, is an error (it would count the same tokens twice). A provider found
+    in several files is reported per file ("name (label)") unless `merge` pools them."""
+    labels = labels or [Path(p).stem for p in paths]
+    seen_files: dict[Path, str | Path] = {}
+    for p in paths:
+        key = Path(p).resolve()
+        if key in seen_files:
+            raise VerinferError(f"given twice (also as {seen_files[key]}): its tokens would count twice",
+                                where=str(p), fix="pass each scores file once")
+        seen_files[key] = p
+    tables = []
+    for p, label in zip(paths, labels):
+        t = read_scores(p)
+        prov = t["provider"]
+        named = pc.if_else(pc.equal(prov, UNKNOWN_PROVIDER), provider or label, prov)
+        tables.append(t.set_column(t.column_names.index("provider"), "provider", named))
     if not tables:
         raise VerinferError("no scores files given", fix="pass the Parquet files `verinfer score` wrote")
     common = [c for c in tables[0].column_names if all(c in t.column_names for t in tables[1:])]
-    out = [tables[0].select(common)]
-    for p, t in zip(paths[1:], tables[1:]):
+    tables[0] = tables[0].select(common)
+    for k, (p, t) in enumerate(zip(paths[1:], tables[1:]), 1):
         t = t.select(common)
         try:
-            out.append(t.cast(out[0].schema))
+            tables[k] = t.cast(tables[0].schema)
         except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError) as e:
-            diff = [f"{a.name}: {a.type} vs {b.type}" for a, b in zip(out[0].schema, t.schema) if a.type != b.type]
+            diff = [f"{a.name}: {a.type} vs {b.type}" for a, b in zip(tables[0].schema, t.schema) if a.type != b.type]
             raise VerinferError(f"its score columns do not fit those of {paths[0]} ({'; '.join(diff) or e})",
                                 where=str(p), fix="rescore the claims with this verinfer (`verinfer score`)") from None
-    return pa.concat_tables(out)
+    claims_of: dict[tuple[str, str], str | Path] = {}
+    files_of: dict[str, list[int]] = {}
+    for k, (p, t) in enumerate(zip(paths, tables)):
+        pairs = set(zip(t["provider"].to_pylist(), t["claim_id"].to_pylist()))
+        for pair in pairs:
+            if pair in claims_of:
+                raise VerinferError(f"claim {pair[1]!r} of provider {pair[0]!r} is also in {claims_of[pair]}: its "
+                                    f"tokens would count twice", where=str(p),
+                                    fix="pass each claim once (claim ids must be unique per provider across inputs)")
+            claims_of[pair] = p
+        for name in {pr for pr, _ in pairs}:
+            files_of.setdefault(name, []).append(k)
+    if not merge:
+        for name, ks in files_of.items():
+            for k in ks if len(ks) > 1 else ():
+                t = tables[k]
+                prov = pc.if_else(pc.equal(t["provider"], name), f"{name} ({labels[k]})", t["provider"])
+                tables[k] = t.set_column(t.column_names.index("provider"), "provider", prov)
+    return pa.concat_tables(tables)
 
 
 def calibrate(table: pa.Table, honest: list[str], *, detector: str = "clipped-mean", seed: int = 0,

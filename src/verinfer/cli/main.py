@@ -280,7 +280,11 @@ def audit(inputs: List[Path] = typer.Argument(..., help="Scores Parquet or claim
                                                          "target)."),
           model_name: List[str] = _model_names_option(),
           json_out: Optional[Path] = typer.Option(None, "--json", help="Also write verdicts as JSON."),
-          max_tokens: Optional[int] = typer.Option(None, help="Use at most this many tokens per provider.")):
+          max_tokens: Optional[int] = typer.Option(None, help="Use at most this many tokens per provider."),
+          provider: Optional[str] = typer.Option(None, help="Provider of claims that name none (default: each "
+                                                            "file's stem)."),
+          merge: bool = typer.Option(False, help="Pool a provider found in several files into one row (default: "
+                                                 "one row per file).")):
     """Verdict per provider: flagged or not, tokens used, tail probability under the honest null."""
     from verinfer.apps.pipeline import (audit as run_audit, combine_verdicts, load_score_tables, print_verdicts, score as run_score)
     from verinfer.detect import load_detector
@@ -299,7 +303,7 @@ def audit(inputs: List[Path] = typer.Argument(..., help="Scores Parquet or claim
             paths.append(sp)
         else:
             paths.append(p)
-    table = load_score_tables(paths)
+    table = load_score_tables(paths, labels=[p.stem for p in inputs], provider=provider, merge=merge)
     providers = sorted(set(table["provider"].to_pylist()))
     verdicts = combine_verdicts([run_audit(table, det, providers, max_tokens=max_tokens) for det in dets])
     print_verdicts(verdicts)
