@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import resource
 import statistics
 import subprocess
@@ -43,6 +42,7 @@ from verinfer.claims import read_claims
 from verinfer.io import atomic_write_json, atomic_write_text, sha256_files
 from verinfer.models.catalog import resolve_model
 from verinfer.models.load import model_info
+from verinfer.numerics.machine import machine_fingerprint
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -82,9 +82,8 @@ def _sync(device: str) -> None:
 
 
 def _device_name(device: str) -> str:
-    if torch.device(device).type == "cuda":
-        return torch.cuda.get_device_name(device)
-    return platform.processor() or platform.machine()
+    fp = machine_fingerprint(device=device)
+    return fp["device_name"] or f"{fp['cpu_model']} ({fp['machine']})"
 
 
 def speed(claims_path: Path, model: str, rounds: int, threads: int, out: Path, device: str = "cpu",
@@ -132,7 +131,7 @@ def speed(claims_path: Path, model: str, rounds: int, threads: int, out: Path, d
     res = {
         "model": info.name, "claims_file": str(claims_path), "claims_sha256": sha256_files([claims_path]),
         "claims": len(claims), "tokens": tokens, "device": torch.device(device).type, "device_name": _device_name(device),
-        "threads": threads, "rounds": rounds, "numerics": numerics.to_dict(), "cpu": platform.processor() or platform.machine(),
+        "threads": threads, "rounds": rounds, "numerics": numerics.to_dict(), "cpu": machine_fingerprint()["cpu_model"],
         "torch": torch.__version__, "batch_tokens": default_bt, "logits_budget": budget, "chunk_claims": chunk,
         "batch_tokens_tried": sizes, "seconds": times, "tokens_per_s": tps,
         "replay_vs_forward": tps[f"score@{default_bt}"] / tps[f"forward@{default_bt}"],
@@ -181,7 +180,7 @@ def memory(claims_path: Path, model: str, sizes: list[int], tokens_per_claim: in
             print(json.dumps(rows[-1]), flush=True)
     section = "memory" if torch.device(device).type == "cpu" else f"memory_{torch.device(device).type}"
     return _save(out, section, {"model": model_info(model_dir).name, "tokens_per_claim": tokens_per_claim,
-                                 "cpu": platform.processor() or platform.machine(), "device": device,
+                                 "cpu": machine_fingerprint()["cpu_model"], "device": device,
                                  "device_name": _device_name(device), "runs": rows,
                                  "peak_rss_gb": max(r["peak_rss_gb"] for r in rows)})
 
