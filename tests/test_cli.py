@@ -420,3 +420,8 @@ def test_audit_inputs_are_keyed_per_file(scored, tmp_path):
     assert sorted(v["provider"] for v in rows) == ["batch-a", "batch-b"]
     r, rows = audit(a, b, provider="acme")
     assert sorted(v["provider"] for v in rows) == ["acme (batch-a)", "acme (batch-b)"]
+
+
+def test_help_documents_the_exit_codes():
+    out = " ".join(run("--help").output.split())
+    assert "Exit codes: 0 ok; 1 flagged" in out and "2 error" in out

@@ -56,7 +56,10 @@ class Group(typer.core.TyperGroup):
 
 
 app = typer.Typer(cls=Group, add_completion=False, no_args_is_help=True,
-                  help="Make LLM inference checkable: audit providers with DiFR on a shipped testbed or your own model.")
+                  help="Make LLM inference checkable: audit providers with DiFR on a shipped testbed or your own "
+                       "model. Exit codes: 0 ok; 1 flagged (audit, audit-api, or a speculative claim that violates "
+                       "standard speculative sampling in score); 2 error (bad input: what, where and the fix on "
+                       "stderr).")
 testbed_app = typer.Typer(cls=Group, no_args_is_help=True,
                           help="The shipped testbed models (tokenizer, target, draft).")
 app.add_typer(testbed_app, name="testbed")
