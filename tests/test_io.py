@@ -7,6 +7,8 @@ import sys
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+from pathlib import Path
+
 import pytest
 
 from verinfer.errors import VerinferError
@@ -124,6 +126,19 @@ def test_check_writable_refuses_a_read_only_directory(tmp_path):
             check_writable(ro / "report", directory=True)
     finally:
         ro.chmod(0o755)
+
+def test_check_writable_probes_with_a_real_write_so_root_is_refused_too(tmp_path):
+    """os.access says yes to root on every directory; sysfs refuses even root's writes: the check
+    must find that out before any compute (it passed /sys before and failed only at the end)."""
+    if not Path("/sys").is_dir():
+        pytest.skip("no /sys here: test_check_writable_refuses_a_read_only_directory covers non-root users")
+    with pytest.raises(VerinferError, match="is not writable"):
+        check_writable(Path("/sys") / "verinfer-out.json")
+    with pytest.raises(VerinferError, match="is not writable"):
+        check_writable(Path("/sys") / "report", directory=True)
+    assert check_writable(tmp_path / "ok.json") == tmp_path / "ok.json"
+    assert not list(tmp_path.glob(".verinfer-probe.*"))  # the probe leaves nothing behind
+
 
 def test_two_score_runs_on_one_output_one_is_refused(tmp_path):
     """The issue-16 scenario at the level of score_claims: while one run holds the output, a second

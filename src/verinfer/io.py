@@ -124,9 +124,13 @@ def check_writable(path: str | Path, what: str = "output", *, directory: bool = 
             if not a.is_dir():
                 raise VerinferError(f"the {what} path lies under a file ({a})", where=str(p),
                                     fix="choose an output path in a directory")
-            if not os.access(a, os.W_OK | os.X_OK):
-                raise VerinferError(f"cannot write the {what}: {a} is not writable", where=str(p),
-                                    fix="choose a writable directory")
+            try:  # a real write: os.access says yes to root everywhere, even on a read-only mount
+                fd, probe = tempfile.mkstemp(dir=a, prefix=".verinfer-probe.")
+            except OSError as e:
+                raise VerinferError(f"cannot write the {what}: {a} is not writable ({e.strerror})", where=str(p),
+                                    fix="choose a writable directory") from None
+            os.close(fd)
+            os.unlink(probe)
             break
     if not directory and p.exists() and not os.access(p, os.W_OK):
         raise VerinferError(f"cannot overwrite the {what}", where=str(p), fix="check its permissions")
