@@ -161,7 +161,7 @@ def test_verdict_reports_confidence(det, honest):
     n_star = det.tokens_to_flag(pooled, 100)
     assert n_star == math.ceil((norm.isf(0.01) * det.null_std_ / 0.1) ** 2)
     d = det.verdict_from_pooled(pooled, 100)
-    assert not d["flagged"] and d["more_tokens_needed"] == n_star - 100 and "not enough evidence" in d["decision"]
+    assert not d["flagged"] and d["more_tokens_needed"] == n_star - 100 and "consistent with honest inference" in d["decision"] and "only if it persisted" in d["decision"]
     assert det.verdict_from_pooled(det.null_mean_ - 0.1, 100)["more_tokens_needed"] is None
     assert det.verdict_from_pooled(det.null_mean_ + 2.0, 100)["flagged"]
 

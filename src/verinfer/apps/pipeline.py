@@ -214,7 +214,7 @@ def combine_verdicts(per_detector: list[list[dict]]) -> list[dict]:
 def print_verdicts(verdicts: list[dict]) -> None:
     t = Table(title="verinfer audit: DiFR verdicts")
     for col in ("provider", "truth", "verdict", "tokens", "pooled", "threshold", "p-value", "FPR target / at thr.",
-                "more tokens"):
+                "tokens to flag if its excess persisted"):
         t.add_column(col, no_wrap=True)
     for d in verdicts:
         truth = {True: "honest", False: "misconfigured", None: "?"}[d.get("honest")]

@@ -71,8 +71,9 @@ def decision_text(flagged: bool, more_tokens: int | None) -> str:
     if flagged:
         return "flagged: inconsistent with honest inference"
     if more_tokens is None:
-        return "not flagged: no excess over honest"
-    return f"not flagged: not enough evidence yet (~{more_tokens} more tokens if the excess persists)"
+        return "ok: consistent with honest inference (no excess over the honest null)"
+    return (f"ok: consistent with honest inference at these tokens (a small excess over honest: only if it "
+            f"persisted would ~{more_tokens} more tokens flag it)")
 
 
 def encode_f8(a: np.ndarray) -> str:
