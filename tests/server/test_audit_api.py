@@ -26,7 +26,7 @@ from verinfer.models.testbed import TARGET_DIR
 # as much as the other four here, and the stratified null's threshold is set by the noisiest ones.
 AUDIT = ["--model", "verinfer-testbed-target", "--n", "24", "--max-tokens", "64", "--calib-n", "32", "--threads", "1",
          "--honest", "honest-bf16-b8", "--honest", "honest-fp32-b4", "--honest", "honest-bf16-eager-t1",
-         "--honest", "honest-bf16-chunk16"]
+         "--honest", "honest-bf16-chunk13"]
 
 
 def audit_api(base_url: str, out, detector, *extra: str) -> tuple[int, dict | None, str]:

@@ -151,7 +151,7 @@ def test_audit_api_against_a_real_vllm_server(tmp_path):
                                      "--out", str(tmp_path / "audit"), "--n", "24", "--max-tokens", "48",
                                      "--calib-n", "32", "--threads", "1", "--honest", "honest-bf16-b8",
                                      "--honest", "honest-fp32-b4", "--honest", "honest-bf16-eager-t1",
-                                     "--honest", "honest-bf16-chunk16"])
+                                     "--honest", "honest-bf16-chunk13"])
         import json
 
         report = json.loads((tmp_path / "audit" / "report.json").read_text())
