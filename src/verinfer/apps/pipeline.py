@@ -22,7 +22,7 @@ from verinfer.io import check_writable, chunked, progress_bar, sha256_files
 from verinfer.models.prompts import prompts_for
 from verinfer.providers import vllm
 from verinfer.providers.simulated import DEFAULT_SPEC, HONEST, PROVIDERS, get_provider, run_provider
-from verinfer.audit.replay import Scored, fingerprints_of, read_scores, score_claims
+from verinfer.audit.replay import Scored, fingerprints_of, model_config, read_scores, score_claims
 from verinfer.engine.engine import Engine
 from verinfer.errors import ClaimError, VerinferError
 from verinfer.models.load import load_model, model_info
@@ -73,20 +73,33 @@ def verifier_engine(model_dir: str | Path, numerics: Numerics = VERIFIER_NUMERIC
 
 def score(claims_path: str | Path, model_dir: str | Path, out: str | Path, *, engine: Engine | None = None,
           device: str = "cpu", show_progress: bool = True, gaps: bool = False, matmul: str = "native",
-          model_names: tuple[str, ...] = ()) -> Scored:
+          model_names: tuple[str, ...] = (), workers: int | None = None, ray_address: str | None = None,
+          worker_threads: int = 1) -> Scored:
     """Replay and score every claim (one Parquet row per token). matmul: the verifier's
     Numerics.matmul when no engine is given ('fp32' is the faster bf16-faithful path on CPU).
     model_names: names the user vouches the model is claimed under, besides its own aliases.
     The claims file is read twice as a stream, never whole: a first pass checks every claim
-    (model, vocabulary, context, fingerprint fields) before any compute, the second scores."""
+    (model, vocabulary, context, fingerprint fields) before any compute, the second scores.
+    workers / ray_address: score the parts on a Ray pool (`audit.ray_pool`) of `workers` actors of
+    `worker_threads` torch threads each (a local Ray runtime, or the cluster at ray_address)."""
     check_writable(out, "scores file")
     info = model_info(model_dir)
+    if workers is not None or ray_address is not None:
+        if engine is not None:
+            raise ValueError("score: pass an engine or workers / ray_address, not both")
+        from verinfer.audit.ray_pool import RayReplayPool
+
+        pool = RayReplayPool(str(model_dir), VERIFIER_NUMERICS.with_(matmul=matmul), workers=workers or 1,
+                             threads=worker_threads, device=device, address=ray_address)
+        with pool:
+            return score(claims_path, model_dir, out, engine=pool, show_progress=show_progress, gaps=gaps,
+                         model_names=model_names)
     engine = engine or verifier_engine(model_dir, VERIFIER_NUMERICS.with_(matmul=matmul), device=device)
     total, first_fp = 0, None
     for chunk in chunked(iter_claims(claims_path), 256):
         check_claims_fit(chunk, claims_path, model_name=info.name, vocab_size=info.vocab_size,
                          max_positions=info.max_positions, aliases=(*info.aliases, *model_names))
-        _, _, first_fp = fingerprints_of(chunk, engine.model.config, first_fp)
+        _, _, first_fp = fingerprints_of(chunk, model_config(engine), first_fp)
         total += sum(len(c.output_token_ids) for c in chunk)
     with progress_bar(f"score {Path(claims_path).name}", total, show_progress) as adv:
         return score_claims(iter_claims(claims_path), engine, out, claims_sha=sha256_files([claims_path]),

@@ -31,7 +31,7 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable
+from collections.abc import Callable, Iterable, Iterator
 
 import numpy as np
 import pyarrow as pa
@@ -234,13 +234,22 @@ def _schema(gaps: bool) -> pa.Schema:
     return pa.schema(list(SCORE_SCHEMA) + [pa.field(c, pa.float64()) for c in gap_column_names()])
 
 
-def score_claims(claims: Iterable[Claim], engine: Engine, out: str | Path, *, claims_sha: str | None = None,
+def model_config(engine):
+    """The model config (hidden_size, num_hidden_layers, vocab_size) of an Engine or a RayReplayPool."""
+    return engine.model.config if isinstance(engine, Engine) else engine.config
+
+
+def score_claims(claims: Iterable[Claim], engine, out: str | Path, *, claims_sha: str | None = None,
                  model_sha: str = "", sigma: float = DEFAULT_SIGMA, chunk_claims: int | None = None,
                  batch_tokens: int | None = None, logits_budget: int | None = None, progress=None,
-                 gaps: bool = False) -> Scored:
+                 gaps: bool = False, on_part: Callable[[int], None] | None = None) -> Scored:
     """Score every claim into `out` (Parquet), resuming finished chunks of an earlier run
     (verinfer.io.ResumableParts: `<out>.parts/`, under a lock on `out`, so a second writer of the
     same output is refused). gaps: add the signed-gap columns (see `scores_table`).
+
+    engine: an Engine (parts scored here, one after another) or an `audit.ray_pool.RayReplayPool`
+    (parts scored by its actors, written here as they return: the same parts, bitwise). on_part(k):
+    called after part k is written (tests interrupt or kill workers from it).
 
     claims may be a stream (`claims.iter_claims`): it is read `chunk_claims` at a time, and then
     `claims_sha` (of the file; identifies the job for resuming) is required. chunk_claims,
@@ -252,32 +261,49 @@ def score_claims(claims: Iterable[Claim], engine: Engine, out: str | Path, *, cl
             raise ValueError("score_claims: pass claims_sha (e.g. the claims file's sha256) with a stream of claims")
         claims_sha = hashlib.sha256("".join(json.dumps(c.to_json()) for c in claims).encode()).hexdigest()[:16]
     manifest = _manifest(claims_sha, model_sha, engine.numerics.to_dict(), sigma, chunk_claims, gaps)
-    n_claims = n_tokens = n_parts = 0
-    first_fp = None
+    config = model_config(engine)
+    count = dict(parts=0, claims=0, tokens=0)
+    tokens_of: dict[int, int] = {}
+    kwargs = dict(sigma=sigma, gaps=gaps, batch_tokens=batch_tokens, logits_budget=logits_budget)
     with ResumableParts(out, manifest) as parts:
-        for k, chunk in enumerate(chunked(claims, chunk_claims)):
-            n_parts, n_claims = k + 1, n_claims + len(chunk)
-            tokens = sum(len(c.output_token_ids) for c in chunk)
-            n_tokens += tokens
-            fps, layer, first_fp = fingerprints_of(chunk, engine.model.config, first_fp)
-            if parts.done(k):
-                try:
-                    pq.read_metadata(parts.path(k))
-                except Exception:
-                    parts.discard(k)  # unreadable: recompute it
-            if not parts.done(k):
-                t = score_chunk(chunk, engine, sigma=sigma, fps=fps, layer=layer, gaps=gaps,
-                                batch_tokens=batch_tokens, logits_budget=logits_budget)
-                parts.write(k, lambda tmp: pq.write_table(t, tmp))
-                del t
+        def jobs() -> Iterator[tuple]:
+            """(k, claims, fingerprints, layer) of every part not finished by an earlier run."""
+            first_fp = None
+            for k, chunk in enumerate(chunked(claims, chunk_claims)):
+                tokens = sum(len(c.output_token_ids) for c in chunk)
+                count["parts"], count["claims"], count["tokens"] = k + 1, count["claims"] + len(chunk), \
+                    count["tokens"] + tokens
+                fps, layer, first_fp = fingerprints_of(chunk, config, first_fp)
+                if parts.done(k):
+                    try:
+                        pq.read_metadata(parts.path(k))
+                    except Exception:
+                        parts.discard(k)  # unreadable: recompute it
+                if parts.done(k):
+                    if progress is not None:
+                        progress(tokens)
+                    continue
+                tokens_of[k] = tokens
+                yield k, chunk, fps, layer
+
+        if isinstance(engine, Engine):
+            results = ((k, score_chunk(chunk, engine, fps=fps, layer=layer, **kwargs))
+                       for k, chunk, fps, layer in jobs())
+        else:
+            results = engine.map_parts(jobs(), **kwargs)
+        for k, t in results:
+            parts.write(k, lambda tmp: pq.write_table(t, tmp))
+            del t
             if progress is not None:
-                progress(tokens)
+                progress(tokens_of.pop(k))
+            if on_part is not None:
+                on_part(k)
 
         def assemble(tmp: Path) -> None:
             with pq.ParquetWriter(tmp, _schema(gaps)) as w:
-                for k in range(n_parts):
+                for k in range(count["parts"]):
                     w.write_table(pq.read_table(parts.path(k)).cast(_schema(gaps)))
 
         atomic_write(out, assemble)
         parts.finish()
-    return Scored(out, n_claims, n_tokens)
+    return Scored(out, count["claims"], count["tokens"])

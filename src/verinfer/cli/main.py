@@ -223,7 +223,15 @@ def score(claims: Path = typer.Argument(..., help="Claims JSONL."),
           model_name: List[str] = _model_names_option(), device: str = typer.Option("cpu", help=DEVICE_HELP),
           draft: Optional[Path] = typer.Option(None, help="Draft model for speculative claims (default: testbed draft)."),
           gaps: bool = typer.Option(False, "--gaps", help="Also the signed-gap columns the glrt detector reads."),
-          matmul: Matmul = typer.Option("native", help=MATMUL_HELP)):
+          matmul: Matmul = typer.Option("native", help=MATMUL_HELP),
+          workers: Optional[int] = typer.Option(None, min=1, help="Score the parts on a local Ray pool of this many "
+                                                "replay workers (needs the ray extra); bitwise the single-process "
+                                                "result at --worker-threads."),
+          ray_address: Optional[str] = typer.Option(None, help="Join this Ray cluster (ray start --head prints "
+                                                    "it) instead of starting one; the model directory must exist "
+                                                    "at the same path on every node."),
+          worker_threads: int = typer.Option(1, min=1, help="Torch threads per Ray worker (workers x threads "
+                                                            "<= cores, or they oversubscribe the CPU).")):
     """Replay claims with the trusted model: one Parquet row per token with every score."""
     from verinfer.apps.pipeline import score as run_score
     from verinfer.apps.speculative import has_spec, score_file
@@ -241,7 +249,8 @@ def score(claims: Path = typer.Argument(..., help="Claims JSONL."),
         if r["violations"]:
             raise typer.Exit(1)
         return
-    r = run_score(claims, model_dir, out, device=device, gaps=gaps, matmul=matmul, model_names=names)
+    r = run_score(claims, model_dir, out, device=device, gaps=gaps, matmul=matmul, model_names=names,
+                  workers=workers, ray_address=ray_address, worker_threads=worker_threads)
     typer.echo(f"scored {r.tokens} tokens of {r.claims} claims -> {out}")
 
 
