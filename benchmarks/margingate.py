@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -25,6 +26,8 @@ from rich.progress import Progress
 from verinfer.determinism import tau as C
 from verinfer.determinism.policies import Stats
 from verinfer.determinism.scheduler import Scheduler, make_engines
+from verinfer.io import atomic_write_json, atomic_write_text
+from verinfer.models.catalog import resolve_model
 from verinfer.models.prompts import split_prompts
 from verinfer.models.testbed import TARGET_DIR
 from verinfer.numerics.machine import fingerprint_mismatch, machine_fingerprint
@@ -90,24 +93,33 @@ def main():
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=2, help="interleaved timing rounds; times are means")
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    ap.add_argument("--model", default=None,
+                    help="a catalog name (verinfer models list) or model directory instead of the testbed target: "
+                         "its results go to the `models` section of margingate.json (keyed by the model's name), "
+                         "margingate_<model>.md and its plots; its cache to margingate_cache/<model>/")
     ap.add_argument("--cross-machine", type=Path, action="append", default=[],
                     help="another machine's margingate_cache (or a copy of its reference*.json and machine.json): "
                          "compare the deterministic references with this machine's (repeatable)")
     a = ap.parse_args()
     OUT, CACHE = a.out, a.out / "margingate_cache"
+    model_dir, suffix = TARGET_DIR, ""
+    if a.model is not None:
+        model_dir = resolve_model(a.model)
+        suffix = "_" + model_dir.name
+        CACHE = CACHE / model_dir.name
     torch.set_num_threads(a.threads)
     machine = machine_fingerprint(a.threads)
     check_cache_machine(CACHE, machine)
-    eng = make_engines(TARGET_DIR)
+    eng = make_engines(model_dir)
 
     with Progress() as prog:
         t = prog.add_task("calibrate tau (arithmetic)", total=None)
-        cal = cached("calibration", lambda: C.calibrate(TARGET_DIR, n=a.n_cal, max_batch=a.batch, eng=eng,
+        cal = cached("calibration", lambda: C.calibrate(model_dir, n=a.n_cal, max_batch=a.batch, eng=eng,
                                                          progress=lambda k: prog.advance(t, k)))
         prog.update(t, completed=1, total=1)
         tau = cal["tau"]
-        code, _ = split_prompts(TARGET_DIR, a.n_heldout, seed=1)
-        _, arith = split_prompts(TARGET_DIR, a.n_unprotected, seed=2)
+        code, _ = split_prompts(model_dir, a.n_heldout, seed=1)
+        _, arith = split_prompts(model_dir, a.n_unprotected, seed=2)
         prot = C.make_requests(code, "code", tuple(a.max_tokens), seed=1)
         unprot = C.make_requests(arith, "free", tuple(a.max_tokens), seed=2)
         reqs = [r for pair in zip(prot[:: max(1, len(prot) // max(len(unprot), 1))], unprot) for r in pair]
@@ -189,8 +201,9 @@ def main():
     llm42_w = min(a.windows, key=lambda w: main_runs[f"llm42@{w}"]["seconds"] + main_runs[f"llm42@{w}"]["cpu_seconds"])
     main_runs["llm42"] = main_runs[f"llm42@{llm42_w}"]
     methods = list(METHODS)
+    command = "python benchmarks/margingate.py" + "".join(" " + x for x in sys.argv[1:])
     res = dict(
-        command="python benchmarks/margingate.py" + "".join(f" --cross-machine {p}" for p in a.cross_machine),
+        command=command,
         model=cal["model"], dtype="bf16", device="cpu", threads=a.threads, machine=machine,
         workload=dict(protected_heldout=len(pids), kind="code (held-out stdlib snippets)",
                       unprotected_cobatched=len(unprot), max_tokens_range=list(a.max_tokens), max_batch=a.batch,
@@ -232,14 +245,21 @@ def main():
                             for p in a.cross_machine]
     res["margingate_trigger_rate"] = res["trigger_rate"]["margingate"]
     res["margingate_repair_rate"] = res["repair_rate"]["margingate"]
-    (OUT / "margingate.json").write_text(json.dumps(res, indent=1))
-    write_md(res)
-    plots(res)
+    if a.model is None:
+        doc = json.loads((OUT / "margingate.json").read_text()) if (OUT / "margingate.json").is_file() else {}
+        res["models"] = doc.get("models", {})  # other models' sections are kept
+        atomic_write_json(OUT / "margingate.json", res)
+    else:
+        doc = json.loads((OUT / "margingate.json").read_text())
+        doc.setdefault("models", {})[res["model"]] = res
+        atomic_write_json(OUT / "margingate.json", doc)
+    write_md(res, suffix)
+    plots(res, suffix)
     print(json.dumps({k: res[k] for k in ("tau", "determinism", "overhead", "trigger_rate", "repair_rate")}, indent=1))
 
 
-def write_md(res):
-    L = ["# MarginGate on the testbed target (bf16, CPU)", "",
+def write_md(res, suffix: str = ""):
+    L = [f"# MarginGate on {'the testbed target' if not suffix else res['model']} (bf16, CPU)", "",
          f"Command: `{res['command']}`. tau = {res['tau']:.4g} (calibrated on arithmetic, fixed on held-out code).", "",
          f"Overhead = time / bf16 time - 1. All methods run at once, advanced one batch step each in turn (the first "
          f"rotating), each step's time charged to its method, so all meet the same machine load; mean of "
@@ -289,10 +309,10 @@ def write_md(res):
                 fd = r["first_divergence"]
                 L.append(f"| {label} | {pol} | {r['differ']} of {r['sequences']} | {r['protected_differ']} | "
                          f"{'-' if not fd else f'{fd[0]}-{fd[-1]} (median {fd[len(fd) // 2]})'} |")
-    (OUT / "margingate.md").write_text("\n".join(L) + "\n")
+    atomic_write_text(OUT / f"margingate{suffix}.md", "\n".join(L) + "\n")
 
 
-def plots(res):
+def plots(res, suffix: str = ""):
     import matplotlib
 
     matplotlib.use("Agg")
@@ -312,7 +332,7 @@ def plots(res):
     ax.set_ylabel("sequence determinism")
     ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(OUT / "margingate_frontier.png", dpi=120)
+    fig.savefig(OUT / f"margingate_frontier{suffix}.png", dpi=120)
     fig, ax = plt.subplots(figsize=(5, 4))
     by = {}
     for k, v in res["scaling"].items():
@@ -325,7 +345,7 @@ def plots(res):
     ax.set_ylabel("wall-clock seconds (held-out workload)")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(OUT / "margingate_scaling.png", dpi=120)
+    fig.savefig(OUT / f"margingate_scaling{suffix}.png", dpi=120)
 
 
 if __name__ == "__main__":

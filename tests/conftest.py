@@ -39,6 +39,8 @@ SLOW = (
     "tests/server/test_audit_api.py::",
     "tests/server/test_concurrency.py::test_concurrent_clients_equal_sequential",
     "tests/speculative/test_decoder.py::test_standard_speculative_sampling_is_lossless",
+    # every honest provider on 24 prompts x 64 tokens (honest-bf16-b1 and -eager-t1 decode one claim at a time)
+    "tests/providers/test_honest_variation.py::",
     # the real model (skipped where it is not cached): transformers' GGUF load alone takes ~17 s
     "tests/models/test_smollm2.py::test_weights_are_the_gguf_weights_rounded_to_bf16",
     "tests/models/test_smollm2.py::test_llamalm_logits_match_transformers_gguf_model_fp32",
