@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import ClassVar
 
 import numpy as np
+from verinfer.detect import record
 from verinfer.errors import VerinferError
 from verinfer.io import atomic_write_text
 
@@ -252,7 +253,8 @@ class Detector(abc.ABC):
 
     def to_json(self) -> dict:
         cfg = {self.JSON_NAMES.get(k, k): list(v) if isinstance(v, tuple) else v for k, v in self.config().items()}
-        return {"format": self.FORMAT, "version": self.FORMAT_VERSION, "config": cfg, "fitted": self._fitted_json()}
+        return {"format": self.FORMAT, "version": self.FORMAT_VERSION, "config": cfg, "fitted": self._fitted_json(),
+                **record.to_json(self)}
 
     def save(self, path: str | Path) -> None:
         """Write the detector as JSON (atomically: temp file + os.replace). No pickle."""
@@ -270,9 +272,11 @@ class Detector(abc.ABC):
         try:
             attr = {v: k for k, v in cls.JSON_NAMES.items()}
             det = cls(**{attr.get(k, k): tuple(v) if isinstance(v, list) else v for k, v in d["config"].items()})
+            record.check_numbers(d["fitted"])
             det._load_fitted(d["fitted"])
         except (KeyError, TypeError, ValueError) as e:
             raise bad(f"malformed detector ({type(e).__name__}: {e})") from e
+        record.load(det, d, where, cls.REFIT)
         return det
 
     @classmethod
