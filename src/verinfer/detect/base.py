@@ -28,6 +28,7 @@ from typing import ClassVar
 
 import numpy as np
 from verinfer.detect import record
+from verinfer.detect.tail import MIN_RESAMPLED_HITS, compress, mean_tail
 from verinfer.errors import VerinferError
 from verinfer.io import atomic_write_text
 
@@ -349,10 +350,35 @@ class ColumnStatistics(Detector):
         stat = self.statistic_of(x)
         null = self.null_statistics(n)
         thr = float(np.quantile(null, 1.0 - self.target_fpr))
-        p = (int(np.count_nonzero(null >= stat)) + 1) / (null.size + 1)
+        p, method = self._p_value(stat, n, null)
         flagged = stat > thr
         more = None if flagged else self._more_tokens(stat, thr, n)
         return {"flagged": bool(flagged), "pooled": stat, "threshold": thr, "p_value": p, "tail_probability": p,
-                "p_value_method": "resampled", "n_tokens": n, "target_fpr": self.target_fpr,
+                "p_value_method": method, "n_tokens": n, "target_fpr": self.target_fpr,
                 "threshold_fpr": float(np.mean(null > thr)), "more_tokens_needed": more,
                 "decision": decision_text(flagged, more), **self._verdict_extra(x)}
+
+    def _p_value(self, stat: float, n: int, null: np.ndarray) -> tuple[float, str]:
+        """Resampled, (1 + #null >= stat) / (1 + B), where at least MIN_RESAMPLED_HITS resampled
+        statistics reach `stat`; beyond, the union bound over columns of each column's saddle-point
+        tail (`detect.tail.mean_tail`): P(max_c f_c(mean_c) + allowance >= stat) <= sum_c P(mean_c >=
+        m_c), m_c the column mean at which column c alone reaches stat - allowance (the statistic is
+        a max of increasing affine functions f_c of the column means), largest over the honest groups."""
+        k = int(np.count_nonzero(null >= stat))
+        if k >= MIN_RESAMPLED_HITS:
+            return (k + 1) / (null.size + 1), "resampled"
+        level = stat - self.allowance(n)
+        if "columns" not in self._cache:
+            self._cache["columns"] = [[compress(xg[:, c]) for c in range(xg.shape[1])] for xg in self.null_samples_]
+        c_count = self.null_samples_[0].shape[1]
+        at = [np.full(c_count, -np.inf) for _ in range(2)]
+        f0, f1 = [], []
+        for c in range(c_count):  # f_c at column means 0 and 1 (every other column -inf)
+            at[0][c], at[1][c] = 0.0, 1.0
+            f0.append(float(self.statistic_of_means(at[0], n)))
+            f1.append(float(self.statistic_of_means(at[1], n)))
+            at[0][c] = at[1][c] = -np.inf
+        p = max(min(1.0, sum(mean_tail(v, s, n, (level - a) / (b - a)) for (v, s), a, b in zip(cols, f0, f1)))
+                for cols in self._cache["columns"])
+        return p, "saddle-point (union over columns)"
+

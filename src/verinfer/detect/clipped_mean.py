@@ -39,12 +39,11 @@ from scipy.stats import norm
 
 from verinfer.audit.scores import ALL_SCORES, ACTIVATION_SCORES, clip_at_quantile, divergence, winsorize
 from verinfer.detect.base import Detector, decision_text, decode_f8, encode_f8, group_labels, stratified_subsample
-from verinfer.detect.tail import chernoff_bound, compress, mean_tail
+from verinfer.detect.tail import MIN_RESAMPLED_HITS, chernoff_bound, compress, mean_tail
 from verinfer.errors import VerinferError
 
 MAX_NULL_SAMPLE = 200_000
 MAX_RESAMPLED_TOKENS = 20_000_000  # n_null_batches * n_tokens above which threshold / p-value use the CLT
-MIN_RESAMPLED_HITS = 10  # resampled batches at or beyond the observed mean for a resampled p-value
 MIN_ABOVE_CLIP = 10      # honest tokens above the clip (and off the null's mode) below which fit warns
 _CHUNK = 2_000_000  # indices drawn per chunk while resampling
 

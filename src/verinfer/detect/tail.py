@@ -43,6 +43,8 @@ from scipy.optimize import brentq
 from scipy.special import logsumexp
 from scipy.stats import binom, norm
 
+MIN_RESAMPLED_HITS = 10  # resampled batches at or beyond the observed statistic for a resampled p-value
+
 
 def compress(sample, weights=None) -> tuple[np.ndarray, np.ndarray]:
     """(distinct values in increasing order, their shares) of a finite sample (each value weighted
