@@ -70,7 +70,7 @@ def test_flags_shifted_distribution(det):
     ok = det.verdict(M(rng.exponential(1.0, 1000)))
     assert not ok["flagged"] and ok["p_value_method"] == "resampled" and ok["p_value"] > 0.01
     assert set(ok) == {"flagged", "pooled", "threshold", "p_value", "p_value_method", "p_value_bound", "n_tokens", "target_fpr",
-                       "score", "clip", "tail_probability", "threshold_fpr", "more_tokens_needed",
+                       "score", "clip", "tail_probability", "threshold_fpr", "more_tokens_needed", "power",
                        "detectable_excess", "decision"}
     assert ok["n_tokens"] == 1000 and ok["score"] == "margin" and ok["clip"] == det.clip_
     # a resampled p-value is (1 + #null means >= observed) / (1 + B)

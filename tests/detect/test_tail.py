@@ -82,3 +82,25 @@ def test_detector_p_values_reach_1e_12_where_the_evidence_does():
     far = det.verdict({"margin": margins(rng, 1000, rate=0.05)})
     assert far["flagged"] and far["p_value_method"] == "saddle-point" and 0 < far["p_value"] < 1e-12
     assert far["p_value"] <= far["p_value_bound"]
+
+
+def test_power_of_an_ok_verdict_matches_resampling_the_stated_alternative():
+    """An ok verdict states the probability that a deviation of 2x the honest mean would have been
+    flagged at its tokens: the saddle-point value against batches resampled from that alternative
+    (the honest null exponentially tilted to twice its mean)."""
+    from verinfer.detect.tail import tilt
+
+    rng = np.random.default_rng(3)
+    det = ClippedMeanDetector().fit({"margin": margins(rng, 40_000)})
+    v, s = compress(det.null_sample_)
+    q = tilt(v, s, 2 * float(s @ v))
+    assert float(q @ v) == pytest.approx(2 * float(s @ v))
+    for n in (300, 1000, 3000):
+        thr = det.threshold(n)
+        sims = v[rng.choice(v.size, (4000, n), p=q)].mean(axis=1)
+        expect = float(np.mean(sims > thr))
+        got = det.power(n)["probability"]
+        assert got == pytest.approx(expect, abs=4 * math.sqrt(expect * (1 - expect) / 4000) + 0.02), n
+    ok = det.verdict({"margin": margins(rng, 1000)})
+    assert not ok["flagged"] and ok["power"]["n_tokens"] == 1000 and ok["power"]["effect"] == 2.0
+    assert f"caught at these 1000 tokens with probability {ok['power']['probability']:.2f}" in ok["decision"]

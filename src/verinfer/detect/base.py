@@ -69,13 +69,18 @@ def head(table, n: int | None):
     return {k: v[:n] for k, v in table.items()}
 
 
-def decision_text(flagged: bool, more_tokens: int | None) -> str:
+def decision_text(flagged: bool, more_tokens: int | None, power: dict | None = None) -> str:
+    """The verdict in words. power (`ClippedMeanDetector.power`): what an ok verdict established,
+    the probability that a stated deviation would have been flagged at the audited tokens."""
     if flagged:
         return "flagged: inconsistent with honest inference"
+    text = "ok: consistent with honest inference"
+    if power is not None:
+        text += (f"; a deviation of {power['alternative']} would have been caught at these {power['n_tokens']} "
+                 f"tokens with probability {power['probability']:.2f}")
     if more_tokens is None:
-        return "ok: consistent with honest inference (no excess over the honest null)"
-    return (f"ok: consistent with honest inference at these tokens (a small excess over honest: only if it "
-            f"persisted would ~{more_tokens} more tokens flag it)")
+        return text + " (no excess over the honest null)"
+    return text + (f" (a small excess over honest: only if it persisted would ~{more_tokens} more tokens flag it)")
 
 
 def encode_f8(a: np.ndarray) -> str:

@@ -39,12 +39,13 @@ from scipy.stats import norm
 
 from verinfer.audit.scores import ALL_SCORES, ACTIVATION_SCORES, clip_at_quantile, divergence, winsorize
 from verinfer.detect.base import Detector, decision_text, decode_f8, encode_f8, group_labels, stratified_subsample
-from verinfer.detect.tail import MIN_RESAMPLED_HITS, chernoff_bound, compress, mean_tail
+from verinfer.detect.tail import MIN_RESAMPLED_HITS, chernoff_bound, compress, mean_tail, tilt
 from verinfer.errors import VerinferError
 
 MAX_NULL_SAMPLE = 200_000
 MAX_RESAMPLED_TOKENS = 20_000_000  # n_null_batches * n_tokens above which threshold / p-value use the CLT
 MIN_ABOVE_CLIP = 10      # honest tokens above the clip (and off the null's mode) below which fit warns
+POWER_EFFECT = 2.0       # the alternative an ok verdict states its power against: the honest mean x this
 _CHUNK = 2_000_000  # indices drawn per chunk while resampling
 
 
@@ -315,6 +316,22 @@ class ClippedMeanDetector(Detector):
         # the resampled threshold can sit above the normal one: never claim fewer tokens than used
         return max(int(n_tokens) + 1, n_star)
 
+    def power(self, n_tokens: int, effect: float = POWER_EFFECT) -> dict:
+        """What a batch of n_tokens can catch: the probability that it is flagged when the provider
+        deviates by `effect`, defined as the honest group that sets the threshold with its per-token
+        distribution exponentially tilted to `effect` times its mean (`detect.tail.tilt`: the
+        alternative closest to honest with that mean, so more and larger divergent tokens, as a
+        misconfiguration gives); P(tilted batch mean > threshold(n)) by the saddle point. 1.0 when
+        the tilted mean is out of the null's range (the threshold is then below it)."""
+        n = int(n_tokens)
+        thr = self.threshold(n)
+        values, shares = self._distributions()[self._worst_group(n)]
+        mean = float(shares @ values)
+        alt = {"alternative": f"{effect:g}x the honest mean {self.score_name}", "effect": effect, "n_tokens": n}
+        if not values[0] < effect * mean < values[-1]:
+            return {**alt, "probability": 1.0 if effect * mean >= values[-1] > thr else 0.0}
+        return {**alt, "probability": mean_tail(values, tilt(values, shares, effect * mean), n, thr)}
+
     def verdict_from_pooled(self, pooled: float, n_tokens: int) -> dict:
         """Verdict with confidence for a pooled score over n_tokens tokens: flagged, threshold, the
         FPR the threshold was set at (target) and its FPR on the honest null, the tail probability
@@ -326,15 +343,17 @@ class ClippedMeanDetector(Detector):
         thr = self.threshold(n)
         p, method = self._p_value(pooled, n)
         flagged = bool(pooled > thr)
-        more = None
+        more, power = None, None
         if not flagged:
             n_star = self.tokens_to_flag(pooled, n)
             more = None if n_star is None else max(1, n_star - n)
+            power = self.power(n)
         return {"flagged": flagged, "pooled": float(pooled), "threshold": thr, "p_value": p,
                 "tail_probability": p, "p_value_method": method, "p_value_bound": self.p_value_bound(pooled, n),
                 "n_tokens": n, "target_fpr": self.target_fpr,
                 "threshold_fpr": self.threshold_fpr(n), "more_tokens_needed": more,
-                "detectable_excess": float(thr - self.null_mean_), "decision": decision_text(flagged, more),
+                "detectable_excess": float(thr - self.null_mean_), "power": power,
+                "decision": decision_text(flagged, more, power),
                 "score": self.score_name}
 
     def summary(self) -> str:

@@ -132,3 +132,12 @@ def chernoff_bound(values: np.ndarray, shares: np.ndarray, n: float, x: float) -
         return float(math.exp(n * math.log(shares[-1])))
     return float(math.exp(-n * _saddle(values, shares, x)[1]))
 
+
+def tilt(values: np.ndarray, shares: np.ndarray, mean: float) -> np.ndarray:
+    """The shares of the exponential tilt of {values: shares} whose mean is `mean`
+    (q_i ~ shares_i exp(t values_i), the t of `_saddle`): the alternative closest to the null
+    (in Kullback-Leibler divergence) with that mean. min(values) < mean < max(values)."""
+    t, _, _ = _saddle(values, shares, mean)
+    a = t * values + np.log(shares)
+    return np.exp(a - logsumexp(a))
+
