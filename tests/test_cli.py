@@ -35,8 +35,8 @@ def run(*args):
 def scored(tmp_path_factory):
     d = tmp_path_factory.mktemp("cli")
     out = {}
-    for name, n, tokens in (("honest-bf16-b8", 40, 48), ("honest-fp32-b4", 40, 48), ("wrong-seed", 6, 24)):
-        # honest: ~2k tokens each, so the null holds honest mismatches (6 x 24 tokens were all exact
+    for name, n, tokens in (("honest-bf16-b8", 24, 48), ("honest-fp32-b4", 24, 48), ("wrong-seed", 6, 24)):
+        # honest: ~1.1k tokens each, so the null holds honest mismatches (6 x 24 tokens were all exact
         # matches: a degenerate null, refused since issue 15)
         r = run("generate", name, "--out", d / f"{name}.jsonl", "--n", n, "--max-tokens", tokens)
         assert r.exit_code == 0, r.output

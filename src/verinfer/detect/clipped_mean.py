@@ -316,17 +316,20 @@ class ClippedMeanDetector(Detector):
         # the resampled threshold can sit above the normal one: never claim fewer tokens than used
         return max(int(n_tokens) + 1, n_star)
 
-    def power(self, n_tokens: int, effect: float = POWER_EFFECT) -> dict:
+    def power(self, n_tokens: int, effect: float = POWER_EFFECT) -> dict | None:
         """What a batch of n_tokens can catch: the probability that it is flagged when the provider
         deviates by `effect`, defined as the honest group that sets the threshold with its per-token
         distribution exponentially tilted to `effect` times its mean (`detect.tail.tilt`: the
         alternative closest to honest with that mean, so more and larger divergent tokens, as a
         misconfiguration gives); P(tilted batch mean > threshold(n)) by the saddle point. 1.0 when
-        the tilted mean is out of the null's range (the threshold is then below it)."""
+        the tilted mean is out of the null's range (the threshold is then below it). None when the
+        honest mean is not positive (a log-likelihood-ratio null: "x times" it states nothing)."""
         n = int(n_tokens)
         thr = self.threshold(n)
         values, shares = self._distributions()[self._worst_group(n)]
         mean = float(shares @ values)
+        if not mean > 0:
+            return None
         alt = {"alternative": f"{effect:g}x the honest mean {self.score_name}", "effect": effect, "n_tokens": n}
         if not values[0] < effect * mean < values[-1]:
             return {**alt, "probability": 1.0 if effect * mean >= values[-1] > thr else 0.0}
