@@ -247,7 +247,7 @@ def main() -> None:
                 write_claims(cp, run_provider(cfg, TARGET_DIR, calib_prompts, advertised, base_seed=calib_seed))
             score(cp, TARGET_DIR, sp, engine=engine, show_progress=False)
         cpaths.append(sp)
-    det, _ = calibrate(load_score_tables(cpaths), list(HONEST), seed=args.seed)
+    det = calibrate(load_score_tables(cpaths), list(HONEST), seed=args.seed)
 
     # 4. verdicts
     per_run = {}

@@ -7,6 +7,7 @@ import subprocess
 import typing
 from pathlib import Path
 
+import pyarrow.parquet as pq
 import pytest
 import typer
 from typer.testing import CliRunner
@@ -34,8 +35,10 @@ def run(*args):
 def scored(tmp_path_factory):
     d = tmp_path_factory.mktemp("cli")
     out = {}
-    for name in ("honest-bf16-b8", "honest-fp32-b4", "wrong-seed"):
-        r = run("generate", name, "--out", d / f"{name}.jsonl", "--n", 6, "--max-tokens", 24)
+    for name, n, tokens in (("honest-bf16-b8", 24, 48), ("honest-fp32-b4", 24, 48), ("wrong-seed", 6, 24)):
+        # honest: ~1.1k tokens each, so the null holds honest mismatches (6 x 24 tokens were all exact
+        # matches: a degenerate null, refused since issue 15)
+        r = run("generate", name, "--out", d / f"{name}.jsonl", "--n", n, "--max-tokens", tokens)
         assert r.exit_code == 0, r.output
         r = run("score", d / f"{name}.jsonl", "--out", d / f"{name}.parquet")
         assert r.exit_code == 0, r.output
@@ -53,6 +56,21 @@ def test_generate_score_calibrate_audit(scored):
     assert v["provider"] == "wrong-seed" and v["flagged"] and v["n_tokens"] == 6 * 24 and v["p_value"] < 0.01
     claims = [json.loads(line) for line in (d / "wrong-seed.jsonl").read_text().splitlines()]
     assert all(c["model"] == claims[0]["model"] and "seed" in c["sampling"] for c in claims)
+
+
+def test_degenerate_calibration_is_refused(scored, tmp_path):
+    """Issue 15: with 16 calibration requests every honest margin was 0, the threshold became 0 and
+    an honest server was flagged at p = 0. calibrate now refuses such a null, and too few tokens for
+    the FPR asked, with what and the fix (exit 2), and writes no detector."""
+    d, _ = scored
+    r = run("generate", "honest-bf16-b8", "--out", tmp_path / "few.jsonl", "--n", 4, "--max-tokens", 16)
+    assert r.exit_code == 0, r.output
+    assert run("score", tmp_path / "few.jsonl", "--out", tmp_path / "few.parquet").exit_code == 0
+    r = run("calibrate", tmp_path / "few.parquet", "--out", tmp_path / "det.json", "--target-fpr", 0.05)
+    assert r.exit_code == 2 and "degenerate honest null: all 64 honest margin values are 0" in r.output, r.output
+    assert "more honest claims" in r.output and not (tmp_path / "det.json").exists()
+    r = run("calibrate", tmp_path / "few.parquet", "--out", tmp_path / "det.json")
+    assert r.exit_code == 2 and "only 64 scored tokens" in r.output and "1/FPR = 100" in r.output, r.output
 
 
 def test_bad_claims_exit_2_with_file_line_field(scored, tmp_path):
@@ -78,7 +96,8 @@ def test_bad_claims_exit_2_with_file_line_field(scored, tmp_path):
 
 
 def test_demo_small(tmp_path):
-    r = run("demo", "--out", tmp_path / "demo", "--n", 6, "--max-tokens", 16, "--quiet", "--audit-tokens", 48)
+    # 16 requests: half of each honest provider's 256 tokens calibrate (>= 1/FPR = 100 tokens each)
+    r = run("demo", "--out", tmp_path / "demo", "--n", 16, "--max-tokens", 16, "--quiet", "--audit-tokens", 48)
     assert r.exit_code == 0, r.output
     assert (tmp_path / "demo" / "report.html").is_file()
     verdicts = json.loads((tmp_path / "demo" / "verdicts.json").read_text())
@@ -92,12 +111,12 @@ def test_demo_small(tmp_path):
     assert f"{flagged} of 5 audited providers flagged" in html
     # the run's settings are recorded; a rerun with others is refused before any work (not mixed in)
     assert json.loads((tmp_path / "demo" / "demo.json").read_text()) == dict(
-        model=info.name, weights_sha256=info.weights_sha256, n=6, max_tokens=16, seed=0)
+        model=info.name, weights_sha256=info.weights_sha256, n=16, max_tokens=16, seed=0)
     r = runner.invoke(app, ["demo", "--out", str(tmp_path / "demo"), "--n", "8", "--max-tokens", "16", "--quiet"])
     assert r.exit_code == 2 and "a demo run with other settings (different n)" in r.output, r.output
     # resuming with the same settings recomputes nothing: the claims stay as they were
     before = (tmp_path / "demo" / "claims" / "int4.jsonl").stat().st_mtime_ns
-    r = run("demo", "--out", tmp_path / "demo", "--n", 6, "--max-tokens", 16, "--quiet", "--audit-tokens", 48)
+    r = run("demo", "--out", tmp_path / "demo", "--n", 16, "--max-tokens", 16, "--quiet", "--audit-tokens", 48)
     assert r.exit_code == 0 and (tmp_path / "demo" / "claims" / "int4.jsonl").stat().st_mtime_ns == before
 
 
@@ -112,8 +131,9 @@ def test_fingerprints_generate_calibrate_and_combined_audit(tmp_path):
     Activation-DiFR detectors combined."""
     p = {}
     for name in ("honest-bf16-b8", "honest-bf16-b1", "int4"):
-        r = run("generate", name, "--out", tmp_path / f"{name}.jsonl", "--n", 4, "--max-tokens", 16,
-                "--fingerprint", "k=8,stride=2")
+        # 26 requests: 208 logged positions per honest file, >= 1/FPR for the fp_l2 detector at 0.005
+        r = run("generate", name, "--out", tmp_path / f"{name}.jsonl", "--n", 26 if name != "int4" else 4,
+                "--max-tokens", 16, "--fingerprint", "k=8,stride=2")
         assert r.exit_code == 0, r.output
         r = run("score", tmp_path / f"{name}.jsonl", "--out", tmp_path / f"{name}.parquet")
         assert r.exit_code == 0, r.output
@@ -425,3 +445,44 @@ def test_audit_inputs_are_keyed_per_file(scored, tmp_path):
 def test_help_documents_the_exit_codes():
     out = " ".join(run("--help").output.split())
     assert "Exit codes: 0 ok; 1 flagged" in out and "2 error" in out
+
+
+def test_provenance_is_recorded_and_another_models_detector_or_scores_are_refused(scored, tmp_path):
+    """Issue 15 item 4: scores and detectors record which model (weights, tokenizer), noise backend,
+    verifier numerics and device produced them; a detector calibrated on the draft testbed model
+    flagged an honest target provider at p < 1e-300. audit now refuses it, naming both models, and
+    target scores are refused by it the other way round."""
+    from verinfer.apps.pipeline import scores_provenance
+    from verinfer.models.load import model_info
+    from verinfer.models.testbed import DRAFT_DIR
+
+    d, p = scored
+    target, draft = model_info(TARGET_DIR), model_info(DRAFT_DIR)
+    prov = scores_provenance(p["honest-bf16-b8"])
+    assert (prov.model, prov.weights_sha256, prov.tokenizer_sha256) == (target.name, target.weights_sha256,
+                                                                         target.tokenizer_sha256)
+    assert prov.noise == ("vllm-cpu",) and prov.numerics["dtype"] == "bf16" and prov.device == "cpu"
+    assert prov.verinfer_version
+    det = tmp_path / "target.json"
+    assert run("calibrate", p["honest-bf16-b8"], p["honest-fp32-b4"], "--out", det).exit_code == 0
+    saved = json.loads(det.read_text())
+    assert saved["provenance"]["weights_sha256"] == target.weights_sha256
+    assert saved["calibration"]["tokens"] == {"honest-bf16-b8": pq.read_metadata(p["honest-bf16-b8"]).num_rows,
+                                              "honest-fp32-b4": pq.read_metadata(p["honest-fp32-b4"]).num_rows}
+
+    for name in ("honest-bf16-b8", "honest-fp32-b4"):
+        r = run("generate", name, "--model", DRAFT_DIR, "--out", tmp_path / f"draft-{name}.jsonl", "--n", 40,
+                "--max-tokens", 48)
+        assert r.exit_code == 0, r.output
+        r = run("score", tmp_path / f"draft-{name}.jsonl", "--model", DRAFT_DIR, "--out", tmp_path / f"draft-{name}.parquet")
+        assert r.exit_code == 0, r.output
+    drafts = [tmp_path / f"draft-{n}.parquet" for n in ("honest-bf16-b8", "honest-fp32-b4")]
+    r = run("calibrate", *drafts, "--out", tmp_path / "draft.json")
+    assert r.exit_code == 0, r.output
+    r = run("audit", p["honest-bf16-b8"], "-d", tmp_path / "draft.json")
+    assert r.exit_code == 2 and f"scores of model {target.name}" in r.output and f"on model {draft.name}" in r.output
+    assert "weights_sha256" in r.output and str(tmp_path / "draft.json") in r.output, r.output
+    r = run("audit", drafts[0], "-d", det)
+    assert r.exit_code == 2 and f"scores of model {draft.name}" in r.output and f"on model {target.name}" in r.output
+    r = run("calibrate", p["honest-bf16-b8"], drafts[0], "--out", tmp_path / "mixed.json")
+    assert r.exit_code == 2 and "replayed with other settings" in r.output and str(p["honest-bf16-b8"]) in r.output

@@ -1,6 +1,7 @@
 """Every registered detector through the one protocol: fit on honest rows, audit honest (not
 flagged) and shifted (flagged) rows, save / load_detector round trip, clear errors."""
 
+import base64
 import json
 import math
 
@@ -102,3 +103,33 @@ def test_make_detector_errors():
         make_detector("glrt", score_name="fp_l2")
     with pytest.raises(VerinferError, match="clip_quantile"):
         make_detector("clipped-mean", clip_quantile=2.0)
+
+
+def test_a_nan_in_any_stored_array_is_refused(fitted, tmp_path):
+    """Every detector's stored float64 arrays (null samples, gaps) are checked on load: one value
+    edited to NaN makes the file malformed, named."""
+    name, det, _ = fitted
+    det.save(tmp_path / "d.json")
+    d = json.loads((tmp_path / "d.json").read_text())
+    key = next(k for k in d["fitted"] if k.endswith("_f8_base64"))
+    texts = d["fitted"][key] if isinstance(d["fitted"][key], list) else [d["fitted"][key]]
+    a = np.frombuffer(base64.b64decode(texts[0]), dtype="<f8").copy()
+    a[len(a) // 2] = np.nan
+    texts[0] = base64.b64encode(a.tobytes()).decode()
+    d["fitted"][key] = texts if isinstance(d["fitted"][key], list) else texts[0]
+    (tmp_path / "d.json").write_text(json.dumps(d))
+    with pytest.raises(VerinferError, match=f"malformed detector.*{key}.*NaN"):
+        load_detector(tmp_path / "d.json")
+
+
+def test_p_values_are_not_floored_at_one_over_the_resamples(fitted):
+    """Issue 15: p-values stopped at 1/(1 + B). Every detector resolves a strong deviation far
+    below it (saddle-point tails beyond the resampling), and keeps resampled p-values where the
+    resampling resolves them."""
+    name, det, cols = fitted
+    rng = np.random.default_rng(5)
+    bad = det.verdict(score_table(3000, 0.3, rng, cols), max_tokens=1000)
+    assert bad["flagged"] and bad["p_value"] < 1e-12 and bad["p_value_method"].startswith("saddle-point")  # 0: < 1e-300
+    ok = det.verdict(score_table(3000, 0.05, rng, cols), max_tokens=1000)
+    resolved = ok["p_value"] >= 11 / (det.n_null_batches + 1)  # >= 10 resampled statistics reach it
+    assert ok["p_value_method"].startswith("resampled" if resolved else "saddle-point"), ok

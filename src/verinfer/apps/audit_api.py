@@ -259,7 +259,7 @@ def calibrated_detector(cfg: ApiAuditConfig, mode: str, info, engine, score_fn,
     t1 = time.perf_counter()
     spaths = [score_fn(p, p.with_suffix(".parquet")) for p in paths]
     table = load_score_tables(spaths)
-    det, _ = calibrate(table, list(cfg.honest), detector=DETECTOR, target_fpr=cfg.target_fpr, seed=cfg.seed)
+    det = calibrate(table, list(cfg.honest), detector=DETECTOR, target_fpr=cfg.target_fpr, seed=cfg.seed)
     det.save(det_path)
     atomic_write_text(meta_path, json.dumps(meta, indent=1))
     return det, {"calibration_generate_s": t1 - t0, "calibration_score_s": time.perf_counter() - t1}

@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from verinfer.apps.pipeline import audit, calibrate, generate, load_score_tables, score, verifier_engine
+from verinfer.apps.pipeline import audit, calibrate, generate, load_score_tables, score, split_claims, verifier_engine
 from verinfer.io import atomic_write_json, atomic_write_text, check_manifest
 from verinfer.models.load import model_info
 from verinfer.models.testbed import TARGET_DIR
@@ -52,7 +52,8 @@ def demo(out_dir: str | Path = "runs/demo", *, model_dir: str | Path | None = No
         paths.append(spath)
     table = load_score_tables(paths)
     honest = list(HONEST)
-    det, held_out = calibrate(table, honest, seed=seed)
+    calib, held_out = split_claims(table, honest, seed=seed)  # honest providers are audited on claims not fit
+    det = calibrate(calib, honest, seed=seed)
     det.save(out / "detector.json")
     verdicts = audit(table, det, list(PROVIDERS), held_out, max_tokens=audit_tokens)
     atomic_write_text(out / "verdicts.json", json.dumps(verdicts, indent=1, default=float))

@@ -10,6 +10,8 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.parquet as pq
+from scipy.stats import beta
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
@@ -17,11 +19,12 @@ from rich.table import Table
 
 from verinfer.claims import Claim, check_claims_fit, iter_claims, read_claims, write_claims
 from verinfer.detect import Detector, make_detector
-from verinfer.detect.metrics import split_tokens
+from verinfer.detect import record
 from verinfer.io import check_writable, chunked, progress_bar, sha256_files
 from verinfer.models.prompts import prompts_for
 from verinfer.providers import vllm
 from verinfer.providers.simulated import DEFAULT_SPEC, HONEST, PROVIDERS, get_provider, run_provider
+from verinfer.audit import provenance
 from verinfer.audit.replay import Scored, fingerprints_of, model_config, read_scores, score_claims
 from verinfer.engine.engine import Engine
 from verinfer.errors import ClaimError, VerinferError
@@ -95,15 +98,17 @@ def score(claims_path: str | Path, model_dir: str | Path, out: str | Path, *, en
             return score(claims_path, model_dir, out, engine=pool, show_progress=show_progress, gaps=gaps,
                          model_names=model_names)
     engine = engine or verifier_engine(model_dir, VERIFIER_NUMERICS.with_(matmul=matmul), device=device)
-    total, first_fp = 0, None
+    total, first_fp, noise = 0, None, set()
     for chunk in chunked(iter_claims(claims_path), 256):
         check_claims_fit(chunk, claims_path, model_name=info.name, vocab_size=info.vocab_size,
                          max_positions=info.max_positions, aliases=(*info.aliases, *model_names))
         _, _, first_fp = fingerprints_of(chunk, model_config(engine), first_fp)
         total += sum(len(c.output_token_ids) for c in chunk)
+        noise.update(c.sampling.noise for c in chunk)
+    prov = provenance.make(info, engine.numerics, engine.device, noise)
     with progress_bar(f"score {Path(claims_path).name}", total, show_progress) as adv:
         return score_claims(iter_claims(claims_path), engine, out, claims_sha=sha256_files([claims_path]),
-                            model_sha=info.weights_sha256, progress=adv, gaps=gaps)
+                            model_sha=info.weights_sha256, progress=adv, gaps=gaps, provenance=prov)
 
 
 UNKNOWN_PROVIDER = "unknown"  # what `score` writes for a claim without a `provider` field
@@ -163,28 +168,163 @@ def load_score_tables(paths: list[str | Path], *, labels: list[str] | None = Non
                 t = tables[k]
                 prov = pc.if_else(pc.equal(t["provider"], name), f"{name} ({labels[k]})", t["provider"])
                 tables[k] = t.set_column(t.column_names.index("provider"), "provider", prov)
-    return pa.concat_tables(tables)
+    common = common_provenance(paths, strict=False)
+    return pa.concat_tables(tables).replace_schema_metadata(provenance.to_metadata(common) if common else None)
+
+
+def scores_provenance(path: str | Path) -> provenance.Provenance | None:
+    """What replayed a scores file (`audit.provenance`; None: not recorded, an older verinfer)."""
+    return provenance.of_schema(pq.read_schema(path), str(path))
+
+
+def common_provenance(paths: list[str | Path], strict: bool = True) -> provenance.Provenance | None:
+    """The provenance every scores file records (None when one records none). Files replayed with
+    another model or settings are a VerinferError naming both (strict) or give None."""
+    first, out = None, None
+    for p in paths:
+        prov = scores_provenance(p)
+        if prov is None:
+            return None
+        if out is None:
+            first, out = p, prov
+        elif provenance.mismatch(out, prov):
+            if not strict:
+                return None
+            raise VerinferError(f"replayed with other settings than {first} ({'; '.join(provenance.mismatch(out, prov))})",
+                                where=str(p), fix="calibrate on honest scores of one model and settings")
+    return out
+
+
+def check_provenance(det: Detector, det_path: str | Path, paths: list[str | Path]) -> list[str]:
+    """Refuse scores replayed with another model or settings than the detector's honest
+    calibration scores (a VerinferError naming both and every differing field); warnings for what
+    cannot be checked (a detector or scores file that records no provenance)."""
+    want = getattr(det, "provenance_", None)
+    if want is None:
+        return [f"{det_path}: the detector records no provenance (calibrated by an older verinfer or in code): "
+                "the model and settings of the scores are not checked"]
+    notes = []
+    for p in paths:
+        have = scores_provenance(p)
+        if have is None:
+            notes.append(f"{p}: the scores record no provenance (an older `verinfer score`): not checked against "
+                         f"the detector's model {want.model}")
+            continue
+        diff = provenance.mismatch(want, have)
+        if diff:
+            raise VerinferError(f"scores of model {have.model} (weights {have.weights_sha256}) cannot be audited with "
+                                f"the detector {det_path}, calibrated on model {want.model} (weights "
+                                f"{want.weights_sha256}): they differ in {'; '.join(diff)} (detector vs scores)",
+                                where=str(p), fix="calibrate a detector on honest scores replayed with the same model "
+                                "and settings, or rescore the claims with the detector's model (`verinfer score "
+                                "--model`)")
+    return notes
+
+
+def claim_folds(table: pa.Table, folds: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """(fold, order) per row: each claim (claim_id) in one of `folds` folds, its claims in a random
+    order (row order within a claim kept): rows sorted by `order` read the claims one after another."""
+    ids = np.asarray(table["claim_id"].to_pylist())
+    uniq, inv = np.unique(ids, return_inverse=True)
+    rank = np.empty(uniq.size, dtype=np.int64)
+    rank[rng.permutation(uniq.size)] = np.arange(uniq.size)
+    order = np.empty(ids.size, dtype=np.int64)
+    order[np.lexsort((np.arange(ids.size), rank[inv]))] = np.arange(ids.size)
+    return rank[inv] % folds, order
+
+
+def claim_batches(rows: np.ndarray, order: np.ndarray, tokens: int) -> list[np.ndarray]:
+    """Disjoint batches of `tokens` of these rows, read in `order` (whole claims one after another,
+    the last one cut, as `audit --max-tokens` reads a provider); a shorter rest is dropped."""
+    rows = rows[np.argsort(order[rows], kind="stable")]
+    return [rows[i:i + tokens] for i in range(0, rows.size - tokens + 1, tokens)]
+
+
+def split_claims(table: pa.Table, honest: list[str], frac: float = 0.5,
+                 seed: int = 0) -> tuple[pa.Table, dict[str, pa.Table]]:
+    """Each honest provider's claims split at random: (the first `frac` of them, all providers in
+    one table; {provider: the rest}) to calibrate on one part and audit honest providers on the
+    other (the demo)."""
+    rng = np.random.default_rng(seed)
+    train, test = [], {}
+    for name in honest:
+        rows = table.filter(pc.equal(table["provider"], name))
+        if rows.num_rows == 0:
+            raise ClaimError(f"no scored tokens for honest provider {name!r}", fix="score its claims first")
+        ids = np.asarray(rows["claim_id"].to_pylist())
+        uniq = np.unique(ids)
+        mask = np.isin(ids, uniq[rng.permutation(uniq.size)[:round(frac * uniq.size)]])
+        train.append(rows.filter(pa.array(mask)))
+        test[name] = rows.filter(pa.array(~mask))
+    return pa.concat_tables(train), test
 
 
 def calibrate(table: pa.Table, honest: list[str], *, detector: str = "clipped-mean", seed: int = 0,
-              **options) -> tuple[Detector, dict[str, pa.Table]]:
+              folds: int = 5, fpr_batch_tokens: int = 250, **options) -> Detector:
     """Fit a detector (`detect.DETECTORS[detector]`, made with these config options and
-    random_state=seed) on the train half of the honest tokens, each honest provider one group of
-    its null (every honest configuration must pass at the target FPR, not just their pool); return
-    it and each honest provider's held-out test half (for auditing honest providers without
-    reusing train data). The halves are split over the rows that carry a token for the detector."""
+    random_state=seed) on every honest token given, each honest provider one group of its null
+    (every honest configuration must pass at the target FPR, not just their pool).
+
+    Held-out FPR (`det.calibration_.heldout`): each honest provider's claims are dealt into `folds`
+    folds; a detector fit on the other folds audits each fold in disjoint batches of
+    `fpr_batch_tokens` tokens of whole claims (`claim_batches`), and the flagged fraction over
+    every fold and provider is the false-positive rate measured on honest claims the fit did not
+    see (with a 95% Clopper-Pearson upper bound). It measures the procedure on (folds-1)/folds of
+    the data, so it is if anything pessimistic for the final detector, fit on all of it. The
+    calibration's size (tokens and claims per honest provider) is recorded beside it."""
     det = make_detector(detector, random_state=seed, **options)
+    parts, groups, fold_of, order_of, tokens, claims = [], [], [], [], {}, {}
     rng = np.random.default_rng(seed)
-    train, groups, test = [], [], {}
     for name in honest:
         rows = det.token_rows(table.filter(pc.equal(table["provider"], name)))
         if rows.num_rows == 0:
             raise ClaimError(f"no scored tokens for honest provider {name!r}", fix="score its claims first")
-        tr, te = split_tokens(rows.num_rows, rng)
-        train.append(rows.take(tr))
-        groups += [name] * len(tr)
-        test[name] = rows.take(te)
-    return det.fit(pa.concat_tables(train), groups=groups), test
+        fold, order = claim_folds(rows, folds, rng)
+        parts.append(rows)
+        groups += [name] * rows.num_rows
+        fold_of.append(fold)
+        order_of.append(order + sum(len(o) for o in order_of))  # rows of the providers one after another
+        tokens[name], claims[name] = rows.num_rows, len(set(rows["claim_id"].to_pylist()))
+    honest_rows = pa.concat_tables(parts)
+    fold, order, groups = np.concatenate(fold_of), np.concatenate(order_of), np.asarray(groups)
+    det.fit(honest_rows, groups=groups)
+    if table.schema.metadata and provenance.PARQUET_KEY in table.schema.metadata:
+        det.provenance_ = provenance.of_schema(table.schema, "the honest scores")
+    heldout = heldout_fpr(det, honest_rows, groups, fold, order, folds, fpr_batch_tokens, detector, seed, options)
+    det.calibration_ = record.Calibration(tokens=tokens, claims=claims, heldout=heldout)
+    return det
+
+
+def heldout_fpr(det: Detector, rows: pa.Table, groups: np.ndarray, fold: np.ndarray, order: np.ndarray, folds: int,
+                batch_tokens: int, detector: str, seed: int, options: dict) -> "record.Heldout | None":
+    """`calibrate`'s held-out false-positive rate (None, with a warning in det.warnings_, when a
+    fold's complement is too small to fit or no fold holds a whole batch)."""
+    flagged = batches = 0
+    for f in range(folds):
+        test = np.flatnonzero(fold == f)
+        per_provider = [claim_batches(test[groups[test] == g], order, batch_tokens) for g in np.unique(groups)]
+        if not any(per_provider):
+            continue
+        train = np.flatnonzero(fold != f)
+        try:
+            det_f = make_detector(detector, random_state=seed, **options).fit(rows.take(train), groups=groups[train])
+        except (VerinferError, ValueError) as e:
+            _warn(det, f"no held-out FPR: a detector fit without fold {f + 1}/{folds} fails ({e})")
+            return None
+        for b in (b for bs in per_provider for b in bs):
+            flagged += bool(det_f.verdict(rows.take(b))["flagged"])
+            batches += 1
+    if batches == 0:
+        _warn(det, f"no held-out FPR: no fold of an honest configuration holds {batch_tokens} tokens "
+                   f"(calibrate on more claims, or a smaller --fpr-batch-tokens)")
+        return record.Heldout(folds=folds, batch_tokens=batch_tokens, batches=0, flagged=0)
+    return record.Heldout(folds=folds, batch_tokens=batch_tokens, batches=batches, flagged=flagged,
+                          fpr=flagged / batches, fpr_upper95=float(beta.ppf(0.95, flagged + 1, batches - flagged))
+                          if flagged < batches else 1.0)
+
+
+def _warn(det: Detector, text: str) -> None:
+    det.warnings_ = [*getattr(det, "warnings_", []), text]
 
 
 def audit(table: pa.Table, detector: Detector, providers: list[str],
@@ -196,6 +336,9 @@ def audit(table: pa.Table, detector: Detector, providers: list[str],
         sub = held_out[name] if held_out and name in held_out else table.filter(pc.equal(table["provider"], name))
         d = detector.verdict(sub, max_tokens=max_tokens)
         d["provider"] = name
+        held = getattr(detector, "calibration_", None) and detector.calibration_.heldout
+        if held and held.batches:  # the FPR measured on held-out honest claims when it was calibrated
+            d["heldout_fpr"], d["heldout_fpr_batch_tokens"] = held.fpr, held.batch_tokens
         d["honest"] = name in HONEST if name in PROVIDERS else None
         verdicts.append(d)
     return verdicts
@@ -219,23 +362,28 @@ def combine_verdicts(per_detector: list[list[dict]]) -> list[dict]:
                      "target_fpr": sum(d["target_fpr"] for d in name_rows),
                      "n_tokens": max(d["n_tokens"] for d in name_rows),
                      "scores": [d.get("score") for d in name_rows]})
-        rows[-1].pop("threshold_fpr", None)
-        rows[-1].pop("more_tokens_needed", None)
+        for key in ("threshold_fpr", "more_tokens_needed", "heldout_fpr", "power"):
+            rows[-1].pop(key, None)
     return rows
 
 
 def print_verdicts(verdicts: list[dict]) -> None:
     t = Table(title="verinfer audit: DiFR verdicts")
-    for col in ("provider", "truth", "verdict", "tokens", "pooled", "threshold", "p-value", "FPR target / at thr.",
+    for col in ("provider", "truth", "verdict", "tokens", "pooled", "threshold", "p-value", "FPR target / at thr. / held-out",
                 "tokens to flag if its excess persisted"):
         t.add_column(col, no_wrap=True)
     for d in verdicts:
         truth = {True: "honest", False: "misconfigured", None: "?"}[d.get("honest")]
-        fpr = f"{d['target_fpr']:.0%}" + (f" / {d['threshold_fpr']:.2%}" if "threshold_fpr" in d else "")
+        fpr = f"{d['target_fpr']:.0%}" + (f" / {d['threshold_fpr']:.2%}" if "threshold_fpr" in d else "") + \
+            (f" / {d['heldout_fpr']:.1%}" if "heldout_fpr" in d else "")
         t.add_row(escape(d["provider"]), truth, "[red]FLAGGED[/red]" if d["flagged"] else "[green]ok[/green]",
                   str(d["n_tokens"]), f"{d['pooled']:.2g}", f"{d['threshold']:.2g}",
                   (f"{d['p_value']:.2g}" if d["p_value"] > 0 else "<1e-300"), fpr, _more_tokens(d))
-    Console(width=max(160, Console().width)).print(t)
+    console = Console(width=max(160, Console().width))
+    console.print(t)
+    for d in verdicts:  # what an ok verdict established (the power against a stated deviation)
+        if not d["flagged"] and d.get("power"):
+            console.print(f"{escape(d['provider'])}: {escape(d['decision'])}", soft_wrap=True)
 
 
 def _more_tokens(d: dict) -> str:

@@ -40,6 +40,7 @@ import torch
 
 from verinfer.claims import Claim
 from verinfer.io import ResumableParts, atomic_write, chunked
+from verinfer.audit.provenance import Provenance, to_metadata
 from verinfer.audit.scores import likelihood_score
 from verinfer.engine.engine import Engine, Replay
 from verinfer.errors import VerinferError
@@ -242,14 +243,16 @@ def model_config(engine):
 def score_claims(claims: Iterable[Claim], engine, out: str | Path, *, claims_sha: str | None = None,
                  model_sha: str = "", sigma: float = DEFAULT_SIGMA, chunk_claims: int | None = None,
                  batch_tokens: int | None = None, logits_budget: int | None = None, progress=None,
-                 gaps: bool = False, on_part: Callable[[int], None] | None = None) -> Scored:
+                 gaps: bool = False, on_part: Callable[[int], None] | None = None,
+                 provenance: Provenance | None = None) -> Scored:
     """Score every claim into `out` (Parquet), resuming finished chunks of an earlier run
     (verinfer.io.ResumableParts: `<out>.parts/`, under a lock on `out`, so a second writer of the
     same output is refused). gaps: add the signed-gap columns (see `scores_table`).
 
     engine: an Engine (parts scored here, one after another) or an `audit.ray_pool.RayReplayPool`
     (parts scored by its actors, written here as they return: the same parts, bitwise). on_part(k):
-    called after part k is written (tests interrupt or kill workers from it).
+    called after part k is written (tests interrupt or kill workers from it). provenance: what
+    replayed the claims (`audit.provenance`), written into the Parquet schema metadata.
 
     claims may be a stream (`claims.iter_claims`): it is read `chunk_claims` at a time, and then
     `claims_sha` (of the file; identifies the job for resuming) is required. chunk_claims,
@@ -300,9 +303,10 @@ def score_claims(claims: Iterable[Claim], engine, out: str | Path, *, claims_sha
                 on_part(k)
 
         def assemble(tmp: Path) -> None:
-            with pq.ParquetWriter(tmp, _schema(gaps)) as w:
+            schema = _schema(gaps).with_metadata(to_metadata(provenance)) if provenance else _schema(gaps)
+            with pq.ParquetWriter(tmp, schema) as w:
                 for k in range(count["parts"]):
-                    w.write_table(pq.read_table(parts.path(k)).cast(_schema(gaps)))
+                    w.write_table(pq.read_table(parts.path(k)).cast(schema))
 
         atomic_write(out, assemble)
         parts.finish()

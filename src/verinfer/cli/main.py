@@ -265,20 +265,40 @@ def calibrate(scores: List[Path] = typer.Argument(..., help="Scores Parquet file
                                                                        "(default 0.999)."),
               target_fpr: float = typer.Option(0.01, help="False-positive rate the threshold is set at, on "
                                                           "honest batches."),
-              seed: int = typer.Option(0, help="Seed of the train/test split of the honest tokens."),
+              seed: int = typer.Option(0, help="Seed of the null's resampling and of the held-out folds of claims."),
+              fpr_batch_tokens: int = typer.Option(250, min=1, help="Tokens per held-out batch of the held-out FPR "
+                                                   "(5 folds of each honest file's claims, each audited by a "
+                                                   "detector fit on the other four)."),
               kind: str = typer.Option("clipped-mean", "--detector",
                                        help="clipped-mean | glrt | likelihood-ratio | replay-library (detect.DETECTORS): clipped-mean (one --score column), glrt "
                                             "(perturbation GLRT, the detection lab's `best`; needs scores from "
                                             "`verinfer score --gaps`)")):
-    """Fit a detector on honest scores: winsorize, batch mean, threshold at a target FPR."""
-    from verinfer.apps.pipeline import calibrate as run_calibrate_detector, load_score_tables
+    """Fit a detector on every token of honest scores (each file one honest configuration of its
+    null), measure its false-positive rate on held-out honest claims, record the model and settings."""
+    from verinfer.apps.pipeline import calibrate as run_calibrate_detector, common_provenance, load_score_tables
     from verinfer.io import check_writable
 
     check_writable(out, "detector file")
+    common_provenance(scores)  # honest files replayed with other models or settings: refused, naming both
     table = load_score_tables(scores)
     honest = sorted(set(table["provider"].to_pylist()))
     options = {k: v for k, v in (("score_name", score_name), ("clip_quantile", clip_quantile)) if v is not None}
-    det, _ = run_calibrate_detector(table, honest, detector=kind, seed=seed, target_fpr=target_fpr, **options)
+    det = run_calibrate_detector(table, honest, detector=kind, seed=seed, target_fpr=target_fpr,
+                                 fpr_batch_tokens=fpr_batch_tokens, **options)
+    cal = det.calibration_
+    typer.echo(f"calibrated on every token given, {sum(cal.tokens.values())} tokens of {len(honest)} honest "
+               "configuration(s):")
+    for name in honest:
+        typer.echo(f"  {name}: {cal.tokens[name]} tokens, {cal.claims[name]} claims")
+    for w in getattr(det, "warnings_", []):
+        typer.secho(f"warning: {w}", fg="yellow", err=True)
+    h = cal.heldout
+    if h is not None and h.batches:
+        typer.echo(f"FPR: target {det.target_fpr:g}; on held-out honest claims {h.fpr:.2%} ({h.flagged}/{h.batches} "
+                   f"batches of {h.batch_tokens} tokens, {h.folds} folds; 95% upper bound {h.fpr_upper95:.2%})")
+    if getattr(det, "provenance_", None) is None:
+        typer.secho("warning: the scores record no provenance (an older `verinfer score`): audit cannot check that "
+                    "scores come from the same model and settings", fg="yellow", err=True)
     det.save(out)
     typer.echo(f"detector ({det.summary()}) -> {out}")
 
@@ -298,7 +318,8 @@ def audit(inputs: List[Path] = typer.Argument(..., help="Scores Parquet or claim
           merge: bool = typer.Option(False, help="Pool a provider found in several files into one row (default: "
                                                  "one row per file).")):
     """Verdict per provider: flagged or not, tokens used, tail probability under the honest null."""
-    from verinfer.apps.pipeline import (audit as run_audit, combine_verdicts, load_score_tables, print_verdicts, score as run_score)
+    from verinfer.apps.pipeline import (audit as run_audit, check_provenance, combine_verdicts, load_score_tables,
+                                        print_verdicts, score as run_score)
     from verinfer.detect import load_detector
     from verinfer.io import atomic_write_text, check_writable
 
@@ -315,6 +336,9 @@ def audit(inputs: List[Path] = typer.Argument(..., help="Scores Parquet or claim
             paths.append(sp)
         else:
             paths.append(p)
+    for det_path, det in zip(detector, dets):
+        for note in check_provenance(det, det_path, paths):
+            typer.secho(f"warning: {note}", fg="yellow", err=True)
     table = load_score_tables(paths, labels=[p.stem for p in inputs], provider=provider, merge=merge)
     providers = sorted(set(table["provider"].to_pylist()))
     verdicts = combine_verdicts([run_audit(table, det, providers, max_tokens=max_tokens) for det in dets])

@@ -27,6 +27,8 @@ from pathlib import Path
 from typing import ClassVar
 
 import numpy as np
+from verinfer.detect import record
+from verinfer.detect.tail import MIN_RESAMPLED_HITS, compress, mean_tail
 from verinfer.errors import VerinferError
 from verinfer.io import atomic_write_text
 
@@ -67,13 +69,18 @@ def head(table, n: int | None):
     return {k: v[:n] for k, v in table.items()}
 
 
-def decision_text(flagged: bool, more_tokens: int | None) -> str:
+def decision_text(flagged: bool, more_tokens: int | None, power: dict | None = None) -> str:
+    """The verdict in words. power (`ClippedMeanDetector.power`): what an ok verdict established,
+    the probability that a stated deviation would have been flagged at the audited tokens."""
     if flagged:
         return "flagged: inconsistent with honest inference"
+    text = "ok: consistent with honest inference"
+    if power is not None:
+        text += (f"; a deviation of {power['alternative']} would have been caught at these {power['n_tokens']} "
+                 f"tokens with probability {power['probability']:.2f}")
     if more_tokens is None:
-        return "ok: consistent with honest inference (no excess over the honest null)"
-    return (f"ok: consistent with honest inference at these tokens (a small excess over honest: only if it "
-            f"persisted would ~{more_tokens} more tokens flag it)")
+        return text + " (no excess over the honest null)"
+    return text + (f" (a small excess over honest: only if it persisted would ~{more_tokens} more tokens flag it)")
 
 
 def encode_f8(a: np.ndarray) -> str:
@@ -252,7 +259,8 @@ class Detector(abc.ABC):
 
     def to_json(self) -> dict:
         cfg = {self.JSON_NAMES.get(k, k): list(v) if isinstance(v, tuple) else v for k, v in self.config().items()}
-        return {"format": self.FORMAT, "version": self.FORMAT_VERSION, "config": cfg, "fitted": self._fitted_json()}
+        return {"format": self.FORMAT, "version": self.FORMAT_VERSION, "config": cfg, "fitted": self._fitted_json(),
+                **record.to_json(self)}
 
     def save(self, path: str | Path) -> None:
         """Write the detector as JSON (atomically: temp file + os.replace). No pickle."""
@@ -270,9 +278,11 @@ class Detector(abc.ABC):
         try:
             attr = {v: k for k, v in cls.JSON_NAMES.items()}
             det = cls(**{attr.get(k, k): tuple(v) if isinstance(v, list) else v for k, v in d["config"].items()})
+            record.check_numbers(d["fitted"])
             det._load_fitted(d["fitted"])
         except (KeyError, TypeError, ValueError) as e:
             raise bad(f"malformed detector ({type(e).__name__}: {e})") from e
+        record.load(det, d, where, cls.REFIT)
         return det
 
     @classmethod
@@ -345,10 +355,35 @@ class ColumnStatistics(Detector):
         stat = self.statistic_of(x)
         null = self.null_statistics(n)
         thr = float(np.quantile(null, 1.0 - self.target_fpr))
-        p = (int(np.count_nonzero(null >= stat)) + 1) / (null.size + 1)
+        p, method = self._p_value(stat, n, null)
         flagged = stat > thr
         more = None if flagged else self._more_tokens(stat, thr, n)
         return {"flagged": bool(flagged), "pooled": stat, "threshold": thr, "p_value": p, "tail_probability": p,
-                "p_value_method": "resampled", "n_tokens": n, "target_fpr": self.target_fpr,
+                "p_value_method": method, "n_tokens": n, "target_fpr": self.target_fpr,
                 "threshold_fpr": float(np.mean(null > thr)), "more_tokens_needed": more,
                 "decision": decision_text(flagged, more), **self._verdict_extra(x)}
+
+    def _p_value(self, stat: float, n: int, null: np.ndarray) -> tuple[float, str]:
+        """Resampled, (1 + #null >= stat) / (1 + B), where at least MIN_RESAMPLED_HITS resampled
+        statistics reach `stat`; beyond, the union bound over columns of each column's saddle-point
+        tail (`detect.tail.mean_tail`): P(max_c f_c(mean_c) + allowance >= stat) <= sum_c P(mean_c >=
+        m_c), m_c the column mean at which column c alone reaches stat - allowance (the statistic is
+        a max of increasing affine functions f_c of the column means), largest over the honest groups."""
+        k = int(np.count_nonzero(null >= stat))
+        if k >= MIN_RESAMPLED_HITS:
+            return (k + 1) / (null.size + 1), "resampled"
+        level = stat - self.allowance(n)
+        if "columns" not in self._cache:
+            self._cache["columns"] = [[compress(xg[:, c]) for c in range(xg.shape[1])] for xg in self.null_samples_]
+        c_count = self.null_samples_[0].shape[1]
+        at = [np.full(c_count, -np.inf) for _ in range(2)]
+        f0, f1 = [], []
+        for c in range(c_count):  # f_c at column means 0 and 1 (every other column -inf)
+            at[0][c], at[1][c] = 0.0, 1.0
+            f0.append(float(self.statistic_of_means(at[0], n)))
+            f1.append(float(self.statistic_of_means(at[1], n)))
+            at[0][c] = at[1][c] = -np.inf
+        p = max(min(1.0, sum(mean_tail(v, s, n, (level - a) / (b - a)) for (v, s), a, b in zip(cols, f0, f1)))
+                for cols in self._cache["columns"])
+        return p, "saddle-point (union over columns)"
+

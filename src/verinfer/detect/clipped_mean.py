@@ -7,7 +7,17 @@
     threshold:  (1 - target_fpr)-quantile of n_null_batches resampled honest batch means of the
                 batch's size; flagged iff pooled > threshold, so the FPR on fresh honest batches
                 is at most about target_fpr
-    p_value:    tail probability of the pooled score under the honest null
+    p_value:    tail probability of the pooled score under the honest null: resampled where at
+                least MIN_RESAMPLED_HITS resampled batches reach the observed mean, beyond that the
+                saddle-point tail of the same null (`detect.tail.mean_tail`, Lugannani-Rice on the
+                null sample's empirical CGF), so p-values are resolved far below 1/(1 + B); the
+                Chernoff bound of that tail (conservative) is reported beside it (`p_value_bound`)
+
+Refused at fit (VerinferError): an honest null without spread (every winsorized honest value
+equal, e.g. all margins 0: any deviation would flag) and an honest configuration with fewer than
+1 / target_fpr tokens. Warned (`warnings_`, printed by `verinfer calibrate`): a clip quantile with
+fewer than MIN_ABOVE_CLIP honest tokens above it, a null resting on fewer than MIN_ABOVE_CLIP
+tokens off its mode.
 
 Null batches are resampled from the null sample WITH replacement: audited batches are fresh
 draws from the honest population, and drawing without replacement from a finite sample would
@@ -24,15 +34,50 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from scipy.stats import norm
 
 from verinfer.audit.scores import ALL_SCORES, ACTIVATION_SCORES, clip_at_quantile, divergence, winsorize
 from verinfer.detect.base import Detector, decision_text, decode_f8, encode_f8, group_labels, stratified_subsample
+from verinfer.detect.tail import MIN_RESAMPLED_HITS, chernoff_bound, compress, mean_tail, tilt
 from verinfer.errors import VerinferError
 
 MAX_NULL_SAMPLE = 200_000
 MAX_RESAMPLED_TOKENS = 20_000_000  # n_null_batches * n_tokens above which threshold / p-value use the CLT
+MIN_ABOVE_CLIP = 10      # honest tokens above the clip (and off the null's mode) below which fit warns
+POWER_EFFECT = 2.0       # the alternative an ok verdict states its power against: the honest mean x this
 _CHUNK = 2_000_000  # indices drawn per chunk while resampling
+
+
+class _Fitted(BaseModel):
+    """The "fitted" part of a clipped-mean detector file, validated on load: every number finite
+    and in range (scores are divergences, >= 0; the null sample lies in [0, clip_])."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    clip_: float = Field(gt=0)
+    null_mean_: float = Field(ge=0)
+    null_std_: float = Field(ge=0)
+    n_train_: int = Field(ge=1)
+    null_sample_size: int = Field(ge=1)
+    null_group_sizes: list[int]
+    null_sample_f8_base64: str
+
+    def sample(self) -> tuple[np.ndarray, list[int]]:
+        s = decode_f8(self.null_sample_f8_base64)
+        if s.size != self.null_sample_size:
+            raise ValueError(f"null sample has {s.size} values, header says {self.null_sample_size}")
+        if sum(self.null_group_sizes) != s.size or min(self.null_group_sizes) < 1:
+            raise ValueError(f"null group sizes {self.null_group_sizes} do not add up to the {s.size} null values")
+        bad = ~((s >= 0) & (s <= self.clip_))
+        if bad.any():
+            i = int(np.flatnonzero(bad)[0])
+            raise ValueError(f"null sample value {i} is {float(s[i])!r}, outside [0, clip_ = {self.clip_}]")
+        for name, have, want in (("null_mean_", self.null_mean_, float(s.mean())),
+                                 ("null_std_", self.null_std_, float(s.std(ddof=1)) if s.size > 1 else 0.0)):
+            if not math.isclose(have, want, rel_tol=1e-9, abs_tol=1e-12):
+                raise ValueError(f"{name} is {have!r}, the null sample's is {want!r}")
+        return s, self.null_group_sizes
 
 
 @dataclass(eq=True)
@@ -93,9 +138,36 @@ class ClippedMeanDetector(Detector):
         v = self.values(table)
         if v.size == 0:
             raise ValueError("the honest table is empty: no scored tokens")
+        labels = group_labels(groups, v.size)
+        sizes = np.bincount(labels)
+        need = math.ceil(1.0 / self.target_fpr)
+        if sizes.min() < need:
+            raise VerinferError(f"an honest configuration has only {int(sizes.min())} scored tokens: too few for a "
+                                f"false-positive rate of {self.target_fpr:g} (need >= 1/FPR = {need} per "
+                                "configuration)", fix="score more honest claims, or ask for a larger --target-fpr")
         clip = clip_at_quantile(v, self.clip_quantile)
-        self.fit_null(winsorize(v, clip), groups, clip)
+        w = winsorize(v, clip)
+        if not w.max() > w.min():
+            raise VerinferError(f"degenerate honest null: all {w.size} honest {self.score_name} values are "
+                                f"{w.min():g}, so any deviation would be flagged (p = 0) and nothing is calibrated",
+                                fix="calibrate on more honest claims (the null needs honest tokens that differ)")
+        self.fit_null(w, groups, clip)
+        self.warnings_ = self._fit_warnings(v, w, clip)
         return self
+
+    def _fit_warnings(self, v: np.ndarray, w: np.ndarray, clip: float) -> list[str]:
+        out = []
+        above = int(np.count_nonzero(v > clip))
+        if above < MIN_ABOVE_CLIP:
+            out.append(f"the clip ({clip:.4g}, the {self.clip_quantile:g} quantile of {v.size} honest tokens) rests "
+                       f"on {above} tokens above it (< {MIN_ABOVE_CLIP}): it is poorly estimated; calibrate on "
+                       f"more honest tokens (~{math.ceil(MIN_ABOVE_CLIP / max(1e-12, 1 - self.clip_quantile))})")
+        vals, counts = np.unique(w, return_counts=True)
+        off_mode = int(w.size - counts.max())
+        if off_mode < MIN_ABOVE_CLIP:
+            out.append(f"only {off_mode} honest tokens differ from the most common value {vals[counts.argmax()]:g}: "
+                       "the null's spread rests on them; calibrate on more honest tokens")
+        return out
 
     def fit_null(self, w: np.ndarray, groups, clip: float) -> None:
         """The null from winsorized honest values w: per group (one label per value; None: one
@@ -176,28 +248,39 @@ class ClippedMeanDetector(Detector):
             return float(m + norm.isf(self.target_fpr) * sd / math.sqrt(n))
         return float(np.quantile(self.null_means(n), 1.0 - self.target_fpr))
 
+    def _distributions(self) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Each honest group's null sample as (distinct values, shares) for `detect.tail`; cached."""
+        if "dist" not in self._cache:
+            self._cache["dist"] = [compress(g) for g in self._groups()]
+        return self._cache["dist"]
+
     def _p_value(self, pooled: float, n: int) -> tuple[float, str]:
-        """The largest tail probability over the honest groups (one group unless stratified)."""
-        best = (-1.0, "normal")
-        for (m, sd), null in zip(self._group_stats(), [None] * len(self._groups()) if self._normal_approx(n)
-                                 else self._group_means(n)):
-            se = sd / math.sqrt(n)
-            p_norm = float(norm.sf(pooled, loc=m, scale=se)) if se > 0 else (0.0 if pooled > m else 1.0)
-            if null is None:
-                cand = (p_norm, "normal")
+        """The largest tail probability over the honest groups (one group unless stratified):
+        resampled where at least MIN_RESAMPLED_HITS resampled means reach `pooled`, else the
+        saddle-point tail of that group's null sample (no floor at 1 / (1 + B))."""
+        best = (-1.0, "saddle-point")
+        resampled = [None] * len(self._groups()) if self._normal_approx(n) else self._group_means(n)
+        for (values, shares), null in zip(self._distributions(), resampled):
+            k = -1 if null is None else int(np.count_nonzero(null >= pooled))
+            if k >= MIN_RESAMPLED_HITS:
+                cand = ((k + 1) / (null.size + 1), "resampled")
             else:
-                k = int(np.count_nonzero(null >= pooled))
-                # beyond every resampled mean the resampling only says p < 1/(B+1): refine with the CLT
-                cand = ((k + 1) / (null.size + 1), "resampled") if k > 0 else (min(p_norm, 1.0 / (null.size + 1)), "normal")
+                cand = (mean_tail(values, shares, n, pooled), "saddle-point")
             best = max(best, cand, key=lambda t: t[0])
         return best
 
+    def p_value_bound(self, pooled: float, n_tokens: int) -> float:
+        """The Chernoff bound of the tail (largest over the honest groups): P(honest batch mean >=
+        pooled) <= this, for every batch size; conservative where the saddle-point value is not."""
+        self._check_fitted()
+        return max(chernoff_bound(v, s, n_tokens, pooled) for v, s in self._distributions())
+
     def p_value(self, table) -> float:
         """P(honest batch mean >= observed pooled score) for a batch of the table's tokens:
-        (1 + #resampled means >= observed) / (1 + n_null_batches); when no resampled mean reaches
-        the observed one (beyond the resolution 1/(1+B)), or above MAX_RESAMPLED_TOKENS, the normal
-        tail with mean null_mean_ and std null_std_/sqrt(n) (capped at 1/(1+B)).
-        `verdict` says which was used ("resampled" or "normal")."""
+        (1 + #resampled means >= observed) / (1 + n_null_batches) when at least MIN_RESAMPLED_HITS
+        resampled means reach the observed one; beyond that resolution, or above
+        MAX_RESAMPLED_TOKENS, the saddle-point tail (`detect.tail.mean_tail`) of the null sample.
+        `verdict` says which was used ("resampled" or "saddle-point")."""
         x = self.evidence(table)
         return self._p_value(self.statistic_of(x), x.size)[0]
 
@@ -233,6 +316,25 @@ class ClippedMeanDetector(Detector):
         # the resampled threshold can sit above the normal one: never claim fewer tokens than used
         return max(int(n_tokens) + 1, n_star)
 
+    def power(self, n_tokens: int, effect: float = POWER_EFFECT) -> dict | None:
+        """What a batch of n_tokens can catch: the probability that it is flagged when the provider
+        deviates by `effect`, defined as the honest group that sets the threshold with its per-token
+        distribution exponentially tilted to `effect` times its mean (`detect.tail.tilt`: the
+        alternative closest to honest with that mean, so more and larger divergent tokens, as a
+        misconfiguration gives); P(tilted batch mean > threshold(n)) by the saddle point. 1.0 when
+        the tilted mean is out of the null's range (the threshold is then below it). None when the
+        honest mean is not positive (a log-likelihood-ratio null: "x times" it states nothing)."""
+        n = int(n_tokens)
+        thr = self.threshold(n)
+        values, shares = self._distributions()[self._worst_group(n)]
+        mean = float(shares @ values)
+        if not mean > 0:
+            return None
+        alt = {"alternative": f"{effect:g}x the honest mean {self.score_name}", "effect": effect, "n_tokens": n}
+        if not values[0] < effect * mean < values[-1]:
+            return {**alt, "probability": 1.0 if effect * mean >= values[-1] > thr else 0.0}
+        return {**alt, "probability": mean_tail(values, tilt(values, shares, effect * mean), n, thr)}
+
     def verdict_from_pooled(self, pooled: float, n_tokens: int) -> dict:
         """Verdict with confidence for a pooled score over n_tokens tokens: flagged, threshold, the
         FPR the threshold was set at (target) and its FPR on the honest null, the tail probability
@@ -244,14 +346,17 @@ class ClippedMeanDetector(Detector):
         thr = self.threshold(n)
         p, method = self._p_value(pooled, n)
         flagged = bool(pooled > thr)
-        more = None
+        more, power = None, None
         if not flagged:
             n_star = self.tokens_to_flag(pooled, n)
             more = None if n_star is None else max(1, n_star - n)
+            power = self.power(n)
         return {"flagged": flagged, "pooled": float(pooled), "threshold": thr, "p_value": p,
-                "tail_probability": p, "p_value_method": method, "n_tokens": n, "target_fpr": self.target_fpr,
+                "tail_probability": p, "p_value_method": method, "p_value_bound": self.p_value_bound(pooled, n),
+                "n_tokens": n, "target_fpr": self.target_fpr,
                 "threshold_fpr": self.threshold_fpr(n), "more_tokens_needed": more,
-                "detectable_excess": float(thr - self.null_mean_), "decision": decision_text(flagged, more),
+                "detectable_excess": float(thr - self.null_mean_), "power": power,
+                "decision": decision_text(flagged, more, power),
                 "score": self.score_name}
 
     def summary(self) -> str:
@@ -267,11 +372,12 @@ class ClippedMeanDetector(Detector):
                 "null_sample_f8_base64": encode_f8(self.null_sample_)}
 
     def _load_fitted(self, f: dict) -> None:
-        s = decode_f8(f["null_sample_f8_base64"])
-        if s.size != f["null_sample_size"] or s.size == 0:
-            raise ValueError(f"null sample has {s.size} values, header says {f['null_sample_size']}")
-        sizes = [int(x) for x in f.get("null_group_sizes", [s.size])]
-        if sum(sizes) != s.size or min(sizes) < 1:
-            raise ValueError(f"null group sizes {sizes} do not add up to the {s.size} null values")
-        self.set_null(s, sizes, n_train=int(f["n_train_"]), clip=float(f["clip_"]),
-                      mean=float(f["null_mean_"]), std=float(f["null_std_"]))
+        """Validated (`_Fitted`): a field that is missing, NaN, infinite or out of range is refused."""
+        try:
+            fitted = _Fitted.model_validate(f)
+        except ValidationError as e:
+            err = e.errors()[0]
+            raise ValueError(f"field {'.'.join(map(str, err['loc']))}: {err['msg']} (got {err.get('input')!r})") from None
+        s, sizes = fitted.sample()
+        self.set_null(s, sizes, n_train=fitted.n_train_, clip=fitted.clip_, mean=fitted.null_mean_,
+                      std=fitted.null_std_)
