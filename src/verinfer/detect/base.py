@@ -352,3 +352,9 @@ class ColumnStatistics(Detector):
                 "p_value_method": "resampled", "n_tokens": n, "target_fpr": self.target_fpr,
                 "threshold_fpr": float(np.mean(null > thr)), "more_tokens_needed": more,
                 "decision": decision_text(flagged, more), **self._verdict_extra(x)}
+
+    def group_evidence(self) -> list[np.ndarray]:
+        """Per honest group, its tokens' evidence [n_k, C] as fitted (`detect.sequential` bounds its
+        log-moment generating function)."""
+        self._check_fitted()
+        return self.null_samples_
