@@ -18,6 +18,7 @@ from rich.table import Table
 from verinfer.claims import Claim, check_claims_fit, iter_claims, read_claims, write_claims
 from verinfer.detect import Detector, make_detector
 from verinfer.detect.metrics import split_tokens
+from verinfer.detect.sequential import SequentialAudit
 from verinfer.io import check_writable, chunked, progress_bar, sha256_files
 from verinfer.models.prompts import prompts_for
 from verinfer.providers import vllm
@@ -211,13 +212,16 @@ def calibrate(table: pa.Table, honest: list[str], *, detector: str = "clipped-me
 
 
 def audit(table: pa.Table, detector: Detector, providers: list[str],
-          held_out: dict[str, pa.Table] | None = None, max_tokens: int | None = None) -> list[dict]:
+          held_out: dict[str, pa.Table] | None = None, max_tokens: int | None = None,
+          sequential: bool = False) -> list[dict]:
     """Verdicts with confidence per provider (its held-out rows when given, else its rows of
-    `table`; the first max_tokens tokens)."""
+    `table`; the first max_tokens tokens). sequential: the anytime-valid audit of
+    `detect.sequential` at alpha = the detector's target FPR, over the tokens in their order."""
+    judge = SequentialAudit(detector, alpha=detector.target_fpr) if sequential else detector
     verdicts = []
     for name in providers:
         sub = held_out[name] if held_out and name in held_out else table.filter(pc.equal(table["provider"], name))
-        d = detector.verdict(sub, max_tokens=max_tokens)
+        d = judge.verdict(sub, max_tokens=max_tokens)
         d["provider"] = name
         d["honest"] = name in HONEST if name in PROVIDERS else None
         verdicts.append(d)

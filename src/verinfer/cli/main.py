@@ -278,7 +278,13 @@ def calibrate(scores: List[Path] = typer.Argument(..., help="Scores Parquet file
     table = load_score_tables(scores)
     honest = sorted(set(table["provider"].to_pylist()))
     options = {k: v for k, v in (("score_name", score_name), ("clip_quantile", clip_quantile)) if v is not None}
-    det, _ = run_calibrate_detector(table, honest, detector=kind, seed=seed, target_fpr=target_fpr, **options)
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        det, _ = run_calibrate_detector(table, honest, detector=kind, seed=seed, target_fpr=target_fpr, **options)
+    for w in caught:
+        typer.echo(f"warning: {w.message}", err=True)
     det.save(out)
     typer.echo(f"detector ({det.summary()}) -> {out}")
 
@@ -296,7 +302,10 @@ def audit(inputs: List[Path] = typer.Argument(..., help="Scores Parquet or claim
           provider: Optional[str] = typer.Option(None, help="Provider of claims that name none (default: each "
                                                             "file's stem)."),
           merge: bool = typer.Option(False, help="Pool a provider found in several files into one row (default: "
-                                                 "one row per file).")):
+                                                 "one row per file)."),
+          sequential: bool = typer.Option(False, help="Anytime-valid audit (glrt detector): read each provider's "
+                                                      "tokens in order and flag once the e-value reaches 1/FPR; "
+                                                      "reports the tokens at which it decided.")):
     """Verdict per provider: flagged or not, tokens used, tail probability under the honest null."""
     from verinfer.apps.pipeline import (audit as run_audit, combine_verdicts, load_score_tables, print_verdicts, score as run_score)
     from verinfer.detect import load_detector
@@ -317,7 +326,8 @@ def audit(inputs: List[Path] = typer.Argument(..., help="Scores Parquet or claim
             paths.append(p)
     table = load_score_tables(paths, labels=[p.stem for p in inputs], provider=provider, merge=merge)
     providers = sorted(set(table["provider"].to_pylist()))
-    verdicts = combine_verdicts([run_audit(table, det, providers, max_tokens=max_tokens) for det in dets])
+    verdicts = combine_verdicts([run_audit(table, det, providers, max_tokens=max_tokens, sequential=sequential)
+                                 for det in dets])
     print_verdicts(verdicts)
     if json_out:
         atomic_write_text(json_out, json.dumps(verdicts, indent=1, default=float))

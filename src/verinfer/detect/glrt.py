@@ -151,6 +151,12 @@ class PerturbationGLRTDetector(ColumnStatistics):
         self.sigma0_, self.eps0_ = s0, e0
         self.grid_ = [(int(c), float(s), float(e)) for c, s, e in grid]
         samples = stratified_subsample(g, group_labels(groups, len(g)), self.max_null_tokens, self.random_state)
+        if len(samples) < MIN_HONEST_GROUPS:
+            warnings.warn(f"the GLRT null rests on {len(samples)} honest configuration(s); the allowance for a new "
+                          f"honest configuration needs >= {MIN_HONEST_GROUPS} "
+                          + ("(with one, the null covers only that configuration)" if len(samples) == 1 else
+                             "(with two, their spread is a one-degree-of-freedom guess)")
+                          + ": calibrate on more honest configurations", FewHonestGroupsWarning, stacklevel=2)
         self._set_null(samples, n_train=len(g))
         return self
 
@@ -158,12 +164,6 @@ class PerturbationGLRTDetector(ColumnStatistics):
         xs = [self._llr(s) for s in gap_samples]
         x = np.concatenate(xs)
         means = np.array([xg.mean(axis=0) for xg in xs])
-        if len(xs) < MIN_HONEST_GROUPS:
-            warnings.warn(f"the GLRT null rests on {len(xs)} honest configuration(s); the allowance for a new honest "
-                          f"configuration needs >= {MIN_HONEST_GROUPS} "
-                          + ("(with one, the null covers only that configuration)" if len(xs) == 1 else
-                             "(with two, their spread is a one-degree-of-freedom guess)")
-                          + ": calibrate on more honest configurations", FewHonestGroupsWarning, stacklevel=3)
         self.null_gaps_ = gap_samples
         self.group_evidence_ = xs
         self.group_means_ = means
