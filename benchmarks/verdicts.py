@@ -18,6 +18,10 @@
    beyond). Beside it the fixed-size test's tokens: the smallest n of FIXED_SIZES at which `best`'s
    power reaches 0.99 (the lab's "tokens to detect" criterion; also 0.5).
 
+Without held-out honest sets in the cache the honest audits stream each calibration configuration
+against a detector fitted on the others (leave one configuration out). `--single-replay` (before the
+references stage has run): `best` is left out and the sequential audit runs on glrt_single_replay.
+
 Writes benchmarks/results/verdicts.{json,md} and verdicts.png.
 """
 
@@ -116,15 +120,16 @@ def stopping_times(seq, evidence: np.ndarray, starts: np.ndarray, n_audits: int,
     return [seq.stopping_time(stream(evidence, starts, rng)) for _ in range(n_audits)]
 
 
-def run(log=print) -> dict:
+def run(log=print, single_replay: bool = False) -> dict:
     from verinfer.detect.glrt import PerturbationGLRTDetector
     from verinfer.detect.likelihood_ratio import LikelihoodRatioDetector
     from verinfer.detect.sequential import SequentialAudit
 
     t0 = time.perf_counter()
     configs = {c["key"]: c for c in lab.lab_configs()}
+    refs = [] if single_replay else _extra_references()
     have = lambda k: lab.features_path(k).is_file() and all(  # noqa: E731
-        lab.reference_features_path(r, k).is_file() for r in _extra_references())
+        lab.reference_features_path(r, k).is_file() for r in refs)
     honest = [k for k, c in configs.items() if c["role"] == "honest" and have(k)]
     misconf = [k for k, c in configs.items() if c["role"] == "misconf" and have(k)]
     heldout = [k for k, c in configs.items() if c["role"] == "heldout" and have(k)]
@@ -139,13 +144,15 @@ def run(log=print) -> dict:
     groups = np.concatenate([np.full(len(tr[k]["margin"]), k) for k in honest])
     log(f"honest {honest}, misconfigured {misconf}, held out {heldout}")
 
-    best = PerturbationGLRTDetector(**lab.BEST_CONFIG).fit(lab.env_view(h_tr), groups=groups)
+    view = (lambda d: d) if single_replay else lab.env_view  # noqa: E731
+    config = lab.SINGLE_CONFIG if single_replay else lab.BEST_CONFIG
+    seq_name = "glrt_single_replay" if single_replay else "best"
     single = PerturbationGLRTDetector(**lab.SINGLE_CONFIG).fit(h_tr, groups=groups)
+    best = single if single_replay else PerturbationGLRTDetector(**config).fit(view(h_tr), groups=groups)
     sc = lab.Scorer(h_tr)
-    det_values = {
-        "best": (best, {m: best.token_scores(lab.env_view(te[m])) for m in misconf}),
-        "glrt_single_replay": (single, {m: single.token_scores(te[m]) for m in misconf}),
-    }
+    det_values = {"glrt_single_replay": (single, {m: single.token_scores(te[m]) for m in misconf})}
+    if not single_replay:
+        det_values["best"] = (best, {m: best.token_scores(view(te[m])) for m in misconf})
     for n in sc.names:
         det_values[n] = ([sc.values(n, tr[k]) for k in honest], {m: sc.values(n, te[m]) for m in misconf})
     lr = {}
@@ -157,20 +164,28 @@ def run(log=print) -> dict:
         power.setdefault("lr_combined", {}).update(power_table({"lr": (lr[m][0], {m: lr[m][1]})}, [m])["lr"])
     log("power: " + json.dumps({k: {m: list(c.values()) for m, c in v.items()} for k, v in power.items()}))
 
-    # fixed-size test of `best` on a finer grid, then the sequential audit
-    fixed = power_table({"best": det_values["best"]}, misconf, sizes=FIXED_SIZES, seed=1)["best"]
+    # fixed-size test of the sequential audit's detector on a finer grid, then the sequential audit
+    fixed = power_table({seq_name: det_values[seq_name]}, misconf, sizes=FIXED_SIZES, seed=1)[seq_name]
     fixed_tokens = {m: {str(q): next((n for n in FIXED_SIZES if fixed[m][n] >= q), None) for q in (0.99, 0.5)}
                     for m in misconf}
     seq = SequentialAudit(best, alpha=ALPHA)
     rng = np.random.default_rng(7)
     honest_streams = heldout or honest
-    source = "held-out honest configurations" if heldout else "calibration honest configurations (no held-out set cached)"
-    ev = {k: best.token_scores(lab.env_view(data[k])) for k in [*honest_streams, *misconf]}
-    starts = {k: claim_starts(k) for k in ev}
+    source = ("held-out honest configurations" if heldout else
+              "each calibration configuration against a detector fitted on the other ones (no held-out set cached)")
+    ev = {k: best.token_scores(view(data[k])) for k in [*heldout, *misconf]}
+    starts = {k: claim_starts(k) for k in [*honest_streams, *misconf]}
     flags_by = {}
     per = -(-N_AUDITS // len(honest_streams))
     for k in honest_streams:
-        ts = stopping_times(seq, ev[k], starts[k], per, rng)
+        seq_k = seq
+        if not heldout:  # leave configuration k out of the fit
+            others = [o for o in honest if o != k]
+            det_k = PerturbationGLRTDetector(**config).fit(
+                view(lab.cat([tr[o] for o in others])),
+                groups=np.concatenate([np.full(len(tr[o]["margin"]), o) for o in others]))
+            seq_k, ev[k] = SequentialAudit(det_k, alpha=ALPHA), det_k.token_scores(view(data[k]))
+        ts = stopping_times(seq_k, ev[k], starts[k], per, rng)
         flags_by[k] = {"audits": per, "flagged": int(sum(t is not None for t in ts)),
                        "flag_tokens": sorted(t for t in ts if t is not None)}
         log(f"sequential honest {k}: {flags_by[k]['flagged']}/{per} flagged")
@@ -196,10 +211,11 @@ def run(log=print) -> dict:
         "fixed_best_power_fine": {m: {str(n): p for n, p in c.items()} for m, c in fixed.items()},
         "sequential": {"alpha": ALPHA, "stream_tokens": STREAM_TOKENS, "honest_source": source,
                        "honest_audits": n_audits, "honest_fpr": fpr, "honest_by_config": flags_by,
-                       "misconfigured": seq_misconf, "lambdas": list(seq.lambdas),
+                       "misconfigured": seq_misconf, "lambdas": list(seq.lambdas), "detector": seq_name,
                        "targets": {m: seq_misconf[m]["ratio_to_fixed_0.99"] for m in SEQUENTIAL_TARGETS
                                    if m in seq_misconf}},
         "setup": {"honest": honest, "misconfigured": misconf, "heldout": heldout, "batches": N_BATCHES,
+                  "single_replay_only": single_replay,
                   "best": lab.BEST_DESCRIPTION, "best_allowance_per_token": best.allowance_.tolist(),
                   "best_alternatives": [best.describe(g) for g in range(len(best.grid_))],
                   "split": "token-level 50/50 per configuration, seeded by its name",
@@ -247,7 +263,7 @@ def markdown(r: dict) -> str:
         L.append(f"| {m} | {_fmt(c['median_tokens'])} | {'-' if pr is None else f'{pr[0]:.0f}-{pr[1]:.0f}'} | "
                  f"{c['decided']}/{c['audits']} | {_fmt(c['fixed_tokens_power_0.99'])} | {_fmt(c['fixed_tokens_power_0.5'])} | "
                  f"{_fmt(c['ratio_to_fixed_0.99'])} |")
-    L += ["", "Fixed test: `best` at its 1%-FPR threshold, the smallest n of " + str(FIXED_SIZES) + " with that power "
+    L += ["", f"Fixed test: `{s['detector']}` at its 1%-FPR threshold, the smallest n of " + str(FIXED_SIZES) + " with that power "
           "(batches resampled from the test half). Sequential: whole claims drawn with replacement; undecided "
           "audits count as beyond the stream in the median.", "", "![verdicts](verdicts.png)", ""]
     return "\n".join(L) + "\n"
@@ -259,12 +275,12 @@ def plot(r: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    ms = list(r["power"]["best"])
+    ms = list(next(iter(r["power"].values())))
     fig, axes = plt.subplots(1, len(ms) + 1, figsize=(3.6 * (len(ms) + 1), 3.4))
     for ax, m in zip(axes, ms):
         for name, by in r["power"].items():
             if m in by:
-                style = dict(color="black", lw=2.2) if name == "best" else dict(lw=0.9)
+                style = dict(color="black", lw=2.2) if name == r["sequential"]["detector"] else dict(lw=0.9)
                 ax.plot(POWER_SIZES, [by[m][str(n)] for n in POWER_SIZES], marker="o", ms=3, label=name, **style)
         ax.set_xscale("log")
         ax.set_title(m)
@@ -294,12 +310,14 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--cache", type=Path, default=None, help="the detection lab's cache directory")
     ap.add_argument("--out", type=Path, default=None, help="results directory (default benchmarks/results)")
+    ap.add_argument("--single-replay", action="store_true", help="without the reference replays: no `best`, the "
+                    "sequential audit on glrt_single_replay (a partial run)")
     a = ap.parse_args(argv)
     global RESULTS
     if a.cache:
         lab.CACHE = a.cache
     RESULTS = a.out or RESULTS
-    run(lambda s: print(s, flush=True))
+    run(lambda s: print(s, flush=True), single_replay=a.single_replay)
 
 
 if __name__ == "__main__":

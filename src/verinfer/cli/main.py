@@ -419,7 +419,10 @@ def audit_api(base_url: str = typer.Option(..., help="OpenAI-compatible base URL
               detector: Optional[Path] = typer.Option(None, help="Calibrated detector to reuse (created if missing)."),
               device: str = typer.Option("cpu", help=DEVICE_HELP),
               threads: Optional[int] = typer.Option(None, help="torch threads of the auditor."),
-              matmul: Matmul = typer.Option("native", help=MATMUL_HELP)):
+              matmul: Matmul = typer.Option("native", help=MATMUL_HELP),
+              sequential: bool = typer.Option(False, help="Anytime-valid audit (glrt detector, seeded mode): replay "
+                                                          "each answer as it arrives and stop sending requests once "
+                                                          "the e-value reaches 1/FPR.")):
     """Audit an OpenAI-compatible endpoint: seeded (or temperature-0) prompts, replay, verdict, report."""
     from verinfer.apps.audit_api import ApiAuditConfig, audit_api as run_audit_api
     from verinfer.apps.pipeline import print_verdicts
@@ -428,7 +431,7 @@ def audit_api(base_url: str = typer.Option(..., help="OpenAI-compatible base URL
     cfg = ApiAuditConfig(base_url, model, _model_dir(model_dir), out, n=n, max_tokens=max_tokens,
                          seed=seed, mode=mode, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                          noise=noise, ignore_eos=ignore_eos, api_key=api_key, timeout=timeout, calib_n=calib_n,
-                         detector=detector, device=device, threads=threads, matmul=matmul, **kw)
+                         detector=detector, device=device, threads=threads, matmul=matmul, sequential=sequential, **kw)
     res = run_audit_api(cfg)
     print_verdicts([res.verdict])
     typer.echo(f"mode {res.mode}: {res.n_claims} claims, {res.n_tokens} tokens, exact match {res.exact_match:.4f}"
