@@ -221,8 +221,12 @@ TOP_P_SLACKS = (0.01,)  # signed gaps with a tolerance at the top-p cut (variant
 # PerturbationGLRTDetector(**BEST_CONFIG). The envelope's honest fit is ~7x narrower in sigma0 and ~40x
 # rarer in eps0 than one replay's (0.0020 vs 0.015, 4.6e-6 vs 1.9e-4), so the alternatives reach further
 # in factors to span the same absolute range as the single-replay detector's (sigma to ~0.1 logit, eps to ~5e-3)
+# (these are PerturbationGLRTDetector's defaults: `verinfer calibrate --detector glrt` fits this detector)
 BEST_CONFIG = dict(temperature_factors=TEMPERATURE_FACTORS, sigma_factors=(1.5, 2.0, 3.0, 5.0, 10.0, 20.0, 50.0),
-                   eps_factors=(10.0, 100.0, 1000.0))
+                   eps_factors=(10.0, 100.0, 1000.0), envelope=True)
+# glrt_single_replay: the primary replay's gaps alone, with the alternatives that fit one replay's honest spread
+SINGLE_CONFIG = dict(temperature_factors=TEMPERATURE_FACTORS, sigma_factors=(1.5, 2.0, 3.0, 5.0), eps_factors=(10.0, 100.0),
+                     envelope=False)
 BEST_DESCRIPTION = (
     "PerturbationGLRTDetector (src/verinfer/detect/glrt.py) on the honest-reference envelope "
     "(src/verinfer/audit/references.py): each claim is replayed by five honest kernels (bf16 teacher-forced, the "
@@ -235,7 +239,9 @@ BEST_DESCRIPTION = (
     "of the alternatives sigma0 x 1.5/2/3/5/10/20/50, eps0 x 10/100/1000 and temperature x 0.8/0.9/1.1/1.2 (noise "
     "columns centered "
     "by their expectation under the honest fit given the token's gap); batch statistic = the largest batch "
-    "log-likelihood ratio (GLRT); threshold from a random-effects null over the 5 honest calibration configurations. "
+    "log-likelihood ratio (GLRT) beyond a per-token allowance for a new honest configuration (the one-sided 99% "
+    "prediction bound of its column means from the 5 honest calibration configurations), threshold from those "
+    "configurations' resampled batches shifted to the allowance (grows like sqrt(n), so evidence accumulates). "
     "Fit on honest tokens only; every reference is an honest kernel (none replays a misconfiguration).")
 
 
@@ -280,12 +286,13 @@ def add_envelope(d: dict, key: str, primary) -> None:
     d.update({ENV + c: v for c, v in envelope_table([primary, *(pq.read_table(p) for p in paths)], cols).items()})
 
 
-def env_view(d: dict) -> dict:
-    """The envelope signed-gap columns of a features dict under their plain names (`best`'s input)."""
+def env_view(d: dict, prefix: str = "env_") -> dict:
+    """The envelope signed-gap columns of a features dict named as `verinfer score --gaps` names them
+    (prefix "env_", `best`'s input), or under their plain names (prefix "")."""
     cols = reference_columns()
     if ENV + cols[0] not in d:
         raise KeyError("no envelope columns: run `--stage references` (honest reference replays) first")
-    return {c: d[ENV + c] for c in cols}
+    return {prefix + c: d[ENV + c] for c in cols}
 
 
 def take(d: dict, idx) -> dict:
@@ -418,12 +425,12 @@ def feasibility(tr: dict, te: dict, honest: list, m: str) -> dict:
     from verinfer.detect.metrics import auc_at_fpr_bound
 
     col = "gap_0_s0.01"
-    h_tr, h_te = cat([env_view(tr[k]) for k in honest]), cat([env_view(te[k]) for k in honest])
-    f = gap_oracle_llr(h_tr[col], env_view(tr[m])[col])
-    oracle = auc_curve(f(h_te[col]), f(env_view(te[m])[col]), BATCH_SIZES, seed=6)
+    h_tr, h_te = cat([env_view(tr[k], "") for k in honest]), cat([env_view(te[k], "") for k in honest])
+    f = gap_oracle_llr(h_tr[col], env_view(tr[m], "")[col])
+    oracle = auc_curve(f(h_te[col]), f(env_view(te[m], "")[col]), BATCH_SIZES, seed=6)
 
     def rho(d: dict) -> float:
-        e = env_view(d)
+        e = env_view(d, "")
         if m.startswith("temp-"):
             alt = float(m.split("-", 1)[1])
             return float(np.mean((e["gap_0"] > 0) ^ (e[f"gapT_{alt:g}"] > 0)))
@@ -482,7 +489,7 @@ def stage_grid(log=print) -> dict:
     # tokens only, random-effects null over honest configs; glrt_single_replay: the same detector on
     # the primary bf16 replay's gaps alone (the previous `best`)
     best = PerturbationGLRTDetector(**BEST_CONFIG).fit(env_view(h_tr), groups=h_groups)
-    single = PerturbationGLRTDetector(temperature_factors=TEMPERATURE_FACTORS).fit(h_tr, groups=h_groups)
+    single = PerturbationGLRTDetector(**SINGLE_CONFIG).fit(h_tr, groups=h_groups)
     log(f"best: sigma0 {best.sigma0_:.4g}, eps0 {best.eps0_:.3g}, tau/sd {np.round(best.tau_ / best.sd_, 4).tolist()}")
     ev = {k: env_view(d) for k, d in te.items() if ENV + reference_columns()[0] in d}
     h_ev = env_view(h_te)

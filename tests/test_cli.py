@@ -165,7 +165,8 @@ def test_glrt_detector_calibrate_and_audit(scored, tmp_path):
     r = run("calibrate", *[d / "honest-bf16-b8.parquet"], "--out", tmp_path / "nogap.json", "--detector", "glrt")
     assert r.exit_code == 2 and "--gaps" in r.output                     # scores without the gap columns
     r = run("calibrate", *honest, "--out", tmp_path / "glrt.json", "--detector", "glrt")
-    assert r.exit_code == 0 and "perturbation GLRT" in r.output, r.output
+    assert r.exit_code == 0 and "perturbation GLRT on the honest-reference envelope" in r.output, r.output
+    assert "warning: the GLRT null rests on 2 honest configuration(s)" in r.output     # fewer than 3
     assert json.loads((tmp_path / "glrt.json").read_text())["format"] == "verinfer.PerturbationGLRTDetector"
     import shutil
 
@@ -179,6 +180,12 @@ def test_glrt_detector_calibrate_and_audit(scored, tmp_path):
     (h,) = json.loads((tmp_path / "h.json").read_text())
     assert r.exit_code == (1 if h["flagged"] else 0) and h["n_tokens"] == 20 and 0 < h["tail_probability"] <= 1
     assert "more_tokens_needed" in h
+    # the anytime-valid audit: decides on the stream, says after how many tokens
+    r = run("audit", tmp_path / "wrong-seed.scores.parquet", "--detector", tmp_path / "glrt.json", "--sequential",
+            "--json", tmp_path / "s.json")
+    (s,) = json.loads((tmp_path / "s.json").read_text())
+    assert r.exit_code == 1 and s["flagged"] and s["score"] == "sequential-e-process", r.output
+    assert 1 <= s["decided_at_tokens"] == s["n_tokens"] < 6 * 24 and s["pooled"] >= 100 and s["p_value"] <= 0.01
 
 
 def test_calibrate_and_audit_go_through_the_detector_registry(scored, tmp_path):

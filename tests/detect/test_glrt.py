@@ -6,7 +6,7 @@ import pytest
 from scipy.stats import norm
 
 from verinfer.detect.clipped_mean import ClippedMeanDetector
-from verinfer.detect.glrt import PerturbationGLRTDetector
+from verinfer.detect.glrt import FewHonestGroupsWarning, MIN_HONEST_GROUPS, PerturbationGLRTDetector, honest_allowance
 from verinfer.errors import VerinferError
 
 
@@ -27,21 +27,33 @@ def _claims(n, sigma, rng, eps=0.0, temp_shift=0.0):
 
 
 def _glrt(**kw):
-    return PerturbationGLRTDetector(temperature_factors=(0.9, 1.1), top_p_slack=0.0, **kw)
+    """One replay's gaps (the synthetic columns), the single-replay alternatives."""
+    kw = {"sigma_factors": (1.5, 2.0, 3.0, 5.0), "eps_factors": (10.0, 100.0), **kw}
+    return PerturbationGLRTDetector(temperature_factors=(0.9, 1.1), top_p_slack=0.0, envelope=False, **kw)
+
+
+def _fit(det, table, groups=None):
+    """fit, with the warning about fewer than MIN_HONEST_GROUPS honest groups expected."""
+    if (len(np.unique(groups)) if groups is not None else 1) < MIN_HONEST_GROUPS:
+        with pytest.warns(FewHonestGroupsWarning):
+            return det.fit(table, groups=groups)
+    return det.fit(table, groups=groups)
 
 
 def test_glrt_fit_statistic_and_batches_match_a_loop():
     rng = np.random.default_rng(0)
-    det = _glrt(n_null_batches=300).fit(_claims(60_000, 0.05, rng, eps=1e-3))
+    det = _fit(_glrt(n_null_batches=300), _claims(60_000, 0.05, rng, eps=1e-3))
     assert det.sigma0_ == pytest.approx(0.05, rel=0.15) and 0 < det.eps0_ < 5e-3
     assert len(det.grid_) == 4 + 2 + 2
     t = _claims(500, 0.2, rng)
     x = det.token_columns(t)
-    slow = max(sum(x[i, g] for i in range(500)) for g in range(x.shape[1]))      # GLRT: best alternative's LLR
+    # GLRT: the best alternative's LLR beyond its per-token allowance (one group: that group's mean)
+    np.testing.assert_allclose(det.allowance_, det.group_evidence()[0].mean(axis=0))
+    slow = max(sum(x[i, g] for i in range(500)) - 500 * det.allowance_[g] for g in range(x.shape[1]))
     assert det.statistic(t) == pytest.approx(slow)
-    z = _glrt(n_null_batches=300, combine="maxz").fit(_claims(60_000, 0.05, rng, eps=1e-3))
+    z = _fit(_glrt(n_null_batches=300, combine="maxz"), _claims(60_000, 0.05, rng, eps=1e-3))
     xz = z.token_columns(t)
-    slow_z = max(math.sqrt(500) * (xz[:, g].mean() - z.mu_[g]) / z.sd_[g] for g in range(xz.shape[1]))
+    slow_z = max(math.sqrt(500) * (xz[:, g].mean() - z.allowance_[g]) / z.sd_[g] for g in range(xz.shape[1]))
     assert z.statistic(t) == pytest.approx(slow_z)
     idx = np.random.default_rng(5).integers(0, 500, (7, 40))
     fast = det.batch_statistics(x, 40, 7, np.random.default_rng(5))
@@ -51,7 +63,7 @@ def test_glrt_fit_statistic_and_batches_match_a_loop():
 def test_glrt_holds_fpr_and_beats_the_clipped_margin_on_rare_outliers():
     rng = np.random.default_rng(1)
     honest = _claims(100_000, 0.05, rng, eps=5e-4)
-    det = _glrt(n_null_batches=1000).fit(honest)
+    det = _fit(_glrt(n_null_batches=1000), honest)
     cm = ClippedMeanDetector(clip_quantile=0.999).fit({"margin": np.maximum(honest["gap_0"], 0)})
     n, b = 300, 200
     rate = lambda det_, sets, f=lambda c: c: np.mean([det_.predict(f(c)) for c in sets])  # noqa: E731
@@ -69,18 +81,52 @@ def test_glrt_groups_guard_a_noisier_new_honest_config():
     parts = [_claims(30_000, s, rng, eps=5e-4) for s in (0.04, 0.05, 0.06)]
     pooled = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
     groups = np.repeat([0, 1, 2], 30_000)
-    plain = _glrt(n_null_batches=300).fit(pooled)
-    strat = _glrt(n_null_batches=300).fit(pooled, groups=groups)
-    assert (strat.tau_[:4] > 0).all() and strat.threshold(3000) > plain.threshold(3000)
+    plain = _fit(_glrt(n_null_batches=300), pooled)
+    strat = _fit(_glrt(n_null_batches=300), pooled, groups=groups)
+    assert (strat.tau_[:4] > 0).all() and (strat.allowance_[:4] > plain.allowance_[:4]).all()
     new = strat.token_columns(_claims(30_000, 0.065, rng, eps=5e-4))   # noisier than any calibration config
-    stats = strat.batch_statistics(new, 3000, 200, rng)
-    assert np.mean(stats > strat.threshold(3000)) <= 0.05 < np.mean(stats > plain.threshold(3000))
+    rate = lambda d: np.mean(d.batch_statistics(new, 3000, 200, np.random.default_rng(9)) > d.threshold(3000))  # noqa: E731
+    assert rate(strat) <= 0.05 < rate(plain)
+
+
+def test_allowance_is_the_prediction_bound_of_a_new_group_mean():
+    m = np.array([[0.0, 1.0], [1.0, 1.0], [2.0, 1.0], [3.0, 4.0]])
+    a = honest_allowance(m, 0.01)
+    from scipy.stats import t as student_t
+    assert a[0] == pytest.approx(1.5 + student_t.isf(0.01, 3) * np.std([0, 1, 2, 3], ddof=1) * math.sqrt(1.25))
+    assert a[1] >= 4.0                                       # never below a calibration group's mean
+    np.testing.assert_allclose(honest_allowance(m[:1], 0.01), m[0])
+
+
+def test_power_grows_with_tokens_against_two_honest_groups():
+    """Issue 15 item 1: calibrated on two honest configurations, the old null added z n max_g tau_g
+    (one allowance for every column, growing like the statistic): a provider with 10x the honest
+    outlier rate was flagged in 9% of 100-token batches and <1% at 16,000 (power 0.093 -> 0.007).
+    The per-column allowance on the mean scale, with a threshold growing like sqrt(n), lets its
+    evidence accumulate."""
+    rng = np.random.default_rng(4)
+    parts = [_claims(40_000, s, rng, eps=5e-4) for s in (0.045, 0.055)]
+    pooled = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+    det = _fit(_glrt(n_null_batches=400), pooled, groups=np.repeat([0, 1], 40_000))
+    bad = det.token_columns(_claims(60_000, 0.05, rng, eps=5e-3))
+    power = [np.mean(det.batch_statistics(bad, n, 300, np.random.default_rng(n)) > det.threshold(n))
+             for n in (100, 1000, 4000, 16000)]
+    assert power[0] < 0.2 and power[-1] >= 0.99
+    assert all(b >= a for a, b in zip(power, power[1:])), power
+
+
+def test_fewer_than_the_minimum_honest_groups_warn():
+    rng = np.random.default_rng(6)
+    honest = _claims(6000, 0.05, rng, eps=5e-4)
+    for groups in (None, np.arange(6000) % 2):
+        with pytest.warns(FewHonestGroupsWarning, match=f">= {MIN_HONEST_GROUPS}"):
+            _glrt(n_null_batches=50).fit(honest, groups=groups)
 
 
 def test_glrt_verdict_roundtrip_and_errors(tmp_path):
     rng = np.random.default_rng(3)
     honest = _claims(20_000, 0.05, rng, eps=5e-4)
-    det = _glrt(n_null_batches=200).fit(honest, groups=np.arange(20_000) % 2)
+    det = _fit(_glrt(n_null_batches=200), honest, groups=np.arange(20_000) % 2)
     v = det.verdict(_claims(2000, 0.3, rng))
     assert v["flagged"] and v["p_value"] <= 1 / 201 + 1e-12 and v["more_tokens_needed"] is None
     assert v["strongest_alternative"].startswith("noise sigma")
@@ -105,3 +151,4 @@ def test_glrt_verdict_roundtrip_and_errors(tmp_path):
         det.verdict({k: v for k, v in honest.items() if k != "gapT_1.1"})
     assert "verinfer score --gaps" in e.value.fix
     assert det.requires_gaps and det.columns() == ("gap", "gapT_0.9", "gapT_1.1")
+    assert PerturbationGLRTDetector().columns()[:2] == ("env_gap_s0.01", "env_gapT_0.8_s0.01")

@@ -27,7 +27,7 @@ def score_table(n: int, sigma: float, rng, columns) -> pa.Table:
             "cross_entropy": np.where(flip, 1.0 + a, 0.1) + rng.exponential(0.1, n),
             "logit_gap": np.where(flip, rng.normal(0.0, 1.0, n), 0.0)}
     for c in columns:
-        if c.startswith("gap"):
+        if c.startswith(("gap", "env_gap")):
             cols[c] = d
         elif c.startswith("margin_"):  # an alternative's replay: flips other tokens
             cols[c] = np.where(rng.random(n) < 0.02, rng.exponential(0.3, n), 0.0)
@@ -91,6 +91,9 @@ def test_load_detector_errors(tmp_path):
     with pytest.raises(VerinferError, match="no such detector file"):
         load_detector(tmp_path / "missing.json")
     p.write_text(json.dumps({"format": "verinfer.PerturbationGLRTDetector", "version": 1, "config": {}}))
+    with pytest.raises(VerinferError, match="version 1; this verinfer reads version 2"):  # the null before issue 15
+        load_detector(p)
+    p.write_text(json.dumps({"format": "verinfer.PerturbationGLRTDetector", "version": 2, "config": {}}))
     with pytest.raises(VerinferError, match="malformed detector"):
         load_detector(p)
 

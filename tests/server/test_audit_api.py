@@ -119,3 +119,39 @@ def test_greedy_mode_places_the_endpoint_among_reference_bands(int4_server, tmp_
     assert report["verdict"]["nearest_band"] in report["reference_bands"]
     assert "Nearest band" in (out / "report.md").read_text()
     assert (r.exit_code == 1) == report["verdict"]["flagged"]
+
+
+def test_collection_stops_sending_requests_once_decided(honest_server, tmp_path):
+    """--sequential's stop rule: collect_claims asks it after each answer and sends nothing more once
+    it says decided (here: after 3 answers); a resumed collection asks it first."""
+    cfg = ApiAuditConfig(honest_server.base_url, "target", TARGET_DIR, tmp_path / "s", n=8, max_tokens=8)
+    prompts = prompts_for(TARGET_DIR, cfg.n, cfg.seed)
+    counter = _DiesAfter(openai_client(cfg.endpoint), 100)
+    seen = []
+    stop = lambda claims: seen.append(len(claims)) or len(claims) >= 3  # noqa: E731
+    _, claims = collect_claims(counter, cfg, "seeded", prompts, "verinfer-testbed-target", stop=stop)
+    assert len(claims) == 3 and counter.k == 97 and seen == [1, 2, 3]
+    _, again = collect_claims(counter, cfg, "seeded", prompts, "verinfer-testbed-target", stop=stop)
+    assert again == claims and counter.k == 97                         # decided: nothing sent on resume
+
+
+def test_sequential_audit_api_reports_where_it_decided(int4_server, tmp_path):
+    """audit-api --sequential end to end (small sizes: the path and the report, not the power): the
+    glrt is calibrated first on gap scores; the verdict is the e-process's; when flagged, fewer
+    requests than planned were sent and the decision is at or before the tokens collected."""
+    out = tmp_path / "seq"
+    r = CliRunner().invoke(app, ["audit-api", "--base-url", int4_server.base_url, "--model", "target", "--out",
+                                 str(out), "--mode", "seeded", "--sequential", "--n", "40", "--max-tokens", "32",
+                                 "--calib-n", "24", "--threads", "1", "--honest", "honest-bf16-b8", "--honest",
+                                 "honest-fp32-b4", "--honest", "honest-bf16-eager-t1"])
+    assert r.exit_code in (0, 1), r.output
+    v = json.loads((out / "report.json").read_text())["verdict"]
+    assert v["score"] == "sequential-e-process" and v["requests_planned"] == 40 and (r.exit_code == 1) == v["flagged"]
+    if v["flagged"]:
+        assert v["requests_sent"] < 40 and 1 <= v["decided_at_tokens"] <= v["tokens_available"]
+    else:
+        assert v["requests_sent"] == 40 and v["decided_at_tokens"] is None
+    assert json.loads((out / "detector.json").read_text())["format"] == "verinfer.PerturbationGLRTDetector"
+    r = CliRunner().invoke(app, ["audit-api", "--base-url", int4_server.base_url, "--model", "target", "--out",
+                                 str(tmp_path / "g"), "--mode", "greedy", "--sequential"])
+    assert r.exit_code == 2 and "--sequential needs seeded claims" in r.output

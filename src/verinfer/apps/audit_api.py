@@ -21,6 +21,10 @@ Modes (`mode`):
 Claims are written atomically (whole file replaced) after every response, next to a manifest of
 the audit's settings: a dead endpoint costs nothing already collected, and rerunning the same
 command resumes where it stopped.
+
+`sequential` (seeded mode): the detector is the glrt (calibrated first, on gap scores); every
+answer is replayed as it arrives and the anytime-valid e-process of `detect.sequential` is updated;
+requests stop once it flags (the false-positive rate stays at most target_fpr whenever it stops).
 """
 
 from __future__ import annotations
@@ -33,12 +37,15 @@ from pathlib import Path
 
 import numpy as np
 
-from verinfer.apps.pipeline import VERIFIER_NUMERICS, calibrate, load_score_tables, score, verifier_engine
+from verinfer.apps.pipeline import (VERIFIER_NUMERICS, calibrate, load_score_tables, reference_engines, score,
+                                   verifier_engine)
+from verinfer.audit.replay import score_chunk
 from verinfer.models.prompts import prompts_for
 from verinfer.claims import Claim, read_claims, write_claims
 from verinfer.io import (atomic_write_json, atomic_write_text, check_manifest, check_writable, exclusive_lock,
                          progress_bar)
 from verinfer.detect import Detector, load_detector
+from verinfer.detect.sequential import SequentialAudit
 from verinfer.providers.openai_http import Endpoint, EndpointError, openai_client, probe_seeds, request_completion
 from verinfer.providers.simulated import HONEST, MISCONFIGURED, PROVIDERS, request_seed, run_provider
 from verinfer.audit.scores import divergence
@@ -50,6 +57,7 @@ MODES = ("auto", "seeded", "greedy")
 BANDS = {"bf16": "honest-bf16-b8", "fp8-kv": "fp8-kv", "int4": "int4"}  # reference band -> local provider
 CALIB_SEED_OFFSET = 1_000_003  # calibration prompts: another sample of the same distribution
 DETECTOR = "clipped-mean"  # on the margin; its clip_ also clips the margin `summarize` reports
+SEQUENTIAL_DETECTOR = "glrt"  # the e-process of --sequential runs on its per-token evidence
 
 
 @dataclass(frozen=True)
@@ -78,6 +86,7 @@ class ApiAuditConfig:
     device: str = "cpu"
     threads: int | None = None        # torch threads of the auditor (None: torch's default)
     matmul: str = "native"            # verifier matmuls: native bf16 | fp32 (Numerics.matmul, faster on CPU)
+    sequential: bool = False          # glrt e-process, stop sending requests once it flags (seeded mode)
 
     @property
     def endpoint(self) -> Endpoint:
@@ -97,6 +106,12 @@ class ApiAuditConfig:
             raise ValueError(f"unknown honest configurations {unknown}; choose from {', '.join(HONEST)}")
         if self.mode != "greedy" and self.temperature <= 0:
             raise ValueError("temperature must be > 0 for a seeded audit; use --mode greedy for temperature 0")
+        if self.sequential and self.mode == "greedy":
+            raise ValueError("--sequential needs seeded claims (their post-Gumbel gaps); not --mode greedy")
+
+    @property
+    def detector_name(self) -> str:
+        return SEQUENTIAL_DETECTOR if self.sequential else DETECTOR
 
 
 @dataclass
@@ -136,9 +151,10 @@ def claimed_params(cfg: ApiAuditConfig, mode: str, i: int) -> SamplingParams:
 
 
 def collect_claims(client, cfg: ApiAuditConfig, mode: str, prompts: list[list[int]], local_name: str,
-                   progress=None) -> tuple[Path, list[Claim]]:
+                   progress=None, stop=None) -> tuple[Path, list[Claim]]:
     """Query every prompt not yet in out_dir/claims.jsonl and save after each answer (under a
-    lock on the claims file: a second audit writing the same directory is refused)."""
+    lock on the claims file: a second audit writing the same directory is refused). stop(claims):
+    called after each answer (and once on resumed claims); True ends the collection."""
     out = Path(cfg.out_dir)
     path, mpath = out / "claims.jsonl", out / "collect.json"
     manifest = _manifest(cfg, mode, prompts)
@@ -149,11 +165,13 @@ def collect_claims(client, cfg: ApiAuditConfig, mode: str, prompts: list[list[in
             claims = read_claims(path)
         else:
             atomic_write_json(mpath, manifest)
-        return path, _collect(client, cfg, mode, prompts, local_name, claims, path, progress)
+        if stop is not None and claims and stop(claims):
+            return path, claims
+        return path, _collect(client, cfg, mode, prompts, local_name, claims, path, progress, stop)
 
 
 def _collect(client, cfg: ApiAuditConfig, mode: str, prompts: list[list[int]], local_name: str, claims: list[Claim],
-             path: Path, progress) -> list[Claim]:
+             path: Path, progress, stop=None) -> list[Claim]:
     done = {c.id for c in claims}
     skipped = 0
     for i, prompt in enumerate(prompts):
@@ -181,6 +199,8 @@ def _collect(client, cfg: ApiAuditConfig, mode: str, prompts: list[list[int]], l
         write_claims(path, claims)
         if progress:
             progress(1)
+        if stop is not None and stop(claims):
+            break
     if not claims:
         raise EndpointError(f"the endpoint returned no output tokens for any of {len(prompts)} prompts",
                             where=cfg.base_url, fix="check max_tokens and the model the endpoint serves")
@@ -206,9 +226,10 @@ def _local_claims(names: list[str], cfg: ApiAuditConfig, mode: str, prompts: lis
 
 
 def _detector_meta(cfg: ApiAuditConfig, mode: str, info) -> dict:
-    return {"mode": mode, "model_weights_sha256": info.weights_sha256, "max_tokens": cfg.max_tokens,
+    meta = {"mode": mode, "model_weights_sha256": info.weights_sha256, "max_tokens": cfg.max_tokens,
             "temperature": cfg.temperature if mode == "seeded" else 0.0, "top_k": cfg.top_k, "top_p": cfg.top_p,
             "min_p": cfg.min_p, "noise": cfg.noise, "honest": list(cfg.honest), "verifier_matmul": cfg.matmul}
+    return {**meta, "detector": cfg.detector_name} if cfg.sequential else meta
 
 
 def _detector_path(cfg: ApiAuditConfig) -> Path:
@@ -233,16 +254,16 @@ def reusable_detector(cfg: ApiAuditConfig, modes: tuple[str, ...], info) -> Dete
         raise VerinferError(f"this detector was calibrated for other settings ({diff})",
                             where=str(det_path), fix="pass another --detector path (it is created if missing)")
     det = load_detector(det_path)
-    if det.NAME != DETECTOR:
-        raise VerinferError(f"audit-api uses {DETECTOR} detectors (their clip_ sets the margin bands), "
-                            f"this is a {det.NAME} detector", where=str(det_path),
+    if det.NAME != cfg.detector_name:
+        raise VerinferError(f"audit-api{' --sequential' if cfg.sequential else ''} uses {cfg.detector_name} "
+                            f"detectors, this is a {det.NAME} detector", where=str(det_path),
                             fix="pass another --detector path (it is created if missing)")
     return det
 
 
 def calibrated_detector(cfg: ApiAuditConfig, mode: str, info, engine, score_fn,
                         show_progress: bool = True) -> tuple[Detector, dict]:
-    """A clipped-mean margin detector fit on verinfer's honest runs; loaded from cfg.detector if it
+    """A clipped-mean margin detector (glrt with cfg.sequential) fit on verinfer's honest runs; loaded from cfg.detector if it
     exists and was made for the same model and settings (`reusable_detector`), else fit and saved
     there."""
     det = reusable_detector(cfg, (mode,), info)
@@ -251,7 +272,7 @@ def calibrated_detector(cfg: ApiAuditConfig, mode: str, info, engine, score_fn,
     meta = _detector_meta(cfg, mode, info)
     det_path = _detector_path(cfg)
     meta_path = det_path.with_name(det_path.name + ".meta.json")
-    calib_dir = Path(cfg.out_dir) / f"calibration-{mode}"
+    calib_dir = Path(cfg.out_dir) / (f"calibration-{mode}" + ("-gaps" if cfg.sequential else ""))
     base = cfg.seed + CALIB_SEED_OFFSET
     prompts = prompts_for(cfg.model_dir, cfg.n_calib, base)
     t0 = time.perf_counter()
@@ -259,7 +280,7 @@ def calibrated_detector(cfg: ApiAuditConfig, mode: str, info, engine, score_fn,
     t1 = time.perf_counter()
     spaths = [score_fn(p, p.with_suffix(".parquet")) for p in paths]
     table = load_score_tables(spaths)
-    det = calibrate(table, list(cfg.honest), detector=DETECTOR, target_fpr=cfg.target_fpr, seed=cfg.seed)
+    det = calibrate(table, list(cfg.honest), detector=cfg.detector_name, target_fpr=cfg.target_fpr, seed=cfg.seed)
     det.save(det_path)
     atomic_write_text(meta_path, json.dumps(meta, indent=1))
     return det, {"calibration_generate_s": t1 - t0, "calibration_score_s": time.perf_counter() - t1}
@@ -335,29 +356,41 @@ def audit_api(cfg: ApiAuditConfig, *, show_progress: bool = True) -> ApiAuditRes
             mode = "seeded" if probe_seeds(client, cfg.endpoint, prompts[0], probe_params(cfg)) else "greedy"
             atomic_write_text(mode_file, json.dumps({"mode": mode, "probe": "same seed twice"}))
     t_probe = time.perf_counter()
+    if cfg.sequential and mode == "greedy":
+        raise VerinferError("the endpoint does not honour seeds (auto mode chose greedy): --sequential needs seeded "
+                            "claims", where=cfg.base_url, fix="audit it without --sequential (greedy mode)")
     reusable_detector(cfg, (mode,), info)  # auto: the probe decided the mode
-    with progress_bar(f"audit-api: requests to {cfg.base_url}", len(prompts), show_progress) as adv:
-        claims_path, claims = collect_claims(client, cfg, mode, prompts, info.name, adv)
-    t_collect = time.perf_counter()
     engine = verifier_engine(cfg.model_dir, VERIFIER_NUMERICS.with_(matmul=cfg.matmul), device=cfg.device)
 
     def score_fn(cpath: Path, spath: Path) -> Path:
         if not spath.is_file():
-            score(cpath, cfg.model_dir, spath, engine=engine, show_progress=show_progress)
+            score(cpath, cfg.model_dir, spath, engine=engine, show_progress=show_progress, gaps=cfg.sequential)
         return spath
 
+    det, ctimes, stop = None, {}, None
+    if cfg.sequential:  # calibrate first: each answer is judged as it arrives
+        det, ctimes = calibrated_detector(cfg, mode, info, engine, score_fn, show_progress)
+        stop = StreamingAudit(SequentialAudit(det, alpha=cfg.target_fpr), engine,
+                              reference_engines(cfg.model_dir, engine, cfg.device))
+    t_calib = time.perf_counter()
+    with progress_bar(f"audit-api: requests to {cfg.base_url}", len(prompts), show_progress) as adv:
+        claims_path, claims = collect_claims(client, cfg, mode, prompts, info.name, adv, stop=stop)
+    t_collect = time.perf_counter()
     scores_path = score_fn(claims_path, out / "scores.parquet")
     t_score = time.perf_counter()
-    det, ctimes = calibrated_detector(cfg, mode, info, engine, score_fn, show_progress)
+    if det is None:
+        det, ctimes = calibrated_detector(cfg, mode, info, engine, score_fn, show_progress)
     table = load_score_tables([scores_path])
-    verdict = det.verdict(table)
+    verdict = stop.audit.verdict(table) if stop else det.verdict(table)
     verdict.update(provider=f"api:{cfg.model}", honest=None)
+    if stop:
+        verdict.update(requests_sent=len(claims), requests_planned=len(prompts))
     bands = None
-    point = summarize(table, det, seed=cfg.seed)
+    point = None if cfg.sequential else summarize(table, det, seed=cfg.seed)
     if mode == "greedy":
         bands = reference_bands(cfg, det, score_fn, show_progress=show_progress)
         verdict["nearest_band"] = nearest_band(point, bands)
-    timings = {"probe_s": t_probe - t0, "collect_s": t_collect - t_probe, "score_s": t_score - t_collect, **ctimes,
+    timings = {"probe_s": t_probe - t0, "collect_s": t_collect - t_calib, "score_s": t_score - t_collect, **ctimes,
                "total_s": time.perf_counter() - t0}
     exact = float(np.mean(np.asarray(table["exact_match"].to_numpy(zero_copy_only=False), dtype=bool)))
     report = {"base_url": cfg.base_url, "model": cfg.model, "trusted_model": info.name,
@@ -371,6 +404,26 @@ def audit_api(cfg: ApiAuditConfig, *, show_progress: bool = True) -> ApiAuditRes
     atomic_write_text(out / "report.md", render_markdown(report))
     return ApiAuditResult(verdict, mode, claims_path, scores_path, rpath, len(claims), int(table.num_rows), exact,
                           bands, timings)
+
+
+class StreamingAudit:
+    """The stop rule of `collect_claims` for --sequential: replays each new claim (with the gap
+    columns and their honest-reference envelope), extends the evidence stream and says whether the
+    e-process has reached 1/alpha."""
+
+    def __init__(self, audit: SequentialAudit, engine, references: dict):
+        self.audit, self.engine, self.references = audit, engine, references
+        self.seen, self.evidence = 0, []
+
+    def __call__(self, claims: list[Claim]) -> bool:
+        new = claims[self.seen :]
+        if new:
+            t = score_chunk(new, self.engine, gaps=True, references=self.references)
+            self.evidence.append(self.audit.detector.token_scores(t))
+            self.seen = len(claims)
+        if not self.evidence:
+            return False
+        return self.audit.stopping_time(np.concatenate(self.evidence)) is not None
 
 
 def render_markdown(r: dict) -> str:

@@ -20,6 +20,8 @@ from rich.table import Table
 from verinfer.claims import Claim, check_claims_fit, iter_claims, read_claims, write_claims
 from verinfer.detect import Detector, make_detector
 from verinfer.detect import record
+from verinfer.detect.metrics import split_tokens
+from verinfer.detect.sequential import SequentialAudit
 from verinfer.io import check_writable, chunked, progress_bar, sha256_files
 from verinfer.models.prompts import prompts_for
 from verinfer.providers import vllm
@@ -84,10 +86,15 @@ def score(claims_path: str | Path, model_dir: str | Path, out: str | Path, *, en
     The claims file is read twice as a stream, never whole: a first pass checks every claim
     (model, vocabulary, context, fingerprint fields) before any compute, the second scores.
     workers / ray_address: score the parts on a Ray pool (`audit.ray_pool`) of `workers` actors of
-    `worker_threads` torch threads each (a local Ray runtime, or the cluster at ray_address)."""
+    `worker_threads` torch threads each (a local Ray runtime, or the cluster at ray_address).
+    gaps: the signed-gap columns and their honest-reference envelope (`reference_engines`: the
+    claims are replayed by each honest reference kernel, ~5x the replay work)."""
     check_writable(out, "scores file")
     info = model_info(model_dir)
     if workers is not None or ray_address is not None:
+        if gaps:
+            raise VerinferError("--gaps replays the claims under the honest reference kernels in this process, "
+                                "not on a Ray pool", fix="score with --gaps without --workers / --ray-address")
         if engine is not None:
             raise ValueError("score: pass an engine or workers / ray_address, not both")
         from verinfer.audit.ray_pool import RayReplayPool
@@ -108,7 +115,25 @@ def score(claims_path: str | Path, model_dir: str | Path, out: str | Path, *, en
     prov = provenance.make(info, engine.numerics, engine.device, noise)
     with progress_bar(f"score {Path(claims_path).name}", total, show_progress) as adv:
         return score_claims(iter_claims(claims_path), engine, out, claims_sha=sha256_files([claims_path]),
-                            model_sha=info.weights_sha256, progress=adv, gaps=gaps, provenance=prov)
+                            model_sha=info.weights_sha256, progress=adv, gaps=gaps, provenance=prov,
+                            references=reference_engines(model_dir, engine, device) if gaps else None)
+
+
+def reference_engines(model_dir: str | Path, engine: Engine, device: str = "cpu") -> dict:
+    """name -> (Reference, Engine) of every honest reference of `audit.references.REFERENCES`
+    besides the primary replay ("bf16", done by `engine`): one engine per numerics, `engine`
+    itself where the numerics are its own."""
+    from verinfer.audit.references import REFERENCES
+
+    engines = {engine.numerics: engine}
+    out = {}
+    for name, ref in REFERENCES.items():
+        if name == "bf16":
+            continue
+        if ref.numerics not in engines:
+            engines[ref.numerics] = verifier_engine(model_dir, ref.numerics, device)
+        out[name] = (ref, engines[ref.numerics])
+    return out
 
 
 UNKNOWN_PROVIDER = "unknown"  # what `score` writes for a claim without a `provider` field
@@ -328,13 +353,16 @@ def _warn(det: Detector, text: str) -> None:
 
 
 def audit(table: pa.Table, detector: Detector, providers: list[str],
-          held_out: dict[str, pa.Table] | None = None, max_tokens: int | None = None) -> list[dict]:
+          held_out: dict[str, pa.Table] | None = None, max_tokens: int | None = None,
+          sequential: bool = False) -> list[dict]:
     """Verdicts with confidence per provider (its held-out rows when given, else its rows of
-    `table`; the first max_tokens tokens)."""
+    `table`; the first max_tokens tokens). sequential: the anytime-valid audit of
+    `detect.sequential` at alpha = the detector's target FPR, over the tokens in their order."""
+    judge = SequentialAudit(detector, alpha=detector.target_fpr) if sequential else detector
     verdicts = []
     for name in providers:
         sub = held_out[name] if held_out and name in held_out else table.filter(pc.equal(table["provider"], name))
-        d = detector.verdict(sub, max_tokens=max_tokens)
+        d = judge.verdict(sub, max_tokens=max_tokens)
         d["provider"] = name
         held = getattr(detector, "calibration_", None) and detector.calibration_.heldout
         if held and held.batches:  # the FPR measured on held-out honest claims when it was calibrated

@@ -9,7 +9,9 @@ for claims without `activations`). With `gaps=True` (needed by the perturbation-
 `verinfer score --gaps`): gap (signed post-Gumbel gap of the claimed token to its strongest
 competitor: > 0 the margin of a token the replay does not reproduce, < 0 minus the runner-up gap
 of one it does, +inf if filtered out; NaN for non-Gumbel claims) and gapT_{r} (the same at r x the
-claimed temperature, r in GAP_TEMPERATURE_FACTORS).
+claimed temperature, r in GAP_TEMPERATURE_FACTORS), and the same columns prefixed `env_`: their
+honest-reference envelope (`audit.references`: per token the minimum over the primary replay and
+the other honest reference kernels of REFERENCES, the gaps the glrt detector reads).
 
 Long runs resume: claims are scored in chunks, each written atomically as a part file under
 `<out>.parts/` beside a manifest of what is being scored; a rerun skips finished parts; the
@@ -55,6 +57,7 @@ SCORE_SCHEMA = pa.schema([
 DEFAULT_SIGMA = 0.1
 GAP_TEMPERATURE_FACTORS = (0.8, 0.9, 1.1, 1.2)
 GAP_TOP_P_SLACK = 0.01  # = PerturbationGLRTDetector.top_p_slack
+ENVELOPE_PREFIX = "env_"  # = detect.glrt.ENVELOPE_PREFIX: the honest-reference envelope's gap columns
 # Replay batch sizes by device: claims per resumable part, padded tokens per forward batch, and
 # elements of one batch's [rows, V] logits. CPU: parts of 64 claims; 2048 tokens keep the
 # activations in cache (1.2x faster than 8192 on 2 cores); 2^25 elements = 128 MiB in fp32. Any
@@ -107,6 +110,16 @@ def gap_columns_of(claims: list[Claim], replays: list[Replay], factors=GAP_TEMPE
 def gap_column_names(factors=GAP_TEMPERATURE_FACTORS, top_p_slack: float = GAP_TOP_P_SLACK) -> list[str]:
     """The signed-gap columns `gap_columns_of` writes: at 1 x the temperature, then each factor."""
     return ["gap" + gap_column(top_p_slack)[len("gap_0"):]] + [temperature_column(r, top_p_slack) for r in factors]
+
+
+def envelope_gap_columns(claims: list[Claim], primary: dict, references: dict) -> dict:
+    """{"env_" + c: envelope} of every signed-gap column c of `primary` (the primary replay's
+    `gap_columns_of`) and of each reference's replay of the same claims (references: name ->
+    (Reference, Engine with the reference's numerics); `audit.references.replay`)."""
+    from verinfer.audit.references import envelope, replay
+
+    cols = [primary] + [gap_columns_of(claims, replay(ref, eng, claims)) for ref, eng in references.values()]
+    return {ENVELOPE_PREFIX + c: envelope([k[c] for k in cols]) for c in primary}
 
 
 def fingerprints_of(claims: list[Claim], config, first=None) -> tuple[list, int | None, object]:
@@ -185,11 +198,14 @@ def read_scores(path: str | Path) -> pa.Table:
     return t
 
 
-def _manifest(claims_sha: str, model_sha: str, numerics: dict, sigma: float, chunk: int, gaps: bool = False) -> dict:
+def _manifest(claims_sha: str, model_sha: str, numerics: dict, sigma: float, chunk: int, gaps: bool = False,
+              references=()) -> dict:
     m = {"claims_sha256": claims_sha, "model_weights_sha256": model_sha, "numerics": numerics,
          "sigma": sigma, "chunk_claims": chunk, "format": 2}
     if gaps:
         m["gaps"] = list(GAP_TEMPERATURE_FACTORS)
+    if references:
+        m["references"] = sorted(references)
     return m
 
 
@@ -207,11 +223,12 @@ class Scored:
 
 def score_chunk(claims: list[Claim], engine: Engine, *, sigma: float = DEFAULT_SIGMA, fps: list | None = None,
                 layer: int | None = None, gaps: bool = False, batch_tokens: int | None = None,
-                logits_budget: int | None = None) -> pa.Table:
+                logits_budget: int | None = None, references: dict | None = None) -> pa.Table:
     """`scores_table` of the claims, in their order, computed batch by batch on the engine's
     device: each forward batch of `Engine.replay_batches` is scored where its logits are and
     dropped before the next one. batch_tokens / logits_budget: `replay_batch_size` of the
-    engine's device unless given."""
+    engine's device unless given. With gaps and references (name -> (Reference, Engine)): also the
+    envelope columns (`envelope_gap_columns`), the claims replayed once more per reference."""
     pairs = [(c.prompt_token_ids, c.output_token_ids) for c in claims]
     _, default_tokens, default_budget = replay_batch_size(engine.device)
     batch_tokens, logits_budget = batch_tokens or default_tokens, logits_budget or default_budget
@@ -226,13 +243,23 @@ def score_chunk(claims: list[Claim], engine: Engine, *, sigma: float = DEFAULT_S
         t = scores_table(cs, replays, sigma, fp_l2=fp_l2, gaps=gaps)
         for i, o, k in zip(group, itertools.accumulate([0] + n), n):
             per_claim[i] = t.slice(o, k)
-    return pa.concat_tables(per_claim) if claims else _schema(gaps).empty_table()
+    if not claims:
+        return _schema(gaps, bool(references)).empty_table()
+    table = pa.concat_tables(per_claim)
+    if gaps and references:
+        primary = {c: table[c].to_numpy() for c in gap_column_names()}
+        for name, col in envelope_gap_columns(claims, primary, references).items():
+            table = table.append_column(pa.field(name, pa.float64()), pa.array(col, pa.float64()))
+    return table
 
 
-def _schema(gaps: bool) -> pa.Schema:
+def _schema(gaps: bool, envelope: bool = False) -> pa.Schema:
     if not gaps:
         return SCORE_SCHEMA
-    return pa.schema(list(SCORE_SCHEMA) + [pa.field(c, pa.float64()) for c in gap_column_names()])
+    names = gap_column_names()
+    if envelope:
+        names += [ENVELOPE_PREFIX + c for c in names]
+    return pa.schema(list(SCORE_SCHEMA) + [pa.field(c, pa.float64()) for c in names])
 
 
 def model_config(engine):
@@ -244,10 +271,11 @@ def score_claims(claims: Iterable[Claim], engine, out: str | Path, *, claims_sha
                  model_sha: str = "", sigma: float = DEFAULT_SIGMA, chunk_claims: int | None = None,
                  batch_tokens: int | None = None, logits_budget: int | None = None, progress=None,
                  gaps: bool = False, on_part: Callable[[int], None] | None = None,
-                 provenance: Provenance | None = None) -> Scored:
+                 provenance: Provenance | None = None, references: dict | None = None) -> Scored:
     """Score every claim into `out` (Parquet), resuming finished chunks of an earlier run
     (verinfer.io.ResumableParts: `<out>.parts/`, under a lock on `out`, so a second writer of the
-    same output is refused). gaps: add the signed-gap columns (see `scores_table`).
+    same output is refused). gaps: add the signed-gap columns (see `scores_table`); with references
+    (name -> (Reference, Engine), an Engine only) also their envelope (`score_chunk`).
 
     engine: an Engine (parts scored here, one after another) or an `audit.ray_pool.RayReplayPool`
     (parts scored by its actors, written here as they return: the same parts, bitwise). on_part(k):
@@ -263,7 +291,11 @@ def score_claims(claims: Iterable[Claim], engine, out: str | Path, *, claims_sha
         if not isinstance(claims, (list, tuple)):
             raise ValueError("score_claims: pass claims_sha (e.g. the claims file's sha256) with a stream of claims")
         claims_sha = hashlib.sha256("".join(json.dumps(c.to_json()) for c in claims).encode()).hexdigest()[:16]
-    manifest = _manifest(claims_sha, model_sha, engine.numerics.to_dict(), sigma, chunk_claims, gaps)
+    references = references if gaps else None
+    if references and not isinstance(engine, Engine):
+        raise VerinferError("the honest-reference replays of --gaps run in this process, not on a Ray pool",
+                            fix="score with --gaps without --workers / --ray-address")
+    manifest = _manifest(claims_sha, model_sha, engine.numerics.to_dict(), sigma, chunk_claims, gaps, references or ())
     config = model_config(engine)
     count = dict(parts=0, claims=0, tokens=0)
     tokens_of: dict[int, int] = {}
@@ -290,7 +322,7 @@ def score_claims(claims: Iterable[Claim], engine, out: str | Path, *, claims_sha
                 yield k, chunk, fps, layer
 
         if isinstance(engine, Engine):
-            results = ((k, score_chunk(chunk, engine, fps=fps, layer=layer, **kwargs))
+            results = ((k, score_chunk(chunk, engine, fps=fps, layer=layer, references=references, **kwargs))
                        for k, chunk, fps, layer in jobs())
         else:
             results = engine.map_parts(jobs(), **kwargs)
@@ -303,7 +335,8 @@ def score_claims(claims: Iterable[Claim], engine, out: str | Path, *, claims_sha
                 on_part(k)
 
         def assemble(tmp: Path) -> None:
-            schema = _schema(gaps).with_metadata(to_metadata(provenance)) if provenance else _schema(gaps)
+            schema = _schema(gaps, bool(references))
+            schema = schema.with_metadata(to_metadata(provenance)) if provenance else schema
             with pq.ParquetWriter(tmp, schema) as w:
                 for k in range(count["parts"]):
                     w.write_table(pq.read_table(parts.path(k)).cast(schema))

@@ -283,8 +283,14 @@ def calibrate(scores: List[Path] = typer.Argument(..., help="Scores Parquet file
     table = load_score_tables(scores)
     honest = sorted(set(table["provider"].to_pylist()))
     options = {k: v for k, v in (("score_name", score_name), ("clip_quantile", clip_quantile)) if v is not None}
-    det = run_calibrate_detector(table, honest, detector=kind, seed=seed, target_fpr=target_fpr,
-                                 fpr_batch_tokens=fpr_batch_tokens, **options)
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:  # the GLRT's few-honest-groups warning
+        warnings.simplefilter("always")
+        det = run_calibrate_detector(table, honest, detector=kind, seed=seed, target_fpr=target_fpr,
+                                     fpr_batch_tokens=fpr_batch_tokens, **options)
+    for w in caught:
+        typer.secho(f"warning: {w.message}", fg="yellow", err=True)
     cal = det.calibration_
     typer.echo(f"calibrated on every token given, {sum(cal.tokens.values())} tokens of {len(honest)} honest "
                "configuration(s):")
@@ -316,7 +322,10 @@ def audit(inputs: List[Path] = typer.Argument(..., help="Scores Parquet or claim
           provider: Optional[str] = typer.Option(None, help="Provider of claims that name none (default: each "
                                                             "file's stem)."),
           merge: bool = typer.Option(False, help="Pool a provider found in several files into one row (default: "
-                                                 "one row per file).")):
+                                                 "one row per file)."),
+          sequential: bool = typer.Option(False, help="Anytime-valid audit (glrt detector): read each provider's "
+                                                      "tokens in order and flag once the e-value reaches 1/FPR; "
+                                                      "reports the tokens at which it decided.")):
     """Verdict per provider: flagged or not, tokens used, tail probability under the honest null."""
     from verinfer.apps.pipeline import (audit as run_audit, check_provenance, combine_verdicts, load_score_tables,
                                         print_verdicts, score as run_score)
@@ -341,7 +350,8 @@ def audit(inputs: List[Path] = typer.Argument(..., help="Scores Parquet or claim
             typer.secho(f"warning: {note}", fg="yellow", err=True)
     table = load_score_tables(paths, labels=[p.stem for p in inputs], provider=provider, merge=merge)
     providers = sorted(set(table["provider"].to_pylist()))
-    verdicts = combine_verdicts([run_audit(table, det, providers, max_tokens=max_tokens) for det in dets])
+    verdicts = combine_verdicts([run_audit(table, det, providers, max_tokens=max_tokens, sequential=sequential)
+                                 for det in dets])
     print_verdicts(verdicts)
     if json_out:
         atomic_write_text(json_out, json.dumps(verdicts, indent=1, default=float))
@@ -433,7 +443,10 @@ def audit_api(base_url: str = typer.Option(..., help="OpenAI-compatible base URL
               detector: Optional[Path] = typer.Option(None, help="Calibrated detector to reuse (created if missing)."),
               device: str = typer.Option("cpu", help=DEVICE_HELP),
               threads: Optional[int] = typer.Option(None, help="torch threads of the auditor."),
-              matmul: Matmul = typer.Option("native", help=MATMUL_HELP)):
+              matmul: Matmul = typer.Option("native", help=MATMUL_HELP),
+              sequential: bool = typer.Option(False, help="Anytime-valid audit (glrt detector, seeded mode): replay "
+                                                          "each answer as it arrives and stop sending requests once "
+                                                          "the e-value reaches 1/FPR.")):
     """Audit an OpenAI-compatible endpoint: seeded (or temperature-0) prompts, replay, verdict, report."""
     from verinfer.apps.audit_api import ApiAuditConfig, audit_api as run_audit_api
     from verinfer.apps.pipeline import print_verdicts
@@ -442,7 +455,7 @@ def audit_api(base_url: str = typer.Option(..., help="OpenAI-compatible base URL
     cfg = ApiAuditConfig(base_url, model, _model_dir(model_dir), out, n=n, max_tokens=max_tokens,
                          seed=seed, mode=mode, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                          noise=noise, ignore_eos=ignore_eos, api_key=api_key, timeout=timeout, calib_n=calib_n,
-                         detector=detector, device=device, threads=threads, matmul=matmul, **kw)
+                         detector=detector, device=device, threads=threads, matmul=matmul, sequential=sequential, **kw)
     res = run_audit_api(cfg)
     print_verdicts([res.verdict])
     typer.echo(f"mode {res.mode}: {res.n_claims} claims, {res.n_tokens} tokens, exact match {res.exact_match:.4f}"

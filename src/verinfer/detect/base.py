@@ -387,3 +387,8 @@ class ColumnStatistics(Detector):
                 for cols in self._cache["columns"])
         return p, "saddle-point (union over columns)"
 
+    def group_evidence(self) -> list[np.ndarray]:
+        """Per honest group, its tokens' evidence [n_k, C] as fitted (`detect.sequential` bounds its
+        log-moment generating function)."""
+        self._check_fitted()
+        return self.null_samples_

@@ -5,15 +5,32 @@ Per token, d = signed gap of the claimed token's post-Gumbel score to its strong
 < 0: minus the runner-up gap of one it does). Model H(sigma, eps, r): the provider's scores are
 the verifier's at r times the claimed temperature plus N(0, sigma^2) per logit, and a fraction eps
 of tokens are outliers (`variants.perturbation_loglik`).
+
+The gaps are those of the honest-reference envelope (`audit.references`: per token the minimum
+over five honest replay kernels, the `env_` columns `verinfer score --gaps` writes) unless
+envelope=False (one replay's gaps). This is the detection lab's `best`.
+
+Null (issue 15 item 1): honest configurations differ, so a new one has per-token column means
+m ~ N(mu, tau^2) around the calibration groups' mean. The allowance is on the per-token mean
+scale and constant in the token count: a_g = max(max_k m_kg, mu_g + t_{K-1, 1-fpr} tau_g
+sqrt(1 + 1/K)) (the one-sided (1 - fpr) prediction bound of a new group's mean from K groups,
+never below a calibration group's mean). The batch statistic is the excess over it, and the
+resampled null shifts every honest group to mean a_g, so the threshold grows like sqrt(n) (within-
+configuration noise) while a provider whose mean exceeds a_g in some column scores ~ n * excess:
+evidence accumulates and power rises with tokens. (Before: the worst group's quantile plus
+z n max_g tau_g, one allowance for every column, from groups of two: a provider below it at large
+n could be flagged at small n only by chance.) K >= MIN_HONEST_GROUPS groups are needed for the
+allowance; fewer warns (one group: no allowance, the null covers that configuration only).
 """
 
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
-from scipy.stats import norm
+from scipy.stats import t as student_t
 
 from verinfer.audit.scores import score_column
 from verinfer.audit.replay import gap_column, temperature_column
@@ -23,19 +40,40 @@ from verinfer.detect.base import (ColumnStatistics, column_names, decode_groups,
 from verinfer.errors import VerinferError
 
 
-def gap_columns(table, temperature_factors=(), top_p_slack: float = 0.0) -> np.ndarray:
+MIN_HONEST_GROUPS = 3  # honest configurations needed to estimate the between-configuration allowance
+ENVELOPE_PREFIX = "env_"  # signed-gap columns of the honest-reference envelope (`verinfer score --gaps`)
+
+
+class FewHonestGroupsWarning(UserWarning):
+    """The null's between-configuration allowance rests on fewer than MIN_HONEST_GROUPS groups."""
+
+
+def gap_columns(table, temperature_factors=(), top_p_slack: float = 0.0, prefix: str = "") -> np.ndarray:
     """[N, 1 + len(temperature_factors)] signed gaps: column 0 at the claimed temperature (`gap_0`
     of a features table, or `gap` of a score table), then `gapT_{r}` per factor r; with a top-p
-    slack tau the columns suffixed `_s{tau}` (`variants.block_gaps(..., top_p_slack=tau)`)."""
-    return np.stack([score_column(table, c) for c in _gap_names(column_names(table), temperature_factors, top_p_slack)],
-                    axis=1)
+    slack tau the columns suffixed `_s{tau}` (`variants.block_gaps(..., top_p_slack=tau)`); prefix
+    ENVELOPE_PREFIX: the envelope's columns."""
+    names = _gap_names(column_names(table), temperature_factors, top_p_slack, prefix)
+    return np.stack([score_column(table, c) for c in names], axis=1)
 
 
-def _gap_names(names, temperature_factors, top_p_slack: float) -> tuple[str, ...]:
-    first = gap_column(top_p_slack)
+def _gap_names(names, temperature_factors, top_p_slack: float, prefix: str = "") -> tuple[str, ...]:
+    first = prefix + gap_column(top_p_slack)
     if first not in names:
-        first = "gap" + first[len("gap_0"):]
-    return (first, *(temperature_column(r, top_p_slack) for r in temperature_factors))
+        first = prefix + "gap" + gap_column(top_p_slack)[len("gap_0"):]
+    return (first, *(prefix + temperature_column(r, top_p_slack) for r in temperature_factors))
+
+
+def honest_allowance(means_KC: np.ndarray, fpr: float) -> np.ndarray:
+    """[C] per-token allowance of each column: max(max_k m_kc, mean_k m_kc + t_{K-1, 1-fpr}
+    sd_k(m_kc) sqrt(1 + 1/K)), the one-sided prediction bound of a new honest group's mean from
+    K group means (normal random effects); with one group, its mean."""
+    m = np.asarray(means_KC, dtype=np.float64)
+    k = m.shape[0]
+    if k < 2:
+        return m.max(axis=0)
+    bound = m.mean(axis=0) + student_t.isf(fpr, k - 1) * m.std(axis=0, ddof=1) * math.sqrt(1.0 + 1.0 / k)
+    return np.maximum(m.max(axis=0), bound)
 
 
 @dataclass(eq=True)
@@ -48,33 +86,36 @@ class PerturbationGLRTDetector(ColumnStatistics):
     carry the evidence, and an honest flip at a near tie costs little while a wide-margin flip
     counts heavily (capped by the outlier term). No alternative uses a misconfigured provider's kernel.
 
-    Batch statistic: combine="maxz": max over columns of sqrt(n) (column mean - mu_g) / sd_g with
-    mu_, sd_ from honest train tokens; "maxllr": max over columns of n * column mean. Threshold and
-    tail probability: n_null_batches honest batches resampled with replacement per honest group
-    (e.g. configuration); the worst group's (1 - fpr)-quantile plus a random-effects allowance
-    (`allowance`) from tau_ = spread of the group means, so a NEW honest configuration keeps the
-    target FPR (as `ClippedMeanDetector`'s stratified null). Fit on honest tokens only.
+    Batch statistic, with allowance_ = a_g (module docstring): combine="maxllr": max over columns of
+    n (column mean - a_g), the best alternative's batch log-likelihood ratio beyond what an honest
+    configuration may show; "maxz": max over columns of sqrt(n) (column mean - a_g) / sd_g.
+    Threshold and tail probability: n_null_batches batches resampled with replacement per honest
+    group (e.g. configuration), each group shifted to mean a_g; the worst group's (1 - fpr)-quantile.
+    So a NEW honest configuration within the allowance keeps the target FPR. Fit on honest tokens only.
 
-    Input: a table / dict with the signed-gap columns (`gap_0` or `gap`, and gapT_{r}), written by
-    `verinfer score --gaps`.
+    Input: a table / dict with the signed-gap columns (`env_gap_s0.01` or `gap_0...`, and gapT_{r}),
+    written by `verinfer score --gaps`.
     """
 
     NAME = "glrt"
     FORMAT = "verinfer.PerturbationGLRTDetector"
-    FORMAT_VERSION = 1
+    FORMAT_VERSION = 2  # 2: the envelope's gaps and the per-column allowance (issue 15)
     requires_gaps = True
     REFIT = "refit the detector with `verinfer calibrate --detector glrt`"
     COLUMNS_FIX = ("rescore the claims with `verinfer score --gaps` (or pass the claims JSONL to `verinfer audit`, "
                    "which rescores them)")
 
-    sigma_factors: tuple = (1.5, 2.0, 3.0, 5.0)
-    eps_factors: tuple = (10.0, 100.0)
+    # The envelope's honest fit is ~7x narrower in sigma0 and ~40x rarer in eps0 than one replay's
+    # (detection lab), so the alternatives reach to sigma0 x 50 and eps0 x 1000
+    sigma_factors: tuple = (1.5, 2.0, 3.0, 5.0, 10.0, 20.0, 50.0)
+    eps_factors: tuple = (10.0, 100.0, 1000.0)
     temperature_factors: tuple = (0.8, 0.9, 1.1, 1.2)
     outlier_p: float = 0.02
     top_p_slack: float = 0.01
     center: bool = True
     combine: str = "maxllr"
     max_null_tokens: int = 200_000
+    envelope: bool = True
 
     def __post_init__(self):
         super().__post_init__()
@@ -86,7 +127,12 @@ class PerturbationGLRTDetector(ColumnStatistics):
             raise ValueError(f"combine must be maxz or maxllr, got {self.combine!r}")
 
     def columns(self, table=None) -> tuple[str, ...]:
-        return _gap_names(column_names(table) if table is not None else (), self.temperature_factors, self.top_p_slack)
+        return _gap_names(column_names(table) if table is not None else (), self.temperature_factors, self.top_p_slack,
+                          self._prefix)
+
+    @property
+    def _prefix(self) -> str:
+        return ENVELOPE_PREFIX if self.envelope else ""
 
     # -- fitting ---------------------------------------------------------------------------------
     def fit(self, table, groups=None) -> "PerturbationGLRTDetector":
@@ -105,6 +151,12 @@ class PerturbationGLRTDetector(ColumnStatistics):
         self.sigma0_, self.eps0_ = s0, e0
         self.grid_ = [(int(c), float(s), float(e)) for c, s, e in grid]
         samples = stratified_subsample(g, group_labels(groups, len(g)), self.max_null_tokens, self.random_state)
+        if len(samples) < MIN_HONEST_GROUPS:
+            warnings.warn(f"the GLRT null rests on {len(samples)} honest configuration(s); the allowance for a new "
+                          f"honest configuration needs >= {MIN_HONEST_GROUPS} "
+                          + ("(with one, the null covers only that configuration)" if len(samples) == 1 else
+                             "(with two, their spread is a one-degree-of-freedom guess)")
+                          + ": calibrate on more honest configurations", FewHonestGroupsWarning, stacklevel=2)
         self._set_null(samples, n_train=len(g))
         return self
 
@@ -113,16 +165,25 @@ class PerturbationGLRTDetector(ColumnStatistics):
         x = np.concatenate(xs)
         means = np.array([xg.mean(axis=0) for xg in xs])
         self.null_gaps_ = gap_samples
-        self.null_samples_ = xs
+        self.group_evidence_ = xs
+        self.group_means_ = means
+        self.allowance_ = honest_allowance(means, self.target_fpr)
+        self.null_samples_ = [xg - m + self.allowance_ for xg, m in zip(xs, means)]
         self.mu_ = x.mean(axis=0)
         self.sd_ = np.maximum(x.std(axis=0, ddof=1), 1e-12)
         self.tau_ = means.std(axis=0, ddof=1) if len(xs) > 1 else np.zeros(x.shape[1])
         self.n_train_ = int(n_train)
         self._cache.clear()
 
+    def group_evidence(self) -> list[np.ndarray]:
+        """The per-token evidence of each honest group, unshifted (`detect.sequential` bounds its
+        log-moment generating function)."""
+        self._check_fitted()
+        return self.group_evidence_
+
     def _gaps(self, table) -> np.ndarray:
         self.require_columns(table)
-        g = gap_columns(table, self.temperature_factors, self.top_p_slack)
+        g = gap_columns(table, self.temperature_factors, self.top_p_slack, self._prefix)
         if np.isnan(g).any():
             raise ValueError("signed-gap columns contain NaN: the perturbation GLRT needs Gumbel-noise claims "
                              "(greedy and inverse-cdf claims have no post-Gumbel gap)")
@@ -142,44 +203,36 @@ class PerturbationGLRTDetector(ColumnStatistics):
     token_columns = token_scores
 
     def statistic_of_means(self, means_BC: np.ndarray, n_tokens: int) -> np.ndarray:
-        """For rows of column means: combine="maxz": max over columns of sqrt(n) (mean - mu_) / sd_;
-        "maxllr": max over columns of n * mean (the GLRT: the batch log-likelihood ratio of the
-        best alternative)."""
+        """For rows of column means: combine="maxllr": max over columns of n (mean - allowance_)
+        (the GLRT: the best alternative's batch log-likelihood ratio beyond the honest allowance);
+        "maxz": max over columns of sqrt(n) (mean - allowance_) / sd_."""
+        excess = np.asarray(means_BC) - self.allowance_
         if self.combine == "maxllr":
-            return (n_tokens * np.asarray(means_BC)).max(axis=-1)
-        return (np.sqrt(n_tokens) * (np.asarray(means_BC) - self.mu_) / self.sd_).max(axis=-1)
+            return (n_tokens * excess).max(axis=-1)
+        return (np.sqrt(n_tokens) * excess / self.sd_).max(axis=-1)
 
     def allowance(self, n_tokens: int) -> float:
-        """Random-effects allowance for a new honest configuration: z_{1-fpr} sqrt(n) max(tau/sd)
-        in z units (maxz), z_{1-fpr} n max(tau) in log-likelihood-ratio units (maxllr)."""
-        if self.combine == "maxllr":
-            return float(norm.isf(self.target_fpr) * n_tokens * np.max(self.tau_))
-        return float(norm.isf(self.target_fpr) * math.sqrt(n_tokens) * np.max(self.tau_ / self.sd_))
+        """0: the allowance is inside the statistic (per token, allowance_) and the null."""
+        return 0.0
 
     def tokens_to_flag(self, stat: float, n_tokens: int) -> int | None:
-        """Tokens at which a batch with the same per-token excess would be flagged. maxz: the
-        statistic grows as c sqrt(n) (c = stat / sqrt(n_tokens)), the threshold as q + b sqrt(n)
-        (b sqrt(n) = `allowance`, q = the rest at n_tokens), so n* = (q / (c - b))^2. maxllr: the
-        statistic grows as c n, the threshold as a sqrt(n) + b n, so n* = (a / (c - b))^2.
-        None if c <= b (more tokens would not flag it)."""
+        """Tokens at which a batch with the same per-token excess would be flagged: the statistic
+        grows as c n (maxllr; c = stat / n) or c sqrt(n) (maxz), the threshold as q sqrt(n)
+        (maxllr) or stays ~q (maxz), so n* = (q / c)^2 with q the threshold at n_tokens rescaled.
+        None if c <= 0 (no excess over the allowance: more tokens would not flag it)."""
         n = int(n_tokens)
-        b = self.allowance(1)
-        rest = max(self.threshold(n) - self.allowance(n), 0.0)
-        if self.combine == "maxllr":
-            c, q = stat / n, rest / math.sqrt(n)
-        else:
-            c, q = stat / math.sqrt(n), rest
-        if not c > b:
+        thr = max(self.threshold(n), 0.0)
+        c, q = (stat / n, thr / math.sqrt(n)) if self.combine == "maxllr" else (stat / math.sqrt(n), thr)
+        if not c > 0:
             return None
-        return max(n + 1, int(math.ceil((q / (c - b)) ** 2)))
+        return max(n + 1, int(math.ceil((q / c) ** 2)))
 
     def _more_tokens(self, stat: float, thr: float, n_tokens: int) -> int | None:
         n_star = self.tokens_to_flag(stat, n_tokens)
         return None if n_star is None else max(1, n_star - n_tokens)
 
     def _verdict_extra(self, x: np.ndarray) -> dict:
-        n = len(x)
-        top = int(np.argmax(np.sqrt(n) * (x.mean(axis=0) - self.mu_) / self.sd_))
+        top = int(np.argmax((x.mean(axis=0) - self.allowance_) / self.sd_))
         return {"strongest_alternative": self.describe(top), "score": "perturbation-glrt"}
 
     def describe(self, g: int) -> str:
@@ -192,7 +245,9 @@ class PerturbationGLRTDetector(ColumnStatistics):
         return f"outliers eps x{e / self.eps0_:.3g}"
 
     def summary(self) -> str:
-        return f"perturbation GLRT, sigma0 {self.sigma0_:.4g}, eps0 {self.eps0_:.3g}, FPR {self.target_fpr}"
+        return (f"perturbation GLRT on the {'honest-reference envelope' if self.envelope else 'primary replay'}, "
+                f"sigma0 {self.sigma0_:.4g}, eps0 {self.eps0_:.3g}, {len(self.null_samples_)} honest group(s), "
+                f"FPR {self.target_fpr}")
 
     # -- persistence -----------------------------------------------------------------------------
     def _fitted_json(self) -> dict:

@@ -1,0 +1,72 @@
+"""benchmarks/verdicts.py: the power table and its monotonicity check, claim streams, and the
+committed results on the detection lab's data (issue 15: power never decreases with tokens; the
+sequential audit's false-positive rate and tokens to flag)."""
+
+import json
+
+import numpy as np
+import pytest
+
+from benchmarks import verdicts
+from verinfer.detect.glrt import PerturbationGLRTDetector
+
+
+def test_power_table_thresholds_and_monotone_check():
+    rng = np.random.default_rng(0)
+    honest = [rng.normal(0.0, 1.0, 20_000), rng.normal(0.05, 1.0, 20_000)]
+    shifted = rng.normal(0.08, 1.0, 40_000)
+    t = verdicts.power_table({"mean": (honest, {"m": shifted, "same": rng.normal(0.0, 1.0, 40_000)})}, ["m", "same"],
+                             sizes=(1000, 4000, 16000))
+    m = t["mean"]["m"]
+    assert m[1000] < m[4000] < m[16000] and m[16000] > 0.9          # mean 0.03 above the worst group's
+    assert max(t["mean"]["same"].values()) <= 0.02                   # below the worst group: ~never
+    assert verdicts.monotone_violations(t) == []
+    bad = {"d": {"m": {1000: 0.5, 2000: 0.4, 4000: 0.9}}}
+    assert verdicts.monotone_violations(bad) == ["d/m: 0.500 at 1000 -> 0.400 at 2000"]
+    assert verdicts.monotone_violations(bad, slack=0.15) == []
+
+
+def test_streams_are_whole_claims_up_to_the_token_budget():
+    starts = np.array([0, 3, 10, 12])                                 # claims of 3, 7, 2 tokens
+    ev = np.arange(12.0)[:, None]
+    rng = np.random.default_rng(1)
+    for _ in range(20):
+        s = verdicts.stream(ev, starts, rng, tokens=25)[:, 0]
+        assert len(s) == 25
+        runs = np.split(s, np.flatnonzero(np.diff(s) != 1) + 1)       # each run: consecutive tokens of claims
+        for r in runs[:-1]:
+            assert r[0] in (0, 3, 10) and r[-1] in (2, 9, 11)
+
+
+def test_power_table_uses_a_fitted_detectors_own_threshold():
+    rng = np.random.default_rng(2)
+
+    def gaps(n, s):
+        a = rng.exponential(1.0, n)
+        d = np.where(rng.random(n) < 0.5 * np.exp(-a / s), a, -a)
+        return {"gap_0": d, "gapT_1.1": d}
+
+    det = PerturbationGLRTDetector(temperature_factors=(1.1,), top_p_slack=0.0, envelope=False, n_null_batches=200)
+    det.fit({k: np.concatenate([gaps(20_000, s)[k] for s in (0.04, 0.05, 0.06)]) for k in ("gap_0", "gapT_1.1")},
+            groups=np.repeat([0, 1, 2], 20_000))
+    bad = det.token_scores(gaps(30_000, 0.2))
+    t = verdicts.power_table({"glrt": (det, {"m": bad})}, ["m"], sizes=(1000, 2000))
+    assert t["glrt"]["m"] == {1000: 1.0, 2000: 1.0}
+
+
+def test_committed_results_power_never_decreases_and_the_sequential_audit():
+    """The committed run on the lab's data: for every detector and misconfiguration, power at 1k,
+    2k, 4k, 8k and 16k tokens never decreases; the sequential audit's false-positive rate over >= 1,000
+    honest audits is at most alpha."""
+    path = verdicts.RESULTS / "verdicts.json"
+    if not path.is_file():
+        pytest.skip("benchmarks/results/verdicts.json not generated yet (python benchmarks/verdicts.py)")
+    r = json.loads(path.read_text())
+    assert set(r["power"]) >= {"best", "glrt_single_replay", "margin_clip99.9", "lr_combined"}
+    for by in r["power"].values():
+        for curve in by.values():
+            assert list(curve) == [str(n) for n in verdicts.POWER_SIZES]
+    assert verdicts.monotone_violations({k: {m: {int(n): p for n, p in c.items()} for m, c in v.items()}
+                                         for k, v in r["power"].items()}) == []
+    s = r["sequential"]
+    assert s["honest_audits"] >= 1000 and s["honest_fpr"] <= s["alpha"]
