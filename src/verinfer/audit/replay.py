@@ -228,10 +228,11 @@ def score_chunk(claims: list[Claim], engine: Engine, *, sigma: float = DEFAULT_S
     return pa.concat_tables(per_claim) if claims else _schema(gaps).empty_table()
 
 
-def _schema(gaps: bool) -> pa.Schema:
-    if not gaps:
-        return SCORE_SCHEMA
-    return pa.schema(list(SCORE_SCHEMA) + [pa.field(c, pa.float64()) for c in gap_column_names()])
+def _schema(gaps: bool, extra: tuple = ()) -> pa.Schema:
+    """The columns `score_claims` writes: SCORE_SCHEMA, the signed gaps with `gaps`, then the
+    reference's own (`extra`: a RemoteReference's exactness columns)."""
+    return pa.schema(list(SCORE_SCHEMA) + [pa.field(c, pa.float64()) for c in (gap_column_names() if gaps else ())]
+                     + list(extra))
 
 
 def model_config(engine):
@@ -247,8 +248,10 @@ def score_claims(claims: Iterable[Claim], engine, out: str | Path, *, claims_sha
     (verinfer.io.ResumableParts: `<out>.parts/`, under a lock on `out`, so a second writer of the
     same output is refused). gaps: add the signed-gap columns (see `scores_table`).
 
-    engine: an Engine (parts scored here, one after another) or an `audit.ray_pool.RayReplayPool`
-    (parts scored by its actors, written here as they return: the same parts, bitwise). on_part(k):
+    engine: an Engine (parts scored here, one after another), an `audit.ray_pool.RayReplayPool`
+    (parts scored by its actors, written here as they return: the same parts, bitwise) or an
+    `audit.remote_reference.RemoteReference` (a vLLM server's prompt logprobs; its `extra_fields`
+    columns are added). on_part(k):
     called after part k is written (tests interrupt or kill workers from it).
 
     claims may be a stream (`claims.iter_claims`): it is read `chunk_claims` at a time, and then
@@ -262,6 +265,7 @@ def score_claims(claims: Iterable[Claim], engine, out: str | Path, *, claims_sha
         claims_sha = hashlib.sha256("".join(json.dumps(c.to_json()) for c in claims).encode()).hexdigest()[:16]
     manifest = _manifest(claims_sha, model_sha, engine.numerics.to_dict(), sigma, chunk_claims, gaps)
     config = model_config(engine)
+    schema = _schema(gaps, getattr(engine, "extra_fields", ()))
     count = dict(parts=0, claims=0, tokens=0)
     tokens_of: dict[int, int] = {}
     kwargs = dict(sigma=sigma, gaps=gaps, batch_tokens=batch_tokens, logits_budget=logits_budget)
@@ -300,9 +304,9 @@ def score_claims(claims: Iterable[Claim], engine, out: str | Path, *, claims_sha
                 on_part(k)
 
         def assemble(tmp: Path) -> None:
-            with pq.ParquetWriter(tmp, _schema(gaps)) as w:
+            with pq.ParquetWriter(tmp, schema) as w:
                 for k in range(count["parts"]):
-                    w.write_table(pq.read_table(parts.path(k)).cast(_schema(gaps)))
+                    w.write_table(pq.read_table(parts.path(k)).cast(schema))
 
         atomic_write(out, assemble)
         parts.finish()
