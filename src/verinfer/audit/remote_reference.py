@@ -46,7 +46,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from verinfer.audit.replay import DEFAULT_SIGMA, replay_batch_size, scores_table
 from verinfer.claims import Claim
 from verinfer.engine.engine import Replay
-from verinfer.errors import VerinferError
+from verinfer.errors import VerinferError, api_error_message
 from verinfer.models.llama import LlamaConfig
 from verinfer.sampling.params import SamplingParams
 
@@ -177,7 +177,7 @@ class RemoteReference:
         return self._rows(raw.http_response.content, claim, where)
 
     def _status_error(self, e, where: str) -> ReferenceError:
-        msg = _error_message(e)
+        msg = api_error_message(e)
         if e.status_code == 404 or "does not exist" in msg:
             served = self.served_models()
             return ReferenceError(f"the server does not serve model {self.model!r} (HTTP {e.status_code}: {msg})",
@@ -275,11 +275,3 @@ class RemoteReference:
             for k, claims, _fps, _layer in jobs:
                 rows = list(pool.map(self.fetch, claims))
                 yield k, self.score_chunk(claims, rows, **kwargs)
-
-
-def _error_message(e) -> str:
-    try:
-        body = e.response.json()
-        return body.get("error", {}).get("message") or body.get("message") or e.response.text[:300]
-    except Exception:
-        return str(e)[:300]
