@@ -21,7 +21,7 @@ import torch
 pytest.importorskip("openai")
 
 from verinfer.apps.pipeline import score, verifier_engine  # noqa: E402
-from verinfer.audit.remote_reference import ReferenceError, exactness  # noqa: E402
+from verinfer.audit.remote_reference import ReferenceServerError, exactness  # noqa: E402
 from verinfer.audit.replay import gap_column_names, replay_batch_size  # noqa: E402
 from verinfer.claims import read_claims, write_claims  # noqa: E402
 from verinfer.models.prompts import prompts_for  # noqa: E402
@@ -270,7 +270,7 @@ def test_errors_name_the_server_and_the_claim(tiny_claims, tmp_path, case, what,
         kw["reference_logprobs"] = 64
     stub.mode = case if case in ("no-prompt-logprobs", "malformed", "not-json") else None
     try:
-        with pytest.raises(ReferenceError) as e:
+        with pytest.raises(ReferenceServerError) as e:
             score(tiny_claims, TARGET_DIR, tmp_path / "e.parquet", reference_url=url, show_progress=False,
                   **{"reference_model": "testbed", **kw})
     finally:

@@ -58,7 +58,7 @@ START_SERVER = ("start it as `python -m vllm.entrypoints.openai.api_server --mod
                 "--max-logprobs K --dtype bfloat16`")
 
 
-class ReferenceError(VerinferError):
+class ReferenceServerError(VerinferError):
     """The reference server could not be reached or answered something unusable."""
 
 
@@ -158,7 +158,7 @@ class RemoteReference:
     # --- the server ---------------------------------------------------------------------------
     def fetch(self, claim: Claim) -> list[dict[int, float]]:
         """The prompt logprobs rows of the claim's output tokens ([T] dicts token id -> logprob),
-        validated; a ReferenceError naming the server and the claim otherwise."""
+        validated; a ReferenceServerError naming the server and the claim otherwise."""
         import openai
 
         ids = list(claim.prompt_token_ids) + list(claim.output_token_ids)
@@ -168,7 +168,7 @@ class RemoteReference:
                 model=self.model, prompt=ids, max_tokens=1, temperature=0.0,
                 extra_body={"prompt_logprobs": self.logprobs})
         except (openai.APIConnectionError, openai.APITimeoutError) as e:
-            raise ReferenceError(f"cannot reach the reference server after {self.retries} retries "
+            raise ReferenceServerError(f"cannot reach the reference server after {self.retries} retries "
                                  f"({type(e).__name__}: {e})", where=where,
                                  fix=f"check --reference-url or start the server ({START_SERVER}); rerun the same "
                                      "command to resume: finished parts are kept") from None
@@ -176,17 +176,17 @@ class RemoteReference:
             raise self._status_error(e, where) from None
         return self._rows(raw.http_response.content, claim, where)
 
-    def _status_error(self, e, where: str) -> ReferenceError:
+    def _status_error(self, e, where: str) -> ReferenceServerError:
         msg = api_error_message(e)
         if e.status_code == 404 or "does not exist" in msg:
             served = self.served_models()
-            return ReferenceError(f"the server does not serve model {self.model!r} (HTTP {e.status_code}: {msg})",
+            return ReferenceServerError(f"the server does not serve model {self.model!r} (HTTP {e.status_code}: {msg})",
                                   where=where, fix=f"pass --reference-model one of: {', '.join(served) or '(none listed)'}")
         if "max allowed" in msg or "max_logprobs" in msg:
-            return ReferenceError(f"the server refuses {self.logprobs} prompt logprobs (HTTP {e.status_code}: {msg})",
+            return ReferenceServerError(f"the server refuses {self.logprobs} prompt logprobs (HTTP {e.status_code}: {msg})",
                                   where=where, fix=f"restart it with --max-logprobs {self.logprobs} (or more), or pass "
                                                    "--reference-logprobs within its limit")
-        return ReferenceError(f"the server answered HTTP {e.status_code}: {msg}", where=where,
+        return ReferenceServerError(f"the server answered HTTP {e.status_code}: {msg}", where=where,
                               fix="check the server's log; a context longer than its --max-model-len needs a larger one")
 
     def served_models(self) -> list[str]:
@@ -199,32 +199,32 @@ class RemoteReference:
         try:
             reply = PromptLogprobsReply.model_validate(json.loads(body))
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ReferenceError(f"the reply is not JSON ({e}; body starts {body[:80]!r})", where=where,
+            raise ReferenceServerError(f"the reply is not JSON ({e}; body starts {body[:80]!r})", where=where,
                                  fix="--reference-url must be an OpenAI-compatible API ending in /v1") from None
         except ValidationError as e:
             bad = "; ".join(f"{'.'.join(map(str, err['loc'])) or 'body'}: {err['msg']}" for err in e.errors()[:3])
-            raise ReferenceError(f"malformed prompt_logprobs reply ({bad})", where=where,
+            raise ReferenceServerError(f"malformed prompt_logprobs reply ({bad})", where=where,
                                  fix="use a vLLM server as the reference (vllm serve)") from None
         rows = reply.choices[0].prompt_logprobs
         P, T = len(claim.prompt_token_ids), len(claim.output_token_ids)
         if rows is None:
-            raise ReferenceError("the reply has no prompt_logprobs: the server ignored vLLM's prompt_logprobs "
+            raise ReferenceServerError("the reply has no prompt_logprobs: the server ignored vLLM's prompt_logprobs "
                                  "parameter", where=where, fix=f"use a vLLM server as the reference; {START_SERVER}")
         if len(rows) != P + T:
-            raise ReferenceError(f"prompt_logprobs has {len(rows)} rows for {P + T} prompt tokens", where=where,
+            raise ReferenceServerError(f"prompt_logprobs has {len(rows)} rows for {P + T} prompt tokens", where=where,
                                  fix="use a vLLM server as the reference (one row per prompt token)")
         out = []
         for t, (y, row) in enumerate(zip(claim.output_token_ids, rows[P:])):
             if row is None or y not in row:
-                raise ReferenceError(f"prompt_logprobs row of output token {t} lacks the claimed token {y}",
+                raise ReferenceServerError(f"prompt_logprobs row of output token {t} lacks the claimed token {y}",
                                      where=where, fix="use a vLLM server (it always includes the actual token)")
             if len(row) < min(self.logprobs, self.config.vocab_size):
-                raise ReferenceError(f"prompt_logprobs row of output token {t} has {len(row)} entries, fewer than "
+                raise ReferenceServerError(f"prompt_logprobs row of output token {t} has {len(row)} entries, fewer than "
                                      f"the {self.logprobs} asked", where=where,
                                      fix=f"restart the server with --max-logprobs {self.logprobs}")
             bad = [i for i in row if not 0 <= i < self.config.vocab_size]
             if bad:
-                raise ReferenceError(f"token id {bad[0]} outside the model's vocabulary of {self.config.vocab_size}",
+                raise ReferenceServerError(f"token id {bad[0]} outside the model's vocabulary of {self.config.vocab_size}",
                                      where=where, fix="--reference-model must serve the model of --model")
             out.append({i: e.logprob for i, e in row.items()})
         return out
