@@ -214,6 +214,9 @@ def test_exactness_rule():
     assert "top_k=5 >=" in exactness(v, SamplingParams(1.0, 5, 1.0, 0.0, 0), 5)
     assert exactness(v, SamplingParams(0.0, 0, 1.0, 0.0, None), 5) is None
     assert "top_k off" in exactness(v, SamplingParams(1.0, 0, 0.5, 0.0, 0), 5)
+    assert exactness(v, SamplingParams(1.0, 0, 0.5, 0.0, 0), 8) is None  # 5 < 8: the whole vocabulary
+    assert "min-p" in exactness(v, SamplingParams(1.0, 3, 1.0, float(np.exp(-0.9)), 0), 5)  # -1.0 vs max -0.1
+    assert exactness(v, SamplingParams(1.0, 3, 1.0, 0.3, 0), 5) is None
 
 
 def test_retries_then_resumes_without_refetching(claims, stub, remote, tmp_path):

@@ -95,6 +95,8 @@ def exactness(values_K: np.ndarray, params: SamplingParams, k: int) -> str | Non
     """None when the claim's filters keep only tokens of a row whose returned logprobs are
     values_K (any order; the top-k plus possibly the claimed token); else why the row is
     approximate (module docstring)."""
+    if len(values_K) < k:  # the reply holds the whole vocabulary (V < k; `_rows` checks the count)
+        return None
     if not params.greedy and params.top_k < 1:
         return f"top_k off: the sampling set may reach past the server's top {k} logprobs"
     cut = 1 if params.greedy else params.top_k
