@@ -36,6 +36,10 @@ SLOW = (
     "tests/audit/test_replay.py::test_fp32_matmul_verifier_reproduces_a_bf16_provider_like_the_native_one",
     "tests/audit/test_replay.py::test_honest_fp32_provider_replays_exactly",
     "tests/audit/test_references.py::test_decode_replay_reproduces_a_batch_one_provider_bit_for_bit",
+    # the remote reference's comparison with local replay: 24 claims generated, replayed and served
+    "tests/audit/test_remote_reference.py::test_remote_scores_equal_local_replay",
+    "tests/audit/test_remote_reference.py::test_retries_then_resumes_without_refetching",
+    "tests/audit/test_remote_reference.py::test_cli_reports_exact_and_approximate_rows",
     "tests/server/test_audit_api.py::",
     "tests/server/test_concurrency.py::test_concurrent_clients_equal_sequential",
     "tests/speculative/test_decoder.py::test_standard_speculative_sampling_is_lossless",

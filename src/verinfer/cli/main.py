@@ -231,7 +231,15 @@ def score(claims: Path = typer.Argument(..., help="Claims JSONL."),
                                                     "it) instead of starting one; the model directory must exist "
                                                     "at the same path on every node."),
           worker_threads: int = typer.Option(1, min=1, help="Torch threads per Ray worker (workers x threads "
-                                                            "<= cores, or they oversubscribe the CPU).")):
+                                                            "<= cores, or they oversubscribe the CPU)."),
+          reference_url: Optional[str] = typer.Option(None, help="Score from a trusted vLLM server's prompt logprobs "
+                                                      "instead of a local replay (OpenAI-compatible base URL ending "
+                                                      "in /v1); --model then needs only the model's config.json."),
+          reference_model: Optional[str] = typer.Option(None, help="The model name the reference server serves."),
+          reference_logprobs: int = typer.Option(20, min=1, help="Prompt logprobs per position (the server's "
+                                                 "--max-logprobs at least this); rows are exact where the claim's "
+                                                 "top-k is below it."),
+          reference_concurrency: int = typer.Option(4, min=1, help="Requests in flight to the reference server.")):
     """Replay claims with the trusted model: one Parquet row per token with every score."""
     from verinfer.apps.pipeline import score as run_score
     from verinfer.apps.speculative import has_spec, score_file
@@ -239,7 +247,10 @@ def score(claims: Path = typer.Argument(..., help="Claims JSONL."),
     from verinfer.models.testbed import DRAFT_DIR
 
     model_dir, names = _model_dir(model), tuple(model_name or ())
-    if has_spec(iter_claims(claims)):  # a stream: stops at the first speculative claim  # speculative claims: check each token under its mode (DiFR app. F)
+    if has_spec(iter_claims(claims)):
+        if reference_url is not None:
+            raise VerinferError("speculative claims cannot be scored from a reference server", where=str(claims),
+                                fix="their check needs the draft model too: score them locally (drop --reference-url)")  # a stream: stops at the first speculative claim  # speculative claims: check each token under its mode (DiFR app. F)
         r = score_file(claims, model_dir, draft or DRAFT_DIR, out, device=device, model_names=names)
         typer.echo(f"speculative claims: {r['tokens']} tokens, accepted fraction {r['accepted_fraction']:.3f}, "
                    f"mean accept -log min(1,p/q) {r['mean_accept_nll']:.4f}, {r['violations']} violations of "
@@ -250,8 +261,16 @@ def score(claims: Path = typer.Argument(..., help="Claims JSONL."),
             raise typer.Exit(1)
         return
     r = run_score(claims, model_dir, out, device=device, gaps=gaps, matmul=matmul, model_names=names,
-                  workers=workers, ray_address=ray_address, worker_threads=worker_threads)
+                  workers=workers, ray_address=ray_address, worker_threads=worker_threads,
+                  reference_url=reference_url, reference_model=reference_model,
+                  reference_logprobs=reference_logprobs, reference_concurrency=reference_concurrency)
     typer.echo(f"scored {r.tokens} tokens of {r.claims} claims -> {out}")
+    if reference_url is not None:
+        import pyarrow.compute as pc
+
+        approx = pc.sum(r.table()["approximate"]).as_py() or 0
+        typer.echo(f"reference {reference_url} ({reference_model}, {reference_logprobs} logprobs): "
+                   f"{r.tokens - approx} tokens exact, {approx} approximate (column approximate_reason says why)")
 
 
 @command(app)

