@@ -170,7 +170,7 @@ def remote_section(model: str, n: int, calib_n: int, max_tokens: int, logprobs: 
     import numpy as np
     import vllm
 
-    from verinfer.apps.pipeline import calibrate, score
+    from verinfer.apps.pipeline import calibrate, score, split_claims
     from verinfer.providers.vllm import api_server
 
     model_dir = resolve_model(model)
@@ -200,7 +200,8 @@ def remote_section(model: str, n: int, calib_n: int, max_tokens: int, logprobs: 
         seconds["remote"] = time.perf_counter() - t0
     sides = {}
     for side, ts in tables.items():
-        det, held = calibrate(ts["honest-calib"], ["vllm-honest"], seed=seed)
+        train, held = split_claims(ts["honest-calib"], ["vllm-honest"], seed=seed)
+        det = calibrate(train, ["vllm-honest"], seed=seed)
         audited = {"honest (held-out half of the calibration prompts)": held["vllm-honest"],
                    **{f"{r} (other prompts)" if r == "honest" else r: ts[r] for r in REMOTE_RUNS if r in ts}}
         runs = {}
