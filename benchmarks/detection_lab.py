@@ -140,7 +140,7 @@ def features_path(key: str) -> Path:
     return CACHE / "features" / f"{key}.parquet"
 
 
-def stage_features(log=print) -> None:
+def stage_features(log=print, reverse: bool = False) -> None:
     import pyarrow as pa
 
     from verinfer.io import atomic_write_parquet
@@ -148,7 +148,7 @@ def stage_features(log=print) -> None:
 
     engine = verifier_engine(TARGET_DIR)
     keys = [c["key"] for c in lab_configs()] + ["int4-tuned"]
-    for key in keys:
+    for key in keys[::-1] if reverse else keys:
         out = features_path(key)
         if out.is_file():
             continue
@@ -181,7 +181,7 @@ def reference_columns() -> list[str]:
     return cols
 
 
-def stage_references(log=print) -> None:
+def stage_references(log=print, reverse: bool = False) -> None:
     """Replay every Gumbel claim set under each extra honest reference (`references.REFERENCES`
     other than the primary bf16 replay) and keep the signed-gap
     columns (`best` takes their per-token envelope)."""
@@ -193,11 +193,11 @@ def stage_references(log=print) -> None:
 
     keys = [c["key"] for c in lab_configs() if c["noise"] == "vllm-cpu"] + ["int4-tuned"]
     keep = ["claim_id", "position", "token_id", *reference_columns()]
-    for ref, reference in REFERENCES.items():
+    for ref, reference in list(REFERENCES.items())[::-1] if reverse else REFERENCES.items():
         if ref == PRIMARY_REFERENCE:
             continue
         engine = None
-        for key in keys:
+        for key in keys[::-1] if reverse else keys:
             out = reference_features_path(ref, key)
             if out.is_file() or not claims_path(key).is_file():
                 continue
@@ -768,7 +768,8 @@ def main(argv=None) -> None:
     ap.add_argument("--stage", choices=("data", "features", "references", "grid", "all"), default="all")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch threads (1: on a shared 2-core machine 2 threads oversubscribe and run ~30x slower)")
-    ap.add_argument("--attack-first", action="store_true", help="data stage: attack first, then sets in reverse")
+    ap.add_argument("--attack-first", action="store_true", help="data stage: attack first, then sets in reverse; "
+                    "features and references stages: in reverse order (a second worker meeting the first one in the middle)")
     ap.add_argument("--cache", type=Path, default=None, help="cache directory (default benchmarks/.cache/detection_lab)")
     ap.add_argument("--out", type=Path, default=None, help="results directory (default benchmarks/results)")
     a = ap.parse_args(argv)
@@ -780,9 +781,9 @@ def main(argv=None) -> None:
     if a.stage in ("data", "all"):
         stage_data(log, a.attack_first)
     if a.stage in ("features", "all"):
-        stage_features(log)
+        stage_features(log, reverse=a.attack_first)
     if a.stage in ("references", "all"):
-        stage_references(log)
+        stage_references(log, reverse=a.attack_first)
     if a.stage in ("grid", "all"):
         stage_grid(log)
 

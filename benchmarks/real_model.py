@@ -39,7 +39,7 @@ import torch
 from verinfer.apps.pipeline import VERIFIER_NUMERICS, verifier_engine
 from verinfer.audit.replay import replay_batch_size, score_claims
 from verinfer.claims import read_claims
-from verinfer.io import atomic_write_json, atomic_write_text, sha256_files
+from verinfer.io import atomic_write_text, sha256_files, update_json_section
 from verinfer.models.catalog import resolve_model
 from verinfer.models.load import model_info
 from verinfer.numerics.machine import machine_fingerprint
@@ -143,10 +143,7 @@ def speed(claims_path: Path, model: str, rounds: int, threads: int, out: Path, d
 
 
 def _save(out: Path, section: str, res: dict) -> dict:
-    doc = json.loads((out / "real_model.json").read_text()) if (out / "real_model.json").is_file() else {}
-    doc[section] = res
-    atomic_write_json(out / "real_model.json", doc)
-    atomic_write_text(out / "real_model.md", render(doc))
+    atomic_write_text(out / "real_model.md", render(update_json_section(out / "real_model.json", section, res)))
     return res
 
 

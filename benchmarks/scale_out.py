@@ -40,7 +40,7 @@ from verinfer.apps.pipeline import VERIFIER_NUMERICS, generate, verifier_engine
 from verinfer.audit.ray_pool import RayReplayPool, import_ray
 from verinfer.audit.replay import score_claims
 from verinfer.claims import read_claims
-from verinfer.io import atomic_write_json, atomic_write_text, sha256_files
+from verinfer.io import atomic_write_text, sha256_files, update_json_section
 from verinfer.models.catalog import resolve_model
 from verinfer.models.load import model_info
 from verinfer.numerics.machine import machine_fingerprint
@@ -51,10 +51,7 @@ CACHE = ROOT / ".cache" / "scale_out"
 
 
 def _save(out: Path, section: str, res: dict) -> dict:
-    doc = json.loads((out / "scale_out.json").read_text()) if (out / "scale_out.json").is_file() else {}
-    doc[section] = res
-    atomic_write_json(out / "scale_out.json", doc)
-    atomic_write_text(out / "scale_out.md", render(doc))
+    atomic_write_text(out / "scale_out.md", render(update_json_section(out / "scale_out.json", section, res)))
     return res
 
 

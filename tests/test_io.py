@@ -13,7 +13,7 @@ import pytest
 
 from verinfer.errors import VerinferError
 from verinfer.io import (OutputBusyError, ProgressBar, ResumableParts, atomic_write, atomic_write_json, atomic_write_parquet,
-                         atomic_write_text, check_writable, exclusive_lock)
+                         atomic_write_text, check_writable, exclusive_lock, update_json_section)
 
 
 def test_atomic_write_replaces_whole_file_and_leaves_no_temp_on_failure(tmp_path):
@@ -37,6 +37,14 @@ def test_atomic_parquet_and_json_round_trip(tmp_path):
     assert pq.read_table(tmp_path / "t.parquet").equals(t)
     atomic_write_json(tmp_path / "m.json", {"x": 1})
     assert json.loads((tmp_path / "m.json").read_text()) == {"x": 1}
+
+
+def test_update_json_section_keeps_the_other_sections(tmp_path):
+    p = tmp_path / "r.json"
+    assert update_json_section(p, "ray", {"speedup": 1.8}) == {"ray": {"speedup": 1.8}}
+    update_json_section(p, "remote", {"equal": True})
+    assert update_json_section(p, "ray", {"speedup": 1.9}) == {"ray": {"speedup": 1.9}, "remote": {"equal": True}}
+    assert json.loads(p.read_text()) == {"ray": {"speedup": 1.9}, "remote": {"equal": True}}
 
 
 HOLD = """

@@ -102,6 +102,17 @@ def atomic_write_json(path: str | Path, obj, indent: int | None = 1) -> Path:
     return atomic_write_text(path, json.dumps(obj, indent=indent) + "\n")
 
 
+def update_json_section(path: str | Path, section: str, value) -> dict:
+    """Set doc[section] = value in the JSON object at `path` (a new one where there is none), the
+    other sections kept; written atomically. Returns the whole document (a results file whose
+    sections are rerun one at a time)."""
+    p = Path(path)
+    doc = json.loads(p.read_text()) if p.is_file() else {}
+    doc[section] = value
+    atomic_write_json(p, doc)
+    return doc
+
+
 def atomic_write_parquet(table, path: str | Path) -> Path:
     return atomic_write(path, lambda tmp: pq.write_table(table, tmp))
 
