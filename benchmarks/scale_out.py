@@ -44,6 +44,7 @@ from verinfer.io import atomic_write_text, sha256_files, update_json_section
 from verinfer.models.catalog import resolve_model
 from verinfer.models.load import model_info
 from verinfer.numerics.machine import machine_fingerprint
+from verinfer.report import format as fmt
 
 ROOT = Path(__file__).resolve().parent
 RESULTS = ROOT / "results"
@@ -262,8 +263,8 @@ def render(doc: dict) -> str:
                   "| run | tokens | local replay: flagged (p) | remote reference: flagged (p) | same verdict | "
                   "exact match local / remote | approximate rows (remote) |", "|---|---|---|---|---|---|---|"]
         for k in loc:
-            lines.append(f"| {k} | {loc[k]['n_tokens']} | {loc[k]['flagged']} ({loc[k]['p_value']:.3g}) | "
-                         f"{rem[k]['flagged']} ({rem[k]['p_value']:.3g}) | {r['same_verdicts'][k]} | "
+            lines.append(f"| {k} | {loc[k]['n_tokens']} | {loc[k]['flagged']} ({fmt.p_value(loc[k]['p_value'])}) | "
+                         f"{rem[k]['flagged']} ({fmt.p_value(rem[k]['p_value'])}) | {r['same_verdicts'][k]} | "
                          f"{loc[k]['exact_match']:.4f} / {rem[k]['exact_match']:.4f} | {rem[k]['approximate_rows']:.4f} |")
         for k, why in r.get("runs_vllm_could_not_run_here", {}).items():
             lines.append(f"| {k} | - | vLLM could not run it on this machine: {why} | | | | |")
