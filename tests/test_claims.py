@@ -41,6 +41,21 @@ def test_bad_fields_name_line_and_field(tmp_path, mutate, match):
     assert f"{p}:2" in str(e.value)
 
 
+@pytest.mark.parametrize("field,text", [
+    ("temperature", "NaN"), ("temperature", "Infinity"), ("temperature", "-Infinity"), ("temperature", "1e308"),
+    ("top_p", "NaN"), ("min_p", "Infinity"), ("seed", str(2**70)),
+])
+def test_non_finite_and_out_of_range_sampling_values_are_refused_at_read_time(tmp_path, field, text):
+    """Issue 16 item 4: `Infinity` and 1e308 wrote NaN margins, NaN crashed score with an index error,
+    a seed of 2**70 overflowed without a file, line or field: each is refused by the reader, naming them."""
+    line = json.dumps({**GOOD, "id": "b"}).replace(f'"{field}": {json.dumps(GOOD["sampling"][field])}', f'"{field}": {text}')
+    assert text in line
+    p = _write(tmp_path, [json.dumps(GOOD), line])
+    with pytest.raises(ClaimError, match=f"sampling.{field}") as e:
+        read_claims(p)
+    assert f"{p}:2" in str(e.value)
+
+
 def test_greedy_needs_no_seed(tmp_path):
     d = json.loads(json.dumps(GOOD))
     d["sampling"] = {"temperature": 0.0}
