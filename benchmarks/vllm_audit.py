@@ -36,9 +36,9 @@ CACHE = ROOT / ".cache" / "vllm_audit"
 LADDER = (100, 250, 500, 1000, 2000, 4000)
 
 
-def tokens_to_flag(det, table) -> int | None:
-    """Smallest prefix (tokens, from LADDER, then all) of a score table that the detector flags."""
-    for n in [*[x for x in LADDER if x < table.num_rows], table.num_rows]:
+def tokens_to_flag(det, table, ladder=LADDER) -> int | None:
+    """Smallest prefix (tokens, from the ladder, then all) of a score table that the detector flags."""
+    for n in [*[x for x in ladder if x < table.num_rows], table.num_rows]:
         if det.verdict(table, max_tokens=n)["flagged"]:
             return n
     return None

@@ -7,6 +7,8 @@ and output token ids, the sampling settings, the seed) become claims with noise 
 vLLM spawns worker processes: create `LLM` only in code that runs under
 `if __name__ == "__main__":` (the `verinfer` command and benchmarks/vllm_audit.py do).
 
+Honest runs: `honest` (vLLM's batching), `honest-b1` (one request at a time: max_num_seqs=1).
+
 Misconfigured runs (the claim always states the advertised settings):
 - int4: a fake-quantized copy of the checkpoint (group-wise RTN, numerics/quant.py, simulated)
   written to a directory and served by vLLM as an ordinary bf16 model;
@@ -37,7 +39,7 @@ from verinfer.models.load import model_info
 from verinfer.numerics import Numerics
 from verinfer.sampling.params import SamplingParams
 
-VLLM_RUNS = ("honest", "int4", "fp8-kv", "temp-1.1", "wrong-seed")
+VLLM_RUNS = ("honest", "honest-b1", "int4", "fp8-kv", "temp-1.1", "wrong-seed")
 
 
 @dataclass(frozen=True)
@@ -48,13 +50,15 @@ class VllmRun:
     weight_bits: int | None = None     # fake-quantized checkpoint
     temperature: float | None = None   # sample at this temperature, claim the advertised one
     seed_offset: int = 0
+    max_num_seqs: int | None = None    # vLLM's scheduler: at most this many requests at a time (None: its default)
 
     @classmethod
     def named(cls, name: str, dtype: str = "bfloat16") -> "VllmRun":
-        runs = {"honest": cls("honest", dtype), "int4": cls("int4", dtype, weight_bits=4),
+        runs = {"honest": cls("honest", dtype), "honest-b1": cls("honest-b1", dtype, max_num_seqs=1),
+                "int4": cls("int4", dtype, weight_bits=4),
                 "fp8-kv": cls("fp8-kv", dtype, kv_cache_dtype="fp8"),
                 "temp-1.1": cls("temp-1.1", dtype, temperature=1.1), "wrong-seed": cls("wrong-seed", dtype, seed_offset=1)}
-        if name.startswith("honest"):
+        if name.startswith("honest") and name not in runs:
             name = "honest"
         if name not in runs:
             raise ValueError(f"unknown vLLM run {name!r}; choose one of {', '.join(VLLM_RUNS)}")
@@ -63,7 +67,7 @@ class VllmRun:
     @property
     def engine_key(self) -> tuple:
         """Runs with equal keys can share one LLM instance (they differ only in sampling)."""
-        return (self.dtype, self.kv_cache_dtype, self.weight_bits)
+        return (self.dtype, self.kv_cache_dtype, self.weight_bits, self.max_num_seqs)
 
 
 def require_vllm():
@@ -111,9 +115,10 @@ def make_llm(model_dir: str | Path, run: VllmRun, work_dir: str | Path, seed: in
         path = write_fake_quant_checkpoint(model_dir, Path(work_dir) / f"fake-int{run.weight_bits}", run.weight_bits)
     info = model_info(model_dir)
     max_len = max_model_len or info.max_positions
+    batching = {} if run.max_num_seqs is None else {"max_num_seqs": run.max_num_seqs}
     return LLM(model=str(path), tokenizer=str(path), dtype=run.dtype, kv_cache_dtype=run.kv_cache_dtype, seed=seed,
                max_model_len=max_len, enforce_eager=enforce_eager, enable_chunked_prefill=False,
-               max_num_batched_tokens=max_len)
+               max_num_batched_tokens=max_len, **batching)
 
 
 def vllm_sampling(params: SamplingParams, run: VllmRun):
