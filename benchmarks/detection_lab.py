@@ -238,10 +238,12 @@ BEST_DESCRIPTION = (
     "temperature; (sigma0, eps0) fitted by maximum likelihood on honest train tokens. Per-token log-likelihood ratios "
     "of the alternatives sigma0 x 1.5/2/3/5/10/20/50, eps0 x 10/100/1000 and temperature x 0.8/0.9/1.1/1.2 (noise "
     "columns centered "
-    "by their expectation under the honest fit given the token's gap); batch statistic = the largest batch "
-    "log-likelihood ratio (GLRT) beyond a per-token allowance for a new honest configuration (the one-sided 99% "
-    "prediction bound of its column means from the 5 honest calibration configurations), threshold from those "
-    "configurations' resampled batches shifted to the allowance (grows like sqrt(n), so evidence accumulates). "
+    "by their expectation under the honest fit given the token's gap); batch statistic = the largest "
+    "standardized excess sqrt(n) (column mean - allowance) / sd over the alternatives (max-z GLRT), the allowance "
+    "being a per-token bound for a new honest configuration (the one-sided 99% prediction bound of its column "
+    "means from the 5 honest calibration configurations); threshold from those configurations' resampled batches "
+    "shifted to the allowance (constant in n, while a provider beyond the allowance scores ~sqrt(n) x its "
+    "excess: evidence accumulates). "
     "Fit on honest tokens only; every reference is an honest kernel (none replays a misconfiguration).")
 
 

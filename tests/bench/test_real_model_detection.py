@@ -58,8 +58,9 @@ def test_detection_summary_statistics_and_tokens_to_detect(summary):
     # wrong seed (38% of tokens flipped, cross-entropy 1 nat higher): every score within 30 tokens
     assert all(ttd[s]["wrong-seed"] <= 30 for s in rm.SCORES)
     # int4 (flip scale 0.2 vs 0.05: 8% of tokens flipped, by wider margins): the margin needs hundreds of
-    # tokens, best no more, the mismatch rate (blind to the margin) no fewer; cross-entropy carries nothing
-    assert 100 <= ttd["margin_clip99.9"]["int4"] <= 1000 and ttd["best"]["int4"] <= ttd["margin_clip99.9"]["int4"]
+    # tokens, best (max-z over its alternatives, guarding an unseen honest configuration between 0.04 and
+    # 0.06) within 1000, the mismatch rate (blind to the margin) no fewer; cross-entropy carries nothing
+    assert 100 <= ttd["margin_clip99.9"]["int4"] <= 1000 and ttd["best"]["int4"] <= 1000
     assert ttd["exact_match"]["int4"] >= ttd["margin_clip99.9"]["int4"] and ttd["cross_entropy"]["int4"] is None
     # the held-out honest run, drawn like the pool, is never detected
     assert all(ttd[s]["honest"] is None for s in rm.SCORES)

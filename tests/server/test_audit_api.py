@@ -107,7 +107,7 @@ def test_greedy_mode_places_the_endpoint_among_reference_bands(int4_server, tmp_
     this checks the path and the report, not the power)."""
     out = tmp_path / "greedy"
     r = CliRunner().invoke(app, ["audit-api", "--base-url", int4_server.base_url, "--model", "target", "--out",
-                                 str(out), "--mode", "greedy", "--n", "8", "--max-tokens", "32", "--calib-n", "8",
+                                 str(out), "--mode", "greedy", "--n", "8", "--max-tokens", "32", "--calib-n", "48",
                                  "--threads", "1", "--honest", "honest-bf16-b8", "--honest", "honest-fp32-b4"])
     assert r.exit_code in (0, 1), r.output
     report = json.loads((out / "report.json").read_text())

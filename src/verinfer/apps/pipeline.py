@@ -411,10 +411,12 @@ def combine_verdicts(per_detector: list[list[dict]]) -> list[dict]:
 
 
 def print_verdicts(verdicts: list[dict]) -> None:
-    t = Table(title="verinfer audit: DiFR verdicts")
-    for col in ("provider", "truth", "verdict", "tokens", "pooled", "threshold", "p-value", "FPR target / at thr. / held-out",
-                "tokens to flag if its excess persisted"):
-        t.add_column(col, no_wrap=True)
+    t = Table(title="verinfer audit: DiFR verdicts",
+              caption="FPR: the target, the rate at the threshold on resampled honest batches, and on held-out honest "
+                      "claims at calibration; to flag: tokens at which the provider's excess over honest, if it "
+                      "persisted, would be flagged")
+    for col in ("provider", "truth", "verdict", "tokens", "pooled", "threshold", "p-value", "FPR", "to flag"):
+        t.add_column(col, no_wrap=True, min_width=7 if col in ("verdict", "p-value") else None)
     for d in verdicts:
         truth = {True: "honest", False: "misconfigured", None: "?"}[d.get("honest")]
         fpr = f"{d['target_fpr']:.0%}" + (f" / {d['threshold_fpr']:.2%}" if "threshold_fpr" in d else "") + \

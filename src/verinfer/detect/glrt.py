@@ -86,9 +86,10 @@ class PerturbationGLRTDetector(ColumnStatistics):
     carry the evidence, and an honest flip at a near tie costs little while a wide-margin flip
     counts heavily (capped by the outlier term). No alternative uses a misconfigured provider's kernel.
 
-    Batch statistic, with allowance_ = a_g (module docstring): combine="maxllr": max over columns of
-    n (column mean - a_g), the best alternative's batch log-likelihood ratio beyond what an honest
-    configuration may show; "maxz": max over columns of sqrt(n) (column mean - a_g) / sd_g.
+    Batch statistic, with allowance_ = a_g (module docstring): combine="maxz" (default): max over
+    columns of sqrt(n) (column mean - a_g) / sd_g, the best alternative's standardized excess over
+    what an honest configuration may show; "maxllr": max over columns of n (column mean - a_g), its
+    batch log-likelihood ratio beyond the allowance (dominated by the widest alternatives' noise).
     Threshold and tail probability: n_null_batches batches resampled with replacement per honest
     group (e.g. configuration), each group shifted to mean a_g; the worst group's (1 - fpr)-quantile.
     So a NEW honest configuration within the allowance keeps the target FPR. Fit on honest tokens only.
@@ -113,7 +114,12 @@ class PerturbationGLRTDetector(ColumnStatistics):
     outlier_p: float = 0.02
     top_p_slack: float = 0.01
     center: bool = True
-    combine: str = "maxllr"
+    # maxz: each alternative's excess in its own standard deviations. With maxllr the widest
+    # alternatives (sigma x50, eps x1000), whose batch log-likelihood ratios have the largest
+    # spread, win the max on noise alone: on the detection lab's data (5 honest configurations,
+    # envelope, 1% FPR) maxllr's power at 1,000 tokens was int4 0.019, fp8-kv 0.004, sampling-bug 0
+    # against maxz's 1.0, 0.986, 1.0, both with held-out honest FPR <= 0.001 (benchmarks/verdicts.py)
+    combine: str = "maxz"
     max_null_tokens: int = 200_000
     envelope: bool = True
 
