@@ -67,16 +67,25 @@ def claim_starts(key: str) -> np.ndarray:
 
 def stratified_threshold(groups: list[np.ndarray], n: int, fpr: float, rng) -> float:
     """The worst group's (1 - fpr)-quantile of N_BATCHES resampled batch means of n tokens."""
+
+    return max(float(np.quantile(bootstrap_means(g, n, rng), 1.0 - fpr)) for g in groups)
+
+
+def bootstrap_means(values: np.ndarray, n: int, rng) -> np.ndarray:
+    """N_BATCHES batch means of n values: `metrics.batch_means`, or, for a batch larger than the
+    values (16k tokens from a group's 10k train tokens), drawn with replacement."""
     from verinfer.detect.metrics import batch_means
 
-    return max(float(np.quantile(batch_means(g, n, N_BATCHES, rng), 1.0 - fpr)) for g in groups)
+    v = np.asarray(values, dtype=np.float64)
+    if n <= v.size:
+        return batch_means(v, n, N_BATCHES, rng)
+    return np.array([v[rng.integers(0, v.size, n)].mean() for _ in range(N_BATCHES)])
 
 
 def power_table(det_values: dict, misconf: list, sizes=POWER_SIZES, fpr: float = 0.01, seed: int = 0) -> dict:
     """{detector: {misconf: {n: power}}}. det_values[name] = (honest train groups or a fitted
     ColumnStatistics detector, {misconf: per-token values / evidence of its test half})."""
     from verinfer.detect.base import ColumnStatistics
-    from verinfer.detect.metrics import batch_means
 
     out = {}
     for name, (null, vals) in det_values.items():
@@ -90,7 +99,7 @@ def power_table(det_values: dict, misconf: list, sizes=POWER_SIZES, fpr: float =
             else:
                 thr = stratified_threshold(null, n, fpr, rng)
                 for m in out[name]:
-                    out[name][m][n] = float(np.mean(batch_means(vals[m], n, N_BATCHES, rng) > thr))
+                    out[name][m][n] = float(np.mean(bootstrap_means(vals[m], n, rng) > thr))
     return out
 
 
