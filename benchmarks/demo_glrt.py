@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 from verinfer.providers.simulated import HONEST, MISCONFIGURED
+from verinfer.report import format as fmt
 
 ROOT = Path(__file__).resolve().parent
 RESULTS = ROOT / "results"
@@ -121,7 +122,7 @@ def markdown(doc: dict) -> str:
          "|---|---|" + "---|" * (len(doc["setup"]["sizes"]) + 1)]
     for label, r in doc["verdicts"].items():
         for p, by in r.items():
-            cells = [(f"{'**flagged**' if by[str(n)]['flagged'] else 'ok'} ({by[str(n)]['p_value']:.2g})"
+            cells = [(f"{'**flagged**' if by[str(n)]['flagged'] else 'ok'} ({fmt.p_value(by[str(n)]['p_value'])})"
                       if str(n) in by else "") for n in doc["setup"]["sizes"]]
             first = doc["first_flagged_tokens"][label].get(p, "")
             L.append(f"| {label} | {p} | " + " | ".join(cells) + f" | {first if first is not None else '-'} |")
@@ -131,9 +132,15 @@ def markdown(doc: dict) -> str:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--render", action="store_true", help="only rewrite demo_glrt.md from demo_glrt.json")
     ap.add_argument("--work", type=Path, default=Path("runs/demo_glrt"))
     ap.add_argument("--demo", type=Path, default=Path("runs/demo"), help="a `verinfer demo` output to reuse")
     a = ap.parse_args(argv)
+    if a.render:
+        from verinfer.io import atomic_write_text
+
+        atomic_write_text(RESULTS / "demo_glrt.md", markdown(json.loads((RESULTS / "demo_glrt.json").read_text())))
+        return
     run(a.work, a.demo)
 
 
