@@ -131,6 +131,8 @@ def test_glrt_verdict_roundtrip_and_errors(tmp_path):
     v = det.verdict(_claims(2000, 0.3, rng))
     assert v["flagged"] and v["p_value"] <= 1 / 201 + 1e-12 and v["more_tokens_needed"] is None
     assert v["strongest_alternative"].startswith("noise sigma")
+    # 20,000 honest tokens: too few to estimate the 0.9999 quantile the evidence is capped at
+    assert det.llr_clip_ is None and "not capped" in det.warnings_[0] and "30,000" in det.warnings_[0]
     weak = det.verdict(_claims(30, 0.09, rng))
     assert not weak["flagged"] and set(weak) >= {"threshold_fpr", "tail_probability", "more_tokens_needed"}
     if weak["more_tokens_needed"] is not None:
@@ -141,6 +143,7 @@ def test_glrt_verdict_roundtrip_and_errors(tmp_path):
     t = _claims(400, 0.1, rng)
     assert back.statistic(t) == pytest.approx(det.statistic(t))
     assert back.threshold(100) == pytest.approx(det.threshold(100))
+    assert back.llr_clip_ is None
     (tmp_path / "bad.json").write_text(json.dumps({"format": "x"}))
     with pytest.raises(VerinferError):
         PerturbationGLRTDetector.load(tmp_path / "bad.json")
@@ -153,3 +156,35 @@ def test_glrt_verdict_roundtrip_and_errors(tmp_path):
     assert "verinfer score --gaps" in e.value.fix
     assert det.requires_gaps and det.columns() == ("gap", "gapT_0.9", "gapT_1.1")
     assert PerturbationGLRTDetector().columns()[:2] == ("env_gap_s0.01", "env_gapT_0.8_s0.01")
+
+
+def test_glrt_caps_the_evidence_at_the_honest_quantile(tmp_path):
+    """With >= 30,000 honest tokens each alternative's per-token evidence is capped at its honest
+    0.9999 quantile (the cap that holds the held-out honest FPR, benchmarks/calibration_fpr.py);
+    the cap survives save / load, and an edited file is refused."""
+    rng = np.random.default_rng(11)
+    honest = _claims(40_000, 0.05, rng, eps=5e-4)
+    groups = np.arange(40_000) % 3
+    det = _glrt(n_null_batches=200).fit(honest, groups=groups)
+    raw = _glrt(n_null_batches=200, llr_clip_quantile=None).fit(honest, groups=groups)
+    assert det.warnings_ == [] and raw.llr_clip_ is None
+    x_raw, x_cap = raw.token_columns(honest), det.token_columns(honest)
+    np.testing.assert_allclose(det.llr_clip_, np.quantile(x_raw, 0.9999, axis=0))
+    np.testing.assert_array_equal(x_cap, np.minimum(x_raw, det.llr_clip_))
+    above = (x_raw > det.llr_clip_).sum(axis=0)
+    assert 1 <= above.max() <= 4                           # at most ~4 of 40,000 tokens per column are capped
+    # an honest batch with a few extreme tokens moves the capped statistic less than the raw one
+    batch = _claims(1000, 0.05, rng, eps=5e-4)
+    batch["gap_0"][:3] = 8.0                               # three wide-margin flips
+    assert det.statistic(batch) - det.threshold(1000) < raw.statistic(batch) - raw.threshold(1000)
+    assert det.verdict(_claims(2000, 0.3, rng))["flagged"]  # a noisier provider is still caught
+    det.save(tmp_path / "g.json")
+    back = PerturbationGLRTDetector.load(tmp_path / "g.json")
+    np.testing.assert_array_equal(back.llr_clip_, det.llr_clip_)
+    edited = det.to_json()
+    edited["fitted"]["llr_clip_"] = edited["fitted"]["llr_clip_"][:-1]
+    with pytest.raises(VerinferError, match="llr_clip_"):
+        PerturbationGLRTDetector.from_json(edited)
+    edited["fitted"]["llr_clip_"] = [float("nan")] * len(det.grid_)
+    with pytest.raises(VerinferError):
+        PerturbationGLRTDetector.from_json(edited)

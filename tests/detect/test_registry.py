@@ -91,9 +91,9 @@ def test_load_detector_errors(tmp_path):
     with pytest.raises(VerinferError, match="no such detector file"):
         load_detector(tmp_path / "missing.json")
     p.write_text(json.dumps({"format": "verinfer.PerturbationGLRTDetector", "version": 1, "config": {}}))
-    with pytest.raises(VerinferError, match="version 1; this verinfer reads version 2"):  # the null before issue 15
+    with pytest.raises(VerinferError, match="version 1; this verinfer reads version 3"):  # the null before issue 15
         load_detector(p)
-    p.write_text(json.dumps({"format": "verinfer.PerturbationGLRTDetector", "version": 2, "config": {}}))
+    p.write_text(json.dumps({"format": "verinfer.PerturbationGLRTDetector", "version": 3, "config": {}}))
     with pytest.raises(VerinferError, match="malformed detector"):
         load_detector(p)
 

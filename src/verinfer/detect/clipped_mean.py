@@ -19,6 +19,18 @@ equal, e.g. all margins 0: any deviation would flag) and an honest configuration
 fewer than MIN_ABOVE_CLIP honest tokens above it, a null resting on fewer than MIN_ABOVE_CLIP
 tokens off its mode.
 
+Tokens of one claim are not independent (its prompt sets the level of its cross-entropy: a claim's
+tokens share it), and audited batches are whole claims. Fit measures each honest group's design
+effect from the `claim_id` column (Kish: the variance of a batch mean of whole claims over that of
+as many independent tokens, by the ratio estimator deff = sum_c (S_c - m L_c)^2 / (sum_c L_c s^2),
+S_c and L_c claim c's winsorized sum and length, m and s^2 the group's mean and variance; at least
+1, and 1 without claim ids or with fewer than MIN_CLAIMS_FOR_DEFF claims), and every null
+computation of a batch of n tokens uses n / deff effective tokens: the resampled batches, the
+normal approximation, the saddle-point tail, tokens_to_flag and power. On the detection lab's
+honest claims (64 tokens each) deff is 1.0-1.2 for margin and exact match and 14-16 for
+cross-entropy, whose token-level null flagged 18% of held-out honest 1,000-token batches at a 1%
+target (`benchmarks/calibration_fpr.py`).
+
 Null batches are resampled from the null sample WITH replacement: audited batches are fresh
 draws from the honest population, and drawing without replacement from a finite sample would
 shrink the null spread (finite-population correction) and inflate the false-positive rate when
@@ -45,6 +57,7 @@ from verinfer.errors import VerinferError
 MAX_NULL_SAMPLE = 200_000
 MAX_RESAMPLED_TOKENS = 20_000_000  # n_null_batches * n_tokens above which threshold / p-value use the CLT
 MIN_ABOVE_CLIP = 10      # honest tokens above the clip (and off the null's mode) below which fit warns
+MIN_CLAIMS_FOR_DEFF = 10  # claims of an honest group below which its design effect is taken as 1 (with a warning)
 POWER_EFFECT = 2.0       # the alternative an ok verdict states its power against: the honest mean x this
 _CHUNK = 2_000_000  # indices drawn per chunk while resampling
 
@@ -61,6 +74,7 @@ class _Fitted(BaseModel):
     n_train_: int = Field(ge=1)
     null_sample_size: int = Field(ge=1)
     null_group_sizes: list[int]
+    design_effects: list[float]
     null_sample_f8_base64: str
 
     def sample(self) -> tuple[np.ndarray, list[int]]:
@@ -69,6 +83,9 @@ class _Fitted(BaseModel):
             raise ValueError(f"null sample has {s.size} values, header says {self.null_sample_size}")
         if sum(self.null_group_sizes) != s.size or min(self.null_group_sizes) < 1:
             raise ValueError(f"null group sizes {self.null_group_sizes} do not add up to the {s.size} null values")
+        if len(self.design_effects) != len(self.null_group_sizes) or not all(d >= 1.0 for d in self.design_effects):
+            raise ValueError(f"design_effects {self.design_effects} must be one value >= 1 per null group "
+                             f"({len(self.null_group_sizes)})")
         bad = ~((s >= 0) & (s <= self.clip_))
         if bad.any():
             i = int(np.flatnonzero(bad)[0])
@@ -78,6 +95,35 @@ class _Fitted(BaseModel):
             if not math.isclose(have, want, rel_tol=1e-9, abs_tol=1e-12):
                 raise ValueError(f"{name} is {have!r}, the null sample's is {want!r}")
         return s, self.null_group_sizes
+
+
+def claim_labels(table, n: int) -> np.ndarray | None:
+    """Integer claim labels of the token rows (from `claim_id`), None without the column."""
+    from verinfer.detect.base import column_names
+
+    if "claim_id" not in column_names(table):
+        return None
+    ids = np.asarray(table["claim_id"].to_pylist() if hasattr(table["claim_id"], "to_pylist") else table["claim_id"])
+    if ids.size != n:
+        raise ValueError(f"claim_id has {ids.size} rows for {n} scored tokens")
+    return np.unique(ids, return_inverse=True)[1].ravel()
+
+
+def claims_per_group(claims: np.ndarray, labels: np.ndarray) -> list[int]:
+    return [int(np.unique(claims[labels == k]).size) for k in range(int(labels.max()) + 1)]
+
+
+def design_effect(w: np.ndarray, claims: np.ndarray) -> float:
+    """Kish's design effect of batch means of whole claims (module docstring): sum_c (S_c - m L_c)^2
+    / (sum_c L_c s^2), at least 1; 1 with fewer than MIN_CLAIMS_FOR_DEFF claims or no variance."""
+    _, inv = np.unique(claims, return_inverse=True)
+    if inv.max(initial=-1) + 1 < MIN_CLAIMS_FOR_DEFF:
+        return 1.0
+    var = float(w.var())
+    if not var > 0:
+        return 1.0
+    sums, lengths = np.bincount(inv, weights=w), np.bincount(inv)
+    return max(1.0, float(((sums - w.mean() * lengths) ** 2).sum() / (lengths.sum() * var)))
 
 
 @dataclass(eq=True)
@@ -92,7 +138,7 @@ class ClippedMeanDetector(Detector):
 
     NAME = "clipped-mean"
     FORMAT = "verinfer.ClippedMeanDetector"
-    FORMAT_VERSION = 1
+    FORMAT_VERSION = 2  # 2: design_effects (issue 15)
     COLUMNS_FIX = ("rescore the claims with `verinfer score` (fp_l2 needs claims generated with "
                    "`verinfer generate --fingerprint`)")
     JSON_NAMES = {"score_name": "score"}
@@ -151,8 +197,15 @@ class ClippedMeanDetector(Detector):
             raise VerinferError(f"degenerate honest null: all {w.size} honest {self.score_name} values are "
                                 f"{w.min():g}, so any deviation would be flagged (p = 0) and nothing is calibrated",
                                 fix="calibrate on more honest claims (the null needs honest tokens that differ)")
-        self.fit_null(w, groups, clip)
+        claims = claim_labels(self.token_rows(table), v.size)
+        self.fit_null(w, groups, clip, claims=claims)
         self.warnings_ = self._fit_warnings(v, w, clip)
+        if claims is not None:
+            few = [k for k, c in enumerate(claims_per_group(claims, labels)) if c < MIN_CLAIMS_FOR_DEFF]
+            if few:
+                self.warnings_.append(f"{len(few)} honest group(s) hold fewer than {MIN_CLAIMS_FOR_DEFF} claims: their "
+                                      "tokens are treated as independent (design effect 1), which understates the "
+                                      "spread of whole-claim batches; calibrate on more claims")
         return self
 
     def _fit_warnings(self, v: np.ndarray, w: np.ndarray, clip: float) -> list[str]:
@@ -169,23 +222,34 @@ class ClippedMeanDetector(Detector):
                        "the null's spread rests on them; calibrate on more honest tokens")
         return out
 
-    def fit_null(self, w: np.ndarray, groups, clip: float) -> None:
+    def fit_null(self, w: np.ndarray, groups, clip: float, claims: np.ndarray | None = None) -> None:
         """The null from winsorized honest values w: per group (one label per value; None: one
-        group), its values, or a sorted random subsample of MAX_NULL_SAMPLE / groups of them."""
-        parts = stratified_subsample(w, group_labels(groups, w.size), MAX_NULL_SAMPLE, self.random_state,
-                                     sort_values=True)
-        self.set_null(np.concatenate(parts), [int(p.size) for p in parts], n_train=int(w.size), clip=clip)
+        group), its values, or a sorted random subsample of MAX_NULL_SAMPLE / groups of them, and
+        its design effect from `claims` (one claim label per value; None: 1)."""
+        labels = group_labels(groups, w.size)
+        parts = stratified_subsample(w, labels, MAX_NULL_SAMPLE, self.random_state, sort_values=True)
+        deff = None if claims is None else [design_effect(w[labels == k], claims[labels == k])
+                                             for k in range(len(parts))]
+        self.set_null(np.concatenate(parts), [int(p.size) for p in parts], n_train=int(w.size), clip=clip,
+                      design_effects=deff)
 
     def set_null(self, sample: np.ndarray, group_sizes: list[int], n_train: int, clip: float,
-                 mean: float | None = None, std: float | None = None) -> None:
+                 mean: float | None = None, std: float | None = None,
+                 design_effects: list[float] | None = None) -> None:
         """Set the learned null (fit, load, and detectors that pool their own per-token scores)."""
         self.clip_ = clip
         self.null_sample_ = sample
         self.null_group_sizes_ = group_sizes
+        self.design_effects_ = [1.0] * len(group_sizes) if design_effects is None else [float(d) for d in design_effects]
         self.null_mean_ = float(sample.mean()) if mean is None else mean
         self.null_std_ = (float(sample.std(ddof=1)) if sample.size > 1 else 0.0) if std is None else std
         self.n_train_ = n_train
         self._cache.clear()
+
+    def _n_eff(self, n_tokens: float, group: int) -> float:
+        """The effective number of independent tokens in a batch of n_tokens tokens of whole
+        claims of honest group `group`: n / its design effect, at least 1."""
+        return max(1.0, float(n_tokens) / self.design_effects_[group])
 
     def _groups(self) -> list[np.ndarray]:
         sizes = getattr(self, "null_group_sizes_", None) or [self.null_sample_.size]
@@ -215,13 +279,14 @@ class ClippedMeanDetector(Detector):
 
     def _group_means(self, n_tokens: int) -> list[np.ndarray]:
         def compute(n: int, rng: np.random.Generator) -> list[np.ndarray]:
-            per_chunk = max(1, _CHUNK // n)
             out = []
-            for s in self._groups():
+            for g, s in enumerate(self._groups()):
+                m = max(1, round(self._n_eff(n, g)))
+                per_chunk = max(1, _CHUNK // m)
                 means = []
                 for start in range(0, self.n_null_batches, per_chunk):
                     k = min(per_chunk, self.n_null_batches - start)
-                    means.append(s[rng.integers(0, s.size, (k, n))].mean(axis=1))
+                    means.append(s[rng.integers(0, s.size, (k, m))].mean(axis=1))
                 out.append(np.concatenate(means))
             return out
 
@@ -233,8 +298,9 @@ class ClippedMeanDetector(Detector):
     def _worst_group(self, n_tokens: int) -> int:
         n = int(n_tokens)
         if self._normal_approx(n):
-            z = norm.isf(self.target_fpr) / math.sqrt(n)
-            return int(np.argmax([m + z * sd for m, sd in self._group_stats()]))
+            z = norm.isf(self.target_fpr)
+            return int(np.argmax([m + z * sd / math.sqrt(self._n_eff(n, g))
+                                  for g, (m, sd) in enumerate(self._group_stats())]))
         return int(np.argmax([np.quantile(g, 1.0 - self.target_fpr) for g in self._group_means(n)]))
 
     def threshold(self, n_tokens: int) -> float:
@@ -244,8 +310,9 @@ class ClippedMeanDetector(Detector):
         self._check_fitted()
         n = int(n_tokens)
         if self._normal_approx(n):
-            m, sd = self._group_stats()[self._worst_group(n)]
-            return float(m + norm.isf(self.target_fpr) * sd / math.sqrt(n))
+            g = self._worst_group(n)
+            m, sd = self._group_stats()[g]
+            return float(m + norm.isf(self.target_fpr) * sd / math.sqrt(self._n_eff(n, g)))
         return float(np.quantile(self.null_means(n), 1.0 - self.target_fpr))
 
     def _distributions(self) -> list[tuple[np.ndarray, np.ndarray]]:
@@ -260,12 +327,12 @@ class ClippedMeanDetector(Detector):
         saddle-point tail of that group's null sample (no floor at 1 / (1 + B))."""
         best = (-1.0, "saddle-point")
         resampled = [None] * len(self._groups()) if self._normal_approx(n) else self._group_means(n)
-        for (values, shares), null in zip(self._distributions(), resampled):
+        for g, ((values, shares), null) in enumerate(zip(self._distributions(), resampled)):
             k = -1 if null is None else int(np.count_nonzero(null >= pooled))
             if k >= MIN_RESAMPLED_HITS:
                 cand = ((k + 1) / (null.size + 1), "resampled")
             else:
-                cand = (mean_tail(values, shares, n, pooled), "saddle-point")
+                cand = (mean_tail(values, shares, self._n_eff(n, g), pooled), "saddle-point")
             best = max(best, cand, key=lambda t: t[0])
         return best
 
@@ -273,7 +340,8 @@ class ClippedMeanDetector(Detector):
         """The Chernoff bound of the tail (largest over the honest groups): P(honest batch mean >=
         pooled) <= this, for every batch size; conservative where the saddle-point value is not."""
         self._check_fitted()
-        return max(chernoff_bound(v, s, n_tokens, pooled) for v, s in self._distributions())
+        return max(chernoff_bound(v, s, self._n_eff(n_tokens, g), pooled)
+                   for g, (v, s) in enumerate(self._distributions()))
 
     def p_value(self, table) -> float:
         """P(honest batch mean >= observed pooled score) for a batch of the table's tokens:
@@ -296,8 +364,9 @@ class ClippedMeanDetector(Detector):
         batch means above it (the normal tail beyond MAX_RESAMPLED_TOKENS)."""
         thr = self.threshold(n_tokens)
         if self._normal_approx(int(n_tokens)):
-            m, sd = self._group_stats()[self._worst_group(n_tokens)]
-            se = sd / math.sqrt(n_tokens)
+            g = self._worst_group(n_tokens)
+            m, sd = self._group_stats()[g]
+            se = sd / math.sqrt(self._n_eff(n_tokens, g))
             return float(norm.sf(thr, m, se)) if se > 0 else 0.0
         return float(max(np.mean(g > thr) for g in self._group_means(n_tokens)))
 
@@ -306,13 +375,14 @@ class ClippedMeanDetector(Detector):
         approximation n* = (z_{1-fpr} sigma / (pooled - null_mean))^2; None if pooled <= null_mean
         (no excess over honest: more tokens would not flag it)."""
         self._check_fitted()
-        m, sd = self._group_stats()[self._worst_group(n_tokens)]  # the honest group setting the threshold
+        g = self._worst_group(n_tokens)  # the honest group setting the threshold
+        m, sd = self._group_stats()[g]
         excess = pooled - m
         if not excess > 0:
             return None
         if sd == 0:
             return int(n_tokens)
-        n_star = math.ceil((norm.isf(self.target_fpr) * sd / excess) ** 2)
+        n_star = math.ceil(self.design_effects_[g] * (norm.isf(self.target_fpr) * sd / excess) ** 2)
         # the resampled threshold can sit above the normal one: never claim fewer tokens than used
         return max(int(n_tokens) + 1, n_star)
 
@@ -326,14 +396,15 @@ class ClippedMeanDetector(Detector):
         honest mean is not positive (a log-likelihood-ratio null: "x times" it states nothing)."""
         n = int(n_tokens)
         thr = self.threshold(n)
-        values, shares = self._distributions()[self._worst_group(n)]
+        g = self._worst_group(n)
+        values, shares = self._distributions()[g]
         mean = float(shares @ values)
         if not mean > 0:
             return None
         alt = {"alternative": f"{effect:g}x the honest mean {self.score_name}", "effect": effect, "n_tokens": n}
         if not values[0] < effect * mean < values[-1]:
             return {**alt, "probability": 1.0 if effect * mean >= values[-1] > thr else 0.0}
-        return {**alt, "probability": mean_tail(values, tilt(values, shares, effect * mean), n, thr)}
+        return {**alt, "probability": mean_tail(values, tilt(values, shares, effect * mean), self._n_eff(n, g), thr)}
 
     def verdict_from_pooled(self, pooled: float, n_tokens: int) -> dict:
         """Verdict with confidence for a pooled score over n_tokens tokens: flagged, threshold, the
@@ -360,7 +431,10 @@ class ClippedMeanDetector(Detector):
                 "score": self.score_name}
 
     def summary(self) -> str:
-        return f"{self.score_name}, clip {self.clip_:.4g} at q={self.clip_quantile}, FPR {self.target_fpr}"
+        deff = max(self.design_effects_)
+        return (f"{self.score_name}, clip {self.clip_:.4g} at q={self.clip_quantile}, FPR {self.target_fpr}"
+                + (f", design effect up to {deff:.3g} (tokens of a claim are correlated: {deff:.3g} of them count as "
+                   "one)" if deff > 1.0 else ""))
 
     # -- persistence -----------------------------------------------------------------------------
     def _fitted_json(self) -> dict:
@@ -369,6 +443,7 @@ class ClippedMeanDetector(Detector):
         return {"clip_": self.clip_, "null_mean_": self.null_mean_, "null_std_": self.null_std_,
                 "n_train_": self.n_train_, "null_sample_size": n,
                 "null_group_sizes": list(getattr(self, "null_group_sizes_", None) or [n]),
+                "design_effects": list(self.design_effects_),
                 "null_sample_f8_base64": encode_f8(self.null_sample_)}
 
     def _load_fitted(self, f: dict) -> None:
@@ -380,4 +455,4 @@ class ClippedMeanDetector(Detector):
             raise ValueError(f"field {'.'.join(map(str, err['loc']))}: {err['msg']} (got {err.get('input')!r})") from None
         s, sizes = fitted.sample()
         self.set_null(s, sizes, n_train=fitted.n_train_, clip=fitted.clip_, mean=fitted.null_mean_,
-                      std=fitted.null_std_)
+                      std=fitted.null_std_, design_effects=fitted.design_effects)
