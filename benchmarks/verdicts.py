@@ -10,7 +10,9 @@
    clipped at 99/99.9/99.99/99.999%, likelihood, exact match, cross-entropy, MC-DiFR, tail,
    lr_combined) the stratified null of ClippedMeanDetector: the worst honest calibration group's
    99% quantile of resampled batch means. Must never decrease in n.
-2. sequential: `detect.sequential.SequentialAudit(best, alpha=0.01)`. Honest audits: N_AUDITS streams
+2. sequential: `detect.sequential.SequentialAudit(best, alpha=0.01)`, `best` fitted on every whole claim
+   of the honest calibration configurations (claim_id: the e-process bets once per claim on its
+   summed, uncapped evidence against the honest claims' log-MGF). Honest audits: N_AUDITS streams
    of up to STREAM_TOKENS tokens from held-out honest configurations (never fitted), whole claims
    drawn with replacement in random order (within-claim dependence kept); the false-positive rate is
    the fraction flagged at any point. Misconfigured audits: N_MISCONF_AUDITS streams per
@@ -115,18 +117,19 @@ def monotone_violations(table: dict, slack: float = 0.0) -> list[str]:
     return bad
 
 
-def stream(evidence: np.ndarray, starts: np.ndarray, rng, tokens: int = STREAM_TOKENS) -> np.ndarray:
-    """Evidence rows of whole claims drawn with replacement until `tokens` tokens."""
+def stream(evidence: np.ndarray, starts: np.ndarray, rng, tokens: int = STREAM_TOKENS) -> tuple[np.ndarray, np.ndarray]:
+    """Evidence rows of whole claims drawn with replacement until `tokens` tokens, and each row's
+    position in the stream's claim order (its claim label for the e-process's blocks)."""
     n_claims = len(starts) - 1
     lens = np.diff(starts)
     picks = rng.integers(0, n_claims, 4 * tokens // max(1, int(lens.mean())) + 8)
     keep = picks[: int(np.searchsorted(np.cumsum(lens[picks]), tokens)) + 1]
     idx = np.concatenate([np.arange(starts[c], starts[c + 1]) for c in keep])[:tokens]
-    return evidence[idx]
+    return evidence[idx], np.repeat(np.arange(keep.size), lens[keep])[:tokens]
 
 
 def stopping_times(seq, evidence: np.ndarray, starts: np.ndarray, n_audits: int, rng) -> list:
-    return [seq.stopping_time(stream(evidence, starts, rng)) for _ in range(n_audits)]
+    return [seq.stopping_time(*stream(evidence, starts, rng)) for _ in range(n_audits)]
 
 
 def run(log=print, single_replay: bool = False) -> dict:
@@ -177,12 +180,22 @@ def run(log=print, single_replay: bool = False) -> dict:
     fixed = power_table({seq_name: det_values[seq_name]}, misconf, sizes=FIXED_SIZES, seed=1)[seq_name]
     fixed_tokens = {m: {str(q): next((n for n in FIXED_SIZES if fixed[m][n] >= q), None) for q in (0.99, 0.5)}
                     for m in misconf}
-    seq = SequentialAudit(best, alpha=ALPHA)
+    # the e-process's allowance is the honest claims' log-MGF (`detect.sequential`): it is fitted on
+    # whole claims (claim_id), every claim of the honest calibration configurations (the honest
+    # audits stream held-out configurations, never fitted)
+    def with_claims(keys: list) -> tuple[dict, np.ndarray]:
+        d = {**view(lab.cat([data[k] for k in keys])),
+             "claim_id": np.concatenate([np.repeat([f"{k}/{i}" for i in range(len(claim_starts(k)) - 1)],
+                                                   np.diff(claim_starts(k))) for k in keys])}
+        return d, np.concatenate([np.full(len(data[k]["margin"]), k) for k in keys])
+
+    seq_best = PerturbationGLRTDetector(**config).fit(*with_claims(honest))
+    seq = SequentialAudit(seq_best, alpha=ALPHA)
     rng = np.random.default_rng(7)
     honest_streams = heldout or honest
     source = ("held-out honest configurations" if heldout else
               "each calibration configuration against a detector fitted on the other ones (no held-out set cached)")
-    ev = {k: best.token_scores(view(data[k])) for k in [*heldout, *misconf]}
+    ev = {k: seq_best.sequential_evidence(view(data[k]))[0] for k in [*heldout, *misconf]}  # uncapped
     starts = {k: claim_starts(k) for k in [*honest_streams, *misconf]}
     flags_by = {}
     per = -(-N_AUDITS // len(honest_streams))
@@ -190,10 +203,8 @@ def run(log=print, single_replay: bool = False) -> dict:
         seq_k = seq
         if not heldout:  # leave configuration k out of the fit
             others = [o for o in honest if o != k]
-            det_k = PerturbationGLRTDetector(**config).fit(
-                view(lab.cat([tr[o] for o in others])),
-                groups=np.concatenate([np.full(len(tr[o]["margin"]), o) for o in others]))
-            seq_k, ev[k] = SequentialAudit(det_k, alpha=ALPHA), det_k.token_scores(view(data[k]))
+            det_k = PerturbationGLRTDetector(**config).fit(*with_claims(others))
+            seq_k, ev[k] = SequentialAudit(det_k, alpha=ALPHA), det_k.sequential_evidence(view(data[k]))[0]
         ts = stopping_times(seq_k, ev[k], starts[k], per, rng)
         flags_by[k] = {"audits": per, "flagged": int(sum(t is not None for t in ts)),
                        "flag_tokens": sorted(t for t in ts if t is not None)}

@@ -31,8 +31,11 @@ def test_streams_are_whole_claims_up_to_the_token_budget():
     ev = np.arange(12.0)[:, None]
     rng = np.random.default_rng(1)
     for _ in range(20):
-        s = verdicts.stream(ev, starts, rng, tokens=25)[:, 0]
-        assert len(s) == 25
+        x, claims = verdicts.stream(ev, starts, rng, tokens=25)
+        s = x[:, 0]
+        assert len(s) == 25 and len(claims) == 25 and claims[0] == 0 and (np.diff(claims) >= 0).all()
+        for c in np.unique(claims)[:-1]:                              # one label per whole claim drawn
+            assert np.isin(s[claims == c], ev[:, 0]).all() and len(s[claims == c]) in (2, 3, 7)
         runs = np.split(s, np.flatnonzero(np.diff(s) != 1) + 1)       # each run: consecutive tokens of claims
         for r in runs[:-1]:
             assert r[0] in (0, 3, 10) and r[-1] in (2, 9, 11)
@@ -73,12 +76,15 @@ def test_committed_results_power_never_decreases():
             assert list(curve) == [str(n) for n in verdicts.POWER_SIZES]
     table = {k: {m: {int(n): p for n, p in c.items()} for m, c in v.items()} for k, v in r["power"].items()}
     assert verdicts.monotone_violations(table, slack=0.01) == []
-    assert all(p >= 0.98 for m in ("int4", "fp8-kv") for p in r["power"]["best"][m].values())
+    # the evidence cap (held-out honest FPR 2.96% -> 0.05%, calibration_fpr.md) costs fp8-kv some power
+    # at 1k (0.986 -> 0.961)
+    assert all(p >= 0.95 for m in ("int4", "fp8-kv") for p in r["power"]["best"][m].values())
 
 
-@pytest.mark.xfail(strict=True, reason="issue 15, not met yet: the committed run's sequential audit flagged 0.063 of "
-                                       "1002 held-out honest 20k-token streams at alpha 0.01 (heldout-bf16-t1-b12 31/334)")
 def test_committed_sequential_audit_holds_its_alpha():
+    """Claim-level e-process (issue 15 item 6): at most alpha over >= 1,000 held-out honest 20k-token
+    streams (measured 0 of 1,002; the token-level one flagged 6.3%), and at most 0.6 of the fixed
+    test's tokens on int4 and fp8-kv."""
     s = _committed()["sequential"]
     assert s["honest_audits"] >= 1000 and s["honest_fpr"] <= s["alpha"]
     for m in ("int4", "fp8-kv"):

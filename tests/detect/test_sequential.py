@@ -35,9 +35,12 @@ def fitted():
 def test_e_process_matches_a_loop_and_the_allowance_covers_every_group(fitted):
     det, rng = fitted
     seq = SequentialAudit(det, alpha=0.01, lambdas=(0.25, 1.0))
-    for x in det.group_evidence():
+    for x in det.sequential_blocks():  # no claim ids: every token a block, uncapped
         assert (group_log_mgf(x, seq.lambdas) <= seq.psi_LC + 1e-12).all()
-    x = det.token_scores(_claims(300, 0.08, rng))
+    assert det.llr_clip_ is not None      # 90,000 honest tokens: the fixed test's evidence is capped ...
+    np.testing.assert_array_equal(np.concatenate(det.sequential_blocks()),  # ... the e-process's is not
+                                  np.concatenate([det._llr(g, capped=False) for g in det.null_gaps_]))
+    x = det.sequential_evidence(_claims(300, 0.08, rng))[0]
     comps = np.zeros((2, x.shape[1]))
     slow = []
     for t in range(len(x)):
@@ -80,3 +83,71 @@ def test_verdict_fields_and_errors(fitted):
         SequentialAudit(cm)
     with pytest.raises(ValueError, match="alpha"):
         SequentialAudit(det, alpha=1.5)
+
+
+def _claim_table(n_claims, rng, sigma=0.05, spread=0.0, eps=5e-4, length=40, prefix="c"):
+    """Claims of `length` tokens whose noise scale is the claim's own, sigma x exp(N(0, spread^2)):
+    a claim's tokens share it (dependent tokens), claims are independent."""
+    parts = [_claims(length, sigma * math.exp(spread * rng.normal()), rng, eps=eps) for _ in range(n_claims)]
+    t = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+    t["claim_id"] = np.repeat([f"{prefix}{i}" for i in range(n_claims)], length)
+    return t
+
+
+def test_claim_blocks_match_a_loop_and_survive_save_load(tmp_path):
+    """With claim ids the e-process bets once per claim on the claim's summed (uncapped) evidence,
+    the allowance is the honest claims' log-MGF, and it moves only at a claim's last token."""
+    rng = np.random.default_rng(5)
+    parts = [_claim_table(400, rng, sigma=s, prefix=f"g{i}-") for i, s in enumerate((0.045, 0.05, 0.055))]
+    table = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+    det = PerturbationGLRTDetector(temperature_factors=(1.1,), top_p_slack=0.0, envelope=False, n_null_batches=200,
+                                   sigma_factors=(1.5, 3.0), eps_factors=(10.0,))
+    det.fit(table, groups=np.repeat([0, 1, 2], 16_000))
+    assert [b.tolist() for b in det.null_block_sizes_] == [[40] * 400] * 3
+    blocks = det.sequential_blocks()
+    raw = [det._llr(g, capped=False) for g in det.null_gaps_]
+    np.testing.assert_allclose(blocks[1], raw[1].reshape(400, 40, -1).sum(axis=1))
+    seq = SequentialAudit(det, alpha=0.01, lambdas=(0.125, 0.5))
+    for b in blocks:
+        assert (group_log_mgf(b, seq.lambdas) <= seq.psi_LC + 1e-12).all()
+    audited = _claim_table(30, rng, sigma=0.09, length=25)
+    x, claims = det.sequential_evidence(audited)
+    assert claims is not None and len(np.unique(claims)) == 30
+    log_e = seq.log_e_values(x, claims)
+    comps, slow = np.zeros((2, x.shape[1])), []
+    for c in range(30):
+        z = x[25 * c : 25 * (c + 1)].sum(axis=0)
+        for li, lam in enumerate(seq.lambdas):
+            comps[li] += lam * z - seq.psi_LC[li]
+        slow.append(logsumexp(comps) - math.log(comps.size))
+    np.testing.assert_allclose(log_e[24::25], slow, rtol=1e-10, atol=1e-10)
+    np.testing.assert_array_equal(log_e[25:49], np.full(24, log_e[24]))   # constant inside claim 2
+    assert (log_e[:24] == 0).all()
+    v = seq.verdict(audited)
+    if v["flagged"]:
+        assert v["decided_at_tokens"] % 25 == 0                            # decided at a claim's end
+    det.save(tmp_path / "g.json")
+    back = PerturbationGLRTDetector.load(tmp_path / "g.json")
+    np.testing.assert_array_equal(SequentialAudit(back, alpha=0.01, lambdas=(0.125, 0.5)).psi_LC, seq.psi_LC)
+
+
+def test_claim_blocks_hold_the_fpr_where_tokens_of_a_claim_are_dependent():
+    """Honest claims whose noise scale varies from claim to claim (a prompt's numerics): a token-
+    level e-process takes the shared scale for independent evidence and flags honest streams far
+    above alpha; the claim-level one holds alpha."""
+    rng = np.random.default_rng(8)
+    kw = dict(spread=1.5, eps=0.0, length=160)
+    parts = [_claim_table(125, rng, prefix=f"g{i}-", **kw) for i in range(3)]
+    table = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+    make = lambda: PerturbationGLRTDetector(temperature_factors=(1.1,), top_p_slack=0.0, envelope=False,  # noqa: E731
+                                            n_null_batches=100, sigma_factors=(1.5, 3.0), eps_factors=(10.0,))
+    groups = np.repeat([0, 1, 2], 20_000)
+    by_claim = SequentialAudit(make().fit(table, groups=groups), alpha=0.05)
+    by_token = SequentialAudit(make().fit({k: v for k, v in table.items() if k != "claim_id"}, groups=groups), alpha=0.05)
+    flags = {"claim": 0, "token": 0}
+    for _ in range(100):
+        stream = _claim_table(50, rng, **kw)
+        x, claims = by_claim.detector.sequential_evidence(stream)
+        flags["claim"] += by_claim.stopping_time(x, claims) is not None
+        flags["token"] += by_token.stopping_time(x) is not None
+    assert flags["claim"] / 100 <= 0.05 + 0.05 and flags["token"] / 100 >= 0.2, flags   # measured 0 and ~0.33

@@ -413,17 +413,21 @@ class StreamingAudit:
 
     def __init__(self, audit: SequentialAudit, engine, references: dict):
         self.audit, self.engine, self.references = audit, engine, references
-        self.seen, self.evidence = 0, []
+        self.seen, self.evidence, self.claims, self.n_claims = 0, [], [], 0
 
     def __call__(self, claims: list[Claim]) -> bool:
         new = claims[self.seen :]
         if new:
             t = score_chunk(new, self.engine, gaps=True, references=self.references)
-            self.evidence.append(self.audit.detector.token_scores(t))
+            x, labels = self.audit.detector.sequential_evidence(t)
+            labels = np.zeros(len(x), dtype=np.int64) if labels is None else labels
+            self.evidence.append(x)
+            self.claims.append(labels + self.n_claims)       # labels unique across chunks
+            self.n_claims += int(labels.max(initial=-1)) + 1
             self.seen = len(claims)
         if not self.evidence:
             return False
-        return self.audit.stopping_time(np.concatenate(self.evidence)) is not None
+        return self.audit.stopping_time(np.concatenate(self.evidence), np.concatenate(self.claims)) is not None
 
 
 def render_markdown(r: dict) -> str:

@@ -120,6 +120,26 @@ def stratified_subsample(x: np.ndarray, labels: np.ndarray, cap_total: int, seed
     return parts
 
 
+def claim_labels(table, n: int) -> np.ndarray | None:
+    """Integer claim labels of a table's rows (from `claim_id`, in row order), None without the column."""
+    if "claim_id" not in column_names(table):
+        return None
+    col = table["claim_id"]
+    ids = np.asarray(col.to_pylist() if hasattr(col, "to_pylist") else col)
+    if ids.size != n:
+        raise ValueError(f"claim_id has {ids.size} rows for {n} scored tokens")
+    return np.unique(ids, return_inverse=True)[1].ravel()
+
+
+def block_sizes(claims: np.ndarray | None, n: int) -> np.ndarray:
+    """Lengths of the runs of consecutive rows of one claim (every row its own block without claims)."""
+    if claims is None:
+        return np.ones(n, dtype=np.int64)
+    c = np.asarray(claims)
+    starts = np.concatenate([[0], np.flatnonzero(c[1:] != c[:-1]) + 1, [c.size]])
+    return np.diff(starts).astype(np.int64)
+
+
 def group_labels(groups, n: int) -> np.ndarray:
     """Integer labels 0..k-1 of the honest groups (one group when groups is None)."""
     labels = np.zeros(n, dtype=np.int64) if groups is None else np.unique(np.asarray(groups), return_inverse=True)[1]
@@ -388,7 +408,16 @@ class ColumnStatistics(Detector):
         return p, "saddle-point (union over columns)"
 
     def group_evidence(self) -> list[np.ndarray]:
-        """Per honest group, its tokens' evidence [n_k, C] as fitted (`detect.sequential` bounds its
-        log-moment generating function)."""
+        """Per honest group, its tokens' evidence [n_k, C] as fitted."""
         self._check_fitted()
         return self.null_samples_
+
+    def sequential_blocks(self) -> list[np.ndarray]:
+        """Per honest group, [n_blocks_k, C] sums of the evidence `detect.sequential` streams over
+        its blocks (claims where the fit knew them; here every token its own block)."""
+        return self.group_evidence()
+
+    def sequential_evidence(self, table, max_tokens: int | None = None) -> tuple[np.ndarray, np.ndarray | None]:
+        """The evidence `detect.sequential` streams ([N, C], in row order) and the claim label of
+        each row (None: every token its own block)."""
+        return self.evidence(table, max_tokens), None

@@ -50,7 +50,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from scipy.stats import norm
 
 from verinfer.audit.scores import ALL_SCORES, ACTIVATION_SCORES, clip_at_quantile, divergence, winsorize
-from verinfer.detect.base import Detector, decision_text, decode_f8, encode_f8, group_labels, stratified_subsample
+from verinfer.detect.base import (Detector, claim_labels, decision_text, decode_f8, encode_f8, group_labels,
+                                  stratified_subsample)
 from verinfer.detect.tail import MIN_RESAMPLED_HITS, chernoff_bound, compress, mean_tail, tilt
 from verinfer.errors import VerinferError
 
@@ -95,18 +96,6 @@ class _Fitted(BaseModel):
             if not math.isclose(have, want, rel_tol=1e-9, abs_tol=1e-12):
                 raise ValueError(f"{name} is {have!r}, the null sample's is {want!r}")
         return s, self.null_group_sizes
-
-
-def claim_labels(table, n: int) -> np.ndarray | None:
-    """Integer claim labels of the token rows (from `claim_id`), None without the column."""
-    from verinfer.detect.base import column_names
-
-    if "claim_id" not in column_names(table):
-        return None
-    ids = np.asarray(table["claim_id"].to_pylist() if hasattr(table["claim_id"], "to_pylist") else table["claim_id"])
-    if ids.size != n:
-        raise ValueError(f"claim_id has {ids.size} rows for {n} scored tokens")
-    return np.unique(ids, return_inverse=True)[1].ravel()
 
 
 def claims_per_group(claims: np.ndarray, labels: np.ndarray) -> list[int]:

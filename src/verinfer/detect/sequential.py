@@ -1,27 +1,34 @@
 """Sequential, anytime-valid audits: a test supermartingale (e-process) over a provider's tokens.
 
-Shape key: N = tokens in stream order, C = evidence columns of the detector, L = bets lambda.
+Shape key: N = tokens in stream order, B = blocks (claims) in stream order, C = evidence columns
+of the detector, L = bets lambda.
 
-For a fitted `ColumnStatistics` detector (the glrt: per token t, x_tc = the log-likelihood ratio
-of alternative c against the honest fit, `token_scores`) and bets lambda_l in `lambdas`:
+For a fitted `ColumnStatistics` detector (the glrt: per token, x_c = the log-likelihood ratio of
+alternative c against the honest fit, uncapped: `sequential_evidence`) the stream is cut into
+blocks, one per claim (consecutive rows of one claim_id; one per token without claim ids), X_bc =
+the block's summed evidence, and with bets lambda_l in `lambdas`:
 
-    E_t = 1/(C L) sum_{c,l} prod_{s <= t} exp(lambda_l x_sc - psi_c(lambda_l))
+    E_b = 1/(C L) sum_{c,l} prod_{j <= b} exp(lambda_l X_jc - psi_c(lambda_l))
 
-psi_c(lambda) is a per-token allowance on the log-moment-generating-function scale: each honest
-calibration group k gives psi_kc(lambda) = log mean_s exp(lambda x_sc) over its tokens, and psi_c
+psi_c(lambda) is a per-block allowance on the log-moment-generating-function scale: each honest
+calibration group k gives psi_kc(lambda) = log mean_j exp(lambda X_jc) over its claims
+(`sequential_blocks`), and psi_c
 is `glrt.honest_allowance` of those K values at level alpha (max(max_k, the one-sided prediction
 bound of a new honest configuration's value from the K groups)): the composite null is "any honest
 configuration", not their pool.
 
 Validity (Ville 1939; Ramdas, Gruenwald, Vovk & Shafer 2023, "Game-theoretic statistics and safe
-anytime-valid inference", Statist. Sci. 38(4)): if a provider's tokens are independent given the
-past with log E exp(lambda x_c) <= psi_c(lambda) for every c and l, every product is a
+anytime-valid inference", Statist. Sci. 38(4)): if a provider's claims are independent given the
+past with log E exp(lambda X_c) <= psi_c(lambda) for every c and l, every product is a
 nonnegative supermartingale starting at 1, so is their average, and
 P(sup_t E_t >= 1/alpha) <= alpha. The audit flags at the first t with E_t >= 1/alpha: its false-
-positive rate is at most alpha whenever the auditor stops (after any number of tokens, chosen by
-looking at the data). 1 / sup E_t is an anytime-valid p-value. The assumption is on the honest
-configurations (tokens independent, log-MGF within the allowance); benchmarks/verdicts.py measures
-the rate on held-out honest configurations streamed claim by claim (within-claim dependence kept).
+positive rate is at most alpha whenever the auditor stops (after any number of claims, chosen by
+looking at the data). 1 / sup E is an anytime-valid p-value. The decision is taken at claim ends
+(`decided_at_tokens` counts the tokens up to the end of the deciding claim). The assumption is on
+the honest configurations (claims independent: seeds and prompts differ; log-MGF within the
+allowance), not on tokens: a claim's tokens are dependent, and a per-token e-process flagged 6-7%
+of held-out honest streams at alpha 1% on the detection lab; benchmarks/verdicts.py measures the
+rate on held-out honest configurations streamed claim by claim.
 
 The mixture over C L components costs log(C L) nats against the best single one; a provider
 whose evidence exceeds the allowance in some column makes that component grow exponentially.
@@ -35,11 +42,11 @@ from dataclasses import dataclass, field
 import numpy as np
 from scipy.special import logsumexp
 
-from verinfer.detect.base import ColumnStatistics, Detector
+from verinfer.detect.base import ColumnStatistics, Detector, block_sizes
 from verinfer.detect.glrt import honest_allowance
 from verinfer.errors import VerinferError
 
-LAMBDAS = (0.0625, 0.125, 0.25, 0.5, 1.0)
+LAMBDAS = tuple(2.0 ** -k for k in range(9, -1, -1))  # 1/512 .. 1: a claim's sum is ~its length x a token's
 CHUNK = 4096  # tokens per block of the running sums (bounds memory at CHUNK x L x C)
 
 
@@ -69,7 +76,7 @@ class SequentialAudit:
             raise ValueError(f"alpha must be in (0, 1), got {self.alpha}")
         if not self.lambdas or any(not 0.0 < lam <= 1.0 for lam in self.lambdas):
             raise ValueError(f"lambdas must be in (0, 1], got {self.lambdas}")
-        groups = self.detector.group_evidence()
+        groups = self.detector.sequential_blocks()
         per_group = np.stack([group_log_mgf(x, self.lambdas) for x in groups])  # [K, L, C]
         k, n_l, n_c = per_group.shape
         self.psi_LC = honest_allowance(per_group.reshape(k, n_l * n_c), self.alpha).reshape(n_l, n_c)
@@ -78,11 +85,24 @@ class SequentialAudit:
     def log_threshold(self) -> float:
         return math.log(1.0 / self.alpha)
 
-    def log_e_values(self, evidence_NC: np.ndarray) -> np.ndarray:
-        """[N] log E_t after each token of the stream (evidence in stream order)."""
+    def log_e_values(self, evidence_NC: np.ndarray, claims: np.ndarray | None = None) -> np.ndarray:
+        """[N] log E after each token of the stream (evidence in stream order): the value after the
+        last completed block (claims: one label per token; None: every token a block), so it moves
+        only at a claim's last token."""
         x = np.asarray(evidence_NC, dtype=np.float64)
         if x.ndim == 1:
             x = x[:, None]
+        sizes = block_sizes(claims, len(x))
+        ends = np.cumsum(sizes)
+        block_e = self._log_e_blocks(np.add.reduceat(x, ends - sizes, axis=0) if len(x) else x)
+        block_N = np.repeat(np.arange(len(sizes)), sizes)
+        before_N = np.concatenate([[0.0], block_e])[block_N]           # E before the token's block
+        out = before_N.copy()
+        out[ends - 1] = block_e                                        # updated at the block's last token
+        return out
+
+    def _log_e_blocks(self, x: np.ndarray) -> np.ndarray:
+        """[B] log E after each block of [B, C] block sums."""
         lam_K = np.repeat(np.asarray(self.lambdas, dtype=np.float64), x.shape[1])   # K = L x C components
         psi_K = self.psi_LC.reshape(-1)
         total_K = np.zeros(lam_K.size)
@@ -94,15 +114,16 @@ class SequentialAudit:
             out.append(top_N + np.log(np.exp(cum_NK - top_N[:, None]).mean(axis=1)))
         return np.concatenate(out) if out else np.zeros(0)
 
-    def stopping_time(self, evidence_NC: np.ndarray) -> int | None:
-        """Tokens at which the audit flags (the first t with E_t >= 1/alpha), None if it does not."""
-        return self.stopping_time_of(self.log_e_values(evidence_NC))
+    def stopping_time(self, evidence_NC: np.ndarray, claims: np.ndarray | None = None) -> int | None:
+        """Tokens at which the audit flags (the end of the first claim after which E >= 1/alpha),
+        None if it does not."""
+        return self.stopping_time_of(self.log_e_values(evidence_NC, claims))
 
     def verdict(self, table, max_tokens: int | None = None) -> dict:
         """The audit of a provider's tokens in stream order (its rows' order): flagged, the tokens at
         which it decided (`decided_at_tokens`, None if undecided), the e-value there (`pooled`) and
         its threshold 1/alpha, the anytime-valid p-value min(1, 1 / sup E_t) over the tokens seen."""
-        log_e = self.log_e_values(self.detector.evidence(table, max_tokens))
+        log_e = self.log_e_values(*self.detector.sequential_evidence(table, max_tokens))
         t = self.stopping_time_of(log_e)
         seen = log_e if t is None else log_e[:t]
         sup = float(seen.max())
