@@ -153,16 +153,16 @@ class PerturbationGLRTDetector(ColumnStatistics):
     envelope: bool = True
     # Each alternative's per-token log-likelihood ratio is capped at this quantile of the honest
     # tokens' (llr_clip_, fit time; None: uncapped). An honest configuration the calibration did not
-    # see differs from the others mostly in a few tokens of extreme evidence (a wide-margin flip
-    # costs the widest alternatives ~10 nats each); uncapped, a handful of them moved a 1,000-token
-    # batch past the threshold: on the detection lab's data (`python -m benchmarks.calibration_fpr`)
-    # the held-out honest FPR at a 1% target was 1.96% uncapped, 0.04% capped at 0.9999 and 1.0% at
-    # 0.999, with power at 1,000 tokens int4 0.999, fp8-kv 0.953, sampling-bug 0.908 at 0.9999
-    # (0.999 costs most of fp8-kv's and sampling-bug's power: their evidence is in the same tail).
+    # see differs from the others mostly in a few tokens of extreme evidence (a wide-margin flip is
+    # worth ~log(f) nats to an outlier alternative eps x f); uncapped, a handful of them moved a
+    # 1,000-token batch past the threshold: the held-out honest FPR at a 1% target was 1.96-2.96% on
+    # the detection lab's data, 0.05% capped (`python -m benchmarks.calibration_fpr`). Capping only
+    # the outlier alternatives left it at 2.1%. A noise-scale or temperature alternative whose honest
+    # quantile is <= 0 stays uncapped: there a cap would erase the column (the demo's honest tokens
+    # carry no noise-scale evidence at 0.9999, and int4's and fp8-kv's evidence lives there: capped,
+    # the CLI glrt passed both at 1,000 tokens). Outlier alternatives are capped even at 0.
     # The quantile is estimated only from >= MIN_TOKENS_ABOVE_CAP / (1 - q) honest tokens (30,000 at
-    # 0.9999); with fewer the evidence stays uncapped and fit warns (`warnings_`, printed by
-    # `verinfer calibrate`): a cap at an unresolved quantile (0 where no honest token carries
-    # evidence) would erase a misconfiguration's evidence in that column
+    # 0.9999); with fewer nothing is capped and fit warns (`warnings_`, printed by `verinfer calibrate`)
     llr_clip_quantile: float | None = 0.9999
 
     def __post_init__(self):
@@ -205,7 +205,9 @@ class PerturbationGLRTDetector(ColumnStatistics):
         if self.llr_clip_quantile is not None:  # the cap from every honest token, before subsampling
             need = math.ceil(MIN_TOKENS_ABOVE_CAP / max(1e-12, 1.0 - self.llr_clip_quantile) - 1e-6)
             if len(g) >= need:
-                self.llr_clip_ = np.quantile(self._llr(g), self.llr_clip_quantile, axis=0)
+                q = np.quantile(self._llr(g), self.llr_clip_quantile, axis=0)
+                outlier = np.array([c == 0 and s_ == s0 and e_ != e0 for c, s_, e_ in self.grid_])
+                self.llr_clip_ = np.where(outlier | (q > 0), q, np.inf)
             else:
                 self.warnings_.append(
                     f"the per-token evidence is not capped: its {self.llr_clip_quantile:g} quantile needs >= {need:,} "
@@ -350,7 +352,8 @@ class PerturbationGLRTDetector(ColumnStatistics):
         self._check_fitted()
         return {"sigma0_": self.sigma0_, "eps0_": self.eps0_, "grid_": [list(t) for t in self.grid_],
                 "n_train_": self.n_train_, "n_columns": int(self.null_gaps_[0].shape[1]),
-                "llr_clip_": None if self.llr_clip_ is None else [float(v) for v in self.llr_clip_],
+                "llr_clip_": None if self.llr_clip_ is None else   # null: that alternative is not capped
+                [float(v) if np.isfinite(v) else None for v in self.llr_clip_],
                 "null_block_sizes": None if self.null_block_sizes_ is None else
                 [[int(v) for v in b] for b in self.null_block_sizes_],
                 "null_gaps_f8_base64": [encode_f8(s) for s in self.null_gaps_]}
@@ -366,7 +369,7 @@ class PerturbationGLRTDetector(ColumnStatistics):
         if (clip is not None and self.llr_clip_quantile is None) or (clip is not None and len(clip) != len(self.grid_)):
             raise ValueError(f"llr_clip_ {clip!r} does not match llr_clip_quantile {self.llr_clip_quantile} and "
                              f"{len(self.grid_)} alternatives")
-        self.llr_clip_ = None if clip is None else np.asarray(clip, dtype=np.float64)
+        self.llr_clip_ = None if clip is None else np.array([np.inf if v is None else float(v) for v in clip])
         blocks = f["null_block_sizes"]
         if blocks is not None and len(blocks) != len(gaps):
             raise ValueError(f"null_block_sizes has {len(blocks)} groups, the null {len(gaps)}")
