@@ -40,6 +40,7 @@ from verinfer.detect.base import (ColumnStatistics, block_sizes, claim_labels, c
 from verinfer.errors import VerinferError
 
 
+FLIP_FLOOR = 2.0  # the cap is never below the evidence of one flip at this many honest noise scales sigma0
 MIN_TOKENS_ABOVE_CAP = 3  # honest tokens above the evidence cap's quantile for the cap to be estimated
 MIN_HONEST_GROUPS = 3  # honest configurations needed to estimate the between-configuration allowance
 ENVELOPE_PREFIX = "env_"  # signed-gap columns of the honest-reference envelope (`verinfer score --gaps`)
@@ -75,6 +76,14 @@ def honest_allowance(means_KC: np.ndarray, fpr: float) -> np.ndarray:
         return m.max(axis=0)
     bound = m.mean(axis=0) + student_t.isf(fpr, k - 1) * m.std(axis=0, ddof=1) * math.sqrt(1.0 + 1.0 / k)
     return np.maximum(m.max(axis=0), bound)
+
+
+def evidence_cap(llr_NC: np.ndarray, grid, flip_llr_C: np.ndarray, q: float) -> np.ndarray:
+    """[C] per-alternative cap of the per-token evidence: for the noise-scale and outlier
+    alternatives, max(the honest tokens' q-quantile of llr_NC, flip_llr_C = the evidence of one
+    flip at FLIP_FLOOR x sigma0); temperature alternatives uncapped (inf)."""
+    cap = np.maximum(np.quantile(llr_NC, q, axis=0), flip_llr_C)
+    return np.where(np.array([c > 0 for c, _, _ in grid]), np.inf, cap)
 
 
 def claim_subsample(x: np.ndarray, labels: np.ndarray, claims: np.ndarray, cap_total: int,
@@ -151,16 +160,19 @@ class PerturbationGLRTDetector(ColumnStatistics):
     combine: str = "maxz"
     max_null_tokens: int = 200_000
     envelope: bool = True
-    # Each alternative's per-token log-likelihood ratio is capped at this quantile of the honest
-    # tokens' (llr_clip_, fit time; None: uncapped). An honest configuration the calibration did not
-    # see differs from the others mostly in a few tokens of extreme evidence (a wide-margin flip is
-    # worth ~log(f) nats to an outlier alternative eps x f); uncapped, a handful of them moved a
-    # 1,000-token batch past the threshold: the held-out honest FPR at a 1% target was 1.96-2.96% on
-    # the detection lab's data, 0.05% capped (`python -m benchmarks.calibration_fpr`). Capping only
-    # the outlier alternatives left it at 2.1%. A noise-scale or temperature alternative whose honest
-    # quantile is <= 0 stays uncapped: there a cap would erase the column (the demo's honest tokens
-    # carry no noise-scale evidence at 0.9999, and int4's and fp8-kv's evidence lives there: capped,
-    # the CLI glrt passed both at 1,000 tokens). Outlier alternatives are capped even at 0.
+    # The noise-scale and outlier alternatives' per-token log-likelihood ratios are capped at this
+    # quantile of the honest tokens' (llr_clip_, fit time; None: uncapped), but never below the
+    # evidence of one flip at FLIP_FLOOR x sigma0 (`evidence_cap`). An honest configuration the
+    # calibration did not see differs from the others mostly in a few tokens of extreme evidence (a
+    # wide-margin flip is worth up to ~14 nats to sigma x50); uncapped, a handful of them moved a
+    # 1,000-token batch past the threshold: on the detection lab's data (`benchmarks.calibration_fpr`,
+    # 3 calibrations) the held-out honest FPR at a 1% target was 1.96% uncapped, 0.04% capped, and
+    # 1.6-2.0% capping only the outlier, only the noise-scale or only the temperature alternatives
+    # (temperature alternatives: capping them changes nothing, so they stay uncapped). The floor: the
+    # demo's honest tokens carry no noise-scale evidence at 0.9999 (quantile 0), and a cap at 0 erased
+    # int4's and fp8-kv's (the CLI glrt passed both at 1,000 tokens); a floor at one flip at 2 sigma0
+    # keeps the lab's 0.04% and flags int4, fp8-kv, sampling-bug in the demo at 100 / 300 / 100 (a
+    # floor at one flip at the alternative's own sigma, up to ~13 nats: 1.6% FPR).
     # The quantile is estimated only from >= MIN_TOKENS_ABOVE_CAP / (1 - q) honest tokens (30,000 at
     # 0.9999); with fewer nothing is capped and fit warns (`warnings_`, printed by `verinfer calibrate`)
     llr_clip_quantile: float | None = 0.9999
@@ -205,9 +217,8 @@ class PerturbationGLRTDetector(ColumnStatistics):
         if self.llr_clip_quantile is not None:  # the cap from every honest token, before subsampling
             need = math.ceil(MIN_TOKENS_ABOVE_CAP / max(1e-12, 1.0 - self.llr_clip_quantile) - 1e-6)
             if len(g) >= need:
-                q = np.quantile(self._llr(g), self.llr_clip_quantile, axis=0)
-                outlier = np.array([c == 0 and s_ == s0 and e_ != e0 for c, s_, e_ in self.grid_])
-                self.llr_clip_ = np.where(outlier | (q > 0), q, np.inf)
+                flip = self._llr(np.full((1, g.shape[1]), FLIP_FLOOR * s0))[0]
+                self.llr_clip_ = evidence_cap(self._llr(g), self.grid_, flip, self.llr_clip_quantile)
             else:
                 self.warnings_.append(
                     f"the per-token evidence is not capped: its {self.llr_clip_quantile:g} quantile needs >= {need:,} "
