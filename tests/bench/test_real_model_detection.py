@@ -105,3 +105,15 @@ def test_runs_of_the_section_are_distinct_vllm_engines():
     assert len({keys[r] for r in (*rm.CALIB_RUNS, "int4", "fp8-kv")}) == 5  # one LLM each
     assert keys["temp-1.1"] == keys["wrong-seed"] == keys["honest"]        # sampling only: they share it
     assert rm.vllm_run("honest-bf16-b8").name == "honest"                  # other honest names: vLLM's batching
+
+
+def test_render_vllm_speed_section():
+    """The `vllm-speed` section's table: the ratio as computed from the medians and the target's verdict."""
+    v = {"model": "smollm2-135m-instruct", "vllm": "0.32", "cpu": "cpu x", "command": "python -m benchmarks.real_model "
+         "vllm-speed", "prompts": 64, "max_tokens": 64, "tokens": 4000, "sampling": "T=1", "rounds": 3,
+         "vllm_generate_tokens_per_s": 200.0, "vllm_generate_cores": 2.0, "score_tokens_per_s": 600.0,
+         "score_cores": 1.9, "replay_tokens_per_s": 700.0, "replay_vs_vllm_generate": 3.0,
+         "replay_only_vs_vllm_generate": 3.5, "meets_target": False}
+    md = rm.render({"vllm_speed": v})
+    assert "replay_vs_vllm_generate = 3.00 (target >= 5: NOT met)" in md and "| 200 | 2.00 |" in md
+    assert "met)" in rm.render({"vllm_speed": {**v, "replay_vs_vllm_generate": 6.0, "meets_target": True}})
