@@ -76,15 +76,13 @@ def test_committed_results_power_never_decreases():
             assert list(curve) == [str(n) for n in verdicts.POWER_SIZES]
     table = {k: {m: {int(n): p for n, p in c.items()} for m, c in v.items()} for k, v in r["power"].items()}
     assert verdicts.monotone_violations(table, slack=0.01) == []
-    # the evidence cap (held-out honest FPR 2.96% -> 0.05%, calibration_fpr.md) costs fp8-kv some power
-    # at 1k (0.986 -> 0.961)
-    assert all(p >= 0.95 for m in ("int4", "fp8-kv") for p in r["power"]["best"][m].values())
+    assert all(p >= 0.98 for m in ("int4", "fp8-kv") for p in r["power"]["best"][m].values())
 
 
 def test_committed_sequential_audit_holds_its_alpha():
     """Claim-level e-process (issue 15 item 6): at most alpha over >= 1,000 held-out honest 20k-token
     streams (measured 0 of 1,002; the token-level one flagged 6.3%), and at most 0.6 of the fixed
-    test's tokens on int4 and fp8-kv."""
+    test's tokens on int4 and fp8-kv (measured 0.37 and 0.30)."""
     s = _committed()["sequential"]
     assert s["honest_audits"] >= 1000 and s["honest_fpr"] <= s["alpha"]
     for m in ("int4", "fp8-kv"):
