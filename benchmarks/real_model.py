@@ -248,9 +248,11 @@ def vllm_speed(model: str, n: int, max_tokens: int, rounds: int, seed: int, out:
         tokens = gens[0].n_tokens
         pairs = [(c.prompt_token_ids, c.output_token_ids) for c in claims]
         engine = verifier_engine(model_dir)
-        times: dict[str, list[float]] = {"score": [], "score_cpu": [], "replay": []}
+        times: dict[str, list[float]] = {"score": [], "score_cpu": [], "replay": [], "forward": []}
         sp = Path(tmp) / "s.parquet"
+        _, bt, budget = replay_batch_size("cpu")
         score_claims(claims, engine, sp, model_sha=info.weights_sha256)  # warm-up
+        _forward_only(engine, pairs, bt, budget)
         for r in range(rounds):
             sp.unlink(missing_ok=True)
             c0, t0 = cpu_seconds(), time.perf_counter()
@@ -260,6 +262,9 @@ def vllm_speed(model: str, n: int, max_tokens: int, rounds: int, seed: int, out:
             t0 = time.perf_counter()
             engine.score(pairs)
             times["replay"].append(time.perf_counter() - t0)
+            t0 = time.perf_counter()  # the model's plain forward over the same claims: what any scorer built on it is bounded by
+            _forward_only(engine, pairs, bt, budget)
+            times["forward"].append(time.perf_counter() - t0)
             print(f"verinfer round {r + 1}/{rounds}: score {times['score'][-1]:.2f} s, replay {times['replay'][-1]:.2f} s",
                   flush=True)
     med = {k: statistics.median(v) for k, v in times.items()}
@@ -271,7 +276,9 @@ def vllm_speed(model: str, n: int, max_tokens: int, rounds: int, seed: int, out:
            "vllm_generate_cores": statistics.median(gen_cpu) / statistics.median(gen_s),
            "vllm_rounds_identical": [sum(a.output_token_ids == b.output_token_ids for a, b in zip(g.claims, claims))
                                      / len(claims) for g in gens[1:]],
-           "score_s": times["score"], "replay_s": times["replay"],
+           "score_s": times["score"], "replay_s": times["replay"], "forward_s": times["forward"],
+           "forward_tokens_per_s": tokens / med["forward"],
+           "forward_vs_vllm_generate": tokens / med["forward"] / vllm_tps,
            "score_tokens_per_s": tokens / med["score"], "replay_tokens_per_s": tokens / med["replay"],
            "score_cores": med["score_cpu"] / med["score"], "torch_threads": torch.get_num_threads(),
            "replay_vs_vllm_generate": tokens / med["score"] / vllm_tps,
@@ -594,10 +601,14 @@ def render(doc: dict) -> str:
                   f"{v['vllm_generate_cores']:.2f} |",
                   f"| verinfer scoring (score_claims: replay + scores + Parquet) | {v['score_tokens_per_s']:.0f} | "
                   f"{v['score_cores']:.2f} |",
-                  f"| verinfer replay alone (Engine.score) | {v['replay_tokens_per_s']:.0f} | |", "",
+                  f"| verinfer replay alone (Engine.score) | {v['replay_tokens_per_s']:.0f} | |",
+                  *([f"| the model's plain forward over the same claims (no scoring) | {v['forward_tokens_per_s']:.0f} | |"]
+                    if "forward_tokens_per_s" in v else []), "",
                   f"replay_vs_vllm_generate = {v['replay_vs_vllm_generate']:.2f} (target >= 5: "
                   f"{'met' if v['meets_target'] else 'NOT met'}); replay alone / vLLM = "
-                  f"{v['replay_only_vs_vllm_generate']:.2f}", ""]
+                  f"{v['replay_only_vs_vllm_generate']:.2f}"
+                  + (f"; plain forward / vLLM = {v['forward_vs_vllm_generate']:.2f} (the bound of any scorer on this "
+                     "forward)" if "forward_vs_vllm_generate" in v else ""), ""]
     if "detection" in doc:
         lines += render_detection(doc["detection"])
     return "\n".join(lines)
