@@ -184,9 +184,10 @@ def run(log=print, single_replay: bool = False) -> dict:
     # whole claims (claim_id), every claim of the honest calibration configurations (the honest
     # audits stream held-out configurations, never fitted)
     def with_claims(keys: list) -> tuple[dict, np.ndarray]:
+        lengths = {k: np.diff(claim_starts(k)) for k in keys}
         d = {**view(lab.cat([data[k] for k in keys])),
-             "claim_id": np.concatenate([np.repeat([f"{k}/{i}" for i in range(len(claim_starts(k)) - 1)],
-                                                   np.diff(claim_starts(k))) for k in keys])}
+             "claim_id": np.concatenate([np.repeat([f"{k}/{i}" for i in range(len(lengths[k]))], lengths[k])
+                                         for k in keys])}
         return d, np.concatenate([np.full(len(data[k]["margin"]), k) for k in keys])
 
     seq_best = PerturbationGLRTDetector(**config).fit(*with_claims(honest))

@@ -273,3 +273,9 @@ def test_design_effect_holds_the_fpr_on_batches_of_whole_claims():
     # too few claims to estimate it: 1, with a warning
     few = ClippedMeanDetector().fit(_clustered(5, rng, length=400))
     assert few.design_effects_ == [1.0] and any("fewer than 10 claims" in x for x in few.warnings_)
+    # an edited detector file: a design effect below 1, or one too few, is refused on load
+    for bad in ([0.5], [deff, deff]):
+        d = with_claims.to_json()
+        d["fitted"]["design_effects"] = bad
+        with pytest.raises(VerinferError, match="design_effects"):
+            ClippedMeanDetector.from_json(d)

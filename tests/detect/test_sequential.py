@@ -129,6 +129,10 @@ def test_claim_blocks_match_a_loop_and_survive_save_load(tmp_path):
     det.save(tmp_path / "g.json")
     back = PerturbationGLRTDetector.load(tmp_path / "g.json")
     np.testing.assert_array_equal(SequentialAudit(back, alpha=0.01, lambdas=(0.125, 0.5)).psi_LC, seq.psi_LC)
+    d = det.to_json()                                      # edited claim blocks that miss a token: refused
+    d["fitted"]["null_block_sizes"][0][0] -= 1
+    with pytest.raises(VerinferError, match="block sizes"):
+        PerturbationGLRTDetector.from_json(d)
 
 
 def test_claim_blocks_hold_the_fpr_where_tokens_of_a_claim_are_dependent():

@@ -242,13 +242,13 @@ class PerturbationGLRTDetector(ColumnStatistics):
         return self
 
     def _set_null(self, gap_samples: list, n_train: int, blocks: list | None = None) -> None:
-        xs = [self._llr(s) for s in gap_samples]
+        raw = [self._llr(s, capped=False) for s in gap_samples]  # the perturbation LLR once; capped below
+        xs = raw if self.llr_clip_ is None else [np.minimum(x, self.llr_clip_) for x in raw]
         self.null_block_sizes_ = blocks
         sizes = blocks or [block_sizes(None, len(s)) for s in gap_samples]
         if any(int(np.sum(b)) != len(s) or (np.asarray(b) < 1).any() for b, s in zip(sizes, gap_samples)):
             raise ValueError("null block sizes do not add up to the null samples' tokens")
-        self.sequential_blocks_ = [np.add.reduceat(self._llr(s, capped=False), np.cumsum(b) - b, axis=0)
-                                   for s, b in zip(gap_samples, sizes)]
+        self.sequential_blocks_ = [np.add.reduceat(x, np.cumsum(b) - b, axis=0) for x, b in zip(raw, sizes)]
         x = np.concatenate(xs)
         means = np.array([xg.mean(axis=0) for xg in xs])
         self.null_gaps_ = gap_samples
