@@ -88,11 +88,14 @@ def test_fixed_shape_decode_trajectory_equals_one_verification_pass(det_engine):
 def test_fixed_shape_reads_slot_multiples_and_rejects_positions_past_its_slots(det_engine, bf16_model):
     model, K = det_engine.model, det_engine.model.kernels
     cache = model.new_cache(1, 8)
-    assert cache.max_slots == K.key_slots  # its caches always hold every slot it may read
-    assert K.slots_to_read(1, cache.max_slots) == 64 and K.slots_to_read(65, cache.max_slots) == 128
-    assert K.slots_to_read(K.key_slots, cache.max_slots) == K.key_slots
+    assert cache.max_slots == 64  # a cache holds whole slot multiples, as many as its requests need
+    assert K.slots_to_read(1, cache.max_slots) == 64
+    with pytest.raises(ValueError, match="new_cache"):
+        K.slots_to_read(65, cache.max_slots)
+    full = model.new_cache(1, K.key_slots).max_slots
+    assert full == K.key_slots and K.slots_to_read(65, full) == 128 and K.slots_to_read(K.key_slots, full) == K.key_slots
     with pytest.raises(ValueError, match="past"):
-        K.slots_to_read(K.key_slots + 1, cache.max_slots)
+        K.slots_to_read(K.key_slots + 1, full)
     with pytest.raises(ValueError, match="new_cache"):
         K.slots_to_read(100, bf16_model.new_cache(1, 80).max_slots)
 

@@ -106,6 +106,11 @@ class Scheduler:
         step (newcomers prefilled, one decode step, the policy's verification). Several schedulers
         can so be advanced in turn and timed step by step under the same machine load."""
         protected = set(r.id for r in requests) if protected is None else protected
+        # cache slots for the longest request, not the model's whole context (memory of every row)
+        # (in the deterministic kernels' slot multiples, so rows of both engines join)
+        need = min(self.fast.max_positions, max((len(r.prompt_token_ids) + r.params.max_tokens
+                                                 for r in requests), default=0)) + 1
+        self.slots = max(self.det.model.kernels.cache_slots(need), self.fast.model.kernels.cache_slots(need))
         queue = deque(requests)
         batch: Batch | None = None
         rows: list[Row] = []
