@@ -132,3 +132,52 @@ def test_stop_tokens_and_errors(models):
         SpeculativeDecoder(target, draft, temperature=1.0).generate([p], 4)
     with pytest.raises(ValueError, match="gamma"):
         SpeculativeDecoder(target, draft, gamma=0)
+
+
+# --- n-gram prompt lookup (speculative/ngram.py): the baseline with no draft model
+
+def test_ngram_propose_follows_vllms_longest_suffix_earliest_match():
+    from verinfer.speculative.ngram import NgramDraft, propose
+
+    assert propose([1, 2, 3, 4, 2, 3], 2, 3, 4) == [4, 2, 3]  # vLLM's docstring example
+    assert propose([1, 2, 3, 1, 2, 3, 1, 2], 1, 3, 3) == [3, 1, 2]  # longest (3), earliest occurrence
+    assert propose([9, 1, 2, 8, 1, 2, 7, 2], 1, 3, 2) == [8, 1]  # only n = 1 matches: its earliest one
+    assert propose([5, 6, 7], 1, 2, 2) == [] and propose([5, 6, 5, 6], 3, 3, 2) == []
+    with pytest.raises(ValueError, match="min_n"):
+        NgramDraft(3, 2)
+
+
+NGRAM_TEXTS = ["    def __init__(self, x):\n        self.x = x\n    def __init__(self",
+               "import os\nimport sys\nimport os\nimport ", "Q: 37+45=\nA: 82\nQ: 37+45=\nA: "]
+
+
+def test_ngram_greedy_equals_target_only_and_skips_target_forwards(models):
+    from verinfer.speculative.ngram import NgramDraft
+
+    target, _, tok = models
+    prompts = [tok.encode(t, add_special_tokens=False) for t in NGRAM_TEXTS]
+    ref = autoregressive(target, prompts, 16, batch_size=3)
+    for g, bs in ((1, 1), (4, 3)):
+        outs = SpeculativeDecoder(target, NgramDraft(1, 3), Rule("standard"), gamma=g).generate(prompts, 16, batch_size=bs)
+        assert [o.output_token_ids for o in outs] == [o.output_token_ids for o in ref]
+        assert all(o.draft_forwards == 0 for o in outs)
+        if g == 4:  # repeated code: lookups are accepted, fewer target forwards than tokens
+            assert sum(o.accepted for o in outs) > 0
+            assert sum(o.target_forwards for o in outs) < sum(len(o.output_token_ids) for o in outs)
+    with pytest.raises(ValueError, match="standard"):
+        SpeculativeDecoder(target, NgramDraft(), Rule("kl", 0.5))
+
+
+def test_ngram_speculative_sampling_is_lossless(models):
+    """One-hot q at the looked-up token: accept with p(x), else sample p without x. Chi-square of
+    the first two tokens against the exact target distribution, on a prompt whose suffix recurs."""
+    from verinfer.speculative.ngram import NgramDraft
+
+    target, _, tok = models
+    prompt = tok.encode(NGRAM_TEXTS[0], add_special_tokens=False)
+    n = 2000
+    dec = SpeculativeDecoder(target, NgramDraft(1, 3), Rule("standard"), gamma=3, temperature=1.0)
+    outs = dec.generate([prompt] * n, max_tokens=2, seeds=list(range(n)), batch_size=n)
+    (_, pval), bins = _chi2(target, outs, prompt, n)
+    assert bins >= 10 and pval > 1e-3
+    assert sum(o.accepted for o in outs) > 0.1 * n  # the lookups were tried and often accepted

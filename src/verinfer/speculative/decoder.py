@@ -38,6 +38,7 @@ from verinfer.models.llama import LlamaLM
 from verinfer.sampling.noise import SpeculativeNoise, speculative_noise
 from verinfer.sampling.sampler import sample_probs
 from verinfer.sampling.params import SamplingParams
+from verinfer.speculative.ngram import NgramDraft
 from verinfer.speculative.rules import Rule, verify
 
 
@@ -89,16 +90,24 @@ class SpeculativeDecoder:
     (any torch device). Sampling draws every random number from each row's speculative-keyed
     noise (sampling/noise.py), addressed by (seed, round): claims name noise "speculative-keyed"."""
 
-    def __init__(self, target: LlamaLM, draft: LlamaLM, rule: Rule = Rule(), gamma: int = 4,
+    def __init__(self, target: LlamaLM, draft: LlamaLM | NgramDraft, rule: Rule = Rule(), gamma: int = 4,
                  temperature: float = 0.0, stop_token_ids: tuple[int, ...] = (), eos_token_id: int | None = None):
+        """`draft`: a model on the target's tokenizer, or NgramDraft (prompt lookup: no draft model;
+        up to gamma proposed tokens per row and round, q one-hot; the standard rule only)."""
         if gamma < 1:
             raise ValueError(f"gamma (draft tokens per round) must be >= 1, got {gamma}")
-        if target.config.vocab_size != draft.config.vocab_size:
+        self.ngram = draft if isinstance(draft, NgramDraft) else None
+        if self.ngram is not None:
+            if rule.name != "standard":
+                raise ValueError(f"n-gram drafting has no draft distribution for the {rule.name!r} rule: use "
+                                 "Rule('standard')")
+        elif target.config.vocab_size != draft.config.vocab_size:
             raise ValueError(f"target and draft vocabularies differ ({target.config.vocab_size} vs "
                              f"{draft.config.vocab_size}): speculative decoding needs one tokenizer")
         if temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {temperature}")
-        self.target, self.draft = Engine(target, lean_prefill=True), Engine(draft, lean_prefill=True)
+        self.target = Engine(target, lean_prefill=True)
+        self.draft = None if self.ngram is not None else Engine(draft, lean_prefill=True)
         self.rule, self.gamma, self.temperature = rule, gamma, temperature
         self.stop = set(stop_token_ids) | ({eos_token_id} if eos_token_id is not None else set())
 
@@ -141,9 +150,12 @@ class SpeculativeDecoder:
         # the prompt alone
         _check_context(self.target.model, prompts, slots + G)
         reqs = _requests(prompts, max_tokens)
-        db = self.draft.prefill(reqs, extra_slots=slots, hidden_layer=hl)
-        lg, hd = db.logits_BV, db.hidden_BD
+        db = lg = hd = None
+        if self.ngram is None:
+            db = self.draft.prefill(reqs, extra_slots=slots, hidden_layer=hl)
+            lg, hd = db.logits_BV, db.hidden_BD
         tb = None
+        n_valid = None
         rows = _Rows(prompts, max_tokens)
         active = list(range(len(prompts)))
         dev = self.target.device
@@ -151,38 +163,42 @@ class SpeculativeDecoder:
             B = len(active)
             n_B = torch.tensor([len(rows.seqs[r]) for r in active], device=dev)
             # --- draft gamma tokens
-            if tb is not None:
-                self.draft.truncate(db, n_B - 2)
-                last2 = torch.tensor([rows.seqs[r][-2:] for r in active], device=dev)
-                logits, h = self.draft.extend(db, last2, hidden_layer=hl)
-                lg, hd = logits[:, -1], (h[:, -1] if h is not None else None)
-            xs, qs, hds = [], [], []
-            # greedy: stop drafting once every row has drafted a stop token or filled its
-            # max_tokens budget (later draft tokens could never be emitted). Not when sampling:
-            # a row's number of draws must not depend on its batch neighbours.
-            ended = [False] * B
-            budget = [max_tokens - len(rows.outs[r].output_token_ids) for r in active]
-            for i in range(G):
-                q = _probs(lg, T)
-                if self.greedy:
-                    x = lg.argmax(-1)
-                else:
-                    qc = q.double().cpu()
-                    x = torch.tensor([sample_probs(qc[b], gens[r].draft(rows.outs[r].target_forwards, i))
-                                      for b, r in enumerate(active)], device=dev)
-                xs.append(x)
-                qs.append(q)
-                hds.append(hd)
-                if self.greedy:
-                    ended = [e or t in self.stop or i + 1 >= n for e, t, n in zip(ended, x.tolist(), budget)]
-                    if all(ended):
-                        break
-                if i < G - 1:
-                    logits, h = self.draft.extend(db, x[:, None], hidden_layer=hl)
-                    lg, hd = logits[:, 0], (h[:, 0] if h is not None else None)
-            Gr = len(xs)  # drafted this round (< G only after the greedy cut)
-            x_BG = torch.stack(xs, 1)
-            q_BGV = torch.stack(qs, 1)
+            if self.ngram is not None:
+                x_BG, q_BGV, n_valid = self._lookup(rows, active, G, dev)
+                hds, Gr = [], x_BG.shape[1]
+            else:
+                if tb is not None:
+                    self.draft.truncate(db, n_B - 2)
+                    last2 = torch.tensor([rows.seqs[r][-2:] for r in active], device=dev)
+                    logits, h = self.draft.extend(db, last2, hidden_layer=hl)
+                    lg, hd = logits[:, -1], (h[:, -1] if h is not None else None)
+                xs, qs, hds = [], [], []
+                # greedy: stop drafting once every row has drafted a stop token or filled its
+                # max_tokens budget (later draft tokens could never be emitted). Not when sampling:
+                # a row's number of draws must not depend on its batch neighbours.
+                ended = [False] * B
+                budget = [max_tokens - len(rows.outs[r].output_token_ids) for r in active]
+                for i in range(G):
+                    q = _probs(lg, T)
+                    if self.greedy:
+                        x = lg.argmax(-1)
+                    else:
+                        qc = q.double().cpu()
+                        x = torch.tensor([sample_probs(qc[b], gens[r].draft(rows.outs[r].target_forwards, i))
+                                          for b, r in enumerate(active)], device=dev)
+                    xs.append(x)
+                    qs.append(q)
+                    hds.append(hd)
+                    if self.greedy:
+                        ended = [e or t in self.stop or i + 1 >= n for e, t, n in zip(ended, x.tolist(), budget)]
+                        if all(ended):
+                            break
+                    if i < G - 1:
+                        logits, h = self.draft.extend(db, x[:, None], hidden_layer=hl)
+                        lg, hd = logits[:, 0], (h[:, 0] if h is not None else None)
+                Gr = len(xs)  # drafted this round (< G only after the greedy cut)
+                x_BG = torch.stack(xs, 1)
+                q_BGV = torch.stack(qs, 1)
             # --- verify with one target forward over [last, x_1..x_G] (round 1: [prompt, x_1..x_G])
             if tb is None:
                 tb, tlogits, th = self.target.prefill_extend(reqs, x_BG, extra_slots=slots, hidden_layer=hl)
@@ -198,18 +214,19 @@ class SpeculativeDecoder:
             u_BG = None if gens is None else torch.stack([gens[r].accept_uniforms(rows.outs[r].target_forwards, Gr)
                                                           for r in active])
             tok_noises = None if gens is None else [gens[r].token(rows.outs[r].target_forwards) for r in active]
-            n_acc, nxt, _ = verify(self.rule, p_BGpV, q_BGV, x_BG, self.greedy, u_BG, tok_noises, feats)
+            n_acc, nxt, _ = verify(self.rule, p_BGpV, q_BGV, x_BG, self.greedy, u_BG, tok_noises, feats, n_valid)
             x_cpu = x_BG.cpu()
             keep = []
             for b, r in enumerate(active):
                 a = int(n_acc[b])
                 o = rows.outs[r]
+                proposed = Gr if n_valid is None else int(n_valid[b])
                 o.target_forwards += 1
-                o.draft_forwards += Gr
-                o.drafted += Gr
+                o.draft_forwards += 0 if self.ngram is not None else Gr
+                o.drafted += proposed
                 o.accepted += a
                 new = x_cpu[b, :a].tolist() + [int(nxt[b])]
-                ev = "a" * a + ("b" if a == Gr else "r")
+                ev = "a" * a + ("b" if a == proposed else "r")
                 done = False
                 for tok, e in zip(new, ev):
                     o.output_token_ids.append(tok)
@@ -224,9 +241,19 @@ class SpeculativeDecoder:
                 if not done:
                     keep.append(b)
             if len(keep) < B:
-                tb, db = select_rows(tb, keep), select_rows(db, keep)
+                tb = select_rows(tb, keep)
+                db = select_rows(db, keep) if db is not None else None
                 active = [active[b] for b in keep]
         return rows.outs
+
+    def _lookup(self, rows: "_Rows", active: list[int], G: int, dev):
+        """N-gram proposals of every active row, padded to the round's longest (at least 1): x_BG,
+        q_BGV (one-hot at the proposals) and n_valid_B (each row's own count, 0 without a match)."""
+        props = [self.ngram.propose(rows.seqs[r], G) for r in active]
+        Gr = max(1, max(len(x) for x in props))
+        x_BG = torch.tensor([x + [0] * (Gr - len(x)) for x in props], device=dev)
+        q_BGV = torch.nn.functional.one_hot(x_BG, self.target.model.config.vocab_size).float()
+        return x_BG, q_BGV, torch.tensor([len(x) for x in props])
 
 
 @torch.no_grad()

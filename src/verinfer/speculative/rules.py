@@ -146,7 +146,7 @@ def residual(p_V: torch.Tensor, q_V: torch.Tensor) -> torch.Tensor:
 
 def verify(rule: Rule, p_BGpV: torch.Tensor, q_BGV: torch.Tensor, x_BG: torch.Tensor, greedy: bool,
            u_BG: torch.Tensor | None = None, token_noises: list[StepNoise] | None = None,
-           feats_BGD: torch.Tensor | None = None):
+           feats_BGD: torch.Tensor | None = None, n_valid_B: torch.Tensor | None = None):
     """One verification of a drafted block. p_BGpV has G+1 positions (the last one gives the
     bonus token). Returns (n_accepted_B, next_token_B, accept_BG) where accept_BG is the rule's
     per-position decision (the block ends at the first False) and next_token_B is the correction
@@ -155,7 +155,11 @@ def verify(rule: Rule, p_BGpV: torch.Tensor, q_BGV: torch.Tensor, x_BG: torch.Te
     Sampling (temperature > 0) takes its randomness as arguments, drawn by the caller from each
     row's speculative-keyed noise (sampling/noise.py, `SpeculativeNoise`): u_BG, the acceptance
     uniforms of the round, and token_noises, one StepNoise per row for the next token
-    (`sampling.sampler.sample_probs` of the residual or the bonus distribution). Greedy draws nothing."""
+    (`sampling.sampler.sample_probs` of the residual or the bonus distribution). Greedy draws nothing.
+
+    n_valid_B: a row that proposed fewer than G tokens (n-gram drafting) has only its first
+    n_valid_B[b] positions verified; where its block ends at n_valid_B[b] < G nothing was rejected,
+    so its next token comes from the target's own distribution there (greedy: its argmax)."""
     B, G = x_BG.shape
     if not greedy:
         if u_BG is None or token_noises is None or len(token_noises) != B or tuple(u_BG.shape) != (B, G):
@@ -163,6 +167,8 @@ def verify(rule: Rule, p_BGpV: torch.Tensor, q_BGV: torch.Tensor, x_BG: torch.Te
                              f"token noise per row ({B} rows)")
         u_BG = u_BG.to(device=p_BGpV.device, dtype=p_BGpV.dtype)
     acc = accept_mask(rule, p_BGpV[:, :G], q_BGV, x_BG, u_BG, greedy, feats_BGD)
+    if n_valid_B is not None:
+        acc = acc & (torch.arange(G, device=acc.device)[None, :] < n_valid_B.to(acc.device)[:, None])
     n_B = leading_accepted(acc)
     if greedy:
         nxt = p_BGpV.gather(1, n_B.to(p_BGpV.device)[:, None, None].expand(B, 1, p_BGpV.shape[-1]))[:, 0].argmax(-1)
@@ -171,6 +177,7 @@ def verify(rule: Rule, p_BGpV: torch.Tensor, q_BGV: torch.Tensor, x_BG: torch.Te
     p_cpu, q_cpu = p_BGpV.double().cpu(), q_BGV.double().cpu()
     for b in range(B):
         n = int(n_B[b])
-        dist = p_cpu[b, G] if n == G else residual(p_cpu[b, n], q_cpu[b, n])
+        proposed = G if n_valid_B is None else int(n_valid_B[b])
+        dist = p_cpu[b, n] if n >= proposed else residual(p_cpu[b, n], q_cpu[b, n])
         nxt[b] = sample_probs(dist, token_noises[b])
     return n_B.cpu(), nxt, acc
