@@ -535,6 +535,25 @@ def testbed_build(seed: int = typer.Option(0, help="Seed of the corpus, initiali
     typer.echo(json.dumps(info, indent=1, default=str))
 
 
+@command(testbed_app, "build-draft")
+def testbed_build_draft(model: str = typer.Option(..., help="The target: a catalog name (e.g. smollm2-135m-instruct) "
+                                                  "or a model directory."),
+                        seed: int = typer.Option(0, help="Seed of the data order, initialization and training."),
+                        out: Optional[Path] = typer.Option(None, help="Output directory (default: the shipped "
+                                                           "models/drafts/<target>-draft)."),
+                        budget: Budget = typer.Option("full", help="full: the shipped draft; tiny: "
+                                                                       "a seconds-long smoke build."),
+                        work: Optional[Path] = typer.Option(None, help="Teacher shards and checkpoints (default: "
+                                                            "<cache>/work/<target>-draft-seed<seed>/<budget>); a "
+                                                            "rerun resumes from them.")):
+    """Distil a small draft of a real target on its tokenizer, for speculative decoding (recipe:
+    models/draft.py): the target's top-32 log-probs on stdlib training files, then a 4-layer d-256 student."""
+    from verinfer.models import draft
+
+    info = draft.build_draft(_model_dir(model), seed, out, budget=budget, work=work)
+    typer.echo(json.dumps(info, indent=1, default=str))
+
+
 @command(testbed_app, "info")
 def testbed_info():
     """Print the shipped testbed's model card numbers."""
