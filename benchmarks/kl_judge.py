@@ -4,8 +4,9 @@
     flock /tmp/verinfer-timing.lock .venv/bin/python -m benchmarks.kl_judge --timing --out benchmarks/results   # cost model, tokens/s
     .venv/bin/python -m benchmarks.kl_judge [--quick]                      # both in one process, into runs/kl_judge
 
-Writes <out>/kl_judge.{json,md}, kl_judge_frontier.png and the trained AutoJudge head
-(kl_judge_autojudge.json); <out> is runs/kl_judge unless --out says otherwise (the committed
+Writes <out>/<stem>.{json,md}, <stem>_frontier.png and the trained AutoJudge head
+(<stem>_autojudge.json), stem kl_judge for --task nextline (SmolLM2 and its draft) and
+kl_judge_testbed for --task arithmetic (the testbed); <out> is runs/kl_judge unless --out says otherwise (the committed
 results are benchmarks/results: name it to regenerate them). Ends with issue 7's criteria as a
 table. The protocol and the metric definitions are in benchmarks/kl_judge_bench.py.
 """
@@ -18,7 +19,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from benchmarks.kl_judge_bench import run, timing_run
+from benchmarks.kl_judge_bench import STEM, run, timing_run
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = ROOT / "runs" / "kl_judge"
@@ -28,6 +29,9 @@ def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="small smoke run (not the committed results)")
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--task", choices=["nextline", "arithmetic"], default="arithmetic",
+                    help="nextline: SmolLM2-135M-Instruct + its distilled draft on held-out stdlib next-line "
+                         "completion (results kl_judge.*); arithmetic: the testbed pair (kl_judge_testbed.*)")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT,
                     help="output directory (default runs/kl_judge; benchmarks/results holds the committed results)")
@@ -35,7 +39,7 @@ def parser() -> argparse.ArgumentParser:
     stage.add_argument("--no-timing", action="store_true", help="quality half only (no wall-clock numbers)")
     stage.add_argument("--timing", action="store_true",
                        help="timing half only: cost model and tokens/s of every method at every gamma in one "
-                            "interleaved run; updates the kl_judge.json of a --no-timing run")
+                            "interleaved run; updates the JSON of a --no-timing run")
     return ap
 
 
@@ -70,8 +74,9 @@ if __name__ == "__main__":
     a = parser().parse_args()
     log = lambda s: print(s, flush=True)  # noqa: E731
     if a.timing:
-        res = timing_run(a.out / "kl_judge.json", device=a.device, repeats=a.repeats, log=log)
+        res = timing_run(a.out / f"{STEM[a.task]}.json", device=a.device, repeats=a.repeats, log=log)
     else:
-        res = run(a.out, device=a.device, quick=a.quick, repeats=a.repeats, log=log, timing=not a.no_timing)
+        res = run(a.out, device=a.device, quick=a.quick, repeats=a.repeats, log=log, timing=not a.no_timing,
+                  task_name=a.task)
     Console().print(criteria_table(res.get("criteria")))
     print(f"results -> {a.out}")

@@ -2,6 +2,8 @@
 How many output tokens does the audit need to catch it?
 
     .venv/bin/python benchmarks/kl_judge_audit.py [--n 128] [--max-tokens 64]
+    .venv/bin/python benchmarks/kl_judge_audit.py --model smollm2-135m-instruct   # the real pair (its
+        # distilled draft, models/drafts/); prompts: the next-line task's validation contexts
 
 Honest provider: standard speculative sampling (gamma 4, temperature 1, audit prompts of
 models/corpus.eval_prompts). Misconfigured: the KL judge at each threshold, claims labelled
@@ -9,7 +11,7 @@ models/corpus.eval_prompts). Misconfigured: the KL judge at each threshold, clai
 output token by -log min(1, p/q) on accepted draft tokens (0 otherwise, +inf on violations) and
 the DiFR protocol (audit/metrics.auc_vs_tokens: 50/50 token split, winsorize at the 0.999 honest
 quantile, batch means) gives AUC@1%FPR by batch size; tokens-to-detect = smallest batch reaching
-0.99. Writes benchmarks/results/kl_judge_audit.{json,md}.
+0.99. Writes benchmarks/results/kl_judge_audit.{json,md} (with --model: kl_judge_audit_<model>.*).
 """
 
 from __future__ import annotations
@@ -35,14 +37,15 @@ from verinfer.speculative.spec_claims import spec_claims, verify_spec_claims
 
 def tokens_to_detect_kl_provider(target: LlamaLM, draft: LlamaLM, prompts: list[list[int]], *, threshold: float,
                                  gamma: int = 4, temperature: float = 1.0, max_tokens: int = 64, seed: int = 0,
-                                 batch_size: int = 16, model_name: str = "testbed-target") -> dict:
+                                 batch_size: int = 16, model_name: str = "testbed-target",
+                                 draft_name: str = "testbed-draft") -> dict:
     """Honest standard provider vs a provider running the KL judge at `threshold` while claiming
     standard: per-token scores, AUC@1%FPR by batch size (DiFR protocol), tokens-to-detect."""
     res = {}
     scores = {}
     for name, rule, s in [("honest_standard", Rule("standard"), seed), ("kl_claims_standard", Rule("kl", threshold), seed + 7)]:
         cl = spec_claims(target, draft, prompts, run_rule=rule, claimed="standard", gamma=gamma, temperature=temperature,
-                         max_tokens=max_tokens, seed=s, model_name=model_name, draft_name="testbed-draft",
+                         max_tokens=max_tokens, seed=s, model_name=model_name, draft_name=draft_name,
                          provider=name, batch_size=batch_size)
         rows = verify_spec_claims(cl, target, draft)
         scores[name] = rows["score"]
@@ -65,21 +68,43 @@ if __name__ == "__main__":
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--thresholds", type=float, nargs="+", default=[0.1, 0.5, 2.0])
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    ap.add_argument("--model", default=None, help="a catalog name or directory: the target (default: the testbed); "
+                    "its draft is models/drafts/<name>-draft unless --draft says otherwise")
+    ap.add_argument("--draft", type=Path, default=None)
     a = ap.parse_args()
     torch.set_num_threads(1)
     t0 = time.time()
-    tok = load_tokenizer()
-    target, draft = LlamaLM.from_pretrained(TARGET_DIR), LlamaLM.from_pretrained(DRAFT_DIR)
-    prompts = eval_prompts(tok, a.n, seed=11)
-    res = {"command": "benchmarks/kl_judge_audit.py " + " ".join(sys.argv[1:]), "by_threshold": {}}
+    stem = "kl_judge_audit"
+    if a.model is None:
+        tok = load_tokenizer()
+        target, draft = LlamaLM.from_pretrained(TARGET_DIR), LlamaLM.from_pretrained(DRAFT_DIR)
+        prompts = eval_prompts(tok, a.n, seed=11)
+        names = dict(model_name="testbed-target", draft_name="testbed-draft")
+    else:
+        from verinfer.models import nextline
+        from verinfer.models.catalog import resolve_model
+        from verinfer.models.draft import default_out
+        from verinfer.models.load import load_tokenizer as load_tok, model_info
+
+        tdir = resolve_model(a.model)
+        ddir = a.draft or default_out(tdir)
+        tok = load_tok(tdir)
+        target = LlamaLM.from_pretrained(tdir, dtype=torch.bfloat16)
+        draft = LlamaLM.from_pretrained(ddir, dtype=torch.bfloat16)
+        prompts = [list(p.prompt_ids) for p in nextline.problems(tok, a.n)]
+        names = dict(model_name=model_info(tdir).name, draft_name=model_info(ddir).name)
+        stem += "_" + tdir.name
+    res = {"command": "benchmarks/kl_judge_audit.py " + " ".join(sys.argv[1:]), "by_threshold": {}, **names}
     for thr in a.thresholds:
-        r = tokens_to_detect_kl_provider(target, draft, prompts, threshold=thr, max_tokens=a.max_tokens, seed=0)
+        r = tokens_to_detect_kl_provider(target, draft, prompts, threshold=thr, max_tokens=a.max_tokens, seed=0,
+                                         **names)
         res["by_threshold"][str(thr)] = r
         print(thr, r["tokens_to_detect"], r["kl_claims_standard"], flush=True)
     res["seconds"] = time.time() - t0
     a.out.mkdir(parents=True, exist_ok=True)
-    (a.out / "kl_judge_audit.json").write_text(json.dumps(res, indent=1))
-    L = ["# Audit: KL judge claimed as standard speculative sampling", "",
+    (a.out / f"{stem}.json").write_text(json.dumps(res, indent=1))
+    L = [f"# Audit: KL judge claimed as standard speculative sampling ({names['model_name']} with "
+         f"{names['draft_name']})", "",
          f"`{res['command']}`: {a.n} audit prompts x {a.max_tokens} tokens per provider, gamma 4, temperature 1.", "",
          "| KL threshold | tokens-to-detect (AUC@1%FPR >= 0.99) | honest accepted frac | KL accepted frac | honest mean -log min(1,p/q) | KL mean | violations (honest / KL) | AUC by tokens |",
          "|---:|---:|---:|---:|---:|---:|---|---|"]
@@ -90,4 +115,4 @@ if __name__ == "__main__":
                  f"{h['mean_accept_nll']:.4f} | {k['mean_accept_nll']:.4f} | {h['violations']} / {k['violations']} | {curve} |")
     L += ["", "Tokens-to-detect None = not reached within the largest batch evaluated (limited by the test half of "
           "the tokens).", f"Total {res['seconds']:.0f} s.", ""]
-    (a.out / "kl_judge_audit.md").write_text("\n".join(L))
+    (a.out / f"{stem}.md").write_text("\n".join(L))

@@ -34,11 +34,12 @@ from dataclasses import dataclass
 
 import torch
 
-from verinfer.io import atomic_write_json
+from verinfer.io import atomic_write_json, atomic_write_text
 from verinfer.models.corpus import Problem
 from verinfer.models.llama import LlamaLM
-from verinfer.speculative.autojudge import final_answer
+from benchmarks.spec_tasks import TASKS, SpecTask
 from verinfer.speculative.decoder import SpecOutput, SpeculativeDecoder, autoregressive
+from verinfer.speculative.ngram import NgramDraft
 from verinfer.speculative.rules import Rule
 
 # Threshold grids (the knob of each rule; see rules.py for the direction of each)
@@ -49,25 +50,26 @@ GRIDS: dict[str, list[float]] = {
     "target_entropy": [5.0, 4.0, 3.0, 2.5, 2.25, 2.0, 1.5, 1.0],
     "draft_entropy": [0.1, 0.5, 1.0, 1.5, 2.0, 2.5, 3.0],
     "autojudge": [0.1, 0.5, 0.9],
+    "ngram": [5, 3, 1],  # min_n of prompt lookup, max_n NGRAM_MAX_N (5, 5: vLLM's default); lossless
 }
+NGRAM_MAX_N = 5
+STEM = {"nextline": "kl_judge", "arithmetic": "kl_judge_testbed"}  # results file stem per task
 
 
-def newline_tokens(tokenizer) -> tuple[int, ...]:
-    return tuple(i for i in range(len(tokenizer)) if "\n" in tokenizer.decode([i]))
+def method_for(label: str, rule: str, thr: float, gamma: int, judge=None) -> Method:
+    """The Method of a (rule, threshold) point: 'ngram' is standard verification of prompt-lookup drafts."""
+    if rule == "ngram":
+        return Method(label, Rule("standard"), gamma, NgramDraft(int(thr), NGRAM_MAX_N))
+    return Method(label, Rule(rule, thr, judge if rule == "autojudge" else None), gamma)
 
 
-def correct_indices(tokenizer, problems: list[Problem], outs: list[SpecOutput]) -> list[int]:
-    """Indices of the problems whose continuation starts with the exact answer then a non-digit."""
-    ok = []
-    for i, ((_, a), o) in enumerate(zip(problems, outs)):
-        s = tokenizer.decode(o.output_token_ids)
-        if s.startswith(a) and not s[len(a) : len(a) + 1].isdigit():
-            ok.append(i)
-    return ok
+def correct_indices(task: SpecTask, problems: list, outs: list[SpecOutput]) -> list[int]:
+    """Indices of the problems the task's grader marks correct."""
+    return task.correct_indices(problems, outs)
 
 
-def accuracy(tokenizer, problems: list[Problem], outs: list[SpecOutput]) -> float:
-    return len(correct_indices(tokenizer, problems, outs)) / len(problems)
+def accuracy(task: SpecTask, problems: list, outs: list[SpecOutput]) -> float:
+    return len(correct_indices(task, problems, outs)) / len(problems)
 
 
 def paired_accuracy_difference(correct_a: list[int], correct_b: list[int], n: int) -> dict:
@@ -81,35 +83,37 @@ def paired_accuracy_difference(correct_a: list[int], correct_b: list[int], n: in
             "ci95_points": [100 * (d - 1.96 * se), 100 * (d + 1.96 * se)]}
 
 
-def agreement(tokenizer, outs: list[SpecOutput], ref: list[SpecOutput]) -> float:
-    same = sum(final_answer(tokenizer.decode(o.output_token_ids)) == final_answer(tokenizer.decode(r.output_token_ids))
-               for o, r in zip(outs, ref))
+def agreement(task: SpecTask, outs: list[SpecOutput], ref: list[SpecOutput]) -> float:
+    """Share of problems whose answer (the task's key: the first line) equals the reference's."""
+    same = sum(task.key(o.output_token_ids) == task.key(r.output_token_ids) for o, r in zip(outs, ref))
     return same / len(ref)
 
 
-def summarize(tokenizer, problems, outs, ref=None) -> dict:
+def summarize(task: SpecTask, problems, outs, ref=None) -> dict:
     tokens = sum(len(o.output_token_ids) for o in outs)
     fwd = sum(o.target_forwards for o in outs)
     drafted = sum(o.drafted for o in outs)
-    d = {"mat": tokens / fwd, "accuracy": accuracy(tokenizer, problems, outs), "tokens": tokens,
+    d = {"mat": tokens / fwd, "accuracy": accuracy(task, problems, outs), "tokens": tokens,
          "target_forwards": fwd, "accept_rate": (sum(o.accepted for o in outs) / drafted) if drafted else None}
     if ref is not None:
-        d["agreement"] = agreement(tokenizer, outs, ref)
+        d["agreement"] = agreement(task, outs, ref)
     return d
 
 
 @dataclass
 class Method:
-    """A decoding configuration: rule=None means target-only decoding."""
+    """A decoding configuration: rule=None means target-only decoding; drafter (NgramDraft) replaces
+    the draft model (n-gram prompt lookup)."""
 
     name: str
     rule: Rule | None
     gamma: int = 0
+    drafter: NgramDraft | None = None
 
     def run(self, target: LlamaLM, draft: LlamaLM, prompts, max_tokens, stop, batch_size) -> list[SpecOutput]:
         if self.rule is None:
             return autoregressive(target, prompts, max_tokens, stop_token_ids=stop, batch_size=batch_size)
-        dec = SpeculativeDecoder(target, draft, self.rule, gamma=self.gamma, stop_token_ids=stop)
+        dec = SpeculativeDecoder(target, self.drafter or draft, self.rule, gamma=self.gamma, stop_token_ids=stop)
         return dec.generate(prompts, max_tokens, batch_size=batch_size)
 
 
@@ -162,7 +166,7 @@ def _median_ms_multi(fns, n: int) -> list[float]:
 
 @torch.no_grad()
 def cost_model(model_dirs: dict[str, str], batch_sizes=(1, 16), ctxs=(16, 128), T_verify: int = 5,
-               n: int = 100, device: str = "cpu") -> dict:
+               n: int = 100, device: str = "cpu", dtype: torch.dtype | None = None) -> dict:
     """Median ms of one decode step (T=1) and of a T_verify-token verification forward at a
     ctx-token context: transformers (DynamicCache), LlamaLM (static KV cache; the benchmark's decode
     path) and LlamaLM on the Fused kernels ("fast" keys), fp32, interleaved. Also the max |logit
@@ -173,9 +177,10 @@ def cost_model(model_dirs: dict[str, str], batch_sizes=(1, 16), ctxs=(16, 128), 
 
     out: dict = {}
     for name, d in model_dirs.items():
-        lean = LlamaLM.from_pretrained(d, device=device)
+        dtype = dtype or torch.float32
+        lean = LlamaLM.from_pretrained(d, device=device, dtype=dtype)
         fast = lean.with_kernels(Fused())
-        hf = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).to(device).eval()
+        hf = AutoModelForCausalLM.from_pretrained(d, dtype=dtype).to(device).eval()
         for B in batch_sizes:
             for ctx in ctxs:
                 ids = torch.randint(3, lean.config.vocab_size, (B, ctx + T_verify),
@@ -206,12 +211,16 @@ def cost_model(model_dirs: dict[str, str], batch_sizes=(1, 16), ctxs=(16, 128), 
 
 # --- the whole benchmark ----------------------------------------------------------------------
 LABELS = {"standard": "vanilla", "kl": "kl_judge", "topk": "topk", "target_entropy": "target_entropy",
-          "draft_entropy": "draft_entropy", "autojudge": "autojudge"}
+          "draft_entropy": "draft_entropy", "autojudge": "autojudge", "ngram": "ngram"}
 GAMMAS = [1, 2, 3, 4, 6]
+# SmolLM2 is ~40x the testbed target's cost per token on CPU: fewer gammas, a smaller timing prefix
+# and the post-hoc test sweep on the KL grid only (every point is a 1,000-problem run)
+TASK_GAMMAS = {"arithmetic": GAMMAS, "nextline": [2, 4, 6]}
+TASK_TIME_PROBLEMS = {"arithmetic": (200, 700), "nextline": (64, 256)}  # batch 1, batch 16
+TASK_POST_HOC_RULES = {"arithmetic": None, "nextline": ("standard", "kl")}
 REF_GAMMA = 4          # thresholds are selected, and MAT compared, at this gamma
 SELECT_MARGIN = 0.005  # a threshold qualifies when its validation accuracy is >= vanilla's - 0.5 point
 N_VAL, N_TEST = 300, 700            # validation heldout[0:300], test heldout[300:1000]
-N_TIME_B16, N_TIME_B1 = 700, 200    # timing uses the first problems of the test split
 FRESH_SEED = 7_000_003
 CACHE_VERSION = "fast-v2"  # bump when the decode path changes (cached greedy outputs would be stale)
 
@@ -241,16 +250,6 @@ def fresh_problems(n: int, seed: int = FRESH_SEED) -> list[Problem]:
                 out.append((q, a))
         k *= 2
     return out[:n]
-
-
-def splits(n_val: int, n_test: int) -> tuple[list[Problem], list[Problem]]:
-    """validation = heldout[0:n_val] (n_val <= 300), test = heldout[300:300+n_test] (n_test <= 700)."""
-    from verinfer.models.corpus import heldout_problems
-
-    if n_val > 300 or n_test > 700:
-        raise ValueError(f"the held-out set has 300 validation and 700 test problems (asked {n_val}, {n_test})")
-    held = heldout_problems(1000)
-    return held[:n_val], held[300 : 300 + n_test]
 
 
 def operand_class(question: str) -> str:
@@ -295,43 +294,44 @@ def select_thresholds(sweep: list[dict], vanilla_acc: dict[int, float],
     return best
 
 
-def _models(device):
-    """Target and draft on the forward every command runs (LlamaLM, default kernels), the decode
-    path of every method of the benchmark."""
-    from verinfer.models.testbed import DRAFT_DIR, TARGET_DIR
+QUICK_SIZES = {"arithmetic": (60, 100, 40), "nextline": (40, 60, 20)}  # validation, test, mining problems
+FULL_SIZES = {"arithmetic": (N_VAL, N_TEST, 300), "nextline": (400, 1000, 300)}
 
-    return LlamaLM.from_pretrained(TARGET_DIR, device=device), LlamaLM.from_pretrained(DRAFT_DIR, device=device)
+
+def make_task(task_name: str, quick: bool) -> SpecTask:
+    if task_name not in TASKS:
+        raise ValueError(f"task must be one of {list(TASKS)}, got {task_name!r}")
+    n_val, n_test, _ = (QUICK_SIZES if quick else FULL_SIZES)[task_name]
+    return TASKS[task_name](n_val, n_test)
 
 
 def run(out_dir, device: str = "cpu", quick: bool = False, batch_sizes=(1, 16), repeats: int = 5,
-        log=print, timing: bool = True) -> dict:
-    """Everything behind benchmarks/results/kl_judge.{json,md,png}; returns the results dict.
+        log=print, timing: bool = True, task_name: str = "arithmetic") -> dict:
+    """Everything behind benchmarks/results/<STEM[task]>.{json,md,png}; returns the results dict.
     Quality first (no timing: validation sweep at REF_GAMMA, threshold selection, test metrics at
     every gamma), then, with timing=True, `timing_run` (cost model and tokens/s)."""
     import json
     from pathlib import Path
 
-    from verinfer.models.corpus import train_problems
     from verinfer.models.load import model_info
-    from verinfer.models.testbed import DRAFT_DIR, TARGET_DIR, load_tokenizer
     from verinfer.speculative.autojudge import mine, train_judge
 
     torch.set_num_threads(1)
     t_start = time.time()
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    tok = load_tokenizer()
-    target, draft = _models(device)
-    stop, max_tokens = newline_tokens(tok), 8
-    n_val, n_test, n_mine = (60, 100, 40) if quick else (N_VAL, N_TEST, 300)
-    val, test = splits(n_val, n_test)
-    enc = lambda ps: [tok.encode(q, add_special_tokens=False) for q, _ in ps]  # noqa: E731
-    val_p, test_p = enc(val), enc(test)
-    gammas = [2, 4] if quick else GAMMAS
+    task = make_task(task_name, quick)
+    stem = STEM[task.name]
+    tok = task.tokenizer
+    target, draft = task.models(device)
+    stop, max_tokens = task.stop, task.max_tokens
+    n_val, n_test, n_mine = (QUICK_SIZES if quick else FULL_SIZES)[task.name]
+    val, test = task.val, task.test
+    val_p, test_p = task.val_prompts, task.test_prompts
+    gammas = [2, 4] if quick else TASK_GAMMAS[task.name]
     res: dict = {"setup": {
-        "task": "held-out arithmetic (models/corpus.py), zero-shot "
-                f"'Q: a op b=\\nA: ', greedy, stop at a newline token, max_tokens {max_tokens}",
-        "validation_problems": f"heldout[0:{n_val}]", "test_problems": f"heldout[300:{300 + n_test}]",
+        "task_name": task.name, **task.setup, "target": str(model_info(task.target_dir).name),
+        "draft": str(model_info(task.draft_dir).name),
         "gammas": gammas, "ref_gamma_for_mat": REF_GAMMA,
         "threshold_selection": f"fixed before the run: per rule, at gamma {REF_GAMMA} on validation, the threshold with "
                                f"the highest MAT among those with validation accuracy >= vanilla's - "
@@ -345,9 +345,9 @@ def run(out_dir, device: str = "cpu", quick: bool = False, batch_sizes=(1, 16), 
 
     log(f"mining AutoJudge labels on {n_mine} training problems ...")
     t0 = time.time()
-    mined = mine(target, draft, tok, enc(train_problems(n_mine, seed=1)), max_tokens, stop)
+    mined = mine(target, draft, tok, task.train_prompts(n_mine), max_tokens, stop)
     judge = train_judge(mined)
-    judge.to_json(out_dir / "kl_judge_autojudge.json")
+    judge.to_json(out_dir / f"{stem}_autojudge.json")
     res["judge_mining"] = {"problems": mined.problems, "mismatches": int(mined.labels_N.numel()),
                            "important_fraction": float(mined.labels_N.float().mean()),
                            "mismatches_per_problem": mined.mismatches_per_problem,
@@ -356,22 +356,21 @@ def run(out_dir, device: str = "cpu", quick: bool = False, batch_sizes=(1, 16), 
 
     ref_val = autoregressive(target, val_p, max_tokens, stop_token_ids=stop, batch_size=16)
     ref_test = autoregressive(target, test_p, max_tokens, stop_token_ids=stop, batch_size=16)
-    rule_of = lambda name, thr: Rule(name, thr, judge if name == "autojudge" else None)  # noqa: E731
 
     # greedy outputs are deterministic: cache sweep rows (keyed by decode path, models, split and
     # config) so a re-run does not recompute them
     cache_path = out_dir.parent / ".cache" / "kl_judge_sweep.json"  # benchmarks/.cache (git-ignored)
-    key_base = f"{CACHE_VERSION}:{mined.labels_N.sum().item()}:{max_tokens}:{model_info(TARGET_DIR).weights_sha256}:" \
-               f"{model_info(DRAFT_DIR).weights_sha256}"
+    key_base = f"{CACHE_VERSION}:{mined.labels_N.sum().item()}:{max_tokens}:{model_info(task.target_dir).weights_sha256}:" \
+               f"{model_info(task.draft_dir).weights_sha256}" + ("" if task.name == "arithmetic" else f":{task.name}")
     cached = json.loads(cache_path.read_text()) if cache_path.is_file() else {}
 
     def point(split, name, thr, g, prompts, problems, ref):
         """One (rule, threshold, gamma) run on a split, summarized, from the cache when it is there."""
         key = f"{key_base}:{split}:{len(problems)}:{name}:{thr}:{g}"
         if key not in cached:
-            outs = Method(name, rule_of(name, thr), g).run(target, draft, prompts, max_tokens, stop, 16)
-            cached[key] = {"rule": name, "threshold": thr, "gamma": g, **summarize(tok, problems, outs, ref),
-                           "correct_idx": correct_indices(tok, problems, outs)}
+            outs = method_for(name, name, thr, g, judge).run(target, draft, prompts, max_tokens, stop, 16)
+            cached[key] = {"rule": name, "threshold": thr, "gamma": g, **summarize(task, problems, outs, ref),
+                           "correct_idx": correct_indices(task, problems, outs)}
         return cached[key]
 
     def save_cache():
@@ -384,7 +383,7 @@ def run(out_dir, device: str = "cpu", quick: bool = False, batch_sizes=(1, 16), 
         save_cache()
         log(f"  {name}: " + " ".join(f"{r['threshold']}:{r['mat']:.2f}/{r['accuracy']:.4f}" for r in sweep if r["rule"] == name))
     res["sweep_validation"] = sweep
-    res["target_only_validation"] = summarize(tok, val, ref_val, ref_val)
+    res["target_only_validation"] = summarize(task, val, ref_val, ref_val)
     vanilla_acc = {REF_GAMMA: next(r["accuracy"] for r in sweep if r["rule"] == "standard")}
     best = {k: v.get(REF_GAMMA) for k, v in select_thresholds(sweep, vanilla_acc).items()}
     res["selected_threshold"] = {LABELS[k]: v for k, v in best.items() if v is not None}
@@ -395,9 +394,9 @@ def run(out_dir, device: str = "cpu", quick: bool = False, batch_sizes=(1, 16), 
     log(f"selected thresholds: {res['selected_threshold']}, extra: {res['extra_methods']}")
 
     # --- test: everything below uses the thresholds fixed above
-    t_only = summarize(tok, test, ref_test, ref_test)
+    t_only = summarize(task, test, ref_test, ref_test)
     t_only["mean_tokens"], t_only["problems"] = t_only["tokens"] / n_test, n_test
-    t_only["correct_idx"] = correct_indices(tok, test, ref_test)
+    t_only["correct_idx"] = correct_indices(task, test, ref_test)
     res["target_only_test"] = t_only
     log("test: every method at its selected threshold, every gamma ...")
     res["test_all_gammas"] = []
@@ -406,21 +405,24 @@ def run(out_dir, device: str = "cpu", quick: bool = False, batch_sizes=(1, 16), 
         save_cache()
     log(f"post-hoc test sweep at gamma {REF_GAMMA} (every threshold; not used for selection) ...")
     test_sweep = []
+    post_hoc = TASK_POST_HOC_RULES[task.name] or tuple(GRIDS)
     for name, grid in GRIDS.items():
+        if name not in post_hoc:
+            continue
         test_sweep += [point("test", name, thr, REF_GAMMA, test_p, test, ref_test) for thr in grid]
         save_cache()
     res["test_sweep_post_hoc"] = test_sweep
-    if not quick:
+    if not quick and task.name == "arithmetic":
         log("difficulty diagnostic: held-out vs fresh problems ...")
         from verinfer.models.corpus import heldout_problems
         res["difficulty_diagnostic"] = difficulty_diagnostic(
             tok, target, {"heldout": heldout_problems(1000), "fresh": fresh_problems(3000)}, max_tokens, stop)
     res["seconds_quality"] = time.time() - t_start
-    (out_dir / "kl_judge.json").write_text(json.dumps(res, indent=1))
+    atomic_write_json(out_dir / f"{stem}.json", res)
     if timing:
-        res = timing_run(out_dir / "kl_judge.json", device=device, batch_sizes=batch_sizes, repeats=repeats, log=log)
+        res = timing_run(out_dir / f"{stem}.json", device=device, batch_sizes=batch_sizes, repeats=repeats, log=log)
     else:
-        finish(res, out_dir / "kl_judge.json")
+        finish(res, out_dir / f"{stem}.json")
     return res
 
 
@@ -470,35 +472,33 @@ def timing_run(json_path, device: str = "cpu", batch_sizes=(1, 16), repeats: int
     import json
     from pathlib import Path
 
-    from verinfer.models.testbed import DRAFT_DIR, TARGET_DIR, load_tokenizer
     from verinfer.speculative.autojudge import Judge
 
     torch.set_num_threads(1)
     json_path = Path(json_path)
     res = json.loads(json_path.read_text())
     quick = res["setup"]["quick"]
+    task = make_task(res["setup"].get("task_name", "arithmetic"), quick)
     log("cost model ...")
-    res["cost_model"] = cost_model({"target": str(TARGET_DIR), "draft": str(DRAFT_DIR)},
-                                   batch_sizes=(1,) if quick else (1, 16), n=20 if quick else 100, device=device)
-    tok = load_tokenizer()
-    target, draft = _models(device)
-    judge = Judge.from_json(json_path.parent / "kl_judge_autojudge.json")
-    stop = newline_tokens(tok)
-    n_val, n_test = (60, 100) if quick else (N_VAL, N_TEST)
-    _, test = splits(n_val, n_test)
-    test_p = [tok.encode(q, add_special_tokens=False) for q, _ in test]
+    res["cost_model"] = cost_model({"target": str(task.target_dir), "draft": str(task.draft_dir)},
+                                   batch_sizes=(1,) if quick else (1, 16), n=20 if quick else 100, device=device,
+                                   dtype=None if task.name == "arithmetic" else torch.bfloat16)
+    target, draft = task.models(device)
+    judge = Judge.from_json(json_path.parent / f"{STEM[task.name]}_autojudge.json")
+    stop, mt = task.stop, task.max_tokens
+    n_test = len(task.test)
+    test_p = task.test_prompts
     sel = method_rules(res)
     res["timing"] = {}
     for bs in batch_sizes:
-        n = min(n_test, N_TIME_B1 if bs == 1 else N_TIME_B16)
+        n = min(n_test, TASK_TIME_PROBLEMS[task.name][0 if bs == 1 else 1])
         methods = [Method("target_only", None)]
         for g in res["setup"]["gammas"]:
-            methods += [Method(f"{lab}@{g}", Rule(rule, thr, judge if rule == "autojudge" else None), g)
-                        for lab, (rule, thr) in sel.items()]
+            methods += [method_for(f"{lab}@{g}", rule, thr, g, judge) for lab, (rule, thr) in sel.items()]
         # stage 1: every gamma of every method, to find each method's fastest gamma
         r1 = max(2, (repeats + 1) // 2)
         log(f"batch {bs}: {len(methods)} configurations x {r1} interleaved repeats on {n} test problems ...")
-        tt = interleaved_timing(methods, target, draft, test_p[:n], 8, stop, bs, r1, progress=log, seed=bs)
+        tt = interleaved_timing(methods, target, draft, test_p[:n], mt, stop, bs, r1, progress=log, seed=bs)
         sweep = {k: {"tokens_per_s": v["tokens_per_s"], "tokens_per_s_repeats": v["tokens_per_s_all"]} for k, v in tt.items()}
         fastest = {lab: max((v["tokens_per_s"], k) for k, v in sweep.items() if k.startswith(lab + "@"))[1] for lab in sel}
         log(f"  fastest: {fastest}")
@@ -508,11 +508,11 @@ def timing_run(json_path, device: str = "cpu", batch_sizes=(1, 16), repeats: int
         final = [by_name["target_only"]] + [by_name[fastest[lab]] for lab in sel]
         r2 = 2 * repeats - 1
         log(f"batch {bs}: {len(final)} configurations x {r2} interleaved repeats (each method at its fastest gamma) ...")
-        tf = interleaved_timing(final, target, draft, test_p[:n], 8, stop, bs, r2, progress=log, seed=100 + bs)
+        tf = interleaved_timing(final, target, draft, test_p[:n], mt, stop, bs, r2, progress=log, seed=100 + bs)
         rows = {k: {"tokens_per_s": v["tokens_per_s"], "tokens_per_s_repeats": v["tokens_per_s_all"]} for k, v in tf.items()}
         res["timing"][f"b{bs}"] = {"problems": n, "gamma_sweep": sweep, "configs": rows, "fastest": fastest}
         res["timing"][f"b{bs}"]["breakdown_ms_per_problem"] = {
-            k: time_breakdown(by_name[k], target, draft, test_p[:n], 8, stop, bs)
+            k: time_breakdown(by_name[k], target, draft, test_p[:n], mt, stop, bs)
             for k in ["target_only"] + [fastest[lab] for lab in fastest if lab in ("vanilla", "kl_judge", "kl_judge_1pt")]}
     res["setup"]["tokens_per_s"] = (f"generated tokens / wall seconds of the whole generate call (both prefills, "
                                     f"drafting, verification, rules), median of {repeats} interleaved repeats, torch "
@@ -556,8 +556,6 @@ def finish(res: dict, json_path) -> None:
     """Headline per method, issue 7's criteria, then JSON + markdown + plot (no computation)."""
     from pathlib import Path
 
-    import json
-
     json_path = Path(json_path)
     g_eq = REF_GAMMA if REF_GAMMA in res["setup"]["gammas"] else res["setup"]["gammas"][-1]
     at = {(r["rule"], r["threshold"], r["gamma"]): r for r in res["test_all_gammas"]}
@@ -584,21 +582,25 @@ def finish(res: dict, json_path) -> None:
     for lab in ("kl_judge", "kl_judge_1pt"):
         if lab in methods and "vanilla" in methods:
             res["criteria" if lab == "kl_judge" else f"criteria_{lab}"] = criteria(res, methods, lab, at, g_eq)
-    json_path.write_text(json.dumps(res, indent=1))
-    json_path.with_suffix(".md").write_text(markdown(res))
-    frontier_plot(res, json_path.parent / "kl_judge_frontier.png")
+    atomic_write_json(json_path, res)
+    atomic_write_text(json_path.with_suffix(".md"), markdown(res))
+    frontier_plot(res, json_path.parent / f"{json_path.stem}_frontier.png")
 
 
 def markdown(res: dict) -> str:
     st = res["setup"]
     g = st["ref_gamma_for_mat"]
-    L = ["# KL-judge speculative decoding on the testbed", "",
-         "Generated by `nice -n 15 .venv/bin/python -m benchmarks.kl_judge --no-timing --out benchmarks/results` (quality) then "
-         "`flock /tmp/verinfer-timing.lock .venv/bin/python -m benchmarks.kl_judge --timing --out benchmarks/results` (cost model, tokens/s); "
-         "see `setup` in kl_judge.json.", "",
+    on = ("the testbed" if st.get("task_name", "arithmetic") == "arithmetic"
+          else f"{st.get('target')} with {st.get('draft')}")
+    L = [f"# KL-judge speculative decoding on {on}", "",
+         f"Generated by `nice -n 15 .venv/bin/python -m benchmarks.kl_judge --task {st.get('task_name', 'arithmetic')} "
+         "--no-timing --out benchmarks/results` (quality) then `flock /tmp/verinfer-timing.lock .venv/bin/python -m "
+         f"benchmarks.kl_judge --task {st.get('task_name', 'arithmetic')} --timing --out benchmarks/results` (cost model, "
+         f"tokens/s); see `setup` in {STEM[st.get('task_name', 'arithmetic')]}.json.", "",
          f"- Task: {st['task']}.",
-         f"- Validation: {st['validation_problems']}; test: {st['test_problems']} (the only problems of the task's "
-         "distribution the testbed never trained on; see 'Why the held-out set cannot grow').",
+         f"- Validation: {st['validation_problems']}; test: {st['test_problems']}" + (
+             " (the only problems of the task's distribution the testbed never trained on; see 'Why the held-out "
+             "set cannot grow')." if st.get("task_name", "arithmetic") == "arithmetic" else "."),
          f"- Threshold selection ({st['threshold_selection']}).",
          f"- MAT: {st['mat_definition']}.",
          f"- Decode path: {st['decode_path']}.",

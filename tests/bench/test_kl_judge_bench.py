@@ -6,6 +6,7 @@ from rich.console import Console
 from benchmarks.kl_judge import ROOT, criteria_table, parser
 from verinfer.models.testbed import DRAFT_DIR, load_tokenizer
 from benchmarks.kl_judge_bench import GRIDS, accuracy, agreement, cost_model, select_thresholds, summarize
+from benchmarks.spec_tasks import arithmetic_task
 from verinfer.speculative.decoder import SpecOutput
 
 
@@ -34,9 +35,10 @@ def test_accuracy_agreement_and_mat():
             SpecOutput([], enc("6"), "t", "length", target_forwards=1)]
     ref = [SpecOutput([], enc("2\n"), "tt", "stop"), SpecOutput([], enc("25\n"), "ttt", "stop"),
            SpecOutput([], enc("7\n"), "tt", "stop")]
-    assert accuracy(tok, problems, outs) == pytest.approx(2 / 3)   # "250" is not "25"
-    assert agreement(tok, outs, ref) == pytest.approx(1 / 3)
-    s = summarize(tok, problems, outs, ref)
+    task = arithmetic_task(3, 3)
+    assert accuracy(task, problems, outs) == pytest.approx(2 / 3)   # "250" is not "25"
+    assert agreement(task, outs, ref) == pytest.approx(1 / 3)
+    s = summarize(task, problems, outs, ref)
     assert s["mat"] == pytest.approx((2 + 4 + 1) / 4) and s["tokens"] == 7
 
 
@@ -53,7 +55,7 @@ def test_fresh_problems_are_unseen_and_splits_are_the_heldout_set():
 
     from verinfer.models import corpus
     from verinfer.models.testbed import TESTBED_DIR
-    from benchmarks.kl_judge_bench import fresh_problems, operand_class, paired_accuracy_difference, splits
+    from benchmarks.kl_judge_bench import fresh_problems, operand_class, paired_accuracy_difference
 
     fresh = fresh_problems(500)
     info = json.loads((TESTBED_DIR / "build_info.json").read_text())
@@ -64,11 +66,12 @@ def test_fresh_problems_are_unseen_and_splits_are_the_heldout_set():
     assert fresh_problems(200) == fresh[:200]
     assert "11+" not in {operand_class(q) for q in qs}   # every 1-digit + 1-digit question is seen
     assert operand_class("Q: 7*245=\nA: ") == "13*" and operand_class("Q: 13-5=\nA: ") == "12-"
-    val, test = splits(300, 700)
+    t = arithmetic_task(300, 700)
+    val, test = t.val, t.test
     held = corpus.heldout_problems()
     assert val == held[:300] and test == held[300:1000]
     with pytest.raises(ValueError, match="held-out set"):
-        splits(400, 700)
+        arithmetic_task(400, 700)
     d = paired_accuracy_difference([1, 2, 3, 4], [1, 5], 100)   # 3 only-first, 1 only-second
     assert d["difference_points"] == pytest.approx(2.0) and (d["only_first"], d["only_second"]) == (3, 1)
     se = ((4 / 100 - 0.02 ** 2) / 100) ** 0.5

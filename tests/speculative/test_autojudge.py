@@ -7,7 +7,7 @@ import torch
 
 from verinfer.models.llama import LlamaLM
 from verinfer.models.testbed import DRAFT_DIR, TARGET_DIR, load_tokenizer
-from benchmarks.kl_judge_bench import newline_tokens
+from benchmarks.spec_tasks import newline_tokens
 from verinfer.speculative.autojudge import Judge, MinedSet, final_answer, mine, train_judge
 from verinfer.speculative.decoder import autoregressive
 from verinfer.speculative.rules import Rule, accept_mask

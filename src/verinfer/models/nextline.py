@@ -57,10 +57,16 @@ def eligible(ids: list[int], nl: frozenset[int], given: int) -> list[int]:
     return out
 
 
-def problems(tokenizer, n: int, *, context: int = 256, given: int = 4, seed: int = SEED) -> list[LineProblem]:
-    """The first `n` problems of the task's fixed order (see the module docstring)."""
+def problems(tokenizer, n: int, *, context: int = 256, given: int = 4, seed: int = SEED,
+             files: str = "heldout") -> list[LineProblem]:
+    """The first `n` problems of the task's fixed order (see the module docstring). files="train":
+    the same construction on the stdlib TRAINING files (training data of a learned judge)."""
+    if files not in ("heldout", "train"):
+        raise ValueError(f"files must be 'heldout' or 'train', got {files!r}")
     nl = newline_token_ids(tokenizer)
-    _, held = corpus.stdlib_split()
+    train, held = corpus.stdlib_split()
+    if files == "train":
+        held = train
     cands: list[tuple[str, list[int], int]] = []
     for doc in held:
         rel = doc.split("\n", 1)[0][len(corpus.FILE_HEADER):]

@@ -1,0 +1,118 @@
+"""The tasks of the speculative-decoding benchmark (benchmarks/kl_judge_bench.py), each with its
+target/draft pair, its validation and test problems, its grader and its agreement key.
+
+  arithmetic  the shipped testbed pair (4M target, 0.6M draft) on held-out arithmetic
+              (models/corpus.py): validation heldout[0:300], test heldout[300:1000], prompt
+              "Q: 37+45=\\nA: ", stop at a newline token, max_tokens 8; correct = the continuation
+              starts with the exact answer followed by a non-digit; agreement key = the first line.
+  nextline    SmolLM2-135M-Instruct and its distilled draft (models/draft.py) on next-line
+              completion of held-out stdlib code (models/nextline.py): 256-token context ending
+              `given` tokens into the line, stop at a newline token, max_tokens 48; correct = the
+              line's rest exactly; agreement key = the generated line.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from verinfer.speculative.decoder import SpecOutput
+
+NEXTLINE_CONTEXT = 256
+NEXTLINE_GIVEN = 4
+NEXTLINE_MAX_TOKENS = 48
+NEXTLINE_VAL, NEXTLINE_TEST = 400, 1000
+
+
+@dataclass
+class SpecTask:
+    name: str
+    tokenizer: Any
+    target_dir: Path
+    draft_dir: Path
+    val: list
+    test: list
+    val_prompts: list[list[int]]
+    test_prompts: list[list[int]]
+    stop: tuple[int, ...]
+    max_tokens: int
+    is_correct: Callable[[Any, list[int]], bool]   # (problem, output ids) -> exact answer?
+    key: Callable[[list[int]], str]                # output ids -> what agreement compares
+    train_prompts: Callable[[int], list[list[int]]]  # AutoJudge mining (the task's training distribution)
+    setup: dict = field(default_factory=dict)      # descriptions for the results' `setup`
+
+    def correct_indices(self, problems: list, outs: list[SpecOutput]) -> list[int]:
+        return [i for i, (p, o) in enumerate(zip(problems, outs)) if self.is_correct(p, o.output_token_ids)]
+
+    def models(self, device: str = "cpu", dtype=None):
+        """Target and draft on the forward every method runs (LlamaLM, default kernels)."""
+        import torch
+
+        from verinfer.models.llama import LlamaLM
+
+        dt = dtype or (torch.float32 if self.name == "arithmetic" else torch.bfloat16)
+        return (LlamaLM.from_pretrained(self.target_dir, device=device, dtype=dt),
+                LlamaLM.from_pretrained(self.draft_dir, device=device, dtype=dt))
+
+
+def newline_tokens(tokenizer) -> tuple[int, ...]:
+    return tuple(i for i in range(len(tokenizer)) if "\n" in tokenizer.decode([i]))
+
+
+def arithmetic_task(n_val: int = 300, n_test: int = 700) -> SpecTask:
+    from verinfer.models.corpus import heldout_problems, train_problems
+    from verinfer.models.testbed import DRAFT_DIR, TARGET_DIR, load_tokenizer
+    from verinfer.speculative.autojudge import final_answer
+
+    if n_val > 300 or n_test > 700:
+        raise ValueError(f"the held-out set has 300 validation and 700 test problems (asked {n_val}, {n_test})")
+    tok = load_tokenizer()
+    held = heldout_problems(1000)
+    val, test = held[:n_val], held[300:300 + n_test]
+    enc = lambda ps: [tok.encode(q, add_special_tokens=False) for q, _ in ps]  # noqa: E731
+
+    def is_correct(problem, ids):
+        s, a = tok.decode(ids), problem[1]
+        return s.startswith(a) and not s[len(a):len(a) + 1].isdigit()
+
+    return SpecTask("arithmetic", tok, TARGET_DIR, DRAFT_DIR, val, test, enc(val), enc(test), newline_tokens(tok), 8,
+                    is_correct, lambda ids: final_answer(tok.decode(ids)),
+                    lambda n: enc(train_problems(n, seed=1)),
+                    {"task": "held-out arithmetic (models/corpus.py), zero-shot 'Q: a op b=\\nA: ', greedy, stop at a "
+                             "newline token, max_tokens 8",
+                     "validation_problems": f"heldout[0:{n_val}]", "test_problems": f"heldout[300:{300 + n_test}]"})
+
+
+def nextline_task(n_val: int = NEXTLINE_VAL, n_test: int = NEXTLINE_TEST, target: str = "smollm2-135m-instruct",
+                  draft_dir: Path | None = None) -> SpecTask:
+    from verinfer.models import nextline
+    from verinfer.models.catalog import resolve_model
+    from verinfer.models.draft import default_out
+    from verinfer.models.load import load_tokenizer
+
+    target_dir = resolve_model(target)
+    draft_dir = Path(draft_dir) if draft_dir is not None else default_out(target_dir)
+    if not (draft_dir / "config.json").is_file():
+        raise FileNotFoundError(f"no draft at {draft_dir}: build it with `verinfer testbed build-draft --model {target}`")
+    tok = load_tokenizer(target_dir)
+    kw = dict(context=NEXTLINE_CONTEXT, given=NEXTLINE_GIVEN)
+    val, test = nextline.splits(tok, n_val, n_test, **kw)
+    stop = tuple(sorted(nextline.newline_token_ids(tok)))
+
+    def key(ids):
+        return tok.decode(ids).split("\n", 1)[0]
+
+    return SpecTask("nextline", tok, target_dir, draft_dir, val, test, [list(p.prompt_ids) for p in val],
+                    [list(p.prompt_ids) for p in test], stop, NEXTLINE_MAX_TOKENS,
+                    lambda p, ids: nextline.correct(tok, p, ids), key,
+                    lambda n: [list(p.prompt_ids) for p in nextline.problems(tok, n, files="train", **kw)],
+                    {"task": f"next-line completion of held-out stdlib code (models/nextline.py): the file tokenized "
+                             f"whole, {NEXTLINE_CONTEXT}-token context ending {NEXTLINE_GIVEN} tokens into the line, "
+                             f"greedy, stop at a newline token, max_tokens {NEXTLINE_MAX_TOKENS}; correct = the rest of "
+                             "the line exactly",
+                     "validation_problems": f"nextline problems[0:{n_val}]",
+                     "test_problems": f"nextline problems[{n_val}:{n_val + n_test}]"})
+
+
+TASKS = {"arithmetic": arithmetic_task, "nextline": nextline_task}
