@@ -742,7 +742,7 @@ class FrontierPlot:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
-        self.fig, self.axes = plt.subplots(1, 3, figsize=(16, 4.4))
+        self.fig, self.axes = plt.subplots(1, 4, figsize=(21, 4.4))
         g = res["setup"]["ref_gamma_for_mat"] if res["setup"]["ref_gamma_for_mat"] in res["setup"]["gammas"] else res["setup"]["gammas"][-1]
         panels = [("sweep_validation", "accuracy", "validation accuracy (exact answer)"),
                   ("test_sweep_post_hoc", "accuracy", "test accuracy (post hoc, all thresholds)"),
@@ -757,8 +757,24 @@ class FrontierPlot:
             ax.set_ylabel(ylab)
             ax.grid(alpha=0.3)
         self.axes[0].legend(fontsize=8)
-        self.fig.suptitle("MAT-accuracy frontier per rule (threshold sweep, held-out arithmetic, greedy)")
+        self._speed_panel(self.axes[3], res)
+        self.fig.suptitle(f"MAT-accuracy frontier per rule (threshold sweep, {res['setup'].get('task_name', 'arithmetic')}, "
+                          "greedy) and speed against accuracy (test, each method at its fastest gamma)")
         self.fig.tight_layout()
+
+    @staticmethod
+    def _speed_panel(ax, res: dict) -> None:
+        """tokens/s (batch 1 and 16) against test accuracy, one point per method (the speed-accuracy
+        frontier a user picks from); empty until the timing half has run."""
+        for bs, mk in (("b1", "o"), ("b16", "s")):
+            pts = [(name, m[f"tokens_per_s_{bs}"], m["accuracy"]) for name, m in res.get("methods", {}).items()
+                   if f"tokens_per_s_{bs}" in m]
+            for name, x, y in pts:
+                ax.plot(x, 100 * y, mk, color="k" if name == "target_only" else None, ms=7)
+                ax.annotate(f"{name} b{bs[1:]}", (x, 100 * y), fontsize=6, xytext=(3, 3), textcoords="offset points")
+        ax.set_xlabel("tokens/s (whole generate call; o batch 1, s batch 16)")
+        ax.set_ylabel("test accuracy (%)")
+        ax.grid(alpha=0.3)
 
     def save(self, path) -> None:
         self.fig.savefig(path, dpi=110)

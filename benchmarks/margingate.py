@@ -97,6 +97,10 @@ def main():
                     help="a catalog name (verinfer models list) or model directory instead of the testbed target: "
                          "its results go to the `models` section of margingate.json (keyed by the model's name), "
                          "margingate_<model>.md and its plots; its cache to margingate_cache/<model>/")
+    ap.add_argument("--tiled-key-slots", type=int, default=None,
+                    help="also run batch_invariant with its keys padded to this fixed length (>= the workload's "
+                         "longest sequence) instead of the model's context, interleaved with bf16 in a round of "
+                         "its own against its own reference (cached as *_tiled<N>*)")
     ap.add_argument("--cross-machine", type=Path, action="append", default=[],
                     help="another machine's margingate_cache (or a copy of its reference*.json and machine.json): "
                          "compare the deterministic references with this machine's (repeatable)")
@@ -134,10 +138,20 @@ def main():
         ref_tiled = cached("reference_tiled", lambda: C.reference(eng, reqs, a.batch, det=eng.tiled))
         prog.update(t, completed=1, total=1)
 
+        fitted, ref_fit = None, None
+        if a.tiled_key_slots:
+            eng_fit = make_engines(model_dir, tiled_key_slots=a.tiled_key_slots)
+            t = prog.add_task(f"reference of batch_invariant at {a.tiled_key_slots} key slots", total=None)
+            ref_fit = cached(f"reference_tiled{a.tiled_key_slots}",
+                             lambda: C.reference(eng_fit, reqs, a.batch, det=eng_fit.tiled))
+            prog.update(t, completed=1, total=1)
+
         def server(name, batch):
             method, _, w = name.partition("@")
             fast = eng.layercast if method == "layercast" else eng.fast
             det = eng.tiled if method == "batch_invariant" else eng.det
+            if method == "batch_invariant_fitted":
+                method, det = "batch_invariant", eng_fit.tiled
             window = int(w) if w else a.gated_window
             return Scheduler(fast, det, method, tau=tau, window=window, max_batch=batch), window
 
@@ -169,7 +183,7 @@ def main():
             res = {}
             for n, r in runs.items():
                 method = n.partition("@")[0]
-                own_ref = ref_tiled if method == "batch_invariant" else ref
+                own_ref = {"batch_invariant": ref_tiled, "batch_invariant_fitted": ref_fit}.get(method, ref)
                 st = r["st"]
                 st.seconds, st.cpu_seconds = r["wall"], r["cpu"]
                 res[n] = dict(method=n, window=r["window"] if method in ("llm42", "gated_llm42") else None,
@@ -190,6 +204,15 @@ def main():
         for m in order:
             if len({r[m]["determinism"] for r in rounds}) > 1:
                 print(f"warning: {m} determinism differs between rounds")
+        if a.tiled_key_slots:
+            got = cached(f"interleaved_tiled{a.tiled_key_slots}_b{a.batch}",
+                         lambda: interleaved(("bf16", "batch_invariant_fitted"), a.batch, "fitted"))
+            fitted = dict(key_slots=a.tiled_key_slots, determinism=got["batch_invariant_fitted"]["determinism"],
+                          overhead=got["batch_invariant_fitted"]["seconds"] / got["bf16"]["seconds"] - 1.0,
+                          overhead_cpu=got["batch_invariant_fitted"]["cpu_seconds"] / got["bf16"]["cpu_seconds"] - 1.0,
+                          seconds=got["batch_invariant_fitted"]["seconds"], bf16_seconds=got["bf16"]["seconds"],
+                          same_tokens_as_context_padded=sum(ref_fit[k] == ref_tiled[k] for k in ref_tiled),
+                          sequences=len(ref_tiled))
         scale = {}
         for b in a.scaling:
             names = ("bf16", "margingate", f"llm42@{a.windows[0]}", "best")
@@ -241,6 +264,8 @@ def main():
         runs=main_runs,
         scaling={f"{m}@{b}": v for (m, b), v in scale.items()},
     )
+    if fitted:
+        res["batch_invariant_fitted"] = fitted
     res["cross_machine"] = [cross_machine(dict(reference=ref, reference_tiled=ref_tiled), p, pids)
                             for p in a.cross_machine]
     res["margingate_trigger_rate"] = res["trigger_rate"]["margingate"]
@@ -270,6 +295,15 @@ def write_md(res, suffix: str = ""):
         L.append(f"| {m} | {res['determinism'][m]:.3f} | {res['overhead'][m]:+.3f} | {res['overhead_cpu'][m]:+.3f} | "
                  f"{res['trigger_rate'].get(m, 0 if m in ('bf16',) else float('nan')):.4f} | "
                  f"{res['repair_rate'].get(m, float('nan')):.4f} | {res['seconds'][m]:.1f} | {res['cpu_seconds'][m]:.1f} |")
+    if "batch_invariant_fitted" in res:
+        x = res["batch_invariant_fitted"]
+        L.append(f"| batch_invariant, keys padded to {x['key_slots']} | {x['determinism']:.3f} | {x['overhead']:+.3f} | "
+                 f"{x['overhead_cpu']:+.3f} | nan | nan | {x['seconds']:.1f} | - |")
+        L += ["", f"batch_invariant pads every row's keys to a fixed length: the model's context above, "
+              f"{x['key_slots']} (>= this workload's longest sequence) in the last row, timed in a round of its own "
+              f"interleaved with bf16 ({x['bf16_seconds']:.1f} s there) against its own reference; "
+              f"{x['same_tokens_as_context_padded']} of {x['sequences']} reference sequences are the same tokens as "
+              "with context padding."]
     f = res["bf16_flips"]
     L += ["", f"bf16 flip rate per synchronous step: {f['flip_rate']:.5f} ({f['diverged']} of "
           f"{res['workload']['protected_heldout']} sequences diverged over {f['synchronous_steps']} synchronous steps).",

@@ -46,15 +46,18 @@ class Engines:
     layercast: Engine
 
 
-def make_engines(model_dir, device="cpu", prefill_chunk: int = 16, threads: int | None = None) -> Engines:
-    """The engines the policies run on, over one bf16 copy of the weights."""
+def make_engines(model_dir, device="cpu", prefill_chunk: int = 16, threads: int | None = None,
+                 tiled_key_slots: int | None = None) -> Engines:
+    """The engines the policies run on, over one bf16 copy of the weights. tiled_key_slots: the
+    fixed key length the tiled batch_invariant path pads every row to (default: the model's context,
+    e.g. 8,192 positions for SmolLM2; a server that caps max_model_len lower can pad less)."""
     num = Numerics(dtype="bf16", threads=threads)
     m = load_model(model_dir, num, device)
     with num.threads_ctx():  # certify the kernels at the thread count they will run with
         det = fixed_shape(m)
     return Engines(Engine(m, num.with_(prefill_chunk=prefill_chunk), eos_token_id=None),
                    Engine(det, num, eos_token_id=None),
-                   Engine(batch_invariant(m), num, eos_token_id=None),
+                   Engine(batch_invariant(m, key_slots=tiled_key_slots), num, eos_token_id=None),
                    Engine(layercast(m), num.with_(dtype="fp32", prefill_chunk=prefill_chunk), eos_token_id=None))
 
 

@@ -13,7 +13,7 @@ seed on one machine; every stage resumes from what it already wrote):
      starts with the target's token geometry instead of noise.
   4. loss: cross-entropy of the student against the teacher's top-k distribution renormalized over those
      k tokens, sum_k p_k * -log q_k (forward KL up to the teacher's entropy); AdamW, warmup + cosine,
-     bf16 autocast, checkpoints every CKPT_EVERY_S seconds (an interrupted build resumes).
+     bf16 autocast, checkpoints every few minutes (testbed.fit: an interrupted build resumes).
   5. writes out_dir: save_pretrained (bf16 safetensors) + the target's tokenizer, build_info.json and
      MODEL_CARD.md with the measured acceptance against the target on held-out stdlib windows: the
      greedy agreement rate (the per-token acceptance of greedy speculative decoding) and the mean
@@ -34,11 +34,10 @@ from safetensors.torch import load_file
 
 from verinfer.io import ProgressBar, atomic_save_safetensors, atomic_write_json, atomic_write_text
 from verinfer.models import corpus, load
-from verinfer.models.testbed import SEQ_LEN, _load_ckpt, _save_ckpt, lr_at, window_order
+from verinfer.models.testbed import SEQ_LEN, fit, window_order
 
 TOP_K = 32
 SHARD = 64  # teacher windows per shard file
-CKPT_EVERY_S = 180.0
 DRAFT_ARCH = dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
                   intermediate_size=768, tie_word_embeddings=True)
 
@@ -209,44 +208,24 @@ def distil_loss(logits_BTV: torch.Tensor, logp_BTK: torch.Tensor, idx_BTK: torch
 
 def distil(student, shards: list[Path], b: DraftBudget, seed: int, *, ckpt_dir: Path, key: dict,
            progress: bool = True) -> list[float]:
-    """Train `student` on the teacher shards: AdamW (wd 0.1 on matrices), warmup + cosine, grad clip 1,
-    bf16 autocast; the window order of each epoch is a seeded permutation. Resumes from ckpt_dir."""
+    """Train `student` on the teacher shards (testbed.fit: AdamW, warmup + cosine, grad clip 1,
+    checkpoints), bf16 autocast; each epoch's window order is a seeded permutation. Resumes from ckpt_dir."""
     data = [load_file(str(p)) for p in shards]
     tokens = torch.cat([d["tokens"] for d in data])
     logp, idx = torch.cat([d["logp"] for d in data]), torch.cat([d["idx"] for d in data])
     N = len(tokens)
     g = torch.Generator().manual_seed(seed + 1)
     order = torch.cat([torch.randperm(N, generator=g) for _ in range(b.epochs)])
-    decay = [p for p in student.parameters() if p.dim() >= 2]
-    no_decay = [p for p in student.parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-                            lr=b.lr, betas=(0.9, 0.95), eps=1e-8)
-    steps = len(order) // b.batch_size
-    start, losses = _load_ckpt(ckpt_dir, key, student, opt)
-    bar = ProgressBar("distil draft (steps)", steps, start=start, enabled=progress, fields={"loss": float("nan")})
-    last = time.perf_counter()
-    student.train()
-    try:
-        for step in range(start, steps):
-            rows = order[step * b.batch_size:(step + 1) * b.batch_size]
-            for grp in opt.param_groups:
-                grp["lr"] = lr_at(step, b.lr, b.warmup_steps, steps)
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=student.device.type == "cpu"):
-                logits = student(input_ids=tokens[rows, :-1].to(student.device)).logits
-            loss = distil_loss(logits, logp[rows].to(student.device), idx[rows].to(student.device))
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(student.parameters(), 1.0)
-            opt.step()
-            losses.append(loss.item())
-            bar.update(step + 1, loss=losses[-1])
-            if time.perf_counter() - last >= CKPT_EVERY_S or step + 1 == steps:
-                _save_ckpt(ckpt_dir, key, step + 1, student, opt, losses)
-                last = time.perf_counter()
-    finally:
-        bar.close()
-    student.eval()
-    return losses
+    dev = student.device
+
+    def batch_loss(step: int) -> torch.Tensor:
+        rows = order[step * b.batch_size:(step + 1) * b.batch_size]
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dev.type == "cpu"):
+            logits = student(input_ids=tokens[rows, :-1].to(dev)).logits
+        return distil_loss(logits, logp[rows].to(dev), idx[rows].to(dev))
+
+    return fit(student, len(order) // b.batch_size, batch_loss, lr=b.lr, warmup=b.warmup_steps, ckpt_dir=ckpt_dir,
+               ckpt_key=key, progress=progress, desc="distil draft (steps)")
 
 
 @torch.no_grad()

@@ -210,28 +210,26 @@ def _load_ckpt(path: Path, key: dict, model, opt) -> tuple[int, list[float]]:
 
 # ----------------------------------------------------------------------------- training
 
-def train(model, stream: torch.Tensor, *, steps: int, batch_size: int, lr: float, warmup: int, seed: int,
-          ckpt_dir: Path | None = None, ckpt_key: dict | None = None, progress: bool = True,
-          desc: str = "train") -> list[float]:
-    """AdamW (wd 0.1 on matrices), warmup + cosine, grad clip 1.0, next-token CE on windows
-    drawn from `stream` in the seeded order. Returns the per-step training losses."""
+def fit(model, steps: int, batch_loss: Callable[[int], torch.Tensor], *, lr: float, warmup: int,
+        ckpt_dir: Path | None = None, ckpt_key: dict | None = None, progress: bool = True,
+        desc: str = "train") -> list[float]:
+    """The training loop of every model built here: AdamW (wd 0.1 on matrices, betas 0.9/0.95),
+    linear warmup + cosine (lr_at), grad clip 1.0; batch_loss(step) is the loss of step's batch.
+    Checkpoints (model + optimizer + losses) every CKPT_EVERY_S seconds and at the end, and resumes
+    from a matching one. Returns the per-step training losses."""
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
                             lr=lr, betas=(0.9, 0.95), eps=1e-8)
-    starts = window_order(len(stream), steps * batch_size, seed)
-    offs = torch.arange(SEQ_LEN + 1)
     start, losses = _load_ckpt(ckpt_dir, ckpt_key, model, opt) if ckpt_dir and ckpt_key else (0, [])
     rep = ProgressBar(desc, steps, start=start, enabled=progress, fields={"loss": float("nan")})
     last_ckpt = time.perf_counter()
     model.train()
     try:
         for step in range(start, steps):
-            batch = stream[starts[step * batch_size:(step + 1) * batch_size, None] + offs]
             for g in opt.param_groups:
                 g["lr"] = lr_at(step, lr, warmup, steps)
-            logits = model(input_ids=batch[:, :-1]).logits
-            loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), batch[:, 1:].reshape(-1))
+            loss = batch_loss(step)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -245,6 +243,22 @@ def train(model, stream: torch.Tensor, *, steps: int, batch_size: int, lr: float
         rep.close()
     model.eval()
     return losses
+
+
+def train(model, stream: torch.Tensor, *, steps: int, batch_size: int, lr: float, warmup: int, seed: int,
+          ckpt_dir: Path | None = None, ckpt_key: dict | None = None, progress: bool = True,
+          desc: str = "train") -> list[float]:
+    """`fit` with next-token CE on windows drawn from `stream` in the seeded order."""
+    starts = window_order(len(stream), steps * batch_size, seed)
+    offs = torch.arange(SEQ_LEN + 1)
+
+    def batch_loss(step: int) -> torch.Tensor:
+        batch = stream[starts[step * batch_size:(step + 1) * batch_size, None] + offs]
+        logits = model(input_ids=batch[:, :-1]).logits
+        return F.cross_entropy(logits.reshape(-1, logits.size(-1)), batch[:, 1:].reshape(-1))
+
+    return fit(model, steps, batch_loss, lr=lr, warmup=warmup, ckpt_dir=ckpt_dir, ckpt_key=ckpt_key,
+               progress=progress, desc=desc)
 
 
 # ----------------------------------------------------------------------------- evaluation
