@@ -283,6 +283,8 @@ def build_draft(target_dir: Path, seed: int = 0, out_dir: Path | None = None, *,
         wins, held = training_windows(tok, seed, b.teacher_windows, b.max_bytes)
         key = {"target_sha256": info_t.weights_sha256, "windows_sha": _sha16(wins), "top_k": TOP_K, "seq_len": SEQ_LEN}
         target = LlamaLM.from_pretrained(target_dir, dtype=torch.bfloat16)
+        had = len(list(work.glob("teacher_*.safetensors"))) if (work / "teacher_key.json").is_file() and \
+            json.loads((work / "teacher_key.json").read_text()) == key else 0
         shards = teacher_shards(target, wins, work, key, progress=progress)
         t_teacher = time.time() - t0
         student = make_student(target_dir, seed)
@@ -301,6 +303,7 @@ def build_draft(target_dir: Path, seed: int = 0, out_dir: Path | None = None, *,
                 "training_tokens": int(b.teacher_windows * SEQ_LEN), "token_passes": int(b.steps * b.batch_size * SEQ_LEN),
                 "final_loss": sum(losses[-20:]) / max(1, len(losses[-20:])), "first_loss": losses[0] if losses else None,
                 "heldout": acc, "seconds": {"teacher": t_teacher, "total": time.time() - t0},
+                "teacher_shards": {"total": len(shards), "computed_this_run": len(shards) - had},
                 "weights_sha256": load.model_info(out_dir).weights_sha256,
                 "size_mb": (out_dir / "model.safetensors").stat().st_size / 1e6, "torch": torch.__version__}
         atomic_write_json(out_dir / "build_info.json", info)
@@ -308,6 +311,14 @@ def build_draft(target_dir: Path, seed: int = 0, out_dir: Path | None = None, *,
         return info
     finally:
         torch.set_num_threads(threads_before)
+
+
+def _shards(info: dict) -> str:
+    t = info.get("teacher_shards")
+    if not t:
+        return "teacher shards: not recorded"
+    return f"{t['computed_this_run']} of {t['total']} teacher shards computed in that run" + (
+        f"; {t['note']}" if t.get("note") else "")
 
 
 def model_card(info: dict) -> str:
@@ -327,5 +338,6 @@ def model_card(info: dict) -> str:
         f"| held-out stdlib ({h['tokens']:,} tokens) | greedy agreement with the target {h['greedy_agreement']:.3f}; "
         f"mean sum min(p, q) {h['mean_min_pq']:.3f} |",
         f"| cross-entropy on held-out text | draft {h['draft_cross_entropy']:.3f}, target {h['target_cross_entropy']:.3f} nats |",
-        f"| build time | {info['seconds']['total'] / 60:.1f} min ({info['seconds']['teacher'] / 60:.1f} teacher labelling) |",
+        f"| build time | {info['seconds']['total'] / 60:.1f} min in the run that finished it "
+        f"({info['seconds']['teacher'] / 60:.1f} teacher labelling, {_shards(info)}) |",
         ""])
