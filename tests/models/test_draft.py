@@ -52,8 +52,24 @@ def test_tiny_build_writes_a_loadable_draft_and_resumes(tmp_path):
     h = info["heldout"]
     assert 0 <= h["greedy_agreement"] <= 1 and 0 < h["mean_min_pq"] <= 1 and h["tokens"] == D.SEQ_LEN
     assert info["training_tokens"] == 4 * D.SEQ_LEN and info["parameters"] > 0
-    shards = sorted(work.glob("teacher_*.safetensors"))
+    shards = sorted((work / "teacher").glob("teacher_*.safetensors"))
     stamps = [p.stat().st_mtime_ns for p in shards]
     again = D.build_draft(TARGET_DIR, seed=3, out_dir=tmp_path / "again", budget="tiny", work=work, progress=False)
     assert [p.stat().st_mtime_ns for p in shards] == stamps  # teacher shards reused
     assert again["weights_sha256"] == info["weights_sha256"]  # the finished checkpoint: same weights
+
+
+@pytest.mark.slow
+def test_a_larger_budget_reuses_the_smaller_ones_teacher_shards(tmp_path, monkeypatch):
+    from dataclasses import replace
+
+    monkeypatch.setattr(D, "SHARD", 2)
+    monkeypatch.setitem(D.BUDGETS, "tiny6", replace(D.BUDGETS["tiny"], teacher_windows=6))
+    work = tmp_path / "work"
+    D.build_draft(TARGET_DIR, seed=1, out_dir=tmp_path / "a", budget="tiny", work=work, progress=False)
+    first = {p.name: p.stat().st_mtime_ns for p in (work / "teacher").glob("teacher_*.safetensors")}
+    assert len(first) == 2
+    info = D.build_draft(TARGET_DIR, seed=1, out_dir=tmp_path / "b", budget="tiny6", work=work, progress=False)
+    now = {p.name: p.stat().st_mtime_ns for p in (work / "teacher").glob("teacher_*.safetensors")}
+    assert len(now) == 3 and all(now[k] == v for k, v in first.items())  # the 2 shards of "tiny" kept
+    assert info["teacher_shards"] == {"total": 3, "computed_this_run": 1}

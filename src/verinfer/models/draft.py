@@ -63,6 +63,8 @@ class DraftBudget:
 BUDGETS = {
     # 3,072 windows = 786k teacher tokens, 2 epochs at batch 8
     "full": DraftBudget(teacher_windows=3072, epochs=2, batch_size=8, lr=2e-3, warmup_steps=50, eval_windows=32),
+    # 8,192 windows = 2.1M teacher tokens (the first 3,072 are "full"'s: its shards are reused), 3 epochs
+    "large": DraftBudget(teacher_windows=8192, epochs=3, batch_size=8, lr=2e-3, warmup_steps=100, eval_windows=32),
     "tiny": DraftBudget(teacher_windows=4, epochs=1, batch_size=2, lr=1e-3, warmup_steps=1, eval_windows=1,
                         threads=1, max_bytes=1_000_000),  # a test's smoke build: seconds
 }
@@ -121,7 +123,8 @@ def teacher_topk(target, tokens_BT: torch.Tensor, k: int = TOP_K) -> tuple[torch
 def teacher_shards(target, wins_NT: torch.Tensor, work: Path, key: dict, *, k: int = TOP_K, batch: int = 8,
                    progress: bool = True) -> list[Path]:
     """Label every window with the target's top-k log-probs, SHARD windows per safetensors file in
-    `work`; shards already there with the same key are kept (resumable)."""
+    `work`. A shard already there is kept when the key matches and it holds exactly its windows: the
+    seed's window order is prefix-stable, so a larger budget reuses a smaller one's shards."""
     work.mkdir(parents=True, exist_ok=True)
     key_p = work / "teacher_key.json"
     if key_p.is_file() and json.loads(key_p.read_text()) != key:
@@ -129,7 +132,16 @@ def teacher_shards(target, wins_NT: torch.Tensor, work: Path, key: dict, *, k: i
             p.unlink()
     atomic_write_json(key_p, key)
     paths = [work / f"teacher_{i:05d}.safetensors" for i in range(math.ceil(len(wins_NT) / SHARD))]
-    todo = [i for i, p in enumerate(paths) if not p.is_file()]
+
+    def holds_its_windows(i: int) -> bool:
+        if not paths[i].is_file():
+            return False
+        from safetensors import safe_open
+
+        with safe_open(str(paths[i]), "pt") as st:
+            return torch.equal(st.get_tensor("tokens"), wins_NT[i * SHARD:(i + 1) * SHARD])
+
+    todo = [i for i in range(len(paths)) if not holds_its_windows(i)]
     bar = ProgressBar("teacher top-k (windows)", len(wins_NT), start=(len(paths) - len(todo)) * SHARD,
                       enabled=progress)
     try:
@@ -157,11 +169,10 @@ def work_dir(target_dir: Path, seed: int) -> Path:
     return cache_dir() / "work" / f"{Path(target_dir).name}-draft-seed{seed}"
 
 
-def training_windows(tokenizer, seed: int, n: int, max_bytes: int = corpus.DEFAULT_MAX_BYTES
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(train windows [n, SEQ_LEN+1] in the seed's order, held-out stream) on the stdlib split."""
+def streams(tokenizer, max_bytes: int = corpus.DEFAULT_MAX_BYTES) -> tuple[torch.Tensor, torch.Tensor]:
+    """(training stream, held-out stream) of the stdlib split, tokenized with the target's tokenizer."""
     train_docs, held_docs = corpus.stdlib_split(max_bytes)
-    return windows(token_stream(tokenizer, train_docs), n, seed), token_stream(tokenizer, held_docs)
+    return token_stream(tokenizer, train_docs), token_stream(tokenizer, held_docs)
 
 
 # ----------------------------------------------------------------------------- student
@@ -273,23 +284,27 @@ def build_draft(target_dir: Path, seed: int = 0, out_dir: Path | None = None, *,
         raise ValueError(f"budget must be one of {list(BUDGETS)}, got {budget!r}")
     b, target_dir = BUDGETS[budget], Path(target_dir)
     out_dir = Path(out_dir) if out_dir is not None else default_out(target_dir)
-    work = Path(work) if work is not None else work_dir(target_dir, seed) / budget
+    work = Path(work) if work is not None else work_dir(target_dir, seed)
     threads_before = torch.get_num_threads()
     torch.set_num_threads(b.threads)
     t0 = time.time()
     try:
         tok = load.load_tokenizer(target_dir)
         info_t = load.model_info(target_dir)
-        wins, held = training_windows(tok, seed, b.teacher_windows, b.max_bytes)
-        key = {"target_sha256": info_t.weights_sha256, "windows_sha": _sha16(wins), "top_k": TOP_K, "seq_len": SEQ_LEN}
+        train, held = streams(tok, b.max_bytes)
+        wins = windows(train, b.teacher_windows, seed)
+        key = {"target_sha256": info_t.weights_sha256, "stream_sha": _sha16(train), "seed": seed, "top_k": TOP_K,
+               "seq_len": SEQ_LEN}
         target = LlamaLM.from_pretrained(target_dir, dtype=torch.bfloat16)
-        had = len(list(work.glob("teacher_*.safetensors"))) if (work / "teacher_key.json").is_file() and \
-            json.loads((work / "teacher_key.json").read_text()) == key else 0
-        shards = teacher_shards(target, wins, work, key, progress=progress)
+        tdir = work / "teacher"
+        had = len(list(tdir.glob("teacher_*.safetensors"))) if (tdir / "teacher_key.json").is_file() and \
+            json.loads((tdir / "teacher_key.json").read_text()) == key else 0
+        shards = teacher_shards(target, wins, tdir, key, progress=progress)
+        had = min(had, len(shards))
         t_teacher = time.time() - t0
         student = make_student(target_dir, seed)
         ckey = dict(key, name="draft", seed=seed, arch=DRAFT_ARCH, budget=asdict(b))
-        losses = distil(student, shards, b, seed, ckpt_dir=work / ".ckpt", key=ckey, progress=progress)
+        losses = distil(student, shards, b, seed, ckpt_dir=work / budget / ".ckpt", key=ckey, progress=progress)
         out_dir.mkdir(parents=True, exist_ok=True)
         student.to(torch.bfloat16).save_pretrained(str(out_dir), safe_serialization=True)
         tok.save_pretrained(str(out_dir))
