@@ -482,7 +482,7 @@ def timing_run(json_path, device: str = "cpu", batch_sizes=(1, 16), repeats: int
     log("cost model ...")
     res["cost_model"] = cost_model({"target": str(task.target_dir), "draft": str(task.draft_dir)},
                                    batch_sizes=(1,) if quick else (1, 16), n=20 if quick else 100, device=device,
-                                   dtype=None if task.name == "arithmetic" else torch.bfloat16)
+                                   dtype={"fp32": torch.float32, "bf16": torch.bfloat16}[task.dtype])
     target, draft = task.models(device)
     judge = Judge.from_json(json_path.parent / f"{STEM[task.name]}_autojudge.json")
     stop, mt = task.stop, task.max_tokens

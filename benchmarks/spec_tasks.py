@@ -41,23 +41,27 @@ class SpecTask:
     key: Callable[[list[int]], str]                # output ids -> what agreement compares
     train_prompts: Callable[[int], list[list[int]]]  # AutoJudge mining (the task's training distribution)
     setup: dict = field(default_factory=dict)      # descriptions for the results' `setup`
+    dtype: str = "fp32"                            # of target and draft in every method
 
     def correct_indices(self, problems: list, outs: list[SpecOutput]) -> list[int]:
         return [i for i, (p, o) in enumerate(zip(problems, outs)) if self.is_correct(p, o.output_token_ids)]
 
-    def models(self, device: str = "cpu", dtype=None):
-        """Target and draft on the forward every method runs (LlamaLM, default kernels)."""
+    def models(self, device: str = "cpu"):
+        """Target and draft on the forward every method runs (LlamaLM, default kernels, self.dtype)."""
         import torch
 
         from verinfer.models.llama import LlamaLM
 
-        dt = dtype or (torch.float32 if self.name == "arithmetic" else torch.bfloat16)
+        dt = {"fp32": torch.float32, "bf16": torch.bfloat16}[self.dtype]
         return (LlamaLM.from_pretrained(self.target_dir, device=device, dtype=dt),
                 LlamaLM.from_pretrained(self.draft_dir, device=device, dtype=dt))
 
 
 def newline_tokens(tokenizer) -> tuple[int, ...]:
-    return tuple(i for i in range(len(tokenizer)) if "\n" in tokenizer.decode([i]))
+    """The stop set of both tasks: every token holding a newline (models/nextline.py)."""
+    from verinfer.models.nextline import newline_token_ids
+
+    return tuple(sorted(newline_token_ids(tokenizer)))
 
 
 def arithmetic_task(n_val: int = 300, n_test: int = 700) -> SpecTask:
@@ -98,7 +102,7 @@ def nextline_task(n_val: int = NEXTLINE_VAL, n_test: int = NEXTLINE_TEST, target
     tok = load_tokenizer(target_dir)
     kw = dict(context=NEXTLINE_CONTEXT, given=NEXTLINE_GIVEN)
     val, test = nextline.splits(tok, n_val, n_test, **kw)
-    stop = tuple(sorted(nextline.newline_token_ids(tok)))
+    stop = newline_tokens(tok)
 
     def key(ids):
         return tok.decode(ids).split("\n", 1)[0]
@@ -112,7 +116,7 @@ def nextline_task(n_val: int = NEXTLINE_VAL, n_test: int = NEXTLINE_TEST, target
                              f"greedy, stop at a newline token, max_tokens {NEXTLINE_MAX_TOKENS}; correct = the rest of "
                              "the line exactly",
                      "validation_problems": f"nextline problems[0:{n_val}]",
-                     "test_problems": f"nextline problems[{n_val}:{n_val + n_test}]"})
+                     "test_problems": f"nextline problems[{n_val}:{n_val + n_test}]"}, dtype="bf16")
 
 
 TASKS = {"arithmetic": arithmetic_task, "nextline": nextline_task}

@@ -121,10 +121,11 @@ def teacher_topk(target, tokens_BT: torch.Tensor, k: int = TOP_K) -> tuple[torch
 
 
 def teacher_shards(target, wins_NT: torch.Tensor, work: Path, key: dict, *, k: int = TOP_K, batch: int = 8,
-                   progress: bool = True) -> list[Path]:
+                   progress: bool = True) -> tuple[list[Path], int]:
     """Label every window with the target's top-k log-probs, SHARD windows per safetensors file in
     `work`. A shard already there is kept when the key matches and it holds exactly its windows: the
-    seed's window order is prefix-stable, so a larger budget reuses a smaller one's shards."""
+    seed's window order is prefix-stable, so a larger budget reuses a smaller one's shards.
+    Returns (the shard paths, how many of them this call computed)."""
     work.mkdir(parents=True, exist_ok=True)
     key_p = work / "teacher_key.json"
     if key_p.is_file() and json.loads(key_p.read_text()) != key:
@@ -153,8 +154,7 @@ def teacher_shards(target, wins_NT: torch.Tensor, work: Path, key: dict, *, k: i
             bar.update(min(len(wins_NT), (i + 1) * SHARD))
     finally:
         bar.close()
-    return paths
-
+    return paths, len(todo)
 
 def _sha16(t: torch.Tensor) -> str:
     import hashlib
@@ -296,11 +296,7 @@ def build_draft(target_dir: Path, seed: int = 0, out_dir: Path | None = None, *,
         key = {"target_sha256": info_t.weights_sha256, "stream_sha": _sha16(train), "seed": seed, "top_k": TOP_K,
                "seq_len": SEQ_LEN}
         target = LlamaLM.from_pretrained(target_dir, dtype=torch.bfloat16)
-        tdir = work / "teacher"
-        had = len(list(tdir.glob("teacher_*.safetensors"))) if (tdir / "teacher_key.json").is_file() and \
-            json.loads((tdir / "teacher_key.json").read_text()) == key else 0
-        shards = teacher_shards(target, wins, tdir, key, progress=progress)
-        had = min(had, len(shards))
+        shards, computed = teacher_shards(target, wins, work / "teacher", key, progress=progress)
         t_teacher = time.time() - t0
         student = make_student(target_dir, seed)
         ckey = dict(key, name="draft", seed=seed, arch=DRAFT_ARCH, budget=asdict(b))
@@ -318,7 +314,7 @@ def build_draft(target_dir: Path, seed: int = 0, out_dir: Path | None = None, *,
                 "training_tokens": int(b.teacher_windows * SEQ_LEN), "token_passes": int(b.steps * b.batch_size * SEQ_LEN),
                 "final_loss": sum(losses[-20:]) / max(1, len(losses[-20:])), "first_loss": losses[0] if losses else None,
                 "heldout": acc, "seconds": {"teacher": t_teacher, "total": time.time() - t0},
-                "teacher_shards": {"total": len(shards), "computed_this_run": len(shards) - had},
+                "teacher_shards": {"total": len(shards), "computed_this_run": computed},
                 "weights_sha256": load.model_info(out_dir).weights_sha256,
                 "size_mb": (out_dir / "model.safetensors").stat().st_size / 1e6, "torch": torch.__version__}
         atomic_write_json(out_dir / "build_info.json", info)

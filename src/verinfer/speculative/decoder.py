@@ -248,11 +248,14 @@ class SpeculativeDecoder:
 
     def _lookup(self, rows: "_Rows", active: list[int], G: int, dev):
         """N-gram proposals of every active row, padded to the round's longest (at least 1): x_BG,
-        q_BGV (one-hot at the proposals) and n_valid_B (each row's own count, 0 without a match)."""
+        q_BGV (one-hot at the proposals; greedy verification never reads q, so a zero view there)
+        and n_valid_B (each row's own count, 0 without a match)."""
         props = [self.ngram.propose(rows.seqs[r], G) for r in active]
         Gr = max(1, max(len(x) for x in props))
         x_BG = torch.tensor([x + [0] * (Gr - len(x)) for x in props], device=dev)
-        q_BGV = torch.nn.functional.one_hot(x_BG, self.target.model.config.vocab_size).float()
+        V = self.target.model.config.vocab_size
+        q_BGV = (torch.zeros(1, device=dev).expand(*x_BG.shape, V) if self.greedy
+                 else torch.nn.functional.one_hot(x_BG, V).float())
         return x_BG, q_BGV, torch.tensor([len(x) for x in props])
 
 
