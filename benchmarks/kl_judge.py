@@ -1,6 +1,7 @@
 """KL-judge speculative decoding vs vanilla speculative sampling and the judge baselines.
 
     nice -n 15 .venv/bin/python -m benchmarks.kl_judge --no-timing --out benchmarks/results   # quality: sweeps, selection, test
+        (on 2 cores: the same command twice, with --shard 0/2 and --shard 1/2, splits the quality runs)
     flock /tmp/verinfer-timing.lock .venv/bin/python -m benchmarks.kl_judge --timing --out benchmarks/results   # cost model, tokens/s
     .venv/bin/python -m benchmarks.kl_judge [--quick]                      # both in one process, into runs/kl_judge
 
@@ -33,6 +34,9 @@ def parser() -> argparse.ArgumentParser:
                     help="nextline: SmolLM2-135M-Instruct + its distilled draft on held-out stdlib next-line "
                          "completion (results kl_judge.*); arithmetic: the testbed pair (kl_judge_testbed.*)")
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--shard", default="0/1", metavar="I/N",
+                    help="split the quality half over N processes started with I = 0..N-1 (they share the run cache "
+                         "in benchmarks/.cache/kl_judge; shard 0 waits for the others and writes the results)")
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT,
                     help="output directory (default runs/kl_judge; benchmarks/results holds the committed results)")
     stage = ap.add_mutually_exclusive_group()
@@ -76,7 +80,15 @@ if __name__ == "__main__":
     if a.timing:
         res = timing_run(a.out / f"{STEM[a.task]}.json", device=a.device, repeats=a.repeats, log=log)
     else:
+        try:
+            shard = tuple(int(x) for x in a.shard.split("/"))
+            if len(shard) != 2:
+                raise ValueError
+        except ValueError:
+            raise SystemExit(f"--shard: expected I/N such as 0/2, got {a.shard!r}")
         res = run(a.out, device=a.device, quick=a.quick, repeats=a.repeats, log=log, timing=not a.no_timing,
-                  task_name=a.task)
+                  task_name=a.task, shard=shard)
+        if res is None:
+            raise SystemExit(0)
     Console().print(criteria_table(res.get("criteria")))
     print(f"results -> {a.out}")

@@ -31,6 +31,7 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -52,6 +53,18 @@ GRIDS: dict[str, list[float]] = {
     "autojudge": [0.1, 0.5, 0.9],
     "ngram": [5, 3, 1],  # min_n of prompt lookup, max_n NGRAM_MAX_N (5, 5: vLLM's default); lossless
 }
+# The real pair (nextline): every point is a 400- or 600-problem run of a 135M target on a 2-core CPU
+# (3-5 min), so a coarser grid with the same range (the testbed's grid is 39 points)
+NEXTLINE_GRIDS: dict[str, list[float]] = {
+    "standard": [0.0],
+    "kl": [0.1, 0.5, 1.0, 2.0, 5.0],
+    "topk": [3, 10],
+    "target_entropy": [3.0, 2.0, 1.0],
+    "draft_entropy": [0.5, 1.5, 2.5],
+    "autojudge": [0.5, 0.9],
+    "ngram": [3, 1],
+}
+TASK_GRIDS = {"arithmetic": GRIDS, "nextline": NEXTLINE_GRIDS}
 NGRAM_MAX_N = 5
 STEM = {"nextline": "kl_judge", "arithmetic": "kl_judge_testbed"}  # results file stem per task
 
@@ -215,8 +228,10 @@ LABELS = {"standard": "vanilla", "kl": "kl_judge", "topk": "topk", "target_entro
 GAMMAS = [1, 2, 3, 4, 6]
 # SmolLM2 is ~40x the testbed target's cost per token on CPU: fewer gammas, a smaller timing prefix
 # and the post-hoc test sweep on the KL grid only (every point is a 1,000-problem run)
-TASK_GAMMAS = {"arithmetic": GAMMAS, "nextline": [2, 4, 6]}
-TASK_TIME_PROBLEMS = {"arithmetic": (200, 700), "nextline": (64, 256)}  # batch 1, batch 16
+# nextline: gamma 4 only (benchmarks/results/kl_judge_feasibility.md: vanilla 1.03x target-only at gammas 3 and 4,
+# 1.02x at 6), so every method is tested and timed at the gamma its MAT is compared at
+TASK_GAMMAS = {"arithmetic": GAMMAS, "nextline": [4]}
+TASK_TIME_PROBLEMS = {"arithmetic": (200, 700), "nextline": (32, 64)}  # batch 1, batch 16
 TASK_POST_HOC_RULES = {"arithmetic": None, "nextline": ("standard", "kl")}
 REF_GAMMA = 4          # thresholds are selected, and MAT compared, at this gamma
 SELECT_MARGIN = 0.005  # a threshold qualifies when its validation accuracy is >= vanilla's - 0.5 point
@@ -279,23 +294,25 @@ def difficulty_diagnostic(tok, target, problems_by_name: dict[str, list[Problem]
 
 
 def select_thresholds(sweep: list[dict], vanilla_acc: dict[int, float],
-                      margin: float = SELECT_MARGIN) -> dict[str, dict[int, float]]:
+                      margin: float = SELECT_MARGIN, grids: dict[str, list[float]] = GRIDS) -> dict[str, dict[int, float]]:
     """Per rule and gamma: the threshold with the highest validation MAT among those whose
     validation accuracy is at least vanilla's minus SELECT_MARGIN (ties: the stricter threshold,
     i.e. the first in the grid). Fixed before any test number of the run is computed."""
     best: dict[str, dict[int, float]] = {}
-    for rule in GRIDS:
+    for rule in grids:
         best[rule] = {}
         for g in sorted({r["gamma"] for r in sweep}):
             rows = [r for r in sweep if r["rule"] == rule and r["gamma"] == g
                     and r["accuracy"] >= vanilla_acc[g] - margin - 1e-12]
             if rows:
-                best[rule][g] = max(rows, key=lambda r: (r["mat"], -GRIDS[rule].index(r["threshold"])))["threshold"]
+                best[rule][g] = max(rows, key=lambda r: (r["mat"], -grids[rule].index(r["threshold"])))["threshold"]
     return best
 
 
 QUICK_SIZES = {"arithmetic": (60, 100, 40), "nextline": (40, 60, 20)}  # validation, test, mining problems
-FULL_SIZES = {"arithmetic": (N_VAL, N_TEST, 300), "nextline": (400, 1000, 300)}
+# nextline: 400 + 600 = 1,000 held-out problems; AutoJudge mining re-decodes the line after every mismatch
+# (about 7 s per problem for SmolLM2), so 64 training problems
+FULL_SIZES = {"arithmetic": (N_VAL, N_TEST, 300), "nextline": (400, 600, 64)}
 
 
 def make_task(task_name: str, quick: bool) -> SpecTask:
@@ -305,23 +322,79 @@ def make_task(task_name: str, quick: bool) -> SpecTask:
     return TASKS[task_name](n_val, n_test)
 
 
+class PointCache:
+    """Deterministic greedy results, one JSON file per key under benchmarks/.cache/kl_judge/ (each
+    written atomically): a re-run does not recompute them, and the shards of one run share them.
+    Shard (i, n): in each `get_many` list this process computes the missing items at positions
+    j with j % n == i, then waits for the other shards' items (polling the directory)."""
+
+    def __init__(self, root, shard: tuple[int, int] = (0, 1), poll_s: float = 15.0, log=print):
+        from pathlib import Path
+
+        i, n = shard
+        if not (n >= 1 and 0 <= i < n):
+            raise ValueError(f"shard must be I/N with 0 <= I < N, got {i}/{n}")
+        self.root, self.shard, self.poll_s, self.log = Path(root), (i, n), poll_s, log
+        self.root.mkdir(parents=True, exist_ok=True)
+
+    def path(self, key: str):
+        import hashlib
+
+        return self.root / f"{hashlib.sha256(key.encode()).hexdigest()[:24]}.json"
+
+    def _read(self, key: str):
+        import json
+
+        p = self.path(key)
+        if not p.is_file():
+            return None
+        d = json.loads(p.read_text())
+        if d.get("key") != key:
+            raise RuntimeError(f"{p}: holds {d.get('key')!r}, not {key!r} (hash collision?): delete it and re-run")
+        return d["value"]
+
+    def get_many(self, items: list[tuple[str, Callable[[], object]]], owners: list[int] | None = None,
+                 wait: bool = True) -> list:
+        """Values of items (key, compute): this shard computes the missing ones it owns (item j's owner is
+        owners[j] % n, default j % n), then, with wait=True, waits for the rest (None for them otherwise)."""
+        i, n = self.shard
+        owners = owners or list(range(len(items)))
+        out = [self._read(k) for k, _ in items]
+        for j, (k, compute) in enumerate(items):
+            if out[j] is None and owners[j] % n == i:
+                out[j] = compute()
+                atomic_write_json(self.path(k), {"key": k, "value": out[j]}, indent=None)
+        waited = False
+        for j, (k, _) in enumerate(items):
+            if out[j] is None:
+                out[j] = self._read(k)
+            while wait and out[j] is None:
+                if not waited:
+                    self.log(f"  shard {i}/{n}: waiting for the other shards ({k.split(':', 2)[-1]} ...)")
+                    waited = True
+                time.sleep(self.poll_s)
+                out[j] = self._read(k)
+        return out
+
+
 def run(out_dir, device: str = "cpu", quick: bool = False, batch_sizes=(1, 16), repeats: int = 5,
-        log=print, timing: bool = True, task_name: str = "arithmetic") -> dict:
+        log=print, timing: bool = True, task_name: str = "arithmetic", shard: tuple[int, int] = (0, 1)) -> dict:
     """Everything behind benchmarks/results/<STEM[task]>.{json,md,png}; returns the results dict.
     Quality first (no timing: validation sweep at REF_GAMMA, threshold selection, test metrics at
-    every gamma), then, with timing=True, `timing_run` (cost model and tokens/s)."""
-    import json
+    every gamma), then, with timing=True, `timing_run` (cost model and tokens/s).
+    shard=(i, n): n processes started with i = 0..n-1 split every stage's runs (PointCache); shard 0
+    waits for the others and writes the results, the others return None after their share."""
     from pathlib import Path
 
     from verinfer.models.load import model_info
-    from verinfer.speculative.autojudge import mine, train_judge
+    from verinfer.speculative.autojudge import Judge, mine, train_judge
 
     torch.set_num_threads(1)
     t_start = time.time()
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     task = make_task(task_name, quick)
-    stem = STEM[task.name]
+    stem, grids = STEM[task.name], TASK_GRIDS[task.name]
     tok = task.tokenizer
     target, draft = task.models(device)
     stop, max_tokens = task.stop, task.max_tokens
@@ -332,7 +405,7 @@ def run(out_dir, device: str = "cpu", quick: bool = False, batch_sizes=(1, 16), 
     res: dict = {"setup": {
         "task_name": task.name, **task.setup, "target": str(model_info(task.target_dir).name),
         "draft": str(model_info(task.draft_dir).name),
-        "gammas": gammas, "ref_gamma_for_mat": REF_GAMMA,
+        "gammas": gammas, "ref_gamma_for_mat": REF_GAMMA, "grids": grids,
         "threshold_selection": f"fixed before the run: per rule, at gamma {REF_GAMMA} on validation, the threshold with "
                                f"the highest MAT among those with validation accuracy >= vanilla's - "
                                f"{SELECT_MARGIN * 100:.1f} point; the same threshold at every gamma",
@@ -343,75 +416,99 @@ def run(out_dir, device: str = "cpu", quick: bool = False, batch_sizes=(1, 16), 
                        "target-only included",
         "device": device, "torch": torch.__version__, "quick": quick}}
 
-    log(f"mining AutoJudge labels on {n_mine} training problems ...")
-    t0 = time.time()
-    mined = mine(target, draft, tok, task.train_prompts(n_mine), max_tokens, stop)
-    judge = train_judge(mined)
-    judge.to_json(out_dir / f"{stem}_autojudge.json")
-    res["judge_mining"] = {"problems": mined.problems, "mismatches": int(mined.labels_N.numel()),
-                           "important_fraction": float(mined.labels_N.float().mean()),
-                           "mismatches_per_problem": mined.mismatches_per_problem,
-                           "feature_dim": int(mined.feats_ND.shape[1]), "seconds": time.time() - t0}
-    log(f"  {res['judge_mining']}")
+    # greedy outputs are deterministic: every run is cached under a key naming the decode path, both
+    # models' weights, the task and the configuration (benchmarks/.cache is git-ignored)
+    cache = PointCache(out_dir.parent / ".cache" / "kl_judge", shard, log=log)
+    key_base = f"{CACHE_VERSION}:{max_tokens}:{model_info(task.target_dir).weights_sha256}:" \
+               f"{model_info(task.draft_dir).weights_sha256}:{task.name}:{task.dtype}"
+    judge_path = cache.root / f"autojudge-{cache.path(f'{key_base}:mine:{n_mine}').stem}.json"
 
-    ref_val = autoregressive(target, val_p, max_tokens, stop_token_ids=stop, batch_size=16)
-    ref_test = autoregressive(target, test_p, max_tokens, stop_token_ids=stop, batch_size=16)
+    def mining():
+        t0 = time.time()
+        log(f"mining AutoJudge labels on {n_mine} training problems ...")
+        mined = mine(target, draft, tok, task.train_prompts(n_mine), max_tokens, stop,
+                     progress=lambda k: log(f"  mined {k}/{n_mine}") if k % 8 == 0 else None)
+        train_judge(mined).to_json(judge_path)
+        return {"problems": mined.problems, "mismatches": int(mined.labels_N.numel()),
+                "important_fraction": float(mined.labels_N.float().mean()),
+                "mismatches_per_problem": mined.mismatches_per_problem,
+                "feature_dim": int(mined.feats_ND.shape[1]), "seconds": time.time() - t0}
 
-    # greedy outputs are deterministic: cache sweep rows (keyed by decode path, models, split and
-    # config) so a re-run does not recompute them
-    cache_path = out_dir.parent / ".cache" / "kl_judge_sweep.json"  # benchmarks/.cache (git-ignored)
-    key_base = f"{CACHE_VERSION}:{mined.labels_N.sum().item()}:{max_tokens}:{model_info(task.target_dir).weights_sha256}:" \
-               f"{model_info(task.draft_dir).weights_sha256}" + ("" if task.name == "arithmetic" else f":{task.name}")
-    cached = json.loads(cache_path.read_text()) if cache_path.is_file() else {}
+    def reference(split, prompts):
+        def compute():
+            log(f"target-only on {split} ({len(prompts)} problems) ...")
+            return [o.output_token_ids for o in
+                    autoregressive(target, prompts, max_tokens, stop_token_ids=stop, batch_size=16)]
+        return f"{key_base}:{split}:{len(prompts)}:target_only", compute
 
-    def point(split, name, thr, g, prompts, problems, ref):
-        """One (rule, threshold, gamma) run on a split, summarized, from the cache when it is there."""
-        key = f"{key_base}:{split}:{len(problems)}:{name}:{thr}:{g}"
-        if key not in cached:
-            outs = method_for(name, name, thr, g, judge).run(target, draft, prompts, max_tokens, stop, 16)
-            cached[key] = {"rule": name, "threshold": thr, "gamma": g, **summarize(task, problems, outs, ref),
-                           "correct_idx": correct_indices(task, problems, outs)}
-        return cached[key]
+    # shard 0 mines while shard 1 decodes the target-only references; only AutoJudge runs wait for the judge
+    mine_item, refs = (f"{key_base}:mine:{n_mine}", mining), [reference("val", val_p), reference("test", test_p)]
+    cache.get_many([mine_item, *refs], owners=[0, 1, 1], wait=False)
+    ref_val_ids, ref_test_ids = cache.get_many(refs, owners=[1, 1])
+    judge_box: list = []
 
-    def save_cache():
-        atomic_write_json(cache_path, cached, indent=None)
+    def judge_now():
+        if not judge_box:
+            res["judge_mining"] = cache.get_many([mine_item], owners=[0])[0]
+            judge_box.append(Judge.from_json(judge_path))
+        return judge_box[0]
+
+    as_outs = lambda ids: [SpecOutput([], o, "", "", target_forwards=len(o)) for o in ids]  # noqa: E731
+    ref_val, ref_test = as_outs(ref_val_ids), as_outs(ref_test_ids)
+
+    def points(split, configs, prompts, problems, ref):
+        """(rule, threshold, gamma) runs on a split, summarized, through the cache."""
+        def item(name, thr, g):
+            def compute():
+                t0 = time.time()
+                judge = judge_now() if name == "autojudge" else None
+                outs = method_for(name, name, thr, g, judge).run(target, draft, prompts, max_tokens, stop, 16)
+                row = {"rule": name, "threshold": thr, "gamma": g, **summarize(task, problems, outs, ref),
+                       "correct_idx": correct_indices(task, problems, outs)}
+                log(f"  {split} {name} {thr} @{g}: MAT {row['mat']:.2f}, accuracy {row['accuracy']:.4f}, "
+                    f"agreement {row['agreement']:.3f} ({time.time() - t0:.0f} s)")
+                return row
+            aj = f":mine{n_mine}" if name == "autojudge" else ""
+            return f"{key_base}:{split}:{len(problems)}:{name}:{thr}:{g}{aj}", compute
+        # AutoJudge runs last: they may wait for the judge
+        order = sorted(range(len(configs)), key=lambda j: configs[j][0] == "autojudge")
+        got = cache.get_many([item(*configs[j]) for j in order])
+        return [got[order.index(j)] for j in range(len(configs))]
 
     log(f"threshold sweep on validation ({n_val} problems, gamma {REF_GAMMA}) ...")
-    sweep = []
-    for name, grid in GRIDS.items():
-        sweep += [point("val", name, thr, REF_GAMMA, val_p, val, ref_val) for thr in grid]
-        save_cache()
+    sweep = points("val", [(name, thr, REF_GAMMA) for name, grid in grids.items() for thr in grid], val_p, val, ref_val)
+    for name in grids:
         log(f"  {name}: " + " ".join(f"{r['threshold']}:{r['mat']:.2f}/{r['accuracy']:.4f}" for r in sweep if r["rule"] == name))
     res["sweep_validation"] = sweep
     res["target_only_validation"] = summarize(task, val, ref_val, ref_val)
     vanilla_acc = {REF_GAMMA: next(r["accuracy"] for r in sweep if r["rule"] == "standard")}
-    best = {k: v.get(REF_GAMMA) for k, v in select_thresholds(sweep, vanilla_acc).items()}
+    best = {k: v.get(REF_GAMMA) for k, v in select_thresholds(sweep, vanilla_acc, grids=grids).items()}
     res["selected_threshold"] = {LABELS[k]: v for k, v in best.items() if v is not None}
     # the KL judge also at the threshold of the previous protocol's rule (1-point margin on the
     # same validation split): a second validation-selected configuration, reported separately
-    kl_1pt = select_thresholds(sweep, vanilla_acc, margin=0.01)["kl"].get(REF_GAMMA)
+    kl_1pt = select_thresholds(sweep, vanilla_acc, margin=0.01, grids=grids)["kl"].get(REF_GAMMA)
     res["extra_methods"] = {"kl_judge_1pt": ["kl", kl_1pt]} if kl_1pt not in (None, best["kl"]) else {}
     log(f"selected thresholds: {res['selected_threshold']}, extra: {res['extra_methods']}")
+    judge_now().to_json(out_dir / f"{stem}_autojudge.json")
+    log(f"  AutoJudge mining: {res['judge_mining']}")
 
     # --- test: everything below uses the thresholds fixed above
     t_only = summarize(task, test, ref_test, ref_test)
     t_only["mean_tokens"], t_only["problems"] = t_only["tokens"] / n_test, n_test
     t_only["correct_idx"] = correct_indices(task, test, ref_test)
     res["target_only_test"] = t_only
-    log("test: every method at its selected threshold, every gamma ...")
-    res["test_all_gammas"] = []
-    for k, thr in method_rules(res).values():
-        res["test_all_gammas"] += [point("test", k, thr, g, test_p, test, ref_test) for g in gammas]
-        save_cache()
-    log(f"post-hoc test sweep at gamma {REF_GAMMA} (every threshold; not used for selection) ...")
-    test_sweep = []
-    post_hoc = TASK_POST_HOC_RULES[task.name] or tuple(GRIDS)
-    for name, grid in GRIDS.items():
-        if name not in post_hoc:
-            continue
-        test_sweep += [point("test", name, thr, REF_GAMMA, test_p, test, ref_test) for thr in grid]
-        save_cache()
-    res["test_sweep_post_hoc"] = test_sweep
+    post_hoc = TASK_POST_HOC_RULES[task.name] or tuple(grids)
+    log(f"test: every method at its selected threshold, every gamma; post-hoc sweep of {post_hoc} at gamma "
+        f"{REF_GAMMA} (every threshold; not used for selection) ...")
+    selected = [(k, thr, g) for k, thr in method_rules(res).values() for g in gammas]
+    post = [(name, thr, REF_GAMMA) for name, grid in grids.items() if name in post_hoc for thr in grid]
+    rows = points("test", selected + [c for c in post if c not in selected], test_p, test, ref_test)
+    by = {(r["rule"], r["threshold"], r["gamma"]): r for r in rows}
+    res["test_all_gammas"] = [by[c] for c in selected]
+    res["test_sweep_post_hoc"] = [by[c] for c in post]
+    if shard[0] != 0:
+        log(f"shard {shard[0]}/{shard[1]}: my share is done; shard 0 writes the results")
+        return None
     if not quick and task.name == "arithmetic":
         log("difficulty diagnostic: held-out vs fresh problems ...")
         from verinfer.models.corpus import heldout_problems
@@ -495,13 +592,18 @@ def timing_run(json_path, device: str = "cpu", batch_sizes=(1, 16), repeats: int
         methods = [Method("target_only", None)]
         for g in res["setup"]["gammas"]:
             methods += [method_for(f"{lab}@{g}", rule, thr, g, judge) for lab, (rule, thr) in sel.items()]
-        # stage 1: every gamma of every method, to find each method's fastest gamma
-        r1 = max(2, (repeats + 1) // 2)
-        log(f"batch {bs}: {len(methods)} configurations x {r1} interleaved repeats on {n} test problems ...")
-        tt = interleaved_timing(methods, target, draft, test_p[:n], mt, stop, bs, r1, progress=log, seed=bs)
-        sweep = {k: {"tokens_per_s": v["tokens_per_s"], "tokens_per_s_repeats": v["tokens_per_s_all"]} for k, v in tt.items()}
-        fastest = {lab: max((v["tokens_per_s"], k) for k, v in sweep.items() if k.startswith(lab + "@"))[1] for lab in sel}
-        log(f"  fastest: {fastest}")
+        if len(res["setup"]["gammas"]) > 1:
+            # stage 1: every gamma of every method, to find each method's fastest gamma
+            r1 = max(2, (repeats + 1) // 2)
+            log(f"batch {bs}: {len(methods)} configurations x {r1} interleaved repeats on {n} test problems ...")
+            tt = interleaved_timing(methods, target, draft, test_p[:n], mt, stop, bs, r1, progress=log, seed=bs)
+            sweep = {k: {"tokens_per_s": v["tokens_per_s"], "tokens_per_s_repeats": v["tokens_per_s_all"]}
+                     for k, v in tt.items()}
+            fastest = {lab: max((v["tokens_per_s"], k) for k, v in sweep.items() if k.startswith(lab + "@"))[1]
+                       for lab in sel}
+            log(f"  fastest: {fastest}")
+        else:  # one gamma: nothing to choose
+            sweep, fastest = None, {lab: f"{lab}@{res['setup']['gammas'][0]}" for lab in sel}
         # stage 2: target-only and each method at its fastest gamma, timed again (a fresh measurement,
         # so picking the fastest gamma does not inflate the reported number), more repeats
         by_name = {mm.name: mm for mm in methods}
@@ -510,7 +612,8 @@ def timing_run(json_path, device: str = "cpu", batch_sizes=(1, 16), repeats: int
         log(f"batch {bs}: {len(final)} configurations x {r2} interleaved repeats (each method at its fastest gamma) ...")
         tf = interleaved_timing(final, target, draft, test_p[:n], mt, stop, bs, r2, progress=log, seed=100 + bs)
         rows = {k: {"tokens_per_s": v["tokens_per_s"], "tokens_per_s_repeats": v["tokens_per_s_all"]} for k, v in tf.items()}
-        res["timing"][f"b{bs}"] = {"problems": n, "gamma_sweep": sweep, "configs": rows, "fastest": fastest}
+        res["timing"][f"b{bs}"] = {"problems": n, "configs": rows, "fastest": fastest,
+                                   **({"gamma_sweep": sweep} if sweep is not None else {})}
         res["timing"][f"b{bs}"]["breakdown_ms_per_problem"] = {
             k: time_breakdown(by_name[k], target, draft, test_p[:n], mt, stop, bs)
             for k in ["target_only"] + [fastest[lab] for lab in fastest if lab in ("vanilla", "kl_judge", "kl_judge_1pt")]}
@@ -753,7 +856,7 @@ class FrontierPlot:
                   ("test_sweep_post_hoc", "accuracy", "test accuracy (post hoc, all thresholds)"),
                   ("sweep_validation", "agreement", "validation answer agreement with target-only")]
         for ax, (src, key, ylab) in zip(self.axes, panels):
-            for rule in GRIDS:
+            for rule in res["setup"].get("grids", GRIDS):
                 rows = [r for r in res.get(src, []) if r["rule"] == rule and r["gamma"] == g]
                 rows.sort(key=lambda r: r["mat"])
                 style = "k*" if rule == "standard" else "o-"

@@ -3,11 +3,11 @@ greedy standard speculative decoding == transformers' greedy generate of the tar
 
 import pytest
 import torch
-from scipy.stats import chisquare
 
 from verinfer.models.llama import LlamaLM
 from verinfer.models.testbed import DRAFT_DIR, TARGET_DIR, load_tokenizer
 from verinfer.speculative.decoder import SpeculativeDecoder, autoregressive
+from verinfer.speculative.lossless import two_token_chi_square
 from verinfer.speculative.rules import Rule
 
 
@@ -17,39 +17,9 @@ def models():
     return LlamaLM.from_pretrained(TARGET_DIR), LlamaLM.from_pretrained(DRAFT_DIR), load_tokenizer()
 
 
-def _exact_two_token_dist(target, prompt):
-    """P_target(y1, y2 | prompt) for every y1 (and every y2), by full forwards."""
-    with torch.no_grad():
-        lg, _ = target(torch.tensor([prompt]), torch.arange(len(prompt))[None])
-        p1 = torch.softmax(lg[0, -1].double(), -1)
-        top = p1.topk(64).indices  # y1 outside these carries < the leftover mass, binned as "other"
-        seqs = torch.tensor([prompt + [int(y)] for y in top])
-        lg2, _ = target(seqs, torch.arange(len(prompt) + 1).expand(len(top), -1))
-        p2 = torch.softmax(lg2[:, -1].double(), -1)
-    return p1, top, p2
-
-
 def _chi2(target, outs, prompt, n):
-    p1, top, p2 = _exact_two_token_dist(target, prompt)
-    joint = p1[top][:, None] * p2  # [64, V]
-    counts: dict[tuple[int, int], int] = {}
-    for o in outs:
-        k = tuple(o.output_token_ids[:2])
-        counts[k] = counts.get(k, 0) + 1
-    flat = joint.flatten()
-    order = flat.argsort(descending=True)
-    obs, exp = [], []
-    V = joint.shape[1]
-    for j in order.tolist():
-        e = n * flat[j].item()
-        if e < 5:
-            break
-        key = (int(top[j // V]), j % V)
-        obs.append(counts.pop(key, 0))
-        exp.append(e)
-    obs.append(n - sum(obs))
-    exp.append(n - sum(exp))
-    return chisquare(obs, exp), len(obs)
+    stat, pval, bins = two_token_chi_square(target, [tuple(o.output_token_ids[:2]) for o in outs], prompt)
+    return (stat, pval), bins
 
 
 PROMPT = "    def __init__(self"
