@@ -514,6 +514,9 @@ def run(out_dir, device: str = "cpu", quick: bool = False, batch_sizes=(1, 16), 
         from verinfer.models.corpus import heldout_problems
         res["difficulty_diagnostic"] = difficulty_diagnostic(
             tok, target, {"heldout": heldout_problems(1000), "fresh": fresh_problems(3000)}, max_tokens, stop)
+    if task.name == "nextline":
+        log("chi-square losslessness check (fp32) ...")
+        res["lossless"] = lossless_check(task, res["selected_threshold"].get("kl_judge", 2.0), device)
     res["seconds_quality"] = time.time() - t_start
     atomic_write_json(out_dir / f"{stem}.json", res)
     if timing:
@@ -576,6 +579,10 @@ def timing_run(json_path, device: str = "cpu", batch_sizes=(1, 16), repeats: int
     res = json.loads(json_path.read_text())
     quick = res["setup"]["quick"]
     task = make_task(res["setup"].get("task_name", "arithmetic"), quick)
+    if task.name == "nextline" and "lossless" not in res:   # a quality half from before the check existed
+        log("chi-square losslessness check (fp32) ...")
+        res["lossless"] = lossless_check(task, res["selected_threshold"].get("kl_judge", 2.0), device)
+        atomic_write_json(json_path, res)
     log("cost model ...")
     res["cost_model"] = cost_model({"target": str(task.target_dir), "draft": str(task.draft_dir)},
                                    batch_sizes=(1,) if quick else (1, 16), n=20 if quick else 100, device=device,
@@ -642,6 +649,14 @@ def criteria(res: dict, methods: dict, lab: str, at: dict, g_eq: int) -> dict:
         res["target_only_test"]["problems"])
     crit["mat_ge_1.5x"] = crit["mat_ratio"] >= 1.5
     crit["accuracy_within_1_point"] = crit["accuracy_drop_points"] <= 1.0 + 1e-9
+    # issue 17 compares accuracy with the target's own (target-only decoding, same problems)
+    t_only = res["target_only_test"]
+    d = paired_accuracy_difference(t_only["correct_idx"], at[("kl", kl["threshold"], g_eq)]["correct_idx"],
+                                   t_only["problems"])
+    crit["accuracy_difference_target_minus_kl"] = d
+    crit["agreement_with_target"] = kl["agreement"]
+    crit["accuracy_within_1_point_of_target"] = d["difference_points"] <= 1.0 + 1e-9
+    crit["ci95_upper_within_2_points_of_target"] = d["ci95_points"][1] <= 2.0 + 1e-9
     for bs, t in res.get("timing", {}).items():
         a, b = t["configs"][t["fastest"][lab]], t["configs"][t["fastest"]["vanilla"]]
         crit[f"tokens_per_s_ratio_{bs}"] = a["tokens_per_s"] / b["tokens_per_s"]
@@ -652,7 +667,36 @@ def criteria(res: dict, methods: dict, lab: str, at: dict, g_eq: int) -> dict:
                                                                    - kl[f"accuracy_at_speed_gamma_{bs}"])
         crit[f"tokens_per_s_ge_1.3x_{bs}"] = min(crit[f"tokens_per_s_ratio_{bs}"],
                                                 crit[f"tokens_per_s_ratio_paired_median_{bs}"]) >= 1.3
+        to = t["configs"]["target_only"]
+        crit[f"vanilla_vs_target_only_paired_median_{bs}"] = paired_median(b["tokens_per_s_repeats"],
+                                                                          to["tokens_per_s_repeats"])
+        crit[f"vanilla_ge_1.3x_target_only_{bs}"] = min(crit[f"vanilla_vs_target_only_{bs}"],
+                                                       crit[f"vanilla_vs_target_only_paired_median_{bs}"]) >= 1.3
     return crit
+
+
+LOSSLESS_PROMPT = "import os\nimport "  # 57 (y1, y2) bins with expected count >= 5 at n = 2,000 (SmolLM2, fp32)
+
+
+def lossless_check(task: SpecTask, kl_threshold: float, device: str = "cpu", n: int = 2000) -> dict:
+    """speculative/lossless.py's chi-square on the task's pair in fp32 (in bf16 the target's own
+    distribution moves with the forward's shape; tests/models/test_smollm2.py): vanilla and the KL
+    judge at `kl_threshold`, n draws of two tokens at temperature 1, gamma REF_GAMMA."""
+    from verinfer.models.llama import LlamaLM
+    from verinfer.speculative.lossless import two_token_chi_square
+
+    target = LlamaLM.from_pretrained(task.target_dir, device=device, dtype=torch.float32)
+    draft = LlamaLM.from_pretrained(task.draft_dir, device=device, dtype=torch.float32)
+    prompt = task.tokenizer.encode(LOSSLESS_PROMPT, add_special_tokens=False)
+    out = {"prompt": LOSSLESS_PROMPT, "draws": n, "dtype": "fp32", "gamma": REF_GAMMA, "temperature": 1.0}
+    for lab, rule in (("vanilla", Rule("standard")), ("kl_judge", Rule("kl", kl_threshold))):
+        outs = SpeculativeDecoder(target, draft, rule, gamma=REF_GAMMA, temperature=1.0).generate(
+            [prompt] * n, max_tokens=2, seeds=list(range(n)), batch_size=250)
+        stat, pval, bins = two_token_chi_square(target, [tuple(o.output_token_ids[:2]) for o in outs], prompt)
+        out[lab] = {"threshold": rule.threshold, "chi2": stat, "p_value": pval, "bins": bins,
+                    "accept_rate": sum(o.accepted for o in outs) / max(1, sum(o.drafted for o in outs))}
+    out["vanilla_passes"] = out["vanilla"]["p_value"] > 1e-3
+    return out
 
 
 def finish(res: dict, json_path) -> None:
@@ -669,6 +713,8 @@ def finish(res: dict, json_path) -> None:
     for lab, (rule, thr) in mr.items():
         r = at[(rule, thr, g_eq)]
         methods[lab] = {"threshold": thr, "gamma_for_mat": g_eq, "mat": r["mat"], "accuracy": r["accuracy"],
+                        "accuracy_minus_target": paired_accuracy_difference(r["correct_idx"], t_only["correct_idx"],
+                                                                            t_only["problems"]),
                         "agreement": r["agreement"], "accept_rate": r["accept_rate"]}
     for bs, t in res.get("timing", {}).items():
         methods["target_only"][f"tokens_per_s_{bs}"] = t["configs"]["target_only"]["tokens_per_s"]
@@ -688,6 +734,40 @@ def finish(res: dict, json_path) -> None:
     atomic_write_json(json_path, res)
     atomic_write_text(json_path.with_suffix(".md"), markdown(res))
     frontier_plot(res, json_path.parent / f"{json_path.stem}_frontier.png")
+
+
+def issue17_lines(res: dict, timed: list[str], g: int) -> list[str]:
+    """The real pair's criteria (issue 17's 'Done when'), measured in this run."""
+    L = ["", "## Criteria (issue 17), this run", ""]
+    c = res.get("criteria")
+    ls = res.get("lossless")
+    for bs in timed:
+        if c and f"vanilla_vs_target_only_{bs}" in c:
+            L.append(f"- batch {bs[1:]}: standard speculative sampling / target-only tokens/s "
+                     f"{c[f'vanilla_vs_target_only_{bs}']:.2f} (ratio of medians), "
+                     f"{c[f'vanilla_vs_target_only_paired_median_{bs}']:.2f} (paired median); >= 1.3 (both): "
+                     f"{c[f'vanilla_ge_1.3x_target_only_{bs}']}")
+    if ls:
+        v, k = ls["vanilla"], ls["kl_judge"]
+        L.append(f"- chi-square losslessness ({ls['dtype']}, {ls['draws']} draws of two tokens after "
+                 f"{ls['prompt']!r}, gamma {ls['gamma']}, temperature 1): standard p = {v['p_value']:.3g} over "
+                 f"{v['bins']} bins (passes at p > 0.001: {ls['vanilla_passes']}); KL judge at {k['threshold']} "
+                 f"p = {k['p_value']:.3g} (accept rate {k['accept_rate']:.3f} vs {v['accept_rate']:.3f})")
+    if c:
+        d = c["accuracy_difference_target_minus_kl"]
+        L += [f"- KL judge at the validation-selected threshold {c['threshold']}: MAT / standard's at gamma {g} "
+              f"{c['mat_ratio']:.2f} (>= 1.5: {c['mat_ge_1.5x']})",
+              f"- its accuracy below the target's: {d['difference_points']:.2f} points, paired 95% interval "
+              f"[{d['ci95_points'][0]:.2f}, {d['ci95_points'][1]:.2f}] ({d['only_first']} problems only the target "
+              f"solves, {d['only_second']} only the KL judge); <= 1 point: {c['accuracy_within_1_point_of_target']}; "
+              f"upper end <= 2 points: {c['ci95_upper_within_2_points_of_target']}; agreement with the target's "
+              f"own line {c['agreement_with_target']:.3f}"]
+        for bs in timed:
+            if f"tokens_per_s_ratio_{bs}" in c:
+                L.append(f"- batch {bs[1:]}: KL judge / standard tokens/s {c[f'tokens_per_s_ratio_{bs}']:.2f} (ratio of "
+                         f"medians), {c[f'tokens_per_s_ratio_paired_median_{bs}']:.2f} (paired median); >= 1.3 (both): "
+                         f"{c[f'tokens_per_s_ge_1.3x_{bs}']}")
+    return L
 
 
 def markdown(res: dict) -> str:
@@ -711,17 +791,22 @@ def markdown(res: dict) -> str:
     m = res["methods"]
     timed = list(res.get("timing", {}))
     L += [f"## Headline (test split; MAT, accuracy, agreement at gamma {g}; tokens/s at each method's fastest gamma)", "",
-          "| method | threshold | MAT | accuracy | agreement w/ target | " +
-          " | ".join(f"tokens/s {bs} (gamma)" for bs in timed) + " |",
-          "|---|---:|---:|---:|---:|" + "---:|" * len(timed)]
+          "| " + " | ".join(["method", "threshold", "MAT", "accept rate", "accuracy", "minus target, points [paired 95%]",
+                             "agreement w/ target"] + [f"tokens/s {bs} (gamma)" for bs in timed]) + " |",
+          "|---|---:|---:|---:|---:|---:|---:|" + "---:|" * len(timed)]
     for name, r in m.items():
-        sp = [f"{r[f'tokens_per_s_{bs}']:.0f} ({r.get(f'gamma_for_speed_{bs}', '-')})" if f"tokens_per_s_{bs}" in r else ""
+        sp = [f"{r[f'tokens_per_s_{bs}']:.1f} ({r.get(f'gamma_for_speed_{bs}', '-')})" if f"tokens_per_s_{bs}" in r else ""
               for bs in timed]
-        L.append(f"| {name} | {r.get('threshold', '')} | {r['mat']:.2f} | {r['accuracy']:.4f} | "
-                 f"{r.get('agreement', 1.0):.3f} | " + " | ".join(sp) + " |")
+        dt = r.get("accuracy_minus_target")
+        dts = f"{dt['difference_points']:+.2f} [{dt['ci95_points'][0]:+.2f}, {dt['ci95_points'][1]:+.2f}]" if dt else ""
+        ar = r.get("accept_rate")
+        L.append(f"| {name} | {r.get('threshold', '')} | {r['mat']:.2f} | {'' if ar is None else format(ar, '.3f')} | "
+                 f"{r['accuracy']:.4f} | {dts} | {r.get('agreement', 1.0):.3f} |" + "".join(f" {x} |" for x in sp))
+    if st.get("task_name") == "nextline":
+        L += issue17_lines(res, timed, g)
     for key, title in (("criteria", "selected by the rule fixed in advance (0.5-point margin)"),
                        ("criteria_kl_judge_1pt", "selected by the previous protocol's 1-point margin")):
-        if key not in res:
+        if key not in res or st.get("task_name") == "nextline":
             continue
         c = res[key]
         d = c["accuracy_difference_vanilla_minus_kl"]
