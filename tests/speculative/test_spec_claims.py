@@ -126,3 +126,17 @@ def test_sampled_claims_name_and_replay_their_noise(models):
     c.output_token_ids[k] = (c.output_token_ids[k] + 1) % t.config.vocab_size
     rows = verify_spec_claims([c], t, d)
     assert not rows["replay_match"][k] and rows["margin"][k] > 0
+
+
+def test_residual_violation_tolerates_bf16_rounding_only():
+    """A correction y needs p(y) > q(y); a bf16 verifier allows RESIDUAL_REL_TOL (0.1) of rounding: the
+    honest minimum measured on SmolLM2 and its draft was -0.080, so -0.08 passes there and not in fp32."""
+    from verinfer.speculative.spec_claims import RESIDUAL_REL_TOL, residual_violation
+
+    bf16, fp32 = RESIDUAL_REL_TOL[torch.bfloat16], RESIDUAL_REL_TOL[torch.float32]
+    assert (bf16, fp32) == (0.1, 0.0)
+    assert not residual_violation(0.30, 0.10, fp32) and not residual_violation(0.30, 0.10, bf16)
+    assert residual_violation(0.10, 0.10, fp32)                     # p(y) == q(y): the residual is 0 at y
+    assert residual_violation(0.092, 0.10, fp32) and not residual_violation(0.092, 0.10, bf16)
+    assert residual_violation(0.085, 0.10, bf16)                     # 15% below: beyond rounding
+    assert residual_violation(0.0, 0.10, bf16) and residual_violation(0.0, 0.0, bf16)  # p(y) = 0: never drawn

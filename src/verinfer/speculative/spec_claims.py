@@ -13,13 +13,20 @@ Structure checked per claim: runs of 'a' are at most gamma long; 'b' follows exa
 Per-token check under the claimed rule "standard" (the lossless one), with p / q the target /
 draft distributions at the sampling temperature (temperature 0: argmax checks):
   a: accepted with probability min(1, p(y)/q(y)); score accept_nll = -log min(1, p(y)/q(y))
-  r: drawn from norm(max(0, p - q)): impossible when p(y) <= q(y)  (violation)
+  r: drawn from norm(max(0, p - q)): impossible when p(y) <= q(y)  (violation; with a bf16/fp16
+     target, when p(y) < q(y) by more than RESIDUAL_REL_TOL of max(p(y), q(y)): see below)
   b: drawn from p: impossible when p(y) == 0                        (violation)
   greedy: every token must be argmax p                                (violation otherwise)
 The per-output-token score is accept_nll on 'a' tokens, 0 on others, +inf on violations;
 batch means of it separate an honest standard provider from one that runs the lossy KL judge
 (which accepts tokens the ratio test would usually reject) -> tokens-to-detect with the DiFR
 protocol (audit.metrics.auc_vs_tokens at AUC@1%FPR >= 0.99).
+
+Low precision: the verifier's p and q come from one teacher-forced forward, the provider's from
+cached decode steps; in bf16 these differ by rounding (SmolLM2-135M with its draft, 2,322 honest
+corrections: (p(y) - q(y)) / max(p(y), q(y)) at the verifier had minimum -0.080 and 0.1% quantile
++0.035), so an exact p(y) <= q(y) test flagged 1 honest token in 4,096. The tolerance does not
+weaken the KL-judge audit: a lossy rule is caught by accept_nll on 'a' tokens, not by violations.
 
 Re-execution (sampled claims): every random number of verinfer's speculative decoder comes from
 the claim's speculative-keyed noise (sampling/noise.py), addressed by (seed, round, slot); the
@@ -49,6 +56,17 @@ from verinfer.speculative.decoder import SpeculativeDecoder
 from verinfer.speculative.rules import Rule, residual
 
 SPEC_NOISE = "speculative-keyed"  # the noise stream SpeculativeDecoder draws from (sampling/noise.py)
+# a correction token with p(y) below q(y) by more than this share of max(p(y), q(y)) is a violation
+# (exact p(y) <= q(y) in fp32; module docstring, "Low precision")
+RESIDUAL_REL_TOL = {torch.float32: 0.0, torch.float64: 0.0, torch.bfloat16: 0.1, torch.float16: 0.1}
+
+
+def residual_violation(py: float, qy: float, rel_tol: float = 0.0) -> bool:
+    """A correction token y could not come from norm(max(0, p - q)): p(y) <= q(y), or, with rel_tol > 0,
+    p(y) < q(y) - rel_tol * max(p(y), q(y))."""
+    if rel_tol == 0.0 or py <= 0.0:
+        return py <= qy or py <= 0.0
+    return py - qy < -rel_tol * max(py, qy)
 
 
 def spec_claims(target: LlamaLM, draft: LlamaLM, prompts: list[list[int]], *, run_rule: Rule, claimed: str,
@@ -141,6 +159,7 @@ def verify_spec_claims(claims: list[Claim], target: LlamaLM, draft: LlamaLM, pro
     keys = ("claim", "position", "event", "accept_nll", "violation", "score", "replay_match", "margin", "accept_gap")
     rows: dict[str, list] = {k: [] for k in keys}
     target_engine, draft_engine = Engine(target), Engine(draft)
+    rel_tol = max(RESIDUAL_REL_TOL.get(target.dtype, 0.1), RESIDUAL_REL_TOL.get(draft.dtype, 0.1))
     for ci, c in enumerate(claims):
         s = _spec_of(c)
         seq = c.prompt_token_ids + c.output_token_ids
@@ -172,7 +191,7 @@ def verify_spec_claims(claims: list[Claim], target: LlamaLM, draft: LlamaLM, pro
                     nll = -math.log(min(1.0, float(py[t] / qy[t]))) if py[t] > 0 else math.inf
                     viol = bool(py[t] == 0)
                 elif e == "r":
-                    viol = bool(py[t] <= qy[t])
+                    viol = residual_violation(float(py[t]), float(qy[t]), rel_tol)
                 else:
                     viol = bool(py[t] == 0)
             slot, rnd = (slot + 1, rnd) if e == "a" else (0, rnd + 1)
