@@ -91,3 +91,34 @@ def test_kl_judge_writes_into_runs_by_default_and_ends_with_a_table():
     assert "{" not in text and "criterion" in text
     assert "mat_ratio" in text and "1.027" in text and "mat_ge_1.5x" in text and " no " in text
     assert "accuracy_difference_vanilla_minus_kl.ci95_points" in text and "[-0.5, 0.25]" in text
+
+
+def test_point_cache_shards_split_the_runs_and_share_the_results(tmp_path):
+    import threading
+
+    from benchmarks.kl_judge_bench import PointCache
+
+    calls: dict[int, list[int]] = {0: [], 1: []}
+
+    def items(s):
+        return [(f"key:{j}", lambda j=j: calls[s].append(j) or {"v": j}) for j in range(5)]
+
+    out: dict[int, list] = {}
+
+    def go(s):
+        out[s] = PointCache(tmp_path, (s, 2), poll_s=0.01, log=lambda m: None).get_many(items(s))
+
+    threads = [threading.Thread(target=go, args=(s,)) for s in (1, 0)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert out[0] == out[1] == [{"v": j} for j in range(5)]
+    assert calls == {0: [0, 2, 4], 1: [1, 3]}          # each run once, round-robin
+    again = PointCache(tmp_path, (0, 1)).get_many([(f"key:{j}", lambda: 1 / 0) for j in range(5)])
+    assert again == out[0]                              # a re-run computes nothing
+    # owners and wait=False: shard 1 computes what it owns and returns at once
+    got = PointCache(tmp_path, (1, 2)).get_many([("new:a", lambda: 1), ("new:b", lambda: 2)], owners=[0, 1], wait=False)
+    assert got == [None, 2]
+    with pytest.raises(ValueError, match="I/N"):
+        PointCache(tmp_path, (2, 2))
