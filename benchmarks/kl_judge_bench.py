@@ -831,9 +831,10 @@ def markdown(res: dict) -> str:
                      f"{c[f'accuracy_drop_points_at_speed_gamma_{bs}']:.2f} points.")
     for bs, t in res.get("timing", {}).items():
         L += ["", f"## Tokens/s, batch {bs[1:]} ({t['problems']} test problems, one process)", "",
-              "Each method at its fastest gamma, timed again after the gamma sweep below (fresh interleaved repeats in "
-              "random order):", "", "| configuration | tokens/s (median) | repeats |", "|---|---:|---|"]
-        L += [f"| {k} | {v['tokens_per_s']:.0f} | {', '.join(f'{x:.0f}' for x in v['tokens_per_s_repeats'])} |"
+              ("Each method at its fastest gamma, timed again after the gamma sweep below (fresh interleaved repeats "
+               "in random order):" if "gamma_sweep" in t else "Every method at the one gamma of this run, interleaved "
+               "repeats in random order:"), "", "| configuration | tokens/s (median) | repeats |", "|---|---:|---|"]
+        L += [f"| {k} | {v['tokens_per_s']:.1f} | {', '.join(f'{x:.1f}' for x in v['tokens_per_s_repeats'])} |"
               for k, v in t["configs"].items()]
         if "gamma_sweep" in t:
             L += ["", "Gamma sweep (every configuration, interleaved; picks the fastest gamma: "
@@ -948,7 +949,9 @@ class FrontierPlot:
         self.fig, self.axes = plt.subplots(1, 4, figsize=(21, 4.4))
         g = res["setup"]["ref_gamma_for_mat"] if res["setup"]["ref_gamma_for_mat"] in res["setup"]["gammas"] else res["setup"]["gammas"][-1]
         panels = [("sweep_validation", "accuracy", "validation accuracy (exact answer)"),
-                  ("test_sweep_post_hoc", "accuracy", "test accuracy (post hoc, all thresholds)"),
+                  (("test_sweep_post_hoc", "accuracy", "test accuracy (post hoc, all thresholds)")
+                   if res.get("test_sweep_post_hoc") else
+                   ("test_all_gammas", "accuracy", "test accuracy (validation-selected thresholds)")),
                   ("sweep_validation", "agreement", "validation answer agreement with target-only")]
         for ax, (src, key, ylab) in zip(self.axes, panels):
             for rule in res["setup"].get("grids", GRIDS):
