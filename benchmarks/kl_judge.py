@@ -34,6 +34,9 @@ def parser() -> argparse.ArgumentParser:
                     help="nextline: SmolLM2-135M-Instruct + its distilled draft on held-out stdlib next-line "
                          "completion (results kl_judge.*); arithmetic: the testbed pair (kl_judge_testbed.*)")
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--given", type=int, default=None,
+                    help="nextline: tokens of the line given in the prompt (default 4, spec_tasks.NEXTLINE_GIVEN); "
+                         "the --timing half reads it from the JSON")
     ap.add_argument("--shard", default="0/1", metavar="I/N",
                     help="split the quality half over N processes started with I = 0..N-1 (they share the run cache "
                          "in benchmarks/.cache/kl_judge; shard 0 waits for the others and writes the results)")
@@ -87,7 +90,7 @@ if __name__ == "__main__":
         except ValueError:
             raise SystemExit(f"--shard: expected I/N such as 0/2, got {a.shard!r}")
         res = run(a.out, device=a.device, quick=a.quick, repeats=a.repeats, log=log, timing=not a.no_timing,
-                  task_name=a.task, shard=shard)
+                  task_name=a.task, shard=shard, given=a.given)
         if res is None:
             raise SystemExit(0)
     Console().print(criteria_table(res.get("criteria")))

@@ -42,6 +42,7 @@ class SpecTask:
     train_prompts: Callable[[int], list[list[int]]]  # AutoJudge mining (the task's training distribution)
     setup: dict = field(default_factory=dict)      # descriptions for the results' `setup`
     dtype: str = "fp32"                            # of target and draft in every method
+    cache_tag: str = ""                            # the task's parameters, in the benchmark's run-cache keys
 
     def correct_indices(self, problems: list, outs: list[SpecOutput]) -> list[int]:
         return [i for i, (p, o) in enumerate(zip(problems, outs)) if self.is_correct(p, o.output_token_ids)]
@@ -89,7 +90,7 @@ def arithmetic_task(n_val: int = 300, n_test: int = 700) -> SpecTask:
 
 
 def nextline_task(n_val: int = NEXTLINE_VAL, n_test: int = NEXTLINE_TEST, target: str = "smollm2-135m-instruct",
-                  draft_dir: Path | None = None) -> SpecTask:
+                  draft_dir: Path | None = None, given: int = NEXTLINE_GIVEN) -> SpecTask:
     from verinfer.models import nextline
     from verinfer.models.catalog import resolve_model
     from verinfer.models.draft import default_out
@@ -100,7 +101,9 @@ def nextline_task(n_val: int = NEXTLINE_VAL, n_test: int = NEXTLINE_TEST, target
     if not (draft_dir / "config.json").is_file():
         raise FileNotFoundError(f"no draft at {draft_dir}: build it with `verinfer testbed build-draft --model {target}`")
     tok = load_tokenizer(target_dir)
-    kw = dict(context=NEXTLINE_CONTEXT, given=NEXTLINE_GIVEN)
+    if not 1 <= given < NEXTLINE_CONTEXT:
+        raise ValueError(f"given must be between 1 and {NEXTLINE_CONTEXT - 1} tokens of the line, got {given}")
+    kw = dict(context=NEXTLINE_CONTEXT, given=given)
     val, test = nextline.splits(tok, n_val, n_test, **kw)
     stop = newline_tokens(tok)
 
@@ -112,11 +115,12 @@ def nextline_task(n_val: int = NEXTLINE_VAL, n_test: int = NEXTLINE_TEST, target
                     lambda p, ids: nextline.correct(tok, p, ids), key,
                     lambda n: [list(p.prompt_ids) for p in nextline.problems(tok, n, files="train", **kw)],
                     {"task": f"next-line completion of held-out stdlib code (models/nextline.py): the file tokenized "
-                             f"whole, {NEXTLINE_CONTEXT}-token context ending {NEXTLINE_GIVEN} tokens into the line, "
+                             f"whole, {NEXTLINE_CONTEXT}-token context ending {given} tokens into the line, "
                              f"greedy, stop at a newline token, max_tokens {NEXTLINE_MAX_TOKENS}; correct = the rest of "
                              "the line exactly",
                      "validation_problems": f"nextline problems[0:{n_val}]",
-                     "test_problems": f"nextline problems[{n_val}:{n_val + n_test}]"}, dtype="bf16")
+                     "test_problems": f"nextline problems[{n_val}:{n_val + n_test}]", "given": given},
+                    dtype="bf16", cache_tag=f"ctx{NEXTLINE_CONTEXT}-given{given}")
 
 
 TASKS = {"arithmetic": arithmetic_task, "nextline": nextline_task}
