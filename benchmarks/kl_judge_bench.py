@@ -334,8 +334,9 @@ def make_task(task_name: str, quick: bool, given: int | None = None) -> SpecTask
 class PointCache:
     """Deterministic greedy results, one JSON file per key under benchmarks/.cache/kl_judge/ (each
     written atomically): a re-run does not recompute them, and the shards of one run share them.
-    Shard (i, n): in each `get_many` list this process computes the missing items at positions
-    j with j % n == i, then waits for the other shards' items (polling the directory)."""
+    Shard (i, n): `get_many` computes the missing items this process claims (a `<key hash>.lock` file
+    created exclusively, naming its pid; a lock whose process is gone is taken over), or, where
+    `owners` is given, those with owners[j] % n == i; then waits for the rest (polling the directory)."""
 
     def __init__(self, root, shard: tuple[int, int] = (0, 1), poll_s: float = 15.0, log=print):
         from pathlib import Path
@@ -362,22 +363,69 @@ class PointCache:
             raise RuntimeError(f"{p}: holds {d.get('key')!r}, not {key!r} (hash collision?): delete it and re-run")
         return d["value"]
 
+    def _claim(self, key: str) -> bool:
+        """True when this process may compute `key`: it created the lock, or took over a dead process's."""
+        import os
+
+        lock = self.path(key).with_suffix(".lock")
+        for _ in range(2):
+            try:
+                fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+            except FileExistsError:
+                try:
+                    pid = int(lock.read_text() or 0)
+                    os.kill(pid, 0)          # alive: another shard computes it
+                    return False
+                except ProcessLookupError:   # its process is gone: take it over
+                    lock.unlink(missing_ok=True)
+                except (ValueError, FileNotFoundError, PermissionError):
+                    return False             # being written or released right now
+                continue
+            os.write(fd, str(os.getpid()).encode())
+            os.close(fd)
+            return True
+        return False
+
+    def _compute(self, key: str, compute):
+        value = compute()
+        atomic_write_json(self.path(key), {"key": key, "value": value}, indent=None)
+        self.path(key).with_suffix(".lock").unlink(missing_ok=True)
+        return value
+
+    def _claim_and_compute(self, key: str, compute):
+        """The value if this process claims the key (computing it unless another shard finished it
+        between the read and the claim), else None."""
+        if not self._claim(key):
+            return None
+        value = self._read(key)
+        if value is None:
+            return self._compute(key, compute)
+        self.path(key).with_suffix(".lock").unlink(missing_ok=True)
+        return value
+
     def get_many(self, items: list[tuple[str, Callable[[], object]]], owners: list[int] | None = None,
                  wait: bool = True) -> list:
-        """Values of items (key, compute): this shard computes the missing ones it owns (item j's owner is
-        owners[j] % n, default j % n), then, with wait=True, waits for the rest (None for them otherwise)."""
+        """Values of items (key, compute), computing this shard's share (class docstring); with
+        wait=False the other shards' missing items are None."""
         i, n = self.shard
-        owners = owners or list(range(len(items)))
         out = [self._read(k) for k, _ in items]
         for j, (k, compute) in enumerate(items):
-            if out[j] is None and owners[j] % n == i:
-                out[j] = compute()
-                atomic_write_json(self.path(k), {"key": k, "value": out[j]}, indent=None)
+            if out[j] is None:
+                out[j] = self._read(k)
+            if out[j] is None:
+                if owners is None:
+                    out[j] = self._claim_and_compute(k, compute)
+                elif owners[j] % n == i:
+                    out[j] = self._compute(k, compute)
         waited = False
-        for j, (k, _) in enumerate(items):
+        for j, (k, compute) in enumerate(items):
             if out[j] is None:
                 out[j] = self._read(k)
             while wait and out[j] is None:
+                if owners is None:   # a shard that died leaves its lock to be taken over
+                    out[j] = self._claim_and_compute(k, compute)
+                    if out[j] is not None:
+                        break
                 if not waited:
                     self.log(f"  shard {i}/{n}: waiting for the other shards ({k.split(':', 2)[-1]} ...)")
                     waited = True

@@ -94,14 +94,21 @@ def test_kl_judge_writes_into_runs_by_default_and_ends_with_a_table():
 
 
 def test_point_cache_shards_split_the_runs_and_share_the_results(tmp_path):
+    import subprocess
+    import sys
     import threading
+    import time
 
     from benchmarks.kl_judge_bench import PointCache
 
     calls: dict[int, list[int]] = {0: [], 1: []}
 
     def items(s):
-        return [(f"key:{j}", lambda j=j: calls[s].append(j) or {"v": j}) for j in range(5)]
+        def compute(j):
+            time.sleep(0.02)
+            calls[s].append(j)
+            return {"v": j}
+        return [(f"key:{j}", lambda j=j: compute(j)) for j in range(6)]
 
     out: dict[int, list] = {}
 
@@ -113,10 +120,17 @@ def test_point_cache_shards_split_the_runs_and_share_the_results(tmp_path):
         t.start()
     for t in threads:
         t.join(timeout=30)
-    assert out[0] == out[1] == [{"v": j} for j in range(5)]
-    assert calls == {0: [0, 2, 4], 1: [1, 3]}          # each run once, round-robin
-    again = PointCache(tmp_path, (0, 1)).get_many([(f"key:{j}", lambda: 1 / 0) for j in range(5)])
-    assert again == out[0]                              # a re-run computes nothing
+    assert out[0] == out[1] == [{"v": j} for j in range(6)]
+    assert sorted(calls[0] + calls[1]) == list(range(6))   # each run exactly once, by whichever claimed it
+    assert not list(tmp_path.glob("*.lock"))                # locks released
+    again = PointCache(tmp_path, (0, 1)).get_many([(f"key:{j}", lambda: 1 / 0) for j in range(6)])
+    assert again == out[0]                                  # a re-run computes nothing
+    # a lock left by a process that is gone is taken over
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    cache = PointCache(tmp_path, (0, 2), poll_s=0.01, log=lambda m: None)
+    cache.path("orphan").with_suffix(".lock").write_text(str(dead.pid))
+    assert cache.get_many([("orphan", lambda: 7)]) == [7]
     # owners and wait=False: shard 1 computes what it owns and returns at once
     got = PointCache(tmp_path, (1, 2)).get_many([("new:a", lambda: 1), ("new:b", lambda: 2)], owners=[0, 1], wait=False)
     assert got == [None, 2]
