@@ -28,6 +28,7 @@ Protocol (python -m benchmarks.kl_judge), all methods on the same decode path (L
 
 from __future__ import annotations
 
+import hashlib
 import statistics
 import time
 from dataclasses import dataclass
@@ -67,16 +68,28 @@ NEXTLINE_GRIDS: dict[str, list[float]] = {
     "draft_entropy": [1.0],
     "autojudge": [0.5],
     "ngram": [1],   # min_n 1, max_n 5
+    # standard verification, the draft's head cut to its N most frequent training tokens (FR-Spec;
+    # speculative/draft_vocab.py): N = 16,384 by the rule fixed there (the smallest power of two
+    # covering >= 99% of the training stream: 99.96%); lossless, so its accuracy is the target's
+    "fr_spec": [16384],
 }
 TASK_GRIDS = {"arithmetic": GRIDS, "nextline": NEXTLINE_GRIDS}
 NGRAM_MAX_N = 5
 STEM = {"nextline": "kl_judge", "arithmetic": "kl_judge_testbed"}  # results file stem per task
 
 
-def method_for(label: str, rule: str, thr: float, gamma: int, judge=None) -> Method:
-    """The Method of a (rule, threshold) point: 'ngram' is standard verification of prompt-lookup drafts."""
+def method_for(label: str, rule: str, thr: float, gamma: int, judge=None, draft_dir=None) -> Method:
+    """The Method of a (rule, threshold) point: 'ngram' is standard verification of prompt-lookup
+    drafts; 'fr_spec' standard verification of a draft whose head keeps its `thr` most frequent
+    training tokens (the counts beside the weights in draft_dir)."""
     if rule == "ngram":
         return Method(label, Rule("standard"), gamma, NgramDraft(int(thr), NGRAM_MAX_N))
+    if rule == "fr_spec":
+        from verinfer.speculative.draft_vocab import draft_vocab
+
+        if draft_dir is None:
+            raise ValueError("the fr_spec method needs the draft's directory (its token counts)")
+        return Method(label, Rule("standard"), gamma, draft_vocab=draft_vocab(draft_dir, int(thr)))
     return Method(label, Rule(rule, thr, judge if rule == "autojudge" else None), gamma)
 
 
@@ -120,17 +133,19 @@ def summarize(task: SpecTask, problems, outs, ref=None) -> dict:
 @dataclass
 class Method:
     """A decoding configuration: rule=None means target-only decoding; drafter (NgramDraft) replaces
-    the draft model (n-gram prompt lookup)."""
+    the draft model (n-gram prompt lookup); draft_vocab restricts the draft's head (FR-Spec)."""
 
     name: str
     rule: Rule | None
     gamma: int = 0
     drafter: NgramDraft | None = None
+    draft_vocab: torch.Tensor | None = None
 
     def run(self, target: LlamaLM, draft: LlamaLM, prompts, max_tokens, stop, batch_size) -> list[SpecOutput]:
         if self.rule is None:
             return autoregressive(target, prompts, max_tokens, stop_token_ids=stop, batch_size=batch_size)
-        dec = SpeculativeDecoder(target, self.drafter or draft, self.rule, gamma=self.gamma, stop_token_ids=stop)
+        dec = SpeculativeDecoder(target, self.drafter or draft, self.rule, gamma=self.gamma, stop_token_ids=stop,
+                                 draft_vocab=self.draft_vocab)
         return dec.generate(prompts, max_tokens, batch_size=batch_size)
 
 
@@ -228,7 +243,7 @@ def cost_model(model_dirs: dict[str, str], batch_sizes=(1, 16), ctxs=(16, 128), 
 
 # --- the whole benchmark ----------------------------------------------------------------------
 LABELS = {"standard": "vanilla", "kl": "kl_judge", "topk": "topk", "target_entropy": "target_entropy",
-          "draft_entropy": "draft_entropy", "autojudge": "autojudge", "ngram": "ngram"}
+          "draft_entropy": "draft_entropy", "autojudge": "autojudge", "ngram": "ngram", "fr_spec": "vanilla_fr"}
 GAMMAS = [1, 2, 3, 4, 6]
 # SmolLM2 is ~40x the testbed target's cost per token on CPU: fewer gammas, a smaller timing prefix
 # and the post-hoc test sweep on the KL grid only (every point is a 1,000-problem run)
@@ -521,13 +536,17 @@ def run(out_dir, device: str = "cpu", quick: bool = False, batch_sizes=(1, 16), 
             def compute():
                 t0 = time.time()
                 judge = judge_now() if name == "autojudge" else None
-                outs = method_for(name, name, thr, g, judge).run(target, draft, prompts, max_tokens, stop, 16)
+                outs = method_for(name, name, thr, g, judge, task.draft_dir).run(target, draft, prompts, max_tokens,
+                                                                                 stop, 16)
                 row = {"rule": name, "threshold": thr, "gamma": g, **summarize(task, problems, outs, ref),
                        "correct_idx": correct_indices(task, problems, outs)}
                 log(f"  {split} {name} {thr} @{g}: MAT {row['mat']:.2f}, accuracy {row['accuracy']:.4f}, "
                     f"agreement {row['agreement']:.3f} ({time.time() - t0:.0f} s)")
                 return row
             aj = f":mine{n_mine}" if name == "autojudge" else ""
+            if name == "fr_spec":  # the kept ids come from the counts file, which the weights' hash does not cover
+                ids = method_for(name, name, thr, g, None, task.draft_dir).draft_vocab
+                aj = f":ids{hashlib.sha256(ids.numpy().tobytes()).hexdigest()[:16]}"
             return f"{key_base}:{split}:{len(problems)}:{name}:{thr}:{g}{aj}", compute
         # AutoJudge runs last: they may wait for the judge
         order = sorted(range(len(configs)), key=lambda j: configs[j][0] == "autojudge")
@@ -574,8 +593,7 @@ def run(out_dir, device: str = "cpu", quick: bool = False, batch_sizes=(1, 16), 
         res["difficulty_diagnostic"] = difficulty_diagnostic(
             tok, target, {"heldout": heldout_problems(1000), "fresh": fresh_problems(3000)}, max_tokens, stop)
     if task.name == "nextline":
-        log("chi-square losslessness check (fp32) ...")
-        res["lossless"] = lossless_check(task, res["selected_threshold"].get("kl_judge", 2.0), device)
+        ensure_lossless(res, task, device, log)
     res["seconds_quality"] = time.time() - t_start
     atomic_write_json(out_dir / f"{stem}.json", res)
     if timing:
@@ -638,9 +656,7 @@ def timing_run(json_path, device: str = "cpu", batch_sizes=(1, 16), repeats: int
     res = json.loads(json_path.read_text())
     quick = res["setup"]["quick"]
     task = make_task(res["setup"].get("task_name", "arithmetic"), quick, res["setup"].get("given"))
-    if task.name == "nextline" and "lossless" not in res:   # a quality half from before the check existed
-        log("chi-square losslessness check (fp32) ...")
-        res["lossless"] = lossless_check(task, res["selected_threshold"].get("kl_judge", 2.0), device)
+    if task.name == "nextline" and ensure_lossless(res, task, device, log):  # a quality half from before the check
         atomic_write_json(json_path, res)
     log("cost model ...")
     res["cost_model"] = cost_model({"target": str(task.target_dir), "draft": str(task.draft_dir)},
@@ -657,7 +673,7 @@ def timing_run(json_path, device: str = "cpu", batch_sizes=(1, 16), repeats: int
         n = min(n_test, TASK_TIME_PROBLEMS[task.name][0 if bs == 1 else 1])
         methods = [Method("target_only", None)]
         for g in res["setup"]["gammas"]:
-            methods += [method_for(f"{lab}@{g}", rule, thr, g, judge) for lab, (rule, thr) in sel.items()]
+            methods += [method_for(f"{lab}@{g}", rule, thr, g, judge, task.draft_dir) for lab, (rule, thr) in sel.items()]
         if len(res["setup"]["gammas"]) > 1:
             # stage 1: every gamma of every method, to find each method's fastest gamma
             r1 = max(2, (repeats + 1) // 2)
@@ -682,7 +698,8 @@ def timing_run(json_path, device: str = "cpu", batch_sizes=(1, 16), repeats: int
                                    **({"gamma_sweep": sweep} if sweep is not None else {})}
         res["timing"][f"b{bs}"]["breakdown_ms_per_problem"] = {
             k: time_breakdown(by_name[k], target, draft, test_p[:n], mt, stop, bs)
-            for k in ["target_only"] + [fastest[lab] for lab in fastest if lab in ("vanilla", "kl_judge", "kl_judge_1pt")]}
+            for k in ["target_only"] + [fastest[lab] for lab in fastest
+                                        if lab in ("vanilla", "vanilla_fr", "kl_judge", "kl_judge_1pt")]}
     res["setup"]["timing_repeats"] = repeats
     res["setup"]["tokens_per_s"] = (f"generated tokens / wall seconds of the whole generate call (both prefills, "
                                     f"drafting, verification, rules), median of {2 * repeats - 1} interleaved repeats, torch "
@@ -732,16 +749,38 @@ def criteria(res: dict, methods: dict, lab: str, at: dict, g_eq: int) -> dict:
                                                                           to["tokens_per_s_repeats"])
         crit[f"vanilla_ge_1.3x_target_only_{bs}"] = min(crit[f"vanilla_vs_target_only_{bs}"],
                                                        crit[f"vanilla_vs_target_only_paired_median_{bs}"]) >= 1.3
+        if "vanilla_fr" in t["fastest"]:  # standard speculative sampling with the FR-Spec draft head
+            f = t["configs"][t["fastest"]["vanilla_fr"]]
+            crit[f"vanilla_fr_vs_target_only_{bs}"] = f["tokens_per_s"] / to["tokens_per_s"]
+            crit[f"vanilla_fr_vs_target_only_paired_median_{bs}"] = paired_median(f["tokens_per_s_repeats"],
+                                                                                 to["tokens_per_s_repeats"])
+            crit[f"vanilla_fr_ge_1.3x_target_only_{bs}"] = min(crit[f"vanilla_fr_vs_target_only_{bs}"],
+                                                              crit[f"vanilla_fr_vs_target_only_paired_median_{bs}"]) >= 1.3
     return crit
 
 
 LOSSLESS_PROMPT = "import os\nimport "  # 57 (y1, y2) bins with expected count >= 5 at n = 2,000 (SmolLM2, fp32)
 
 
-def lossless_check(task: SpecTask, kl_threshold: float, device: str = "cpu", n: int = 2000) -> dict:
+def ensure_lossless(res: dict, task: SpecTask, device: str, log=print) -> bool:
+    """res["lossless"]: lossless_check of the selected KL judge and FR-Spec methods, unless res already
+    has it for every one of them. Returns whether it computed."""
+    fr = {lab: thr for lab, (rule, thr) in method_rules(res).items() if rule == "fr_spec"}
+    have = res.get("lossless")
+    if have is not None and all(lab in have for lab in fr):
+        return False
+    log("chi-square losslessness check (fp32) ...")
+    res["lossless"] = lossless_check(task, res["selected_threshold"].get("kl_judge", 2.0), device, fr_spec=fr)
+    return True
+
+
+def lossless_check(task: SpecTask, kl_threshold: float, device: str = "cpu", n: int = 2000,
+                   fr_spec: dict[str, float] | None = None) -> dict:
     """speculative/lossless.py's chi-square on the task's pair in fp32 (in bf16 the target's own
-    distribution moves with the forward's shape; tests/models/test_smollm2.py): vanilla and the KL
-    judge at `kl_threshold`, n draws of two tokens at temperature 1, gamma REF_GAMMA."""
+    distribution moves with the forward's shape; tests/models/test_smollm2.py): vanilla, the KL
+    judge at `kl_threshold` and each fr_spec {label: vocabulary size} method, n draws of two tokens
+    at temperature 1, gamma REF_GAMMA."""
+    fr_spec = fr_spec or {}
     from verinfer.models.llama import LlamaLM
     from verinfer.speculative.lossless import two_token_chi_square
 
@@ -749,13 +788,16 @@ def lossless_check(task: SpecTask, kl_threshold: float, device: str = "cpu", n: 
     draft = LlamaLM.from_pretrained(task.draft_dir, device=device, dtype=torch.float32)
     prompt = task.tokenizer.encode(LOSSLESS_PROMPT, add_special_tokens=False)
     out = {"prompt": LOSSLESS_PROMPT, "draws": n, "dtype": "fp32", "gamma": REF_GAMMA, "temperature": 1.0}
-    for lab, rule in (("vanilla", Rule("standard")), ("kl_judge", Rule("kl", kl_threshold))):
-        outs = SpeculativeDecoder(target, draft, rule, gamma=REF_GAMMA, temperature=1.0).generate(
+    fr = [(lab, Rule("standard"), method_for(lab, "fr_spec", thr, REF_GAMMA, None, task.draft_dir).draft_vocab)
+          for lab, thr in fr_spec.items()]
+    for lab, rule, vocab in [("vanilla", Rule("standard"), None), ("kl_judge", Rule("kl", kl_threshold), None), *fr]:
+        outs = SpeculativeDecoder(target, draft, rule, gamma=REF_GAMMA, temperature=1.0, draft_vocab=vocab).generate(
             [prompt] * n, max_tokens=2, seeds=list(range(n)), batch_size=250)
         stat, pval, bins = two_token_chi_square(target, [tuple(o.output_token_ids[:2]) for o in outs], prompt)
-        out[lab] = {"threshold": rule.threshold, "chi2": stat, "p_value": pval, "bins": bins,
-                    "accept_rate": sum(o.accepted for o in outs) / max(1, sum(o.drafted for o in outs))}
-    out["vanilla_passes"] = out["vanilla"]["p_value"] > 1e-3
+        out[lab] = {"threshold": rule.threshold if vocab is None else len(vocab), "chi2": stat, "p_value": pval,
+                    "bins": bins, "accept_rate": sum(o.accepted for o in outs) / max(1, sum(o.drafted for o in outs))}
+        if rule.lossless:
+            out[f"{lab}_passes"] = pval > 1e-3
     return out
 
 
@@ -807,12 +849,20 @@ def issue17_lines(res: dict, timed: list[str], g: int) -> list[str]:
                      f"{c[f'vanilla_vs_target_only_{bs}']:.2f} (ratio of medians), "
                      f"{c[f'vanilla_vs_target_only_paired_median_{bs}']:.2f} (paired median); >= 1.3 (both): "
                      f"{c[f'vanilla_ge_1.3x_target_only_{bs}']}")
+        if c and f"vanilla_fr_vs_target_only_{bs}" in c:
+            L.append(f"- batch {bs[1:]}: standard speculative sampling with the FR-Spec draft head (vanilla_fr) / "
+                     f"target-only tokens/s {c[f'vanilla_fr_vs_target_only_{bs}']:.2f} (ratio of medians), "
+                     f"{c[f'vanilla_fr_vs_target_only_paired_median_{bs}']:.2f} (paired median); >= 1.3 (both): "
+                     f"{c[f'vanilla_fr_ge_1.3x_target_only_{bs}']}")
     if ls:
         v, k = ls["vanilla"], ls["kl_judge"]
         L.append(f"- chi-square losslessness ({ls['dtype']}, {ls['draws']} draws of two tokens after "
                  f"{ls['prompt']!r}, gamma {ls['gamma']}, temperature 1): standard p = {v['p_value']:.3g} over "
                  f"{v['bins']} bins (passes at p > 0.001: {ls['vanilla_passes']}); KL judge at {k['threshold']} "
-                 f"p = {k['p_value']:.3g} (accept rate {k['accept_rate']:.3f} vs {v['accept_rate']:.3f})")
+                 f"p = {k['p_value']:.3g} (accept rate {k['accept_rate']:.3f} vs {v['accept_rate']:.3f})"
+                 + "".join(f"; {lab} ({ls[lab]['threshold']} draft tokens) p = {ls[lab]['p_value']:.3g} over "
+                           f"{ls[lab]['bins']} bins (passes: {ls[f'{lab}_passes']})"
+                           for lab in ls if isinstance(ls[lab], dict) and lab not in ("vanilla", "kl_judge")))
     if c:
         d = c["accuracy_difference_target_minus_kl"]
         L += [f"- KL judge at the validation-selected threshold {c['threshold']}: MAT / standard's at gamma {g} "

@@ -136,3 +136,30 @@ def test_point_cache_shards_split_the_runs_and_share_the_results(tmp_path):
     assert got == [None, 2]
     with pytest.raises(ValueError, match="I/N"):
         PointCache(tmp_path, (2, 2))
+
+
+def test_fr_spec_method_is_standard_verification_with_the_counted_head(tmp_path):
+    """The harness's 'fr_spec' point: standard verification, the draft head cut to the N most frequent
+    tokens of the counts beside the draft; greedy, its lines are target-only decoding's."""
+    import torch
+
+    from benchmarks.kl_judge_bench import LABELS, NEXTLINE_GRIDS, Method, method_for
+    from verinfer.models.draft import save_counts, token_counts
+    from verinfer.models.llama import LlamaLM
+    from verinfer.models.testbed import TARGET_DIR
+
+    tok = load_tokenizer()
+    texts = ["import os\nimport ", "    def __init__(self", "Q: 12+30=\nA: "]
+    prompts = [tok.encode(t, add_special_tokens=False) for t in texts]
+    target, draft = LlamaLM.from_pretrained(TARGET_DIR), LlamaLM.from_pretrained(DRAFT_DIR)
+    ref = Method("target_only", None).run(target, draft, prompts, 12, (), 3)
+    stream = torch.tensor([t for p in prompts for t in p] + [t for o in ref for t in o.output_token_ids])
+    save_counts(tmp_path, token_counts(stream, target.config.vocab_size))
+    m = method_for("vanilla_fr@4", "fr_spec", 16, 4, None, tmp_path)
+    assert m.rule.name == "standard" and len(m.draft_vocab) == 16
+    assert set(m.draft_vocab.tolist()) <= set(stream.tolist())
+    outs = m.run(target, draft, prompts, 12, (), 3)
+    assert [o.output_token_ids for o in outs] == [o.output_token_ids for o in ref]
+    assert LABELS["fr_spec"] == "vanilla_fr" and NEXTLINE_GRIDS["fr_spec"] == [16384]
+    with pytest.raises(ValueError, match="draft's directory"):
+        method_for("vanilla_fr@4", "fr_spec", 16, 4)

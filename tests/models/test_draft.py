@@ -52,6 +52,8 @@ def test_tiny_build_writes_a_loadable_draft_and_resumes(tmp_path):
     h = info["heldout"]
     assert 0 <= h["greedy_agreement"] <= 1 and 0 < h["mean_min_pq"] <= 1 and h["tokens"] == D.SEQ_LEN
     assert info["training_tokens"] == 4 * D.SEQ_LEN and info["parameters"] > 0
+    counts = D.load_counts(out)  # the training stream's token counts, for the FR-Spec draft head
+    assert len(counts) == m.config.vocab_size and int(counts.sum()) > 4 * D.SEQ_LEN
     shards = sorted((work / "teacher").glob("teacher_*.safetensors"))
     stamps = [p.stat().st_mtime_ns for p in shards]
     again = D.build_draft(TARGET_DIR, seed=3, out_dir=tmp_path / "again", budget="tiny", work=work, progress=False)

@@ -14,7 +14,9 @@ seed on one machine; every stage resumes from what it already wrote):
   4. loss: cross-entropy of the student against the teacher's top-k distribution renormalized over those
      k tokens, sum_k p_k * -log q_k (forward KL up to the teacher's entropy); AdamW, warmup + cosine,
      bf16 autocast, checkpoints every few minutes (testbed.fit: an interrupted build resumes).
-  5. writes out_dir: save_pretrained (bf16 safetensors) + the target's tokenizer, build_info.json and
+  5. writes out_dir: save_pretrained (bf16 safetensors) + the target's tokenizer, COUNTS_FILE (how
+     often each token id occurs in the training stream: speculative/draft_vocab.py's frequency-ranked
+     draft vocabulary), build_info.json and
      MODEL_CARD.md with the measured acceptance against the target on held-out stdlib windows: the
      greedy agreement rate (the per-token acceptance of greedy speculative decoding) and the mean
      sum_v min(p_v, q_v) (the acceptance of standard speculative sampling at temperature 1).
@@ -37,6 +39,9 @@ from verinfer.models import corpus, load
 from verinfer.models.testbed import SEQ_LEN, fit, window_order
 
 TOP_K = 32
+# counts_V of the training stream, beside the weights: JSON, not *.safetensors, which are the weights
+# (loaded and hashed as the model)
+COUNTS_FILE = "token_counts.json"
 SHARD = 64  # teacher windows per shard file
 DRAFT_ARCH = dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
                   intermediate_size=768, tie_word_embeddings=True)
@@ -105,6 +110,44 @@ def heldout_windows(stream: torch.Tensor, n: int) -> torch.Tensor:
                          "raise the budget's max_bytes so that held-out stdlib files are included")
     pick = torch.linspace(0, total - 1, min(n, total)).round().long().unique() * SEQ_LEN
     return stream[pick[:, None] + torch.arange(SEQ_LEN + 1)]
+
+
+def token_counts(stream_T: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """counts_V: occurrences of every token id in a token stream (int64)."""
+    if stream_T.numel() and (int(stream_T.min()) < 0 or int(stream_T.max()) >= vocab_size):
+        raise ValueError(f"token ids outside [0, {vocab_size}) in the stream: is it tokenized with this vocabulary?")
+    return torch.bincount(stream_T.long().flatten(), minlength=vocab_size)
+
+
+def save_counts(draft_dir: str | Path, counts_V: torch.Tensor) -> Path:
+    """Write the training stream's token counts beside a draft's weights (COUNTS_FILE)."""
+    path = Path(draft_dir) / COUNTS_FILE
+    nz = counts_V.nonzero().flatten().tolist()
+    atomic_write_json(path, {"vocab_size": len(counts_V), "tokens": int(counts_V.sum()),
+                             "counts": {str(i): int(counts_V[i]) for i in nz}})
+    return path
+
+
+def counts_info(counts_V: torch.Tensor) -> dict:
+    """What build_info.json and the model card say about COUNTS_FILE."""
+    return {"file": COUNTS_FILE, "stream_tokens": int(counts_V.sum()), "distinct_ids": int((counts_V > 0).sum())}
+
+
+def load_counts(draft_dir: str | Path) -> torch.Tensor:
+    """counts_V of a draft's training stream, from its directory."""
+    path = Path(draft_dir) / COUNTS_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: this draft has no token counts; rebuild it with `verinfer testbed "
+                                "build-draft` (which writes them) or draft with the full vocabulary")
+    try:
+        d = json.loads(path.read_text())
+        counts = torch.zeros(int(d["vocab_size"]), dtype=torch.long)
+        for i, c in d["counts"].items():
+            counts[int(i)] = int(c)
+    except (json.JSONDecodeError, KeyError, ValueError, TypeError, IndexError) as e:
+        raise ValueError(f"{path}: not a token-counts file ({type(e).__name__}: {e}); rebuild the draft with "
+                         "`verinfer testbed build-draft`") from None
+    return counts
 
 
 # ----------------------------------------------------------------------------- teacher
@@ -304,6 +347,8 @@ def build_draft(target_dir: Path, seed: int = 0, out_dir: Path | None = None, *,
         out_dir.mkdir(parents=True, exist_ok=True)
         student.to(torch.bfloat16).save_pretrained(str(out_dir), safe_serialization=True)
         tok.save_pretrained(str(out_dir))
+        counts = token_counts(train, student.config.vocab_size)
+        save_counts(out_dir, counts)
         for f in out_dir.iterdir():
             f.chmod(0o644)
         draft = LlamaLM.from_pretrained(out_dir, dtype=torch.bfloat16)
@@ -315,6 +360,7 @@ def build_draft(target_dir: Path, seed: int = 0, out_dir: Path | None = None, *,
                 "final_loss": sum(losses[-20:]) / max(1, len(losses[-20:])), "first_loss": losses[0] if losses else None,
                 "heldout": acc, "seconds": {"teacher": t_teacher, "total": time.time() - t0},
                 "teacher_shards": {"total": len(shards), "computed_this_run": computed},
+                "token_counts": counts_info(counts),
                 "weights_sha256": load.model_info(out_dir).weights_sha256,
                 "size_mb": (out_dir / "model.safetensors").stat().st_size / 1e6, "torch": torch.__version__}
         atomic_write_json(out_dir / "build_info.json", info)
@@ -351,4 +397,7 @@ def model_card(info: dict) -> str:
         f"| cross-entropy on held-out text | draft {h['draft_cross_entropy']:.3f}, target {h['target_cross_entropy']:.3f} nats |",
         f"| build time | {info['seconds']['total'] / 60:.1f} min in the run that finished it "
         f"({info['seconds']['teacher'] / 60:.1f} teacher labelling, {_shards(info)}) |",
+        *([f"| token counts | {c['file']}: occurrences of each id in the {c['stream_tokens']:,}-token training "
+           f"stream ({c['distinct_ids']:,} distinct ids), for the frequency-ranked draft head "
+           "(speculative/draft_vocab.py) |"] if (c := info.get("token_counts")) else []),
         ""])

@@ -38,6 +38,7 @@ from verinfer.models.llama import LlamaLM
 from verinfer.sampling.noise import SpeculativeNoise, speculative_noise
 from verinfer.sampling.sampler import sample_probs
 from verinfer.sampling.params import SamplingParams
+from verinfer.speculative.draft_vocab import restrict_head
 from verinfer.speculative.ngram import NgramDraft
 from verinfer.speculative.rules import Rule, verify
 
@@ -91,9 +92,13 @@ class SpeculativeDecoder:
     noise (sampling/noise.py), addressed by (seed, round): claims name noise "speculative-keyed"."""
 
     def __init__(self, target: LlamaLM, draft: LlamaLM | NgramDraft, rule: Rule = Rule(), gamma: int = 4,
-                 temperature: float = 0.0, stop_token_ids: tuple[int, ...] = (), eos_token_id: int | None = None):
+                 temperature: float = 0.0, stop_token_ids: tuple[int, ...] = (), eos_token_id: int | None = None,
+                 draft_vocab: torch.Tensor | None = None):
         """`draft`: a model on the target's tokenizer, or NgramDraft (prompt lookup: no draft model;
-        up to gamma proposed tokens per row and round, q one-hot; the standard rule only)."""
+        up to gamma proposed tokens per row and round, q one-hot; the standard rule only).
+        draft_vocab: token ids the draft proposes from (speculative/draft_vocab.py, FR-Spec): its
+        lm_head runs on those rows only and q is zero elsewhere (standard verification stays
+        lossless for any q); refused with the rules that read all of q (kl, draft_entropy)."""
         if gamma < 1:
             raise ValueError(f"gamma (draft tokens per round) must be >= 1, got {gamma}")
         self.ngram = draft if isinstance(draft, NgramDraft) else None
@@ -106,6 +111,15 @@ class SpeculativeDecoder:
                              f"{draft.config.vocab_size}): speculative decoding needs one tokenizer")
         if temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {temperature}")
+        self.vocab_N = None
+        if draft_vocab is not None:
+            if self.ngram is not None:
+                raise ValueError("draft_vocab restricts a draft model's lm_head; n-gram drafting has none")
+            if rule.reads_q(greedy=True):
+                raise ValueError(f"with a restricted draft vocabulary q is zero outside it, and the {rule.name!r} "
+                                 "rule reads q's whole distribution: use another rule or draft_vocab=None")
+            draft = restrict_head(draft, draft_vocab)
+            self.vocab_N = draft_vocab.long().flatten().to(target.device)
         self.target = Engine(target, lean_prefill=True)
         self.draft = None if self.ngram is not None else Engine(draft, lean_prefill=True)
         self.rule, self.gamma, self.temperature = rule, gamma, temperature
@@ -143,7 +157,10 @@ class SpeculativeDecoder:
 
     def _generate_batch(self, prompts, max_tokens, gens) -> list[SpecOutput]:
         G, T = self.gamma, self.temperature
+        V = self.target.model.config.vocab_size
         hl = -1 if self.rule.needs_hidden else None
+        # greedy verification by a rule that reads only p and the drafted tokens: no draft softmax
+        skip_q = not self.rule.reads_q(self.greedy)
         slots = max_tokens + G + 2
         # round 1: the draft's prefill gives q_1; the target's prefill is fused with the first
         # verification (one forward over prompt + x_1..x_G), so no target forward is spent on
@@ -179,13 +196,17 @@ class SpeculativeDecoder:
                 ended = [False] * B
                 budget = [max_tokens - len(rows.outs[r].output_token_ids) for r in active]
                 for i in range(G):
-                    q = _probs(lg, T)
+                    q = None if skip_q else _probs(lg, T)
                     if self.greedy:
                         x = lg.argmax(-1)
                     else:
                         qc = q.double().cpu()
                         x = torch.tensor([sample_probs(qc[b], gens[r].draft(rows.outs[r].target_forwards, i))
                                           for b, r in enumerate(active)], device=dev)
+                    if self.vocab_N is not None:  # head positions -> token ids; q onto the whole vocabulary
+                        x = self.vocab_N[x]
+                        if q is not None:
+                            q = torch.zeros(B, V, device=dev, dtype=q.dtype).index_copy_(1, self.vocab_N, q)
                     xs.append(x)
                     qs.append(q)
                     hds.append(hd)
@@ -198,7 +219,7 @@ class SpeculativeDecoder:
                         lg, hd = logits[:, 0], (h[:, 0] if h is not None else None)
                 Gr = len(xs)  # drafted this round (< G only after the greedy cut)
                 x_BG = torch.stack(xs, 1)
-                q_BGV = torch.stack(qs, 1)
+                q_BGV = torch.zeros(1, device=dev).expand(B, Gr, V) if skip_q else torch.stack(qs, 1)
             # --- verify with one target forward over [last, x_1..x_G] (round 1: [prompt, x_1..x_G])
             if tb is None:
                 tb, tlogits, th = self.target.prefill_extend(reqs, x_BG, extra_slots=slots, hidden_layer=hl)

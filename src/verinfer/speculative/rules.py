@@ -119,6 +119,11 @@ class Rule:
     def lossless(self) -> bool:
         return self.name == "standard"
 
+    def reads_q(self, greedy: bool) -> bool:
+        """Whether verification reads the draft distribution q beyond the drafted tokens: sampling's
+        standard test reads q(x); the KL judge and the draft-entropy rule read all of q."""
+        return not greedy or self.name in ("kl", "draft_entropy")
+
 
 def accept_mask(rule: Rule, p_BGV: torch.Tensor, q_BGV: torch.Tensor, x_BG: torch.Tensor,
                 u_BG: torch.Tensor | None, greedy: bool, feats_BGD: torch.Tensor | None = None) -> torch.Tensor:
