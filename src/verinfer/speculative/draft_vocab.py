@@ -26,11 +26,13 @@ MIN_COVERAGE of that stream, a rule fixed before any benchmark run.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 from verinfer.models.draft import load_counts
+from verinfer.models.llama import LlamaLM
 
 MIN_COVERAGE = 0.99
 
@@ -40,18 +42,23 @@ def ranking(counts_V: torch.Tensor) -> torch.Tensor:
     return torch.argsort(-counts_V, stable=True)  # stable: ids stay ascending within a count
 
 
-def coverage(counts_V: torch.Tensor, n: int) -> float:
-    """Share of the stream's tokens that are among its n most frequent ids."""
+def _cumulative_share(counts_V: torch.Tensor) -> torch.Tensor:
+    """share_V[n - 1]: the share of the stream's tokens among its n most frequent ids."""
     total = int(counts_V.sum())
     if total == 0:
         raise ValueError("empty token counts: no coverage to compute")
-    return float(counts_V.sort(descending=True).values[:n].sum()) / total
+    return counts_V.sort(descending=True).values.cumsum(0).double() / total
+
+
+def coverage(counts_V: torch.Tensor, n: int) -> float:
+    """Share of the stream's tokens that are among its n most frequent ids."""
+    return float(_cumulative_share(counts_V)[min(n, len(counts_V)) - 1])
 
 
 def choose_size(counts_V: torch.Tensor, min_coverage: float = MIN_COVERAGE) -> int:
     """The smallest power of two N whose top-N tokens cover >= min_coverage of the stream (at most V)."""
-    V, n = len(counts_V), 1
-    while n < V and coverage(counts_V, n) < min_coverage:
+    share, V, n = _cumulative_share(counts_V), len(counts_V), 1
+    while n < V and share[n - 1] < min_coverage:
         n *= 2
     return min(n, V)
 
@@ -69,13 +76,9 @@ def draft_vocab(draft_dir: str | Path, n: int | None = None) -> torch.Tensor:
     return top_ids(counts, choose_size(counts) if n is None else n)
 
 
-def restrict_head(draft, ids_N: torch.Tensor):
+def restrict_head(draft: LlamaLM, ids_N: torch.Tensor) -> LlamaLM:
     """The draft model (same weight tensors) with its lm_head cut to the rows ids_N: its logits are
     over N tokens, position j meaning token ids_N[j]. The input embedding stays whole."""
-    from dataclasses import replace
-
-    from verinfer.models.llama import LlamaLM
-
     V = draft.config.vocab_size
     ids = ids_N.long().flatten()
     if ids.numel() == 0 or int(ids.min()) < 0 or int(ids.max()) >= V or ids.unique().numel() != ids.numel():
