@@ -24,7 +24,8 @@ import pyarrow.compute as pc
 
 from verinfer.io import atomic_write_text
 from verinfer.numerics.machine import machine_fingerprint
-from verinfer.apps.pipeline import (DEFAULT_SPEC, generate, load_score_tables, prompts_for, score,
+from verinfer.scores import load_score_tables
+from verinfer.apps.pipeline import (DEFAULT_SPEC, generate, prompts_for, score,
                                      verifier_engine)
 from verinfer.providers.simulated import HONEST, MISCONFIGURED, PROVIDERS, run_provider
 from verinfer.audit.replay import scores_table

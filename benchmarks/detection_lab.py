@@ -144,7 +144,7 @@ def stage_features(log=print, reverse: bool = False) -> None:
     import pyarrow as pa
 
     from verinfer.io import atomic_write_parquet
-    from verinfer.audit.variants import features_table
+    from benchmarks.difr_variants import features_table
 
     engine = verifier_engine(TARGET_DIR)
     keys = [c["key"] for c in lab_configs()] + ["int4-tuned"]
@@ -173,7 +173,7 @@ def reference_features_path(ref: str, key: str) -> Path:
 
 def reference_columns() -> list[str]:
     """The signed-gap columns a reference replay keeps (those `best` reads)."""
-    from verinfer.audit.variants import gap_column, temperature_column
+    from verinfer.scores import gap_column, temperature_column
 
     cols = [gap_column(), *(temperature_column(r) for r in TEMPERATURE_FACTORS)]
     for tau in TOP_P_SLACKS:
@@ -189,7 +189,7 @@ def stage_references(log=print, reverse: bool = False) -> None:
 
     from verinfer.audit.references import REFERENCES, replay
     from verinfer.io import atomic_write_parquet
-    from verinfer.audit.variants import features_table
+    from benchmarks.difr_variants import features_table
 
     keys = [c["key"] for c in lab_configs() if c["noise"] == "vllm-cpu"] + ["int4-tuned"]
     keep = ["claim_id", "position", "token_id", *reference_columns()]
@@ -257,7 +257,7 @@ MC_TRIALS = 100
 def load_features(key: str) -> dict:
     import pyarrow.parquet as pq
 
-    from verinfer.audit.variants import gaps_of
+    from benchmarks.difr_variants import gaps_of
 
     t = pq.read_table(features_path(key))
     d = {c: t[c].to_numpy(zero_copy_only=False) for c in ("margin", "exact_match", "cross_entropy",
@@ -310,9 +310,9 @@ class Scorer:
     only (clip percentiles, sigma, IPT kernel width)."""
 
     def __init__(self, honest_train: dict, ipt: bool = False):
-        from verinfer.audit.scores import clip_at_quantile
-        from verinfer.audit.scores import fit_sigma
-        from verinfer.audit.variants import fit_ipt_sigma
+        from verinfer.detect.clipping import clip_at_quantile
+        from verinfer.detect.clipping import fit_sigma
+        from benchmarks.difr_variants import fit_ipt_sigma
 
         h = honest_train
         self.ipt = ipt
@@ -335,8 +335,8 @@ class Scorer:
                 self.clip[n] = clip_at_quantile(v, q)
 
     def raw(self, name: str, d: dict) -> np.ndarray:
-        from verinfer.audit.scores import likelihood_score
-        from verinfer.audit.variants import ipt_difr, mc_difr
+        from verinfer.scores import likelihood_score
+        from benchmarks.difr_variants import ipt_difr, mc_difr
 
         if name in CLIPS or name == "tail":
             return d["margin"]
@@ -353,7 +353,7 @@ class Scorer:
         raise ValueError(name)
 
     def values(self, name: str, d: dict) -> np.ndarray:
-        from verinfer.audit.scores import tail_pool, winsorize
+        from verinfer.detect.clipping import tail_pool, winsorize
 
         v = self.raw(name, d)
         if name == "exact_match":

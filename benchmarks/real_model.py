@@ -360,7 +360,7 @@ def detection_curves(data: dict, calib: list[str], runs: list[str], ladder=DETEC
     batch means / statistics of the test halves (`detection_lab.auc_curve`, `best_curve`).
     data: run -> `score_columns`."""
     from benchmarks import detection_lab as lab
-    from verinfer.audit.scores import clip_at_quantile, winsorize
+    from verinfer.detect.clipping import clip_at_quantile, winsorize
     from verinfer.detect.glrt import PerturbationGLRTDetector
     from verinfer.detect.metrics import split_tokens, tokens_to_detect
 
@@ -463,7 +463,7 @@ def detection(model: str, n: int, calib_n: int, max_tokens: int, seed: int, thre
     from benchmarks import detection_lab as lab
     from benchmarks.scale_out import vllm_claims
     from verinfer.apps.pipeline import score
-    from verinfer.audit.replay import read_scores
+    from verinfer.scores import read_scores
     from verinfer.sampling.params import SamplingParams
 
     t_start = time.perf_counter()

@@ -147,7 +147,8 @@ def main() -> None:
     import vllm
 
     from verinfer.claims import write_claims
-    from verinfer.apps.pipeline import (VERIFIER_NUMERICS, calibrate, load_score_tables, prompts_for, score,
+    from verinfer.scores import load_score_tables
+    from verinfer.apps.pipeline import (VERIFIER_NUMERICS, calibrate, prompts_for, score,
                                          verifier_engine)
     from verinfer.audit.replay import score_claims
     from verinfer.providers.simulated import HONEST, run_provider

@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 
 from verinfer.cli.main import app
 from verinfer.apps.audit_api import MODES
-from verinfer.audit.scores import ALL_SCORES
+from verinfer.scores import ALL_SCORES
 from verinfer.determinism.scheduler import POLICIES
 from verinfer.models.testbed import BUDGETS, TARGET_DIR
 from verinfer.providers.simulated import MISCONFIGURED
@@ -281,7 +281,7 @@ def test_report_and_audit_read_scores_with_and_without_gaps_together(scored, tmp
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from verinfer.apps.pipeline import load_score_tables
+    from verinfer.scores import load_score_tables
 
     d, out = scored
     gaps = tmp_path / "wrong-seed-gaps.parquet"
@@ -459,7 +459,7 @@ def test_provenance_is_recorded_and_another_models_detector_or_scores_are_refuse
     verifier numerics and device produced them; a detector calibrated on the draft testbed model
     flagged an honest target provider at p < 1e-300. audit now refuses it, naming both models, and
     target scores are refused by it the other way round."""
-    from verinfer.apps.pipeline import scores_provenance
+    from verinfer.scores import scores_provenance
     from verinfer.models.load import model_info
     from verinfer.models.testbed import DRAFT_DIR
 

@@ -10,7 +10,7 @@ from verinfer.claims import read_claims, write_claims
 from verinfer.detect.clipped_mean import ClippedMeanDetector
 from verinfer.providers.simulated import ProviderConfig, run_provider
 from verinfer.audit.replay import score_claims
-from verinfer.audit.scores import divergence
+from verinfer.scores import divergence
 from verinfer.engine.engine import Engine
 from verinfer.errors import ClaimError
 from verinfer.models.load import load_model

@@ -7,8 +7,9 @@ import pytest
 
 from verinfer.apps.pipeline import VERIFIER_NUMERICS, reference_engines, verifier_engine
 from verinfer.audit.references import REFERENCES, envelope_table, replay
-from verinfer.audit.replay import ENVELOPE_PREFIX, GAP_TEMPERATURE_FACTORS, gap_column_names, score_claims
-from verinfer.audit.variants import features_table, gap_column, temperature_column
+from benchmarks.difr_variants import features_table
+from verinfer.audit.replay import score_claims
+from verinfer.scores import ENVELOPE_PREFIX, GAP_TEMPERATURE_FACTORS, gap_column, gap_column_names, temperature_column
 from verinfer.detect.glrt import ENVELOPE_PREFIX as DETECTOR_PREFIX
 from verinfer.models.prompts import prompts_for
 from verinfer.models.testbed import TARGET_DIR

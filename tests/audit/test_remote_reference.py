@@ -22,7 +22,8 @@ pytest.importorskip("openai")
 
 from verinfer.apps.pipeline import score, verifier_engine  # noqa: E402
 from verinfer.audit.remote_reference import ReferenceServerError, exactness  # noqa: E402
-from verinfer.audit.replay import gap_column_names, replay_batch_size  # noqa: E402
+from verinfer.audit.replay import replay_batch_size  # noqa: E402
+from verinfer.scores import gap_column_names  # noqa: E402
 from verinfer.claims import read_claims, write_claims  # noqa: E402
 from verinfer.models.prompts import prompts_for  # noqa: E402
 from verinfer.models.testbed import TARGET_DIR  # noqa: E402

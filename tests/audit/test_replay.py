@@ -5,7 +5,8 @@ import torch
 
 from verinfer.audit import replay as replay_mod
 from verinfer.providers.simulated import ProviderConfig, run_provider
-from verinfer.audit.replay import read_scores, score_claims
+from verinfer.audit.replay import score_claims
+from verinfer.scores import read_scores
 from verinfer.engine.engine import Engine
 from verinfer.errors import VerinferError
 from verinfer.models.load import load_model

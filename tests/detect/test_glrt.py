@@ -172,7 +172,7 @@ def test_glrt_caps_the_evidence_at_the_honest_quantile(tmp_path):
     q = np.quantile(x_raw, 0.9999, axis=0)
     temperature = np.array([c > 0 for c, _, _ in det.grid_])
     # one flip at 2 sigma0, computed by hand through the loop reference of the centered evidence
-    from verinfer.audit.variants import perturbation_llr_centered_loop
+    from tests.detect.test_perturbation import perturbation_llr_centered_loop
     flip = perturbation_llr_centered_loop(np.full((1, 3), 2 * det.sigma0_), det.grid_, (det.sigma0_, det.eps0_))[0]
     np.testing.assert_allclose(det.llr_clip_[~temperature], np.maximum(q, flip)[~temperature], rtol=1e-9)
     assert np.isinf(det.llr_clip_[temperature]).all() and temperature.sum() == 2

@@ -3,7 +3,8 @@ import pyarrow as pa
 import pytest
 from scipy.stats import norm
 
-from verinfer.audit.scores import SCORES, clip_at_quantile, divergence, fit_sigma, likelihood_score, tail_pool, winsorize
+from verinfer.detect.clipping import clip_at_quantile, fit_sigma, tail_pool, winsorize
+from verinfer.scores import SCORES, divergence, likelihood_score
 from verinfer.detect.metrics import auc_at_fpr, auc_vs_tokens, batch_means, split_tokens, tokens_to_detect
 
 NEG, POS = [0.0, 1.0, 2.0, 3.0], [1.5, 2.5, 3.5, 4.0]

@@ -8,7 +8,7 @@ import pyarrow.compute as pc
 import pytest
 
 from verinfer import __version__
-from verinfer.audit.scores import SCORES, likelihood_score
+from verinfer.scores import SCORES, likelihood_score
 from verinfer.report.html import ReportContext, compute_auc_curves, write_report
 from verinfer.report.plots import DPI, FIG_SIZE, LEGEND_SIZE, AucVsTokensPlot, ScoreHistogramPlot
 

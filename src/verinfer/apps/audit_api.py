@@ -37,8 +37,7 @@ from pathlib import Path
 
 import numpy as np
 
-from verinfer.apps.pipeline import (VERIFIER_NUMERICS, calibrate, load_score_tables, reference_engines, score,
-                                   verifier_engine)
+from verinfer.apps.pipeline import VERIFIER_NUMERICS, calibrate, reference_engines, score, verifier_engine
 from verinfer.audit.replay import score_chunk
 from verinfer.models.prompts import prompts_for
 from verinfer.claims import Claim, read_claims, write_claims
@@ -48,7 +47,7 @@ from verinfer.detect import Detector, load_detector
 from verinfer.detect.sequential import SequentialAudit
 from verinfer.providers.openai_http import Endpoint, EndpointError, openai_client, probe_seeds, request_completion
 from verinfer.providers.simulated import HONEST, MISCONFIGURED, PROVIDERS, request_seed, run_provider
-from verinfer.audit.scores import divergence
+from verinfer.scores import divergence
 from verinfer.errors import VerinferError
 from verinfer.models.load import model_info
 from verinfer.sampling.params import SamplingParams

@@ -10,12 +10,13 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from verinfer.apps.pipeline import audit, calibrate, generate, load_score_tables, score, split_claims, verifier_engine
+from verinfer.apps.pipeline import audit, calibrate, generate, score, split_claims, verifier_engine
 from verinfer.io import atomic_write_json, atomic_write_text, check_manifest
 from verinfer.models.load import model_info
 from verinfer.models.testbed import TARGET_DIR
 from verinfer.providers.simulated import DEFAULT_SPEC, HONEST, PROVIDERS
 from verinfer.report.html import ReportContext, compute_auc_curves, write_report
+from verinfer.scores import load_score_tables
 
 
 @dataclass

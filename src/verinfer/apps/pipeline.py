@@ -26,14 +26,14 @@ from verinfer.io import check_writable, chunked, progress_bar, sha256_files
 from verinfer.models.prompts import prompts_for
 from verinfer.providers import vllm
 from verinfer.providers.simulated import DEFAULT_SPEC, HONEST, PROVIDERS, get_provider, run_provider
-from verinfer.audit import provenance
 from verinfer.audit.remote_reference import RemoteReference
-from verinfer.audit.replay import Scored, fingerprints_of, model_config, read_scores, score_claims
+from verinfer.audit.replay import Scored, fingerprints_of, model_config, score_claims
 from verinfer.engine.engine import Engine
 from verinfer.errors import ClaimError, VerinferError
 from verinfer.models.load import load_model, model_info
 from verinfer.numerics import Numerics
 from verinfer.sampling.params import SamplingParams
+from verinfer.scores import PARQUET_KEY, make_provenance, provenance_of_schema
 
 VERIFIER_NUMERICS = Numerics(dtype="bf16", attn="sdpa")
 
@@ -126,7 +126,7 @@ def score(claims_path: str | Path, model_dir: str | Path, out: str | Path, *, en
         _, _, first_fp = fingerprints_of(chunk, model_config(engine), first_fp)
         total += sum(len(c.output_token_ids) for c in chunk)
         noise.update(c.sampling.noise for c in chunk)
-    prov = provenance.make(info, engine.numerics, engine.device, noise)
+    prov = make_provenance(info, engine.numerics, engine.device, noise)
     with progress_bar(f"score {Path(claims_path).name}", total, show_progress) as adv:
         return score_claims(iter_claims(claims_path), engine, out, claims_sha=sha256_files([claims_path]),
                             model_sha=info.weights_sha256, progress=adv, gaps=gaps, provenance=prov,
@@ -149,116 +149,6 @@ def reference_engines(model_dir: str | Path, engine: Engine, device: str = "cpu"
             engines[ref.numerics] = verifier_engine(model_dir, ref.numerics, device)
         out[name] = (ref, engines[ref.numerics])
     return out
-
-
-UNKNOWN_PROVIDER = "unknown"  # what `score` writes for a claim without a `provider` field
-
-
-def load_score_tables(paths: list[str | Path], *, labels: list[str] | None = None, provider: str | None = None,
-                      merge: bool = False) -> pa.Table:
-    """The rows of every scores file in one table, on the columns all of them have (files scored
-    with and without --gaps or fingerprints read together; a detector that needs a dropped column
-    says so). Columns of another type than the first file's are an error naming the file.
-
-    Inputs are keyed: a row's provider is its claim's, else `provider`, else the file's label
-    (`labels[i]`, default the file's stem). The same file twice, or a claim id of a provider that
-    another file also holds, is an error (it would count the same tokens twice). A provider found
-    in several files is reported per file ("name (label)") unless `merge` pools them."""
-    labels = labels or [Path(p).stem for p in paths]
-    seen_files: dict[Path, str | Path] = {}
-    for p in paths:
-        key = Path(p).resolve()
-        if key in seen_files:
-            raise VerinferError(f"given twice (also as {seen_files[key]}): its tokens would count twice",
-                                where=str(p), fix="pass each scores file once")
-        seen_files[key] = p
-    tables = []
-    for p, label in zip(paths, labels):
-        t = read_scores(p)
-        prov = t["provider"]
-        named = pc.if_else(pc.equal(prov, UNKNOWN_PROVIDER), provider or label, prov)
-        tables.append(t.set_column(t.column_names.index("provider"), "provider", named))
-    if not tables:
-        raise VerinferError("no scores files given", fix="pass the Parquet files `verinfer score` wrote")
-    common = [c for c in tables[0].column_names if all(c in t.column_names for t in tables[1:])]
-    tables[0] = tables[0].select(common)
-    for k, (p, t) in enumerate(zip(paths[1:], tables[1:]), 1):
-        t = t.select(common)
-        try:
-            tables[k] = t.cast(tables[0].schema)
-        except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError) as e:
-            diff = [f"{a.name}: {a.type} vs {b.type}" for a, b in zip(tables[0].schema, t.schema) if a.type != b.type]
-            raise VerinferError(f"its score columns do not fit those of {paths[0]} ({'; '.join(diff) or e})",
-                                where=str(p), fix="rescore the claims with this verinfer (`verinfer score`)") from None
-    claims_of: dict[tuple[str, str], str | Path] = {}
-    files_of: dict[str, list[int]] = {}
-    for k, (p, t) in enumerate(zip(paths, tables)):
-        pairs = set(zip(t["provider"].to_pylist(), t["claim_id"].to_pylist()))
-        for pair in pairs:
-            if pair in claims_of:
-                raise VerinferError(f"claim {pair[1]!r} of provider {pair[0]!r} is also in {claims_of[pair]}: its "
-                                    f"tokens would count twice", where=str(p),
-                                    fix="pass each claim once (claim ids must be unique per provider across inputs)")
-            claims_of[pair] = p
-        for name in {pr for pr, _ in pairs}:
-            files_of.setdefault(name, []).append(k)
-    if not merge:
-        for name, ks in files_of.items():
-            for k in ks if len(ks) > 1 else ():
-                t = tables[k]
-                prov = pc.if_else(pc.equal(t["provider"], name), f"{name} ({labels[k]})", t["provider"])
-                tables[k] = t.set_column(t.column_names.index("provider"), "provider", prov)
-    common = common_provenance(paths, strict=False)
-    return pa.concat_tables(tables).replace_schema_metadata(provenance.to_metadata(common) if common else None)
-
-
-def scores_provenance(path: str | Path) -> provenance.Provenance | None:
-    """What replayed a scores file (`audit.provenance`; None: not recorded, an older verinfer)."""
-    return provenance.of_schema(pq.read_schema(path), str(path))
-
-
-def common_provenance(paths: list[str | Path], strict: bool = True) -> provenance.Provenance | None:
-    """The provenance every scores file records (None when one records none). Files replayed with
-    another model or settings are a VerinferError naming both (strict) or give None."""
-    first, out = None, None
-    for p in paths:
-        prov = scores_provenance(p)
-        if prov is None:
-            return None
-        if out is None:
-            first, out = p, prov
-        elif provenance.mismatch(out, prov):
-            if not strict:
-                return None
-            raise VerinferError(f"replayed with other settings than {first} ({'; '.join(provenance.mismatch(out, prov))})",
-                                where=str(p), fix="calibrate on honest scores of one model and settings")
-    return out
-
-
-def check_provenance(det: Detector, det_path: str | Path, paths: list[str | Path]) -> list[str]:
-    """Refuse scores replayed with another model or settings than the detector's honest
-    calibration scores (a VerinferError naming both and every differing field); warnings for what
-    cannot be checked (a detector or scores file that records no provenance)."""
-    want = getattr(det, "provenance_", None)
-    if want is None:
-        return [f"{det_path}: the detector records no provenance (calibrated by an older verinfer or in code): "
-                "the model and settings of the scores are not checked"]
-    notes = []
-    for p in paths:
-        have = scores_provenance(p)
-        if have is None:
-            notes.append(f"{p}: the scores record no provenance (an older `verinfer score`): not checked against "
-                         f"the detector's model {want.model}")
-            continue
-        diff = provenance.mismatch(want, have)
-        if diff:
-            raise VerinferError(f"scores of model {have.model} (weights {have.weights_sha256}) cannot be audited with "
-                                f"the detector {det_path}, calibrated on model {want.model} (weights "
-                                f"{want.weights_sha256}): they differ in {'; '.join(diff)} (detector vs scores)",
-                                where=str(p), fix="calibrate a detector on honest scores replayed with the same model "
-                                "and settings, or rescore the claims with the detector's model (`verinfer score "
-                                "--model`)")
-    return notes
 
 
 def claim_folds(table: pa.Table, folds: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
@@ -328,8 +218,8 @@ def calibrate(table: pa.Table, honest: list[str], *, detector: str = "clipped-me
     honest_rows = pa.concat_tables(parts)
     fold, order, groups = np.concatenate(fold_of), np.concatenate(order_of), np.asarray(groups)
     det.fit(honest_rows, groups=groups)
-    if table.schema.metadata and provenance.PARQUET_KEY in table.schema.metadata:
-        det.provenance_ = provenance.of_schema(table.schema, "the honest scores")
+    if table.schema.metadata and PARQUET_KEY in table.schema.metadata:
+        det.provenance_ = provenance_of_schema(table.schema, "the honest scores")
     heldout = heldout_fpr(det, honest_rows, groups, fold, order, folds, fpr_batch_tokens, detector, seed, options)
     det.calibration_ = record.Calibration(tokens=tokens, claims=claims, heldout=heldout)
     return det

@@ -6,18 +6,20 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Iterable
 
-import numpy as np
-import pyarrow as pa
-
 from verinfer.claims import Claim, check_claims_fit, read_claims, write_claims
 from verinfer.errors import ClaimError
-from verinfer.io import atomic_write_parquet, check_writable, progress_bar
+from verinfer.io import check_writable, progress_bar
 from verinfer.models.llama import LlamaLM
 from verinfer.models.load import model_info
 from verinfer.models.prompts import prompts_for
+from verinfer.numerics import Numerics
 from verinfer.speculative.autojudge import Judge
 from verinfer.speculative.rules import Rule
+from verinfer.scores import SPEC_SCHEMA, make_provenance, spec_table, write_scores
 from verinfer.speculative.spec_claims import spec_claims, verify_spec_claims
+
+
+SPEC_VERIFIER_NUMERICS = Numerics(dtype="fp32")  # speculative claims are verified in fp32 (LlamaLM's default)
 
 
 def generate_claims_file(model_dir, draft_dir, out, *, rule: str = "kl", threshold: float = 0.5, gamma: int = 4,
@@ -71,20 +73,12 @@ def score_file(claims_path, model_dir, draft_dir, out, device: str = "cpu", mode
     with progress_bar(f"score {Path(claims_path).name} (speculative)", sum(len(c.output_token_ids) for c in claims),
                       show_progress) as adv:
         rows = verify_spec_claims(claims, target, draft, progress=adv)
-    write_scores(rows, claims, out)
+    noise = {c.sampling.noise for c in claims}
+    prov = make_provenance(info, SPEC_VERIFIER_NUMERICS, device, noise)
+    write_scores(out, spec_table(rows, claims), SPEC_SCHEMA, prov)
     a = rows["event"] == "a"
     return {"tokens": int(rows["score"].size), "violations": int(rows["violation"].sum()),
             "claims_with_violations": sorted({claims[i].id for i in rows["claim"][rows["violation"]]}),
             "accepted_fraction": float(a.mean()),
             "mean_accept_nll": float(rows["accept_nll"][a].mean()) if a.any() else 0.0,
             "replay_match": float(rows["replay_match"].mean()) if a.size else 1.0}
-
-
-def write_scores(rows: dict[str, np.ndarray], claims: list[Claim], out: str | Path) -> None:
-    ids = [claims[i].id for i in rows["claim"]]
-    tokens = [claims[i].output_token_ids[t] for i, t in zip(rows["claim"], rows["position"])]
-    t = pa.table({"claim_id": ids, "position": rows["position"], "token_id": tokens, "event": rows["event"],
-                  "spec_accept_nll": rows["accept_nll"], "spec_violation": rows["violation"],
-                  "spec_score": rows["score"], "spec_replay_match": rows["replay_match"],
-                  "spec_margin": rows["margin"], "spec_accept_gap": rows["accept_gap"]})
-    atomic_write_parquet(t, out)

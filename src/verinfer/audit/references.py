@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from verinfer.numerics import Numerics
-from verinfer.audit.scores import score_column
+from verinfer.scores import score_column
 from verinfer.engine.engine import Replay, Request
 
 

@@ -43,17 +43,17 @@ import pyarrow as pa
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from verinfer.audit.replay import DEFAULT_SIGMA, replay_batch_size, scores_table
+from verinfer.audit.replay import replay_batch_size, scores_table
 from verinfer.claims import Claim
 from verinfer.engine.engine import Replay
 from verinfer.errors import VerinferError, api_error_message
 from verinfer.models.llama import LlamaConfig
 from verinfer.sampling.params import SamplingParams
+from verinfer.scores import CROSS_ENTROPY, DEFAULT_SIGMA, REMOTE_FIELDS
 
 # min-p compares p / max p with min_p in fp32 over the whole vocabulary; the row's log-softmax differs
 # from the logits by a rounded constant, so a ratio this close to min_p may fall the other way
 MIN_P_TOL = 1e-4
-REMOTE_FIELDS = (pa.field("approximate", pa.bool_()), pa.field("approximate_reason", pa.string()))
 START_SERVER = ("start it as `python -m vllm.entrypoints.openai.api_server --model MODEL --served-model-name NAME "
                 "--max-logprobs K --dtype bfloat16`")
 
@@ -258,7 +258,7 @@ class RemoteReference:
                 tables.append(scores_table(cs, self.replays(cs, rs), sigma, gaps=gaps))
                 group, n = [], 0
         t = pa.concat_tables(tables)
-        reasons, xent = [], t["cross_entropy"].to_numpy().copy()
+        reasons, xent = [], t[CROSS_ENTROPY].to_numpy().copy()
         o = 0
         for c, r in zip(claims, rows):
             for row, y in zip(r, c.output_token_ids):
@@ -266,7 +266,7 @@ class RemoteReference:
                 if c.sampling.greedy:
                     xent[o] = -row[y]
                 o += 1
-        t = t.set_column(t.column_names.index("cross_entropy"), "cross_entropy", pa.array(xent, pa.float64()))
+        t = t.set_column(t.column_names.index(CROSS_ENTROPY), CROSS_ENTROPY, pa.array(xent, pa.float64()))
         t = t.append_column(REMOTE_FIELDS[0], pa.array([r is not None for r in reasons], pa.bool_()))
         return t.append_column(REMOTE_FIELDS[1], pa.array(reasons, pa.string()))
 

@@ -1,17 +1,10 @@
 """Replay claims with the trusted model and write one Parquet row per claimed output token.
 
-Columns: claim_id, provider, position, token_id, replay_token_id, margin (Token-DiFR post-Gumbel
-margin; +inf if the claimed token was filtered out), exact_match, cross_entropy (-log p_y under
-the verifier's filtered sampling distribution; +inf if filtered out), likelihood
-(log Phi(-margin / (sqrt(2) sigma))), fp_l2 (Activation-DiFR: L2 distance between the claim's
-fingerprint and the verifier's recomputation at logged positions; null at unlogged positions and
-for claims without `activations`). With `gaps=True` (needed by the perturbation-GLRT detector,
-`verinfer score --gaps`): gap (signed post-Gumbel gap of the claimed token to its strongest
-competitor: > 0 the margin of a token the replay does not reproduce, < 0 minus the runner-up gap
-of one it does, +inf if filtered out; NaN for non-Gumbel claims) and gapT_{r} (the same at r x the
-claimed temperature, r in GAP_TEMPERATURE_FACTORS), and the same columns prefixed `env_`: their
-honest-reference envelope (`audit.references`: per token the minimum over the primary replay and
-the other honest reference kernels of REFERENCES, the gaps the glrt detector reads).
+The rows and columns are the scores contract (`verinfer.scores`: what each column means, the
+writer and the reader). With `gaps=True` (needed by the perturbation-GLRT detector, `verinfer
+score --gaps`) also the signed-gap columns and, with honest references, their envelope
+(`audit.references`: per token the minimum over the primary replay and the other honest
+reference kernels of REFERENCES).
 
 Long runs resume: claims are scored in chunks, each written atomically as a part file under
 `<out>.parts/` beside a manifest of what is being scored; a rerun skips finished parts; the
@@ -37,27 +30,20 @@ from collections.abc import Callable, Iterable, Iterator
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 import torch
 
 from verinfer.claims import Claim
-from verinfer.io import ResumableParts, atomic_write, chunked
-from verinfer.audit.provenance import Provenance, to_metadata
-from verinfer.audit.scores import likelihood_score
+from verinfer.io import ResumableParts, chunked
 from verinfer.engine.engine import Engine, Replay
 from verinfer.errors import VerinferError
 from verinfer.sampling.gap import block_gaps, score_claimed
 from verinfer.fingerprint import check_layer, l2_distances, parse_fingerprint
+from verinfer.scores import (CLAIM_ID, CROSS_ENTROPY, DEFAULT_SIGMA, ENVELOPE_PREFIX, EXACT_MATCH, FP_L2,
+                             GAP_TEMPERATURE_FACTORS, GAP_TOP_P_SLACK, LIKELIHOOD, MARGIN, POSITION, PROVIDER,
+                             REPLAY_TOKEN_ID, SCORE_SCHEMA, TOKEN_ID, UNKNOWN_PROVIDER, Provenance, gap_column_names,
+                             likelihood_score, part_is_readable, read_part, read_scores, schema as scores_schema,
+                             write_part, write_scores)
 
-SCORE_SCHEMA = pa.schema([
-    ("claim_id", pa.string()), ("provider", pa.string()), ("position", pa.int32()), ("token_id", pa.int32()),
-    ("replay_token_id", pa.int32()), ("margin", pa.float64()), ("exact_match", pa.bool_()),
-    ("cross_entropy", pa.float64()), ("likelihood", pa.float64()), ("fp_l2", pa.float64()),
-])
-DEFAULT_SIGMA = 0.1
-GAP_TEMPERATURE_FACTORS = (0.8, 0.9, 1.1, 1.2)
-GAP_TOP_P_SLACK = 0.01  # = PerturbationGLRTDetector.top_p_slack
-ENVELOPE_PREFIX = "env_"  # = detect.glrt.ENVELOPE_PREFIX: the honest-reference envelope's gap columns
 # Replay batch sizes by device: claims per resumable part, padded tokens per forward batch, and
 # elements of one batch's [rows, V] logits. CPU: parts of 64 claims; 2048 tokens keep the
 # activations in cache (1.2x faster than 8192 on 2 cores); 2^25 elements = 128 MiB in fp32. Any
@@ -80,17 +66,6 @@ def replay_batch_size(device: str | torch.device) -> tuple[int, int, int]:
     return ACCELERATOR_CHUNK_CLAIMS, ACCELERATOR_BATCH_TOKENS, budget
 
 
-def temperature_column(factor: float, top_p_slack: float = 0.0) -> str:
-    """Name of the signed-gap column at `factor` times the claimed temperature (with a top-p
-    slack: `sampling.gap.block_gaps(..., top_p_slack)`)."""
-    return f"gapT_{float(factor):g}" + (f"_s{float(top_p_slack):g}" if top_p_slack else "")
-
-
-def gap_column(top_p_slack: float = 0.0) -> str:
-    """Name of the signed-gap column at the claimed temperature in a features table."""
-    return "gap_0" + (f"_s{float(top_p_slack):g}" if top_p_slack else "")
-
-
 def gap_args(claims: list[Claim], replays: list[Replay]) -> tuple[list, list, list, list]:
     """What `sampling.gap` takes of replayed claims: logits, claimed ids, params, start positions."""
     dev = replays[0].logits_TV.device if replays else None
@@ -105,11 +80,6 @@ def gap_columns_of(claims: list[Claim], replays: list[Replay], factors=GAP_TEMPE
     with that top-p slack (suffix s = "_s{slack}" when the slack is not 0)."""
     g = block_gaps(*gap_args(claims, replays), (1.0, *factors), 1, top_p_slack)[:, :, 0].numpy()
     return dict(zip(gap_column_names(factors, top_p_slack), g.T))
-
-
-def gap_column_names(factors=GAP_TEMPERATURE_FACTORS, top_p_slack: float = GAP_TOP_P_SLACK) -> list[str]:
-    """The signed-gap columns `gap_columns_of` writes: at 1 x the temperature, then each factor."""
-    return ["gap" + gap_column(top_p_slack)[len("gap_0"):]] + [temperature_column(r, top_p_slack) for r in factors]
 
 
 def envelope_gap_columns(claims: list[Claim], primary: dict, references: dict) -> dict:
@@ -165,37 +135,22 @@ def scores_table(claims: list[Claim], replays: list[Replay], sigma: float = DEFA
     margin = margin_N.numpy()
     xent = np.where(kept_N.numpy(), -logp_N.numpy(), math.inf)
     table = pa.table({
-        "claim_id": np.repeat(np.array([c.id for c in claims], dtype=object), n_i),
-        "provider": np.repeat(np.array([c.provider or "unknown" for c in claims], dtype=object), n_i),
-        "position": np.concatenate([np.arange(n, dtype=np.int32) for n in n_i]) if claims else np.zeros(0, np.int32),
-        "token_id": token_N,
-        "replay_token_id": replay_N.numpy().astype(np.int32),
-        "margin": margin,
-        "exact_match": replay_N.numpy() == token_N,
-        "cross_entropy": xent,
-        "likelihood": likelihood_score(margin, sigma),
-        "fp_l2": (pa.array(fp_l2, mask=np.isnan(fp_l2), type=pa.float64()) if fp_l2 is not None
-                  else pa.nulls(token_N.size, pa.float64())),
+        CLAIM_ID: np.repeat(np.array([c.id for c in claims], dtype=object), n_i),
+        PROVIDER: np.repeat(np.array([c.provider or UNKNOWN_PROVIDER for c in claims], dtype=object), n_i),
+        POSITION: np.concatenate([np.arange(n, dtype=np.int32) for n in n_i]) if claims else np.zeros(0, np.int32),
+        TOKEN_ID: token_N,
+        REPLAY_TOKEN_ID: replay_N.numpy().astype(np.int32),
+        MARGIN: margin,
+        EXACT_MATCH: replay_N.numpy() == token_N,
+        CROSS_ENTROPY: xent,
+        LIKELIHOOD: likelihood_score(margin, sigma),
+        FP_L2: (pa.array(fp_l2, mask=np.isnan(fp_l2), type=pa.float64()) if fp_l2 is not None
+                else pa.nulls(token_N.size, pa.float64())),
     }, schema=SCORE_SCHEMA)
     if gaps:
         for name, col in gap_columns_of(claims, replays).items():
             table = table.append_column(pa.field(name, pa.float64()), pa.array(col, pa.float64()))
     return table
-
-
-def read_scores(path: str | Path) -> pa.Table:
-    p = Path(path)
-    if not p.is_file():
-        raise VerinferError("no such scores file", where=str(p), fix="run `verinfer score` first")
-    try:
-        t = pq.read_table(p)
-    except Exception as e:  # pyarrow raises ArrowInvalid / OSError on truncated files
-        raise VerinferError(f"cannot read Parquet ({e})", where=str(p),
-                            fix="the file is truncated or not Parquet; rerun `verinfer score` to rebuild it") from e
-    missing = [c for c in ("claim_id", "provider", "margin", "exact_match", "cross_entropy") if c not in t.column_names]
-    if missing:
-        raise VerinferError(f"missing score columns {missing}", where=str(p), fix="rerun `verinfer score`")
-    return t
 
 
 def _manifest(claims_sha: str, model_sha: str, numerics: dict, sigma: float, chunk: int, gaps: bool = False,
@@ -244,23 +199,13 @@ def score_chunk(claims: list[Claim], engine: Engine, *, sigma: float = DEFAULT_S
         for i, o, k in zip(group, itertools.accumulate([0] + n), n):
             per_claim[i] = t.slice(o, k)
     if not claims:
-        return _schema(gaps, bool(references)).empty_table()
+        return scores_schema(gaps, bool(references)).empty_table()
     table = pa.concat_tables(per_claim)
     if gaps and references:
         primary = {c: table[c].to_numpy() for c in gap_column_names()}
         for name, col in envelope_gap_columns(claims, primary, references).items():
             table = table.append_column(pa.field(name, pa.float64()), pa.array(col, pa.float64()))
     return table
-
-
-def _schema(gaps: bool, envelope: bool = False, extra: tuple = ()) -> pa.Schema:
-    """The columns `score_claims` writes: SCORE_SCHEMA, the signed gaps with `gaps` (and their
-    honest-reference envelope with `envelope`), then the reference's own (`extra`: a
-    RemoteReference's exactness columns)."""
-    names = gap_column_names() if gaps else []
-    if gaps and envelope:
-        names += [ENVELOPE_PREFIX + c for c in names]
-    return pa.schema(list(SCORE_SCHEMA) + [pa.field(c, pa.float64()) for c in names] + list(extra))
 
 
 def model_config(engine):
@@ -282,7 +227,7 @@ def score_claims(claims: Iterable[Claim], engine, out: str | Path, *, claims_sha
     (parts scored by its actors, written here as they return: the same parts, bitwise) or an
     `audit.remote_reference.RemoteReference` (a vLLM server's prompt logprobs; its `extra_fields`
     columns are added). on_part(k): called after part k is written (tests interrupt or kill workers
-    from it). provenance: what replayed the claims (`audit.provenance`), written into the Parquet
+    from it). provenance: what replayed the claims (`verinfer.scores.Provenance`), written into the Parquet
     schema metadata.
 
     claims may be a stream (`claims.iter_claims`): it is read `chunk_claims` at a time, and then
@@ -300,8 +245,7 @@ def score_claims(claims: Iterable[Claim], engine, out: str | Path, *, claims_sha
                             fix="score with --gaps without --workers / --ray-address")
     manifest = _manifest(claims_sha, model_sha, engine.numerics.to_dict(), sigma, chunk_claims, gaps, references or ())
     config = model_config(engine)
-    schema = _schema(gaps, bool(references), getattr(engine, "extra_fields", ()))
-    schema = schema.with_metadata(to_metadata(provenance)) if provenance else schema
+    schema = scores_schema(gaps, bool(references), getattr(engine, "extra_fields", ()))
     count = dict(parts=0, claims=0, tokens=0)
     tokens_of: dict[int, int] = {}
     kwargs = dict(sigma=sigma, gaps=gaps, batch_tokens=batch_tokens, logits_budget=logits_budget)
@@ -314,11 +258,8 @@ def score_claims(claims: Iterable[Claim], engine, out: str | Path, *, claims_sha
                 count["parts"], count["claims"], count["tokens"] = k + 1, count["claims"] + len(chunk), \
                     count["tokens"] + tokens
                 fps, layer, first_fp = fingerprints_of(chunk, config, first_fp)
-                if parts.done(k):
-                    try:
-                        pq.read_metadata(parts.path(k))
-                    except Exception:
-                        parts.discard(k)  # unreadable: recompute it
+                if parts.done(k) and not part_is_readable(parts.path(k)):
+                    parts.discard(k)  # truncated by a killed writer: recompute it
                 if parts.done(k):
                     if progress is not None:
                         progress(tokens)
@@ -332,18 +273,13 @@ def score_claims(claims: Iterable[Claim], engine, out: str | Path, *, claims_sha
         else:
             results = engine.map_parts(jobs(), **kwargs)
         for k, t in results:
-            parts.write(k, lambda tmp: pq.write_table(t, tmp))
+            parts.write(k, lambda tmp: write_part(t, tmp))
             del t
             if progress is not None:
                 progress(tokens_of.pop(k))
             if on_part is not None:
                 on_part(k)
 
-        def assemble(tmp: Path) -> None:
-            with pq.ParquetWriter(tmp, schema) as w:
-                for k in range(count["parts"]):
-                    w.write_table(pq.read_table(parts.path(k)).cast(schema))
-
-        atomic_write(out, assemble)
+        write_scores(out, (read_part(parts.path(k)) for k in range(count["parts"])), schema, provenance)
         parts.finish()
     return Scored(out, count["claims"], count["tokens"])

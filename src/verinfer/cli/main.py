@@ -26,7 +26,7 @@ SpecRule = Literal["standard", "kl", "topk", "target_entropy", "draft_entropy", 
 EngineName = Literal["verinfer", "vllm"]
 AuditMode = Literal["auto", "seeded", "greedy"]                                # apps.audit_api.MODES
 Misconfig = Literal["int4", "fp8-kv", "temp-1.1", "wrong-seed", "sampling-bug"]  # providers.simulated.MISCONFIGURED
-Score = Literal["margin", "likelihood", "exact_match", "cross_entropy", "fp_l2"]  # audit.scores.ALL_SCORES
+Score = Literal["margin", "likelihood", "exact_match", "cross_entropy", "fp_l2"]  # scores.ALL_SCORES
 ServeDeterministic = Literal["best"]                                           # server.registry.DETERMINISTIC
 LogLevel = Literal["critical", "error", "warning", "info", "debug", "trace"]   # uvicorn's levels
 Budget = Literal["full", "tiny"]                                               # models.testbed budgets
@@ -289,12 +289,13 @@ def calibrate(scores: List[Path] = typer.Argument(..., help="Scores Parquet file
                                                    "(5 folds of each honest file's claims, each audited by a "
                                                    "detector fit on the other four)."),
               kind: str = typer.Option("clipped-mean", "--detector",
-                                       help="clipped-mean | glrt | likelihood-ratio | replay-library (detect.DETECTORS): clipped-mean (one --score column), glrt "
+                                       help="clipped-mean | glrt | likelihood-ratio (detect.DETECTORS): clipped-mean (one --score column), glrt "
                                             "(perturbation GLRT, the detection lab's `best`; needs scores from "
                                             "`verinfer score --gaps`)")):
     """Fit a detector on every token of honest scores (each file one honest configuration of its
     null), measure its false-positive rate on held-out honest claims, record the model and settings."""
-    from verinfer.apps.pipeline import calibrate as run_calibrate_detector, common_provenance, load_score_tables
+    from verinfer.apps.pipeline import calibrate as run_calibrate_detector
+    from verinfer.scores import common_provenance, load_score_tables
     from verinfer.io import check_writable
 
     check_writable(out, "detector file")
@@ -346,8 +347,8 @@ def audit(inputs: List[Path] = typer.Argument(..., help="Scores Parquet or claim
                                                       "tokens in order and flag once the e-value reaches 1/FPR; "
                                                       "reports the tokens at which it decided.")):
     """Verdict per provider: flagged or not, tokens used, tail probability under the honest null."""
-    from verinfer.apps.pipeline import (audit as run_audit, check_provenance, combine_verdicts, load_score_tables,
-                                        print_verdicts, score as run_score)
+    from verinfer.apps.pipeline import audit as run_audit, combine_verdicts, print_verdicts, score as run_score
+    from verinfer.scores import check_provenance, load_score_tables
     from verinfer.detect import load_detector
     from verinfer.io import atomic_write_text, check_writable
 
@@ -365,7 +366,7 @@ def audit(inputs: List[Path] = typer.Argument(..., help="Scores Parquet or claim
         else:
             paths.append(p)
     for det_path, det in zip(detector, dets):
-        for note in check_provenance(det, det_path, paths):
+        for note in check_provenance(getattr(det, "provenance_", None), det_path, paths):
             typer.secho(f"warning: {note}", fg="yellow", err=True)
     table = load_score_tables(paths, labels=[p.stem for p in inputs], provider=provider, merge=merge)
     providers = sorted(set(table["provider"].to_pylist()))
@@ -387,8 +388,8 @@ def report(scores: List[Path] = typer.Argument(..., help="Scores Parquet files (
                                                "with, named in the report with its weights hash (scores files do "
                                                "not record it: without this the report says 'not recorded').")):
     """HTML report with AUC@1%FPR-vs-tokens curves and score histograms."""
-    from verinfer.apps.pipeline import load_score_tables
     from verinfer.io import check_writable
+    from verinfer.scores import load_score_tables
     from verinfer.report.html import ReportContext, compute_auc_curves, write_report
 
     check_writable(out, "report directory", directory=True)

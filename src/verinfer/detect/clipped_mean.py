@@ -49,7 +49,8 @@ import pyarrow.compute as pc
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from scipy.stats import norm
 
-from verinfer.audit.scores import ALL_SCORES, ACTIVATION_SCORES, clip_at_quantile, divergence, winsorize
+from verinfer.detect.clipping import clip_at_quantile, winsorize
+from verinfer.scores import ALL_SCORES, ACTIVATION_SCORES, divergence
 from verinfer.detect.base import (Detector, claim_labels, decision_text, decode_f8, encode_f8, group_labels,
                                   stratified_subsample)
 from verinfer.detect.tail import MIN_RESAMPLED_HITS, chernoff_bound, compress, mean_tail, tilt

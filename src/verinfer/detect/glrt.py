@@ -32,18 +32,17 @@ from dataclasses import dataclass
 import numpy as np
 from scipy.stats import t as student_t
 
-from verinfer.audit.scores import score_column
-from verinfer.audit.replay import gap_column, temperature_column
-from verinfer.audit.variants import fit_perturbation, perturbation_llr, perturbation_llr_centered
 from verinfer.detect.base import (ColumnStatistics, block_sizes, claim_labels, column_names, decode_groups, encode_f8,
                                   group_labels, head, stratified_subsample)
+from verinfer.detect.perturbation import fit_perturbation, perturbation_llr, perturbation_llr_centered
 from verinfer.errors import VerinferError
+from verinfer.scores import (ENVELOPE_PREFIX, GAP, GAP_TOP_P_SLACK, gap_column, score_column, slack_suffix,
+                             temperature_column)
 
 
 FLIP_FLOOR = 2.0  # the cap is never below the evidence of one flip at this many honest noise scales sigma0
 MIN_TOKENS_ABOVE_CAP = 3  # honest tokens above the evidence cap's quantile for the cap to be estimated
 MIN_HONEST_GROUPS = 3  # honest configurations needed to estimate the between-configuration allowance
-ENVELOPE_PREFIX = "env_"  # signed-gap columns of the honest-reference envelope (`verinfer score --gaps`)
 
 
 class FewHonestGroupsWarning(UserWarning):
@@ -53,7 +52,7 @@ class FewHonestGroupsWarning(UserWarning):
 def gap_columns(table, temperature_factors=(), top_p_slack: float = 0.0, prefix: str = "") -> np.ndarray:
     """[N, 1 + len(temperature_factors)] signed gaps: column 0 at the claimed temperature (`gap_0`
     of a features table, or `gap` of a score table), then `gapT_{r}` per factor r; with a top-p
-    slack tau the columns suffixed `_s{tau}` (`variants.block_gaps(..., top_p_slack=tau)`); prefix
+    slack tau the columns suffixed `_s{tau}` (`sampling.gap.block_gaps(..., top_p_slack=tau)`); prefix
     ENVELOPE_PREFIX: the envelope's columns."""
     names = _gap_names(column_names(table), temperature_factors, top_p_slack, prefix)
     return np.stack([score_column(table, c) for c in names], axis=1)
@@ -62,7 +61,7 @@ def gap_columns(table, temperature_factors=(), top_p_slack: float = 0.0, prefix:
 def _gap_names(names, temperature_factors, top_p_slack: float, prefix: str = "") -> tuple[str, ...]:
     first = prefix + gap_column(top_p_slack)
     if first not in names:
-        first = prefix + "gap" + gap_column(top_p_slack)[len("gap_0"):]
+        first = prefix + GAP + slack_suffix(top_p_slack)
     return (first, *(prefix + temperature_column(r, top_p_slack) for r in temperature_factors))
 
 
@@ -150,7 +149,7 @@ class PerturbationGLRTDetector(ColumnStatistics):
     eps_factors: tuple = (10.0, 100.0, 1000.0)
     temperature_factors: tuple = (0.8, 0.9, 1.1, 1.2)
     outlier_p: float = 0.02
-    top_p_slack: float = 0.01
+    top_p_slack: float = GAP_TOP_P_SLACK
     center: bool = True
     # maxz: each alternative's excess in its own standard deviations. With maxllr the widest
     # alternatives (sigma x50, eps x1000), whose batch log-likelihood ratios have the largest

@@ -27,7 +27,7 @@ threshold / p-value / verdict: a `ClippedMeanDetector` null (`null_`) over the h
          `groups` when fit is given them).
 
 Inputs: a pyarrow score table (or dict of arrays) with columns margin, exact_match, cross_entropy
-(and logit_gap with use_direction, written by `audit.variants` features, not by `verinfer score`).
+(and logit_gap with use_direction, written by the detection lab's features table (benchmarks/difr_variants.py), not by `verinfer score`).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from verinfer.audit.scores import score_column
+from verinfer.scores import score_column
 from verinfer.detect.base import Detector, decode_f8, encode_f8
 from verinfer.detect.clipped_mean import ClippedMeanDetector
 from verinfer.errors import VerinferError
@@ -102,7 +102,7 @@ class LikelihoodRatioDetector(Detector):
     FORMAT_VERSION = 2
     REFIT = "refit the detector (`verinfer calibrate --detector likelihood-ratio`, or benchmarks/detection_lab.py)"
     COLUMNS_FIX = ("rescore the claims with `verinfer score`; logit_gap comes from the variant features "
-                   "(`audit.variants`), or use a detector with use_direction=False")
+                   "(benchmarks/difr_variants.py), or use a detector with use_direction=False")
 
     alpha: float = 0.5
     generic_mismatch: float = 0.05

@@ -20,7 +20,7 @@ from collections.abc import Iterable, Mapping
 import numpy as np
 from sklearn.metrics import roc_auc_score
 
-from verinfer.audit.scores import clip_at_quantile, tail_pool, winsorize
+from verinfer.detect.clipping import clip_at_quantile, tail_pool, winsorize
 
 
 def auc_at_fpr(neg_scores, pos_scores, max_fpr: float = 0.01) -> float:

@@ -1,7 +1,7 @@
 """What a detector file records besides its fit, validated on load (pydantic).
 
     "provenance":  the model and settings that replayed its honest calibration scores
-                   (`audit.provenance.Provenance`; `verinfer audit` refuses scores of others)
+                   (`verinfer.scores.Provenance`; `verinfer audit` refuses scores of others)
     "calibration": its calibration data's size (tokens and claims per honest configuration) and
                    the false-positive rate measured on honest claims held out of the fit (`Heldout`)
 
@@ -19,7 +19,7 @@ import math
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from verinfer.audit import provenance as prov
+from verinfer.scores import parse_provenance
 from verinfer.errors import VerinferError
 
 
@@ -69,7 +69,7 @@ def to_json(det) -> dict:
 
 def load(det, d: dict, where: str, fix: str) -> None:
     """Set det.provenance_ and det.calibration_ from a detector file's JSON (validated)."""
-    det.provenance_ = prov.parse(d["provenance"], where, fix) if "provenance" in d else None
+    det.provenance_ = parse_provenance(d["provenance"], where, fix) if "provenance" in d else None
     det.calibration_ = None
     if "calibration" in d:
         try:

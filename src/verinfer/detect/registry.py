@@ -9,11 +9,10 @@ from verinfer.detect.base import Detector, read_detector_json
 from verinfer.detect.clipped_mean import ClippedMeanDetector
 from verinfer.detect.glrt import PerturbationGLRTDetector
 from verinfer.detect.likelihood_ratio import LikelihoodRatioDetector
-from verinfer.detect.replay_library import ReplayLibraryDetector
 from verinfer.errors import VerinferError
 
 DETECTORS: dict[str, type[Detector]] = {c.NAME: c for c in (ClippedMeanDetector, PerturbationGLRTDetector,
-                                                             LikelihoodRatioDetector, ReplayLibraryDetector)}
+                                                             LikelihoodRatioDetector)}
 FORMATS: dict[str, type[Detector]] = {c.FORMAT: c for c in DETECTORS.values()}
 
 

@@ -23,7 +23,7 @@ import numpy as np
 import pyarrow as pa
 
 from verinfer import __version__
-from verinfer.audit.scores import SCORES, divergence
+from verinfer.scores import SCORES, divergence
 from verinfer.detect.metrics import auc_vs_tokens, tokens_to_detect
 from verinfer.errors import VerinferError
 from verinfer.io import atomic_write_text

@@ -138,7 +138,7 @@ def postgumbel_gaps(logits_TV: torch.Tensor, claimed_T: torch.Tensor, params: Sa
                     start_position: int, k: int = 16) -> torch.Tensor:
     """gaps_Tk float64 (CPU): `competitor_gaps` of each step on the full vocabulary. Where y is not
     the replayed token, gaps[:, 0] is the Token-DiFR margin; Monte-Carlo DiFR perturbs these gaps
-    (audit.variants.mc_difr). Gumbel backends only (vllm-cpu, keyed, vllm-v1-exponential)."""
+    (the detection lab's mc_difr, benchmarks/difr_variants.py). Gumbel backends only (vllm-cpu, keyed, vllm-v1-exponential)."""
     if params.greedy or get_backend(params.noise).kind != "gumbel":
         raise NoiseKindError(f"postgumbel_gaps needs per-token Gumbel noise and temperature > 0; "
                              f"got noise={params.noise!r}, temperature={params.temperature}")

@@ -5,10 +5,54 @@ import pytest
 import torch
 from scipy.stats import norm
 
-from verinfer.audit.scores import tail_pool, winsorize
-from verinfer.audit.variants import fit_ipt_sigma, ipt_difr, ipt_distance, mc_difr, mc_difr_loop
+from benchmarks.difr_variants import MC_EPS, fit_ipt_sigma, gap_args, ipt_difr, ipt_distance, mc_difr
+from verinfer.detect.clipping import tail_pool, winsorize
+from verinfer.sampling import gap
 from verinfer.sampling.params import SamplingParams
 from verinfer.sampling.gap import postgumbel_gaps, postgumbel_margin
+
+
+
+# -- reference loops ------------------------------------------------------------------------------
+def mc_difr_loop(gaps_NK, sigma: float, n_trials: int, rng: np.random.Generator, eps: float = MC_EPS) -> np.ndarray:
+    """Reference for `mc_difr`: one token and one trial at a time, drawing the same normals in the
+    same order (so equal to mc_difr with chunk >= N and the same rng state)."""
+    g = np.asarray(gaps_NK, dtype=np.float64)
+    N, K = g.shape
+    z_all = rng.standard_normal((N, n_trials, K + 1))
+    out = np.empty(N)
+    for i in range(N):
+        wins = 0
+        for t in range(n_trials):
+            z_y = z_all[i, t, 0]
+            best = -math.inf
+            for k in range(K):
+                best = max(best, g[i, k] + sigma * (z_all[i, t, k + 1] - z_y))
+            wins += best < 0
+        out[i] = -math.log((wins + eps) / (n_trials + eps))
+    return out
+
+
+# --- one replay -> every feature --------------------------------------------------------------------
+
+
+def alternative_evidence_loop(margin, alt_margins, clip: float) -> np.ndarray:
+    """Reference for `alternative_evidence`, one token at a time."""
+    out = []
+    for i, m in enumerate(margin):
+        b = min(m, clip)
+        out.append(b + sum(b - min(a[i], clip) for a in alt_margins))
+    return np.array(out)
+
+
+# --- perturbation likelihood ----------------------------------------------------------------------
+
+
+def temperature_gaps_loop(claims, replays, factors, k: int | None = None) -> np.ndarray:
+    """Reference for `temperature_gaps` ([N, F]; with k: `block_gaps`, [N, F, k]):
+    `sampling.gap.block_gaps_loop` (full-vocabulary filter per claim and factor)."""
+    out = gap.block_gaps_loop(*gap_args(claims, replays), factors, k or 1).numpy()
+    return out if k else out[:, :, 0]
 
 
 def test_mc_difr_vectorized_equals_loop():
@@ -76,7 +120,7 @@ def test_postgumbel_gaps_agree_with_the_margin(noise):
 
 
 def test_alternative_evidence_vectorized_equals_loop():
-    from verinfer.audit.variants import alternative_evidence, alternative_evidence_loop
+    from benchmarks.difr_variants import alternative_evidence
 
     rng = np.random.default_rng(3)
     m = np.where(rng.random(500) < 0.9, 0.0, rng.exponential(0.5, 500))
@@ -92,7 +136,7 @@ def test_temperature_margin_is_zero_at_the_claimed_temperature():
     import dataclasses
 
     from verinfer.claims import Claim
-    from verinfer.audit.variants import temperature_margin
+    from benchmarks.difr_variants import temperature_margin
     from verinfer.engine.engine import Replay
     from verinfer.sampling.sampler import replay_tokens
 
@@ -105,63 +149,11 @@ def test_temperature_margin_is_zero_at_the_claimed_temperature():
     assert (temperature_margin([c], [Replay(logits)], 1.0) > 0).any()
 
 
-def test_perturbation_loglik_vectorized_equals_loop_and_values():
-    from verinfer.audit.variants import perturbation_loglik, perturbation_loglik_loop
-
-    d = np.array([-3.0, -0.1, 0.0, 0.05, 0.4, 2.0, np.inf, -np.inf])
-    for sigma, eps in ((0.05, 0.0), (0.05, 1e-3), (0.3, 0.02)):
-        fast = perturbation_loglik(d, sigma, eps, 0.02)
-        slow = perturbation_loglik_loop(d, sigma, eps, 0.02)
-        fin = np.isfinite(slow)
-        np.testing.assert_allclose(fast[fin], slow[fin], rtol=1e-9, atol=1e-12)
-        assert np.array_equal(np.isinf(fast), np.isinf(slow))
-    # a tie is a coin flip; a filtered-out token is an outlier; no competitor means a sure win
-    assert perturbation_loglik(np.array([0.0]), 0.1)[0] == pytest.approx(math.log(0.5))
-    assert perturbation_loglik(np.array([np.inf]), 0.1, 1e-3, 0.02)[0] == pytest.approx(math.log(2e-5))
-    assert perturbation_loglik(np.array([-np.inf]), 0.1)[0] == 0.0
-    # far tails stay finite where the loop underflows (log_ndtr)
-    assert np.isfinite(perturbation_loglik(np.array([50.0]), 0.05)).all()
-    with pytest.raises(ValueError, match="NaN"):
-        perturbation_loglik(np.array([np.nan]), 0.1)
-
-
-def test_fit_perturbation_recovers_sigma_and_eps():
-    from verinfer.audit.variants import fit_perturbation
-
-    rng = np.random.default_rng(0)
-    # exact model: d ~ the verifier's gap; the claimed token won under noise of std sqrt(2) sigma
-    n, sigma, eps = 400_000, 0.08, 2e-3
-    gap = rng.normal(0, 1.0, n)                               # verifier's signed gap of a random competitor
-    win = rng.random(n) < norm.cdf(-gap / (math.sqrt(2) * sigma))
-    d = np.where(win, gap, -gap)                              # otherwise the competitor is the claimed token
-    out = rng.random(n) < eps
-    d[out] = 3.0 + rng.exponential(1.0, out.sum())
-    s, e = fit_perturbation(d, 0.02)
-    assert s == pytest.approx(sigma, rel=0.05)
-    assert e == pytest.approx(eps, rel=0.15)
-
-
-def test_perturbation_llr_vectorized_equals_loop():
-    from verinfer.audit.variants import perturbation_llr, perturbation_llr_loop
-
-    rng = np.random.default_rng(2)
-    g = rng.normal(-1, 0.5, (300, 3))
-    g[rng.random(g.shape) < 0.05] = 0.3
-    g[5, 0] = np.inf
-    g[6, 1] = np.inf
-    grid = [(0, 0.1, 1e-3), (0, 0.05, 1e-2), (1, 0.05, 1e-3), (2, 0.05, 1e-3)]
-    fast = perturbation_llr(g, grid, (0.05, 1e-3))
-    np.testing.assert_allclose(fast, perturbation_llr_loop(g, grid, (0.05, 1e-3)), rtol=1e-9, atol=1e-12)
-    assert fast[5, 1] == pytest.approx(math.log(10))       # an outlier under 10x the outlier rate
-    assert fast[5, 0] == pytest.approx(0.0)                 # filtered out: sigma alone cannot explain it
-    assert (fast[:, 2][np.isfinite(g[:, 1]) & (g[:, 1] == g[:, 0])] == 0).all()
-
-
 def test_temperature_gaps_block_equals_full_vocabulary_loop():
     import dataclasses
 
     from verinfer.claims import Claim
-    from verinfer.audit.variants import temperature_gaps, temperature_gaps_loop
+    from benchmarks.difr_variants import temperature_gaps
     from verinfer.engine.engine import Replay
     from verinfer.sampling.sampler import replay_tokens
 
@@ -193,7 +185,7 @@ def test_temperature_gaps_block_equals_full_vocabulary_loop():
 
 def test_block_gaps_k16_equal_postgumbel_gaps():
     from verinfer.claims import Claim
-    from verinfer.audit.variants import block_gaps, temperature_gaps_loop
+    from benchmarks.difr_variants import block_gaps
     from verinfer.engine.engine import Replay
 
     torch.manual_seed(3)
@@ -214,7 +206,7 @@ def test_block_gaps_top_p_slack_equals_a_per_token_loop():
     import dataclasses
 
     from verinfer.claims import Claim
-    from verinfer.audit.variants import block_gaps
+    from benchmarks.difr_variants import block_gaps
     from verinfer.engine.engine import Replay
     from verinfer.sampling.filters import filter_mask
     from verinfer.sampling.noise import get_backend

@@ -3,7 +3,7 @@ import json
 import numpy as np
 import pytest
 
-from verinfer.detect.replay_library import ReplayLibraryDetector
+from benchmarks.replay_library import ReplayLibraryDetector
 from verinfer.errors import VerinferError
 
 

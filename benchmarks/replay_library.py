@@ -2,13 +2,14 @@
 
 Besides the honest verifier's margin b = min(margin, clip_), the claims are replayed under each
 alternative A of the library (e.g. 4-bit weights; temperature 0.9 / 1.1 rescoring) and column A
-holds `variants.alternative_evidence(margin, [margin_A], clip_)` = 2b - min(margin_A, clip_) (high
+holds `difr_variants.alternative_evidence(margin, [margin_A], clip_)` = 2b - min(margin_A, clip_) (high
 when A's replay reproduces tokens the honest replay does not). Column 0 is b alone, so
 misconfigurations outside the library are still tested by the plain clipped margin.
 Batch statistic: max over columns of the z-score sqrt(n) (column mean - mu_c) / sd_c, with mu_c,
 sd_c from honest train tokens; threshold and tail probability from n_null_batches honest train
 batches resampled with replacement (the max of correlated columns has no closed form). Fit on
-honest tokens only. No verinfer command writes the margin_A columns yet: a research detector.
+honest tokens only. Research code of the detection lab: no verinfer command writes the margin_A
+columns, so it is not in the detector registry.
 """
 
 from __future__ import annotations
@@ -18,8 +19,9 @@ from dataclasses import dataclass
 import numpy as np
 from scipy.stats import norm
 
-from verinfer.audit.scores import score_column, clip_at_quantile, winsorize
-from verinfer.audit.variants import alternative_evidence
+from benchmarks.difr_variants import alternative_evidence
+from verinfer.detect.clipping import clip_at_quantile, winsorize
+from verinfer.scores import score_column
 from verinfer.detect.base import ColumnStatistics, decode_groups, encode_f8, group_labels, stratified_subsample
 from verinfer.errors import VerinferError
 
