@@ -81,19 +81,21 @@ def score(claims_path: str | Path, model_dir: str | Path, out: str | Path, *, en
           device: str = "cpu", show_progress: bool = True, gaps: bool = False, matmul: str = "native",
           model_names: tuple[str, ...] = (), workers: int | None = None, ray_address: str | None = None,
           worker_threads: int = 1, reference_url: str | None = None, reference_model: str | None = None,
-          reference_logprobs: int = 20, reference_concurrency: int = 4) -> Scored:
+          reference_logprobs: int = 20, reference_concurrency: int = 4, claims=None) -> Scored:
     """Replay and score every claim (one Parquet row per token). matmul: the verifier's
     Numerics.matmul when no engine is given ('fp32' is the faster bf16-faithful path on CPU).
     model_names: names the user vouches the model is claimed under, besides its own aliases.
-    The claims file is read twice as a stream, never whole: a first pass checks every claim
-    (model, vocabulary, context, fingerprint fields) before any compute, the second scores.
+    The claims file is read once, as a stream, never whole: each chunk of claims is checked (model,
+    vocabulary, context, fingerprint fields; no speculative claim) just before it is scored, so bad
+    input stops the run with a ClaimError naming the line, the finished parts kept for the rerun.
     workers / ray_address: score the parts on a Ray pool (`audit.ray_pool`) of `workers` actors of
     `worker_threads` torch threads each (a local Ray runtime, or the cluster at ray_address).
     gaps: the signed-gap columns and their honest-reference envelope (`reference_engines`: the
     claims are replayed by each honest reference kernel, ~5x the replay work).
     reference_url / reference_model: score from a trusted vLLM server's prompt logprobs
     (`audit.remote_reference`: `reference_logprobs` per position, `reference_concurrency` requests at
-    a time); model_dir then needs only the model's config.json."""
+    a time); model_dir then needs only the model's config.json. claims: the stream of the file's
+    claims when the caller has started reading it (`score_file` peeks at the first claim)."""
     check_writable(out, "scores file")
     info = model_info(model_dir)
     if reference_url is not None:
@@ -117,21 +119,33 @@ def score(claims_path: str | Path, model_dir: str | Path, out: str | Path, *, en
                              threads=worker_threads, device=device, address=ray_address)
         with pool:
             return score(claims_path, model_dir, out, engine=pool, show_progress=show_progress, gaps=gaps,
-                         model_names=model_names)
+                         model_names=model_names, claims=claims)
     engine = engine or verifier_engine(model_dir, VERIFIER_NUMERICS.with_(matmul=matmul), device=device)
-    total, first_fp, noise = 0, None, set()
-    for chunk in chunked(iter_claims(claims_path), 256):
+
+    def check(chunk: list[Claim]) -> None:
         check_claims_fit(chunk, claims_path, model_name=info.name, vocab_size=info.vocab_size,
                          max_positions=info.max_positions, aliases=(*info.aliases, *model_names))
-        _, _, first_fp = fingerprints_of(chunk, model_config(engine), first_fp)
-        total += sum(len(c.output_token_ids) for c in chunk)
-        noise.update(c.sampling.noise for c in chunk)
-    prov = make_provenance(info, engine.numerics, engine.device, noise)
-    with progress_bar(f"score {Path(claims_path).name}", total, show_progress) as adv:
-        return score_claims(iter_claims(claims_path), engine, out, claims_sha=sha256_files([claims_path]),
-                            model_sha=info.weights_sha256, progress=adv, gaps=gaps, provenance=prov,
-                            references=reference_engines(model_dir, engine, device)
+        refuse_speculative(chunk)
+
+    with progress_bar(f"score {Path(claims_path).name} (claims)", count_lines(claims_path), show_progress) as adv:
+        return score_claims(claims if claims is not None else iter_claims(claims_path), engine, out,
+                            claims_sha=sha256_files([claims_path]), model_sha=info.weights_sha256, progress=adv,
+                            gaps=gaps, info=info, check=check, references=reference_engines(model_dir, engine, device)
                             if gaps and isinstance(engine, Engine) else None)
+
+
+def count_lines(path: str | Path) -> int:
+    """Lines of a file (a byte scan, no parsing): the progress total of a claims file."""
+    with open(path, "rb") as f:
+        return sum(block.count(b"\n") for block in iter(lambda: f.read(1 << 20), b""))
+
+
+def refuse_speculative(chunk: list[Claim]) -> None:
+    """A ClaimError for a speculative claim in a file of plain claims (they are checked differently)."""
+    for c in chunk:
+        if "spec" in c.extra:
+            raise ClaimError("mixed file: some claims carry `spec` and some do not", where=c.source,
+                             fix="score speculative and plain claims in separate files")
 
 
 def reference_engines(model_dir: str | Path, engine: Engine, device: str = "cpu") -> dict:

@@ -50,17 +50,15 @@ def generate_claims_file(model_dir, draft_dir, out, *, rule: str = "kl", thresho
     return claims
 
 
-def has_spec(claims: Iterable[Claim]) -> bool:
-    return any("spec" in c.extra for c in claims)
-
-
 def score_file(claims_path, model_dir, draft_dir, out, device: str = "cpu", model_names: tuple[str, ...] = (),
-               show_progress: bool = True) -> dict:
-    """Verify speculative claims (all must carry `spec`): per-token Parquet at `out`; returns a
-    summary (tokens, violations, mean accept_nll, per-claim violations). model_names: names the
-    user vouches the target is claimed under, besides its own aliases."""
+               show_progress: bool = True, claims: Iterable[Claim] | None = None) -> dict:
+    """Verify speculative claims (all must carry `spec`): per-token Parquet at `out` (the scores
+    contract's SPEC_SCHEMA, with provenance); returns a summary (tokens, violations, mean
+    accept_nll, per-claim violations). model_names: names the user vouches the target is claimed
+    under, besides its own aliases. claims: the file's claims when the caller has started reading
+    it (else the file is read here)."""
     check_writable(out, "scores file")
-    claims = read_claims(claims_path)
+    claims = list(claims) if claims is not None else read_claims(claims_path)
     missing = [c.source for c in claims if "spec" not in c.extra]
     if missing:
         raise ClaimError("mixed file: some claims carry `spec` and some do not", where=missing[0],
@@ -82,3 +80,29 @@ def score_file(claims_path, model_dir, draft_dir, out, device: str = "cpu", mode
             "accepted_fraction": float(a.mean()),
             "mean_accept_nll": float(rows["accept_nll"][a].mean()) if a.any() else 0.0,
             "replay_match": float(rows["replay_match"].mean()) if a.size else 1.0}
+
+
+def train_autojudge(model_dir, draft_dir, out, *, n: int = 64, seed: int = 1, max_tokens: int = 8, C: float = 1.0,
+                    device: str = "cpu", show_progress: bool = True) -> dict:
+    """Train the AutoJudge head that `generate --speculative autojudge --judge PATH` reads
+    (`speculative.autojudge`: mine which target/draft mismatches change the final answer, then a
+    logistic regression on both models' hidden states). Mined on `n` arithmetic training problems
+    of `seed` (models/corpus.train_problems, never a held-out question), greedy, stopping at a
+    newline token after at most `max_tokens`; the judge JSON goes to `out`. Returns the mining
+    summary (problems, mismatches, important fraction)."""
+    from verinfer.models.corpus import train_problems
+    from verinfer.models.load import load_tokenizer
+    from verinfer.models.nextline import newline_token_ids
+    from verinfer.speculative.autojudge import mine, train_judge
+
+    check_writable(out, "judge file")
+    tok = load_tokenizer(model_dir)
+    prompts = [tok.encode(q, add_special_tokens=False) for q, _ in train_problems(n, seed)]
+    target = LlamaLM.from_pretrained(model_dir, device=device)
+    draft = LlamaLM.from_pretrained(draft_dir, device=device)
+    stop = tuple(sorted(newline_token_ids(tok)))
+    with progress_bar("mine AutoJudge labels", len(prompts), show_progress) as adv:
+        mined = mine(target, draft, tok, prompts, max_tokens, stop, progress=lambda k: adv(1))
+    train_judge(mined, C=C, seed=seed).to_json(out)
+    return {"problems": mined.problems, "mismatches": int(mined.labels_N.numel()),
+            "important_fraction": float(mined.labels_N.float().mean()), "out": str(out)}

@@ -41,7 +41,7 @@ from verinfer.fingerprint import check_layer, l2_distances, parse_fingerprint
 from verinfer.scores import (CLAIM_ID, CROSS_ENTROPY, DEFAULT_SIGMA, ENVELOPE_PREFIX, EXACT_MATCH, FP_L2,
                              GAP_TEMPERATURE_FACTORS, GAP_TOP_P_SLACK, LIKELIHOOD, MARGIN, POSITION, PROVIDER,
                              REPLAY_TOKEN_ID, SCORE_SCHEMA, TOKEN_ID, UNKNOWN_PROVIDER, Provenance, gap_column_names,
-                             likelihood_score, part_is_readable, read_part, read_scores, schema as scores_schema,
+                             likelihood_score, make_provenance, part_is_readable, read_part, read_scores, schema as scores_schema,
                              write_part, write_scores)
 
 # Replay batch sizes by device: claims per resumable part, padded tokens per forward batch, and
@@ -217,7 +217,8 @@ def score_claims(claims: Iterable[Claim], engine, out: str | Path, *, claims_sha
                  model_sha: str = "", sigma: float = DEFAULT_SIGMA, chunk_claims: int | None = None,
                  batch_tokens: int | None = None, logits_budget: int | None = None, progress=None,
                  gaps: bool = False, on_part: Callable[[int], None] | None = None,
-                 provenance: Provenance | None = None, references: dict | None = None) -> Scored:
+                 provenance: Provenance | None = None, references: dict | None = None, info=None,
+                 check: Callable[[list[Claim]], None] | None = None) -> Scored:
     """Score every claim into `out` (Parquet), resuming finished chunks of an earlier run
     (verinfer.io.ResumableParts: `<out>.parts/`, under a lock on `out`, so a second writer of the
     same output is refused). gaps: add the signed-gap columns (see `scores_table`); with references
@@ -228,10 +229,13 @@ def score_claims(claims: Iterable[Claim], engine, out: str | Path, *, claims_sha
     `audit.remote_reference.RemoteReference` (a vLLM server's prompt logprobs; its `extra_fields`
     columns are added). on_part(k): called after part k is written (tests interrupt or kill workers
     from it). provenance: what replayed the claims (`verinfer.scores.Provenance`), written into the Parquet
-    schema metadata.
+    schema metadata; or info (the model's `models.load.ModelInfo`): the provenance of this engine's
+    numerics and device and the noise backends of the claims scored.
 
-    claims may be a stream (`claims.iter_claims`): it is read `chunk_claims` at a time, and then
-    `claims_sha` (of the file; identifies the job for resuming) is required. chunk_claims,
+    claims may be a stream (`claims.iter_claims`), read once, `chunk_claims` at a time: each chunk
+    is checked (`check(chunk)`, then its fingerprints) just before it is scored, so bad input stops
+    the run with the finished parts kept; then `claims_sha` (of the file; identifies the job for
+    resuming) is required. progress(n): called with the claims of each finished part. chunk_claims,
     batch_tokens, logits_budget: `replay_batch_size` of the engine's device unless given."""
     out = Path(out)
     chunk_claims = chunk_claims or replay_batch_size(engine.device)[0]
@@ -247,13 +251,17 @@ def score_claims(claims: Iterable[Claim], engine, out: str | Path, *, claims_sha
     config = model_config(engine)
     schema = scores_schema(gaps, bool(references), getattr(engine, "extra_fields", ()))
     count = dict(parts=0, claims=0, tokens=0)
-    tokens_of: dict[int, int] = {}
+    claims_of: dict[int, int] = {}
+    noise: set[str] = set()
     kwargs = dict(sigma=sigma, gaps=gaps, batch_tokens=batch_tokens, logits_budget=logits_budget)
     with ResumableParts(out, manifest) as parts:
         def jobs() -> Iterator[tuple]:
             """(k, claims, fingerprints, layer) of every part not finished by an earlier run."""
             first_fp = None
             for k, chunk in enumerate(chunked(claims, chunk_claims)):
+                if check is not None:
+                    check(chunk)
+                noise.update(c.sampling.noise for c in chunk)
                 tokens = sum(len(c.output_token_ids) for c in chunk)
                 count["parts"], count["claims"], count["tokens"] = k + 1, count["claims"] + len(chunk), \
                     count["tokens"] + tokens
@@ -262,9 +270,9 @@ def score_claims(claims: Iterable[Claim], engine, out: str | Path, *, claims_sha
                     parts.discard(k)  # truncated by a killed writer: recompute it
                 if parts.done(k):
                     if progress is not None:
-                        progress(tokens)
+                        progress(len(chunk))
                     continue
-                tokens_of[k] = tokens
+                claims_of[k] = len(chunk)
                 yield k, chunk, fps, layer
 
         if isinstance(engine, Engine):
@@ -276,10 +284,12 @@ def score_claims(claims: Iterable[Claim], engine, out: str | Path, *, claims_sha
             parts.write(k, lambda tmp: write_part(t, tmp))
             del t
             if progress is not None:
-                progress(tokens_of.pop(k))
+                progress(claims_of.pop(k))
             if on_part is not None:
                 on_part(k)
 
+        if provenance is None and info is not None:
+            provenance = make_provenance(info, engine.numerics, engine.device, noise)
         write_scores(out, (read_part(parts.path(k)) for k in range(count["parts"])), schema, provenance)
         parts.finish()
     return Scored(out, count["claims"], count["tokens"])

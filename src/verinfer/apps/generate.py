@@ -1,0 +1,117 @@
+"""`verinfer generate`: one typed request, dispatched to one of four jobs.
+
+    job            when                        writes
+    vllm           engine == "vllm"            claims from real vLLM (`providers.vllm`)
+    speculative    speculative is a rule       claims with a `spec` field (`apps.speculative`)
+    deterministic  deterministic is a policy   greedy completions equal to batch size 1 (`apps.determinism`)
+    simulated      otherwise                   claims of a simulated honest / misconfigured provider
+
+The request is validated once (`GenerateRequest`); `generate` returns what was written (`Generated`)
+for the CLI to render.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from verinfer.apps import determinism, pipeline, speculative
+from verinfer.fingerprint import FingerprintSpec
+
+ENGINES = ("verinfer", "vllm")
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    model_dir: Path
+    out: Path
+    provider: str = "honest-bf16-b8"
+    n: int = 32
+    max_tokens: int = 64
+    seed: int = 0
+    temperature: float = 1.0
+    top_k: int = 50
+    top_p: float = 0.95
+    min_p: float = 0.0
+    noise: str = "vllm-cpu"
+    device: str = "cpu"
+    engine: str = "verinfer"
+    fingerprint: str | None = None      # "k=16,stride=4[,layer=-1,seed=0,dtype=fp16|int8]" (simulated)
+    deterministic: str | None = None    # a determinism policy
+    tau_file: Path = determinism.DEFAULT_TAU_FILE
+    speculative: str | None = None      # an acceptance rule
+    threshold: float = 0.5
+    gamma: int = 4
+    draft_dir: Path | None = None
+    judge: Path | None = None           # AutoJudge head JSON (`verinfer speculative train-autojudge`)
+
+    def __post_init__(self):
+        if self.engine not in ENGINES:
+            raise ValueError(f"--engine must be verinfer or vllm, got {self.engine!r}")
+
+    @property
+    def job(self) -> str:
+        if self.engine == "vllm":
+            return "vllm"
+        return "speculative" if self.speculative else "deterministic" if self.deterministic else "simulated"
+
+    @property
+    def sampling(self) -> dict:
+        return dict(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p,
+                    noise=self.noise)
+
+
+@dataclass(frozen=True)
+class Generated:
+    """What a generate job wrote: `claims` requests and `tokens` output tokens to `out`; details:
+    the job's own figures (vllm: tokens_per_s; speculative: accepted, rounds)."""
+
+    job: str
+    out: Path
+    claims: int
+    tokens: int
+    details: dict = field(default_factory=dict)
+
+
+def generate(req: GenerateRequest) -> Generated:
+    """Run the request's job (module docstring)."""
+    return JOBS[req.job](req)
+
+
+def _vllm(req: GenerateRequest) -> Generated:
+    gen = pipeline.generate_with_vllm(req.provider, req.model_dir, req.out, n=req.n, max_tokens=req.max_tokens,
+                                      seed=req.seed, spec=req.sampling)
+    return Generated("vllm", req.out, len(gen.claims), gen.n_tokens, {"tokens_per_s": gen.tokens_per_s})
+
+
+def _speculative(req: GenerateRequest) -> Generated:
+    from verinfer.models.testbed import DRAFT_DIR
+
+    claims = speculative.generate_claims_file(req.model_dir, req.draft_dir or DRAFT_DIR, req.out,
+                                              rule=req.speculative, threshold=req.threshold, gamma=req.gamma,
+                                              n=req.n, max_tokens=req.max_tokens, seed=req.seed,
+                                              temperature=req.temperature, judge_path=req.judge, device=req.device)
+    events = [c.extra["spec"]["events"] for c in claims]
+    return Generated("speculative", req.out, len(claims), sum(len(c.output_token_ids) for c in claims),
+                     {"accepted": sum(e.count("a") for e in events),
+                      "rounds": sum(e.count("r") + e.count("b") for e in events)})
+
+
+def _deterministic(req: GenerateRequest) -> Generated:
+    rows = determinism.generate(req.model_dir, req.out, policy=req.deterministic, n=req.n, max_tokens=req.max_tokens,
+                                seed=req.seed, tau_file=req.tau_file, device=req.device)
+    return Generated("deterministic", req.out, len(rows), sum(len(_output_ids(r)) for r in rows))
+
+
+def _output_ids(row) -> list[int]:
+    return row["output_token_ids"] if isinstance(row, dict) else row.output_token_ids
+
+
+def _simulated(req: GenerateRequest) -> Generated:
+    fp_spec = FingerprintSpec.parse(req.fingerprint) if req.fingerprint else None
+    claims = pipeline.generate(req.provider, req.model_dir, req.out, n=req.n, max_tokens=req.max_tokens,
+                               seed=req.seed, device=req.device, fingerprint=fp_spec, spec=req.sampling)
+    return Generated("simulated", req.out, len(claims), sum(len(c.output_token_ids) for c in claims))
+
+
+JOBS = {"vllm": _vllm, "speculative": _speculative, "deterministic": _deterministic, "simulated": _simulated}

@@ -1,0 +1,216 @@
+"""The options of every `verinfer` command: value sets, help texts and defaults, one constant per
+option (commands in cli/main.py take them as parameter defaults, so each command stays a few lines).
+
+The fixed value sets are choices (help lists them; another value is a usage error, exit 2);
+tests/test_cli.py checks each against the library's own list."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import typer
+
+Noise = Literal["vllm-cpu", "vllm-v1-exponential", "keyed", "inverse-cdf"]  # sampling.params.NOISE_BACKENDS
+Matmul = Literal["native", "fp32"]                                             # numerics Numerics.matmul
+Policy = Literal["best", "margingate", "llm42", "gated_llm42", "batch_invariant", "layercast", "bf16"]
+SpecRule = Literal["standard", "kl", "topk", "target_entropy", "draft_entropy", "autojudge"]  # speculative.rules.RULES
+EngineName = Literal["verinfer", "vllm"]                                       # apps.generate.ENGINES
+AuditMode = Literal["auto", "seeded", "greedy"]                                # apps.audit_api.MODES
+Misconfig = Literal["int4", "fp8-kv", "temp-1.1", "wrong-seed", "sampling-bug"]  # providers.simulated.MISCONFIGURED
+Score = Literal["margin", "likelihood", "exact_match", "cross_entropy", "fp_l2"]  # scores.ALL_SCORES
+ServeDeterministic = Literal["best"]                                           # server.registry.DETERMINISTIC
+LogLevel = Literal["critical", "error", "warning", "info", "debug", "trace"]   # uvicorn's levels
+Budget = Literal["full", "tiny"]                                               # models.testbed budgets
+DraftBudget = Literal["full", "large", "tiny"]                                 # models.draft budgets
+
+MATMUL_HELP = ("Verifier matmuls: native (bf16 kernels) or fp32 (bf16 operands, fp32 GEMMs, outputs rounded to "
+               "bf16). Which is faster depends on the CPU: time both (docs/vllm.md).")
+DEVICE_HELP = "torch device: cpu, cuda, cuda:1, ..."
+SEED_HELP = "Seed of the prompts and the per-request sampling seeds."
+MODEL_HELP = "Model directory, or a model name from `verinfer models list` (fetched with `verinfer models get`)"
+MODEL_DEFAULT_HELP = f"{MODEL_HELP} (default: testbed target)."
+CACHE_HELP = "Cache directory (default: $VERINFER_CACHE, else ~/.cache/verinfer)."
+
+
+def device():
+    return typer.Option("cpu", help=DEVICE_HELP)
+
+
+def seed():
+    return typer.Option(0, help=SEED_HELP)
+
+
+def model():
+    return typer.Option(None, help=MODEL_DEFAULT_HELP)
+
+
+def matmul():
+    return typer.Option("native", help=MATMUL_HELP)
+
+
+def noise(help: str):
+    return typer.Option("vllm-cpu", help=help)
+
+
+def model_names():
+    return typer.Option(None, "--model-name", help="A name the claims use for this model (e.g. an endpoint's "
+                                                   "--served-model-name), vouched for by you; repeatable. Names "
+                                                   "the checkpoint records are accepted without it.")
+
+
+def out(help: str, default=...):
+    return typer.Option(default, "--out", "-o", help=help)
+
+
+# -- demo -----------------------------------------------------------------------------------------
+DEMO_OUT = typer.Option(Path("runs/demo"), help="Output directory (resumes a run made with the same model and settings).")
+DEMO_N = typer.Option(None, help="Requests per provider (half of each honest provider's tokens calibrate). Default "
+                                 "128 on the testbed, 32 with --model (a real model decodes about 20x slower on a CPU).")
+DEMO_MAX_TOKENS = typer.Option(64, help="Output tokens per request.")
+DEMO_AUDIT_TOKENS = typer.Option(1000, help="Tokens per audited provider.")
+QUIET = typer.Option(False, help="No progress bars.")
+
+# -- generate -------------------------------------------------------------------------------------
+PROVIDER_ARG = typer.Argument("honest-bf16-b8", help="Simulated provider, e.g. honest-bf16-b8, int4, fp8-kv, "
+                                                     "temp-1.1, wrong-seed, sampling-bug.")
+GEN_N = typer.Option(32, help="Number of requests.")
+GEN_MAX_TOKENS = typer.Option(64, help="Output tokens per request (at most).")
+TEMPERATURE = typer.Option(1.0, help="Advertised sampling temperature (0: greedy).")
+TOP_K = typer.Option(50, help="Advertised top-k (<= 0: off).")
+TOP_P = typer.Option(0.95, help="Advertised top-p (1: off).")
+MIN_P = typer.Option(0.0, help="Advertised min-p (0: off).")
+GEN_NOISE_HELP = "Noise backend the sampler draws from (claims name it)."
+DETERMINISTIC = typer.Option(None, help="Greedy batched decoding equal to the batch-size-1 answer with this policy "
+                                        "(ignores the provider).")
+TAU_FILE = typer.Option(Path("runs/margingate_tau.json"), help="From `determinism calibrate`.")
+FINGERPRINT = typer.Option(None, help="Attach Activation-DiFR fingerprints: k=16,stride=4[,layer=-1,seed=0,"
+                                      "dtype=fp16|int8]")
+SPECULATIVE = typer.Option(None, help="Speculative decoding with this acceptance rule (ignores the provider). Claims "
+                                      "carry a `spec` field; filters off, temperature only.")
+THRESHOLD = typer.Option(0.5, help="Threshold of the speculative rule (kl: KL nats).")
+GAMMA = typer.Option(4, help="Draft tokens per speculative round.")
+DRAFT = typer.Option(None, help="Draft model directory (default: testbed draft).")
+JUDGE = typer.Option(None, help="Judge JSON for --speculative autojudge.")
+ENGINE = typer.Option("verinfer", help="verinfer (simulated providers) or vllm (real vLLM; provider honest | int4 | "
+                                       "fp8-kv | temp-1.1 | wrong-seed)")
+
+# -- score ----------------------------------------------------------------------------------------
+CLAIMS_ARG = typer.Argument(..., help="Claims JSONL.")
+SCORE_DRAFT = typer.Option(None, help="Draft model for speculative claims (default: testbed draft).")
+GAPS = typer.Option(False, "--gaps", help="Also the signed-gap columns the glrt detector reads.")
+WORKERS = typer.Option(None, min=1, help="Score the parts on a local Ray pool of this many replay workers (needs the "
+                                         "ray extra); bitwise the single-process result at --worker-threads.")
+RAY_ADDRESS = typer.Option(None, help="Join this Ray cluster (ray start --head prints it) instead of starting one; "
+                                      "the model directory must exist at the same path on every node.")
+WORKER_THREADS = typer.Option(1, min=1, help="Torch threads per Ray worker (workers x threads <= cores, or they "
+                                             "oversubscribe the CPU).")
+REFERENCE_URL = typer.Option(None, help="Score from a trusted vLLM server's prompt logprobs instead of a local replay "
+                                        "(OpenAI-compatible base URL ending in /v1); --model then needs only the "
+                                        "model's config.json.")
+REFERENCE_MODEL = typer.Option(None, help="The model name the reference server serves.")
+REFERENCE_LOGPROBS = typer.Option(20, min=1, help="Prompt logprobs per position (the server's --max-logprobs at least "
+                                                  "this); rows are exact where the claim's top-k is below it.")
+REFERENCE_CONCURRENCY = typer.Option(4, min=1, help="Requests in flight to the reference server.")
+
+# -- calibrate ------------------------------------------------------------------------------------
+HONEST_SCORES_ARG = typer.Argument(..., help="Scores Parquet files of honest runs.")
+SCORE_NAME = typer.Option(None, "--score", help="clipped-mean: the per-token score column to average (default "
+                                                "margin; fp_l2 for Activation-DiFR fingerprints).")
+CLIP_QUANTILE = typer.Option(None, help="clipped-mean: honest quantile to clip at (default 0.999).")
+TARGET_FPR = typer.Option(0.01, help="False-positive rate the threshold is set at, on honest batches.")
+CALIBRATE_SEED = typer.Option(0, help="Seed of the null's resampling and of the held-out folds of claims.")
+FPR_BATCH_TOKENS = typer.Option(250, min=1, help="Tokens per held-out batch of the held-out FPR (5 folds of each "
+                                                 "honest file's claims, each audited by a detector fit on the other "
+                                                 "four).")
+DETECTOR_KIND = typer.Option("clipped-mean", "--detector",
+                             help="clipped-mean | glrt | likelihood-ratio (detect.DETECTORS): clipped-mean (one "
+                                  "--score column), glrt (perturbation GLRT, the detection lab's `best`; needs scores "
+                                  "from `verinfer score --gaps`)")
+
+# -- audit ----------------------------------------------------------------------------------------
+AUDIT_INPUTS_ARG = typer.Argument(..., help="Scores Parquet or claims JSONL files.")
+DETECTORS = typer.Option(..., "--detector", "-d", help="Detector JSON; repeat to combine (e.g. Token-DiFR margin and "
+                                                       "Activation-DiFR fp_l2, from `calibrate --score fp_l2`).")
+AUDIT_MODEL = typer.Option(None, help=f"For claims inputs: {MODEL_HELP} (default: testbed target).")
+JSON_OUT = typer.Option(None, "--json", help="Also write verdicts as JSON.")
+AUDIT_MAX_TOKENS = typer.Option(None, help="Use at most this many tokens per provider.")
+AUDIT_PROVIDER = typer.Option(None, help="Provider of claims that name none (default: each file's stem).")
+MERGE = typer.Option(False, help="Pool a provider found in several files into one row (default: one row per file).")
+SEQUENTIAL = typer.Option(False, help="Anytime-valid audit (glrt detector): read each provider's tokens in order and "
+                                      "flag once the e-value reaches 1/FPR; reports the tokens at which it decided.")
+
+# -- report ---------------------------------------------------------------------------------------
+REPORT_SCORES_ARG = typer.Argument(..., help="Scores Parquet files (`verinfer score`).")
+REPORT_HONEST = typer.Option(None, help="Honest provider names (default: names starting 'honest').")
+REPORT_MODEL = typer.Option(None, help=f"{MODEL_HELP}: the model the scores were replayed with, named in the report "
+                                       "with its weights hash (scores files do not record it: without this the "
+                                       "report says 'not recorded').")
+
+# -- serve ----------------------------------------------------------------------------------------
+SERVE_MODEL = typer.Option(None, help="A model directory, a directory of model directories, or a name from `verinfer "
+                                      "models list` (default: testbed target). Requests name models; names never "
+                                      "become paths.")
+HOST = typer.Option("127.0.0.1", help="Address to listen on (127.0.0.1: this machine only).")
+PORT = typer.Option(8000, help="TCP port to listen on.")
+MISCONFIG = typer.Option(None, help="Serve a misconfigured model to test audits.")
+SERVE_NOISE_HELP = "Noise backend of the sampler."
+THREADS = typer.Option(None, help="torch threads (default: torch's choice).")
+MAX_CONCURRENT = typer.Option(2, help="Generations running at once.")
+MAX_WAITING = typer.Option(64, help="Queued generations before HTTP 503.")
+SERVE_MAX_TOKENS = typer.Option(1024, help="Largest max_tokens a request may ask for.")
+MAX_BODY_BYTES = typer.Option(1 << 20, help="Largest request body (bytes) before HTTP 413.")
+LOG_LEVEL = typer.Option("info", help="uvicorn's log level.")
+SERVE_DETERMINISTIC = typer.Option(None, help="best: decode on the fixed-shape deterministic path, so greedy tokens "
+                                              "equal `verinfer generate --deterministic best` in any batch.")
+
+# -- audit-api ------------------------------------------------------------------------------------
+BASE_URL = typer.Option(..., help="OpenAI-compatible base URL, e.g. http://127.0.0.1:8000/v1")
+ENDPOINT_MODEL = typer.Option(..., help="The model name the endpoint serves.")
+MODEL_DIR = typer.Option(None, help="Trusted local copy of that model: a directory or a name from `verinfer models "
+                                    "list` (default: testbed target).")
+API_OUT = typer.Option(Path("runs/audit-api"), "--out", "-o", help="Output directory (resumes).")
+API_N = typer.Option(32, help="Prompts to send.")
+API_MAX_TOKENS = typer.Option(64, help="max_tokens of each request.")
+MODE = typer.Option("auto", help="seeded: temperature > 0 with per-request seeds; greedy: temperature 0 (endpoints "
+                                 "that ignore seeds); auto: send one seeded prompt twice and pick.")
+API_TEMPERATURE = typer.Option(1.0, help="Sampling temperature of seeded requests.")
+API_TOP_K = typer.Option(50, help="top_k of seeded requests (<= 0: off).")
+API_TOP_P = typer.Option(0.95, help="top_p of seeded requests (1: off).")
+API_MIN_P = typer.Option(0.0, help="min_p of seeded requests (0: off).")
+API_NOISE_HELP = "Noise backend the endpoint samples with (vllm-cpu for vLLM on CPU and verinfer serve)."
+IGNORE_EOS = typer.Option(False, help="Send vLLM's ignore_eos (fixed-length outputs).")
+API_KEY = typer.Option("EMPTY", envvar="OPENAI_API_KEY", help="API key sent to the endpoint.")
+TIMEOUT = typer.Option(120.0, help="Seconds to wait for each reply.")
+CALIB_N = typer.Option(None, help="Prompts per honest calibration run (default: the larger of --n and 64).")
+API_HONEST = typer.Option(None, help="Honest configurations to calibrate on (default: all).")
+API_DETECTOR = typer.Option(None, help="Calibrated detector to reuse (created if missing).")
+AUDITOR_THREADS = typer.Option(None, help="torch threads of the auditor.")
+API_SEQUENTIAL = typer.Option(False, help="Anytime-valid audit (glrt detector, seeded mode): replay each answer as it "
+                                          "arrives and stop sending requests once the e-value reaches 1/FPR.")
+
+# -- determinism, models, testbed, speculative ----------------------------------------------------
+TAU_OUT = typer.Option(Path("runs/margingate_tau.json"), "--out", "-o", help="Tau JSON to write (merged by model; "
+                                                                             "read by `generate --deterministic "
+                                                                             "margingate`).")
+TAU_N = typer.Option(16, help="Calibration (arithmetic) prompts.")
+MAX_BATCH = typer.Option(16, help="Largest decode batch.")
+TAU_SEED = typer.Option(0, help="Seed of the calibration prompts.")
+MODEL_NAME_ARG = typer.Argument(..., help="A name from `verinfer models list`, e.g. smollm2-135m-instruct.")
+BUILD_SEED = typer.Option(0, help="Seed of the corpus, initialization and training.")
+TESTBED_OUT = typer.Option(None, help="Output directory (default: the shipped testbed directory).")
+TESTBED_BUDGET = typer.Option("full", help="full: the shipped models; tiny: a seconds-long smoke build.")
+DRAFT_TARGET = typer.Option(..., help="The target: a catalog name (e.g. smollm2-135m-instruct) or a model directory.")
+DRAFT_SEED = typer.Option(0, help="Seed of the data order, initialization and training.")
+DRAFT_OUT = typer.Option(None, help="Output directory (default: the shipped models/drafts/<target>-draft).")
+DRAFT_BUDGET = typer.Option("full", help="full: the shipped draft (786k teacher tokens, 2 epochs); large: 2.1M "
+                                         "tokens, 3 epochs (reuses full's teacher shards); tiny: a seconds-long smoke "
+                                         "build.")
+DRAFT_WORK = typer.Option(None, help="Teacher shards and checkpoints (default: <cache>/work/<target>-draft-seed<seed>/"
+                                     "<budget>); a rerun resumes from them.")
+JUDGE_OUT = typer.Option(..., "--out", "-o", help="Judge JSON to write (read by `generate --speculative autojudge "
+                                                  "--judge`).")
+JUDGE_N = typer.Option(64, min=1, help="Arithmetic training problems to mine (never a held-out question).")
+JUDGE_SEED = typer.Option(1, help="Seed of the training problems and of the logistic regression.")
+JUDGE_MAX_TOKENS = typer.Option(8, min=1, help="Output tokens per problem (at most; a newline token stops).")
+JUDGE_C = typer.Option(1.0, help="Inverse regularization strength of the logistic regression.")

@@ -1,0 +1,76 @@
+"""What the `verinfer` commands print: each function turns what an apps/ function returned into the
+terminal text (the HTML report is report/'s)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+
+def verdicts(rows) -> None:
+    from verinfer.apps.pipeline import print_verdicts
+
+    print_verdicts(rows)
+
+
+def generated(g, req) -> str:
+    """The line `verinfer generate` prints for an `apps.generate.Generated`."""
+    if g.job == "vllm":
+        return f"wrote {g.claims} vLLM claims, {g.tokens} tokens ({g.details['tokens_per_s']:.0f} tokens/s) -> {g.out}"
+    if g.job == "speculative":
+        return (f"wrote {g.claims} speculative ({req.speculative}, threshold {req.threshold}, gamma {req.gamma}) "
+                f"claims, {g.tokens} tokens, {g.details['accepted']} accepted draft tokens, "
+                f"~{g.tokens / max(1, g.details['rounds']):.2f} tokens per target forward -> {g.out}")
+    if g.job == "deterministic":
+        return f"wrote {g.claims} {req.deterministic} greedy completions -> {g.out}"
+    return f"wrote {g.claims} claims, {g.tokens} tokens -> {g.out}"
+
+
+def scored(r, reference_url: str | None, reference_model: str | None, reference_logprobs: int) -> str:
+    """What `verinfer score` prints for an `apps.files.ScoreOutcome`."""
+    if r.speculative is not None:
+        s = r.speculative
+        lines = [f"speculative claims: {s['tokens']} tokens, accepted fraction {s['accepted_fraction']:.3f}, "
+                 f"mean accept -log min(1,p/q) {s['mean_accept_nll']:.4f}, {s['violations']} violations of "
+                 f"standard speculative sampling -> {r.out}"]
+        return "\n".join(lines + [f"  violation in claim {cid}" for cid in s["claims_with_violations"][:10]])
+    text = f"scored {r.scored.tokens} tokens of {r.scored.claims} claims -> {r.out}"
+    if reference_url is not None:
+        text += (f"\nreference {reference_url} ({reference_model}, {reference_logprobs} logprobs): "
+                 f"{r.scored.tokens - r.approximate} tokens exact, {r.approximate} approximate (column "
+                 f"approximate_reason says why)")
+    return text
+
+
+def warn(text: str) -> None:
+    typer.secho(f"warning: {text}", fg="yellow", err=True)
+
+
+def calibration(res, out: Path) -> None:
+    """What `verinfer calibrate` prints for an `apps.files.CalibrationOutcome`."""
+    det, cal = res.detector, res.detector.calibration_
+    for w in res.warnings:
+        warn(w)
+    typer.echo(f"calibrated on every token given, {sum(cal.tokens.values())} tokens of {len(res.honest)} honest "
+               "configuration(s):")
+    for name in res.honest:
+        typer.echo(f"  {name}: {cal.tokens[name]} tokens, {cal.claims[name]} claims")
+    for w in getattr(det, "warnings_", []):
+        warn(w)
+    h = cal.heldout
+    if h is not None and h.batches:
+        typer.echo(f"FPR: target {det.target_fpr:g}; on held-out honest claims {h.fpr:.2%} ({h.flagged}/{h.batches} "
+                   f"batches of {h.batch_tokens} tokens, {h.folds} folds; 95% upper bound {h.fpr_upper95:.2%})")
+    if getattr(det, "provenance_", None) is None:
+        warn("the scores record no provenance (an older `verinfer score`): audit cannot check that scores come from "
+             "the same model and settings")
+    typer.echo(f"detector ({det.summary()}) -> {out}")
+
+
+def api_audit(res) -> None:
+    """What `verinfer audit-api` prints for an `apps.audit_api.ApiAuditResult`."""
+    verdicts([res.verdict])
+    typer.echo(f"mode {res.mode}: {res.n_claims} claims, {res.n_tokens} tokens, exact match {res.exact_match:.4f}"
+               + (f", nearest reference band: {res.verdict['nearest_band']}" if res.bands else "")
+               + f"\nreport: {res.report}")
