@@ -1,6 +1,6 @@
 """Activation-DiFR vs TOPLOC: AUC@1%FPR against communication cost (bytes per output token).
 
-    .venv/bin/python benchmarks/activation_pareto.py [--n 64] [--max-tokens 448]
+    .venv/bin/python -m benchmarks.activation_pareto [--n 64] [--max-tokens 448]
 
 On the testbed target: every honest provider configuration (HONEST, pooled as the honest set,
 as in the detection study) and the misconfigurations int4 (4-bit RTN weights) and fp8-kv (fp8
@@ -53,6 +53,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 
+from benchmarks.markdown import write_markdown
 from verinfer.fingerprint import projection_matrix, quantize, dequantize, DTYPES
 from verinfer.detect.metrics import auc_vs_tokens
 from verinfer.providers.simulated import HONEST, MISCONFIGURED, run_provider
@@ -397,7 +398,7 @@ def write_results(points: list[dict], args, units: list[int], lengths: list[int]
         return f"{c['bytes_per_token']:.4g} (k={c['k']}, s={c['stride']}, {c['dtype']}, {c['tokens_to_auc99']} tok)"
 
     lines = ["# Activation-DiFR vs TOPLOC on the testbed", "",
-             f"`.venv/bin/python benchmarks/activation_pareto.py --n {args.n} --max-tokens {args.max_tokens}` "
+             f"`.venv/bin/python -m benchmarks.activation_pareto --n {args.n} --max-tokens {args.max_tokens}` "
              f"({args.n} claims x up to {args.max_tokens} output tokens per provider, {sum(lengths)} tokens in all; "
              f"honest pool = {', '.join(HONEST)})", "",
              f"Unit grid (stride = chunk, tokens, both methods): {units}; k: {KS} x {FP_DTYPES}; topk: {TOPKS}.", "",
@@ -437,7 +438,7 @@ def write_results(points: list[dict], args, units: list[int], lengths: list[int]
         for m in ("activation_difr", "toploc"):
             f = frontier([p for p in points if p["method"] == m and p["misconfiguration"] == mc], 32)
             lines.append(f"- {mc} {m}: " + ", ".join(f"{x:.3g}->{y:.3f}" for x, y in f))
-    (RESULTS / "activation_pareto.md").write_text("\n".join(lines) + "\n")
+    write_markdown(RESULTS / "activation_pareto.md", "\n".join(lines) + "\n")
     plot(points)
     print("\n".join(lines))
 

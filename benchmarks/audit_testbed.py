@@ -2,8 +2,8 @@
 misconfiguration (margin score, clipped at the 99.9th honest-train percentile, AUC@1%FPR >= 0.99),
 and the replay speedup over generation.
 
-    .venv/bin/python benchmarks/audit_testbed.py [--n 160] [--max-tokens 64]
-    .venv/bin/python benchmarks/audit_testbed.py --speed-only   # re-measure the speedup alone (quiet machine)
+    .venv/bin/python -m benchmarks.audit_testbed [--n 160] [--max-tokens 64]
+    .venv/bin/python -m benchmarks.audit_testbed --speed-only   # re-measure the speedup alone (quiet machine)
 
 Writes benchmarks/results/audit_testbed.{json,md} and audit_testbed_auc.png. Claims and scores are
 cached under benchmarks/.cache/audit_testbed/ so an interrupted run resumes; the speedup is always
@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow.compute as pc
 
+from benchmarks.markdown import write_markdown
 from verinfer.io import atomic_write_text
 from verinfer.numerics.machine import machine_fingerprint
 from verinfer.scores import load_score_tables
@@ -74,7 +75,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--speed-only", action="store_true",
                     help="re-measure only the replay speedup and update it in the existing audit_testbed.json/md")
     a = ap.parse_args(argv)
-    command = "python benchmarks/audit_testbed.py " + " ".join(argv or sys.argv[1:])
+    command = "python -m benchmarks.audit_testbed " + " ".join(argv or sys.argv[1:])
     fp = machine_fingerprint()
     machine = f"{fp['cpu_model']} ({platform.machine()}), {fp['threads']} threads, torch {fp['torch']}"
     if a.speed_only:
@@ -82,7 +83,7 @@ def main(argv=None) -> dict:
         speed = measure_speedup(a.speed_n, result["setup"]["max_tokens"], result["setup"]["seed"])
         result.update(replay_speedup_vs_generate=speed["speedup"], speed=dict(speed, command=command, machine=machine))
         atomic_write_text(a.out / "audit_testbed.json", json.dumps(result, indent=1, default=float))
-        atomic_write_text(a.out / "audit_testbed.md", markdown(result))
+        write_markdown(a.out / "audit_testbed.md", markdown(result))
         print(markdown(result))
         return result
 
@@ -123,7 +124,7 @@ def main(argv=None) -> dict:
     }
     a.out.mkdir(parents=True, exist_ok=True)
     atomic_write_text(a.out / "audit_testbed.json", json.dumps(result, indent=1, default=float))
-    atomic_write_text(a.out / "audit_testbed.md", markdown(result))
+    write_markdown(a.out / "audit_testbed.md", markdown(result))
     plot(curves, a.out / "audit_testbed_auc.png")
     print(markdown(result))
     return result

@@ -41,6 +41,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from scipy.stats import beta
 
+from benchmarks.markdown import write_markdown
 from benchmarks import detection_lab as lab
 
 CALIB_CLAIMS = 100  # x 64 tokens = the 6,400 tokens per honest configuration
@@ -103,7 +104,7 @@ def run(log=print, n_batches: int = N_BATCHES, calibrations: int = N_CALIBRATION
     heldout = [c["key"] for c in configs if c["role"] == "heldout"]
     missing = [k for k in honest + heldout if not lab.features_path(k).is_file()]
     if missing:
-        raise SystemExit(f"the lab cache lacks scores of {', '.join(missing)}: run benchmarks/detection_lab.py "
+        raise SystemExit(f"the lab cache lacks scores of {', '.join(missing)}: run python -m benchmarks.detection_lab "
                          f"--stage data, then --stage features and --stage references")
     rows = {k: score_rows(k) for k in honest + heldout}
     claims = {k: claim_index(t) for k, t in rows.items()}
@@ -161,7 +162,7 @@ def run(log=print, n_batches: int = N_BATCHES, calibrations: int = N_CALIBRATION
 
     lab.RESULTS.mkdir(parents=True, exist_ok=True)
     atomic_write_json(lab.RESULTS / "calibration_fpr.json", doc)
-    atomic_write_text(lab.RESULTS / "calibration_fpr.md", markdown(doc))
+    write_markdown(lab.RESULTS / "calibration_fpr.md", markdown(doc))
     log(markdown(doc))
     return doc
 

@@ -2,7 +2,7 @@
 one-core refactor, in ONE run: each command runs in a fresh process (model loading included) with
 PYTHONPATH at one tree's src; old and new alternate, repeat after repeat; medians are reported.
 
-    .venv/bin/python benchmarks/command_speed.py --old-src /path/to/checkout-at-621fd5b/src
+    .venv/bin/python -m benchmarks.command_speed --old-src /path/to/checkout-at-621fd5b/src
         # -> results/command_speed.{json,md}
 
 generate: `verinfer generate honest-bf16-b8 -o c.jsonl --n N --max-tokens 64` (token-by-token decode
@@ -24,6 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmarks.markdown import write_markdown
 from verinfer.io import atomic_write_json, atomic_write_text
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -59,7 +60,7 @@ def main() -> None:
                 secs[tree]["score"].append(timed(src, ["score", str(claims), "-o", str(Path(d) / f"s-{r}.parquet")],
                                                  a.threads))
         tokens = sum(len(json.loads(line)["output_token_ids"]) for line in claims.read_text().splitlines())
-    res = {"command": "python benchmarks/command_speed.py " + " ".join(sys.argv[1:]), "tokens": tokens,
+    res = {"command": "python -m benchmarks.command_speed " + " ".join(sys.argv[1:]), "tokens": tokens,
            "threads": a.threads, "cpu": platform.processor() or platform.machine(),
            "load_average_start_end": [round(load0, 2), round(os.getloadavg()[0], 2)],
            "seconds": secs,
@@ -69,7 +70,7 @@ def main() -> None:
     tp = res["tokens_per_s"]
     rows = [f"| {c} | {tp['before (621fd5b)'][c]:.0f} | {tp['after'][c]:.0f} | "
             f"{tp['after'][c] / tp['before (621fd5b)'][c]:.2f}x |" for c in ("generate", "score")]
-    atomic_write_text(OUT / "command_speed.md", "\n".join([
+    write_markdown(OUT / "command_speed.md", "\n".join([
         "# `verinfer generate` / `verinfer score` tokens/s, before and after the one-core refactor", "",
         f"`{res['command']}`: {tokens} tokens, {a.threads} threads, medians of {a.repeats} interleaved runs per "
         f"tree, each a fresh process (model load included); 1-min load average {res['load_average_start_end']}.", "",

@@ -26,6 +26,7 @@ import sys
 import time
 from pathlib import Path
 
+from benchmarks.markdown import write_markdown
 from verinfer.providers.simulated import HONEST, MISCONFIGURED
 from verinfer.report import format as fmt
 
@@ -109,7 +110,7 @@ def run(work: Path, demo: Path) -> dict:
     from verinfer.io import atomic_write_json, atomic_write_text
 
     atomic_write_json(RESULTS / "demo_glrt.json", doc)
-    atomic_write_text(RESULTS / "demo_glrt.md", markdown(doc))
+    write_markdown(RESULTS / "demo_glrt.md", markdown(doc))
     print(markdown(doc))
     return doc
 
@@ -139,7 +140,7 @@ def main(argv=None) -> None:
     if a.render:
         from verinfer.io import atomic_write_text
 
-        atomic_write_text(RESULTS / "demo_glrt.md", markdown(json.loads((RESULTS / "demo_glrt.json").read_text())))
+        write_markdown(RESULTS / "demo_glrt.md", markdown(json.loads((RESULTS / "demo_glrt.json").read_text())))
         return
     run(a.work, a.demo)
 

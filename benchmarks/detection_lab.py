@@ -2,7 +2,7 @@
 batch size, the temperature-tuning attack, and a combined detector (`best`) that needs fewer
 tokens than the 99.9-clipped Token-DiFR margin.
 
-    .venv/bin/python benchmarks/detection_lab.py            # data (cached) + grid + report
+    .venv/bin/python -m benchmarks.detection_lab            # data (cached) + grid + report
 
 Stages (each resumable; claims and per-token features cached under benchmarks/.cache/detection_lab/):
   data     generate claims for every configuration (the slow part, ~1400 tokens/s)
@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from benchmarks.markdown import write_markdown
 from verinfer.claims import read_claims, write_claims
 from verinfer.apps.pipeline import DEFAULT_SPEC, prompts_for, verifier_engine
 from verinfer.providers.simulated import HELDOUT_HONEST, HONEST, MISCONFIGURED, ProviderConfig, run_provider
@@ -619,7 +620,7 @@ def stage_grid(log=print) -> dict:
                   "lr_combined": "LikelihoodRatioDetector over (margin band, logit direction, cross-entropy band), "
                                  "honest train + train halves of the OTHER misconfigurations (leave-one-out)",
                   "machine": f"torch {torch.__version__}, {torch.get_num_threads()} thread(s)",
-                  "command": "python benchmarks/detection_lab.py", "seconds": time.perf_counter() - t0},
+                  "command": "python -m benchmarks.detection_lab", "seconds": time.perf_counter() - t0},
     }
     out = RESULTS
     out.mkdir(parents=True, exist_ok=True)
@@ -631,7 +632,7 @@ def stage_grid(log=print) -> dict:
         plot_curves(ipt_curves, out / "detection_lab_ipt.png", "IPT-DiFR (inverse-CDF sampling)")
     plot_curves({m: {n: fine[m][n] for n in fine[m]} for m in fine}, out / "detection_lab_best.png",
                 "best (perturbation GLRT) vs margin clipped at 99.9, fine batch grid")
-    atomic_write_text(out / "detection_lab.md", markdown(result))
+    write_markdown(out / "detection_lab.md", markdown(result))
     log(markdown(result))
     return result
 

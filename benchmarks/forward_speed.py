@@ -1,7 +1,7 @@
 """Tokens/s of the model forward before and after the one-forward refactor (issue 13: "FastLM's
 speed is now what `verinfer generate` and `verinfer score` get").
 
-    .venv/bin/python benchmarks/forward_speed.py --old-src /path/to/checkout-at-621fd5b/src
+    .venv/bin/python -m benchmarks.forward_speed --old-src /path/to/checkout-at-621fd5b/src
         # -> results/forward_speed.{json,md}
 
 Two source trees are timed in ONE run: a worker process per tree (PYTHONPATH = that tree's src)
@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 
 import torch
+from benchmarks.markdown import write_markdown
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "benchmarks" / "results"
@@ -159,7 +160,7 @@ def write(res: dict) -> None:
         cells = {r["model"]: r["tokens_per_s"] for r in res["rows"] if (r["what"], r["dtype"], r["batch"]) == k}
         md.append(f"| {k[0]} | {k[1]} | {k[2]} | " + " | ".join(f"{cells[n]:.0f}" for n in models) + " |")
     md += [""] + [f"- {n}" for n in res.get("notes", [])]
-    (OUT / "forward_speed.md").write_text("\n".join(md) + "\n")
+    write_markdown(OUT / "forward_speed.md", "\n".join(md) + "\n")
 
 
 def main() -> None:
@@ -177,7 +178,7 @@ def main() -> None:
     cpu = next((ln.split(":", 1)[1].strip() for ln in info.splitlines() if ln.startswith("model name")), platform.machine())
     commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     meta = dict(commit=commit, torch=torch.__version__, threads=a.threads, cpu_model=cpu, repeats=a.repeats,
-                command=f"python benchmarks/forward_speed.py --old-src {a.old_src} --repeats {a.repeats} --threads {a.threads}")
+                command=f"python -m benchmarks.forward_speed --old-src {a.old_src} --repeats {a.repeats} --threads {a.threads}")
     load0 = os.getloadavg()[0]
     rows = compare({"old": str(Path(a.old_src).resolve()), "new": str(ROOT / "src")}, a.repeats, a.threads)
     meta["load_average_1min_start_end"] = [round(load0, 2), round(os.getloadavg()[0], 2)]

@@ -1,8 +1,8 @@
 """Audit link: a provider runs the lossy KL judge while claiming standard speculative sampling.
 How many output tokens does the audit need to catch it?
 
-    .venv/bin/python benchmarks/kl_judge_audit.py [--n 128] [--max-tokens 64]
-    .venv/bin/python benchmarks/kl_judge_audit.py --model smollm2-135m-instruct   # the real pair (its
+    .venv/bin/python -m benchmarks.kl_judge_audit [--n 128] [--max-tokens 64]
+    .venv/bin/python -m benchmarks.kl_judge_audit --model smollm2-135m-instruct   # the real pair (its
         # distilled draft, models/drafts/); prompts: the next-line task's validation contexts
 
 Honest provider: standard speculative sampling (gamma 4, temperature 1, audit prompts of
@@ -27,6 +27,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 
+from benchmarks.markdown import write_markdown
 from verinfer.models.corpus import eval_prompts
 from verinfer.models.llama import LlamaLM
 from verinfer.models.testbed import DRAFT_DIR, TARGET_DIR, load_tokenizer
@@ -115,4 +116,4 @@ if __name__ == "__main__":
                  f"{h['mean_accept_nll']:.4f} | {k['mean_accept_nll']:.4f} | {h['violations']} / {k['violations']} | {curve} |")
     L += ["", "Tokens-to-detect None = not reached within the largest batch evaluated (limited by the test half of "
           "the tokens).", f"Total {res['seconds']:.0f} s.", ""]
-    (a.out / f"{stem}.md").write_text("\n".join(L))
+    write_markdown(a.out / f"{stem}.md", "\n".join(L))

@@ -36,6 +36,7 @@ from typing import Callable
 
 import torch
 
+from benchmarks.markdown import write_markdown
 from verinfer.io import atomic_write_json, atomic_write_text
 from verinfer.models.corpus import Problem
 from verinfer.models.llama import LlamaLM
@@ -831,7 +832,7 @@ def finish(res: dict, json_path) -> None:
         if lab in methods and "vanilla" in methods:
             res["criteria" if lab == "kl_judge" else f"criteria_{lab}"] = criteria(res, methods, lab, at, g_eq)
     atomic_write_json(json_path, res)
-    atomic_write_text(json_path.with_suffix(".md"), markdown(res))
+    write_markdown(json_path.with_suffix(".md"), markdown(res))
     frontier_plot(res, json_path.parent / f"{json_path.stem}_frontier.png")
 
 

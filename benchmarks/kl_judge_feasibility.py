@@ -1,7 +1,7 @@
 """Can speculative decoding beat plain decoding on SmolLM2-135M-Instruct here? The measurements that
 decide it, before the full KL-judge benchmark (benchmarks/kl_judge.py --task nextline) is run:
 
-    .venv/bin/python benchmarks/kl_judge_feasibility.py [--n-speed 32] [--repeats 2]
+    .venv/bin/python -m benchmarks.kl_judge_feasibility [--n-speed 32] [--repeats 2]
 
 1. the target's greedy accuracy on the next-line task's validation split (spec_tasks.nextline_task),
    for the `given` tokens of the line the task puts in the prompt (4, the task's, and 6);
@@ -25,6 +25,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.markdown import write_markdown
 from benchmarks.kl_judge_bench import Method, interleaved_timing, method_for, summarize, time_breakdown  # noqa: E402
 from benchmarks.spec_tasks import NEXTLINE_CONTEXT, nextline_task  # noqa: E402
 from verinfer.io import atomic_write_json, atomic_write_text  # noqa: E402
@@ -73,7 +74,7 @@ def main() -> None:
         for m in methods if m.name in ("target_only", "standard@4", "ngram@4")}
     res["seconds"] = time.time() - t0
     atomic_write_json(a.out / "kl_judge_feasibility.json", res)
-    atomic_write_text(a.out / "kl_judge_feasibility.md", markdown(res))
+    write_markdown(a.out / "kl_judge_feasibility.md", markdown(res))
     print(markdown(res))
 
 

@@ -1,7 +1,7 @@
 """MarginGate benchmark: determinism and overhead of bf16, batch_invariant, layercast, margingate,
 llm42 and best on the testbed target (bf16), continuous batching with mixed lengths.
 
-    .venv/bin/python benchmarks/margingate.py            # resumable: stages cached in
+    .venv/bin/python -m benchmarks.margingate            # resumable: stages cached in
                                                           # benchmarks/results/margingate_cache/
     ... --cross-machine DIR   # also compare the deterministic references with another machine's
                               # (DIR holds its reference.json, reference_tiled.json, machine.json)
@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 from rich.progress import Progress
 
+from benchmarks.markdown import write_markdown
 from verinfer.determinism import tau as C
 from verinfer.determinism.policies import Stats
 from verinfer.determinism.scheduler import Scheduler, make_engines
@@ -224,7 +225,7 @@ def main():
     llm42_w = min(a.windows, key=lambda w: main_runs[f"llm42@{w}"]["seconds"] + main_runs[f"llm42@{w}"]["cpu_seconds"])
     main_runs["llm42"] = main_runs[f"llm42@{llm42_w}"]
     methods = list(METHODS)
-    command = "python benchmarks/margingate.py" + "".join(" " + x for x in sys.argv[1:])
+    command = "python -m benchmarks.margingate" + "".join(" " + x for x in sys.argv[1:])
     res = dict(
         command=command,
         model=cal["model"], dtype="bf16", device="cpu", threads=a.threads, machine=machine,
@@ -343,7 +344,7 @@ def write_md(res, suffix: str = ""):
                 fd = r["first_divergence"]
                 L.append(f"| {label} | {pol} | {r['differ']} of {r['sequences']} | {r['protected_differ']} | "
                          f"{'-' if not fd else f'{fd[0]}-{fd[-1]} (median {fd[len(fd) // 2]})'} |")
-    atomic_write_text(OUT / f"margingate{suffix}.md", "\n".join(L) + "\n")
+    write_markdown(OUT / f"margingate{suffix}.md", "\n".join(L) + "\n")
 
 
 def plots(res, suffix: str = ""):

@@ -3,7 +3,7 @@ detection on real vLLM claims.
 
     .venv/bin/verinfer models get smollm2-135m-instruct
     .venv/bin/verinfer generate honest-bf16-b8 --model smollm2-135m-instruct -o runs/smol-honest.jsonl --n 32
-    .venv/bin/python benchmarks/real_model.py speed runs/smol-honest.jsonl
+    .venv/bin/python -m benchmarks.real_model speed runs/smol-honest.jsonl
 
 For the same claims, same device and threads, interleaved rounds (medians):
   score     `audit.replay.score_claims`: replay + every Token-DiFR score + Parquet (what `verinfer
@@ -14,7 +14,7 @@ For the same claims, same device and threads, interleaved rounds (medians):
             position, as a plain `model(input_ids)` call computes them), same dtype
 replay_vs_forward = score tokens/s / forward tokens/s (>= 0.7 is the issue's target on CPU).
 
-    .venv/bin/python benchmarks/real_model.py memory runs/smol-honest.jsonl --sizes 5000 12500 50000
+    .venv/bin/python -m benchmarks.real_model memory runs/smol-honest.jsonl --sizes 5000 12500 50000
 
 Bounded memory: a file of N claims (the real claims cycled under new ids, each output cut to
 --tokens-per-claim tokens) is scored by `verinfer score` in a fresh process; peak RSS (the child's
@@ -65,6 +65,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from benchmarks.markdown import write_markdown
 from verinfer.apps.pipeline import VERIFIER_NUMERICS, verifier_engine
 from verinfer.audit.replay import replay_batch_size, score_claims
 from verinfer.claims import read_claims
@@ -173,7 +174,7 @@ def speed(claims_path: Path, model: str, rounds: int, threads: int, out: Path, d
 
 
 def _save(out: Path, section: str, res: dict) -> dict:
-    atomic_write_text(out / "real_model.md", render(update_json_section(out / "real_model.json", section, res)))
+    write_markdown(out / "real_model.md", render(update_json_section(out / "real_model.json", section, res)))
     return res
 
 
@@ -654,7 +655,7 @@ def main() -> None:
     sub.add_parser("render", help="rewrite real_model.md from real_model.json")
     a = ap.parse_args()
     if a.stage == "render":
-        atomic_write_text(RESULTS / "real_model.md", render(json.loads((RESULTS / "real_model.json").read_text())))
+        write_markdown(RESULTS / "real_model.md", render(json.loads((RESULTS / "real_model.json").read_text())))
         return
     if a.stage == "vllm-speed":
         res = vllm_speed(a.model, a.n, a.max_tokens, a.rounds, a.seed, a.out)

@@ -1,8 +1,8 @@
 """Behaviour fixtures for the one-core refactor (issue 13): record what the CURRENT code computes
 on the shipped testbed, then check that the refactored code computes the same bits.
 
-    PYTHONPATH=src .venv/bin/python benchmarks/refactor_fixtures.py record   # before the refactor
-    PYTHONPATH=src .venv/bin/python benchmarks/refactor_fixtures.py check    # after: table, exit 1 on a diff
+    PYTHONPATH=src .venv/bin/python -m benchmarks.refactor_fixtures record   # before the refactor
+    PYTHONPATH=src .venv/bin/python -m benchmarks.refactor_fixtures check    # after: table, exit 1 on a diff
     ... record --fixtures tests/fixtures/refactor-NAME    # another machine's recording: run from a
                       # checkout of the pre-refactor commit 621fd5b with this script and
                       # src/verinfer/numerics/machine.py copied into it, PYTHONPATH=src

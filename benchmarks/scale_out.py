@@ -36,6 +36,7 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
+from benchmarks.markdown import write_markdown
 from verinfer.apps.pipeline import VERIFIER_NUMERICS, generate, verifier_engine
 from verinfer.audit.ray_pool import RayReplayPool, import_ray
 from verinfer.audit.replay import score_claims
@@ -52,7 +53,7 @@ CACHE = ROOT / ".cache" / "scale_out"
 
 
 def _save(out: Path, section: str, res: dict) -> dict:
-    atomic_write_text(out / "scale_out.md", render(update_json_section(out / "scale_out.json", section, res)))
+    write_markdown(out / "scale_out.md", render(update_json_section(out / "scale_out.json", section, res)))
     return res
 
 
@@ -309,7 +310,7 @@ def main() -> None:
     sub.add_parser("render", help="rewrite scale_out.md from scale_out.json")
     a = ap.parse_args()
     if a.section == "render":
-        atomic_write_text(RESULTS / "scale_out.md", render(json.loads((RESULTS / "scale_out.json").read_text())))
+        write_markdown(RESULTS / "scale_out.md", render(json.loads((RESULTS / "scale_out.json").read_text())))
         return
     if a.section == "remote":
         remote_section(a.model, a.n, a.calib_n, a.max_tokens, a.logprobs, a.seed, a.out)

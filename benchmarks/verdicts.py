@@ -1,6 +1,6 @@
 """Verdicts an auditor can trust (issue 15 items 1 and 6) on the detection lab's data.
 
-    .venv/bin/python benchmarks/verdicts.py        # needs the lab cache: benchmarks/detection_lab.py --stage
+    .venv/bin/python -m benchmarks.verdicts        # needs the lab cache: benchmarks/detection_lab.py --stage
                                                    # data, features, references (resumable)
 
 1. power: per detector of the lab x misconfiguration, the fraction of N_BATCHES batches of n tokens
@@ -37,6 +37,7 @@ from pathlib import Path
 
 import numpy as np
 
+from benchmarks.markdown import write_markdown
 from benchmarks import detection_lab as lab
 
 RESULTS = lab.RESULTS
@@ -147,7 +148,7 @@ def run(log=print, single_replay: bool = False) -> dict:
     heldout = [k for k, c in configs.items() if c["role"] == "heldout" and have(k)]
     if len(honest) < 3 or not misconf:
         raise SystemExit(f"the lab cache has {len(honest)} honest and {len(misconf)} misconfigured sets with "
-                         f"features and references: run benchmarks/detection_lab.py --stage data/features/references")
+                         f"features and references: run python -m benchmarks.detection_lab --stage data/features/references")
     data = {k: lab.load_features(k) for k in [*honest, *misconf, *heldout]}
     halves = {k: split(k, len(d["margin"])) for k, d in data.items()}
     tr = {k: lab.take(d, halves[k][0]) for k, d in data.items()}
@@ -240,13 +241,13 @@ def run(log=print, single_replay: bool = False) -> dict:
                   "best": lab.BEST_DESCRIPTION, "best_allowance_per_token": best.allowance_.tolist(),
                   "best_alternatives": [best.describe(g) for g in range(len(best.grid_))],
                   "split": "token-level 50/50 per configuration, seeded by its name",
-                  "command": "python benchmarks/verdicts.py", "seconds": time.perf_counter() - t0},
+                  "command": "python -m benchmarks.verdicts", "seconds": time.perf_counter() - t0},
     }
     RESULTS.mkdir(parents=True, exist_ok=True)
     from verinfer.io import atomic_write_text
 
     atomic_write_text(RESULTS / "verdicts.json", json.dumps(result, indent=1, default=float))
-    atomic_write_text(RESULTS / "verdicts.md", markdown(result))
+    write_markdown(RESULTS / "verdicts.md", markdown(result))
     plot(result, RESULTS / "verdicts.png")
     log(markdown(result))
     return result

