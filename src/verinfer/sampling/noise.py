@@ -71,6 +71,8 @@ from typing import Iterator
 
 import torch
 
+from verinfer.registry import Registry
+
 GOLDEN = 0x9E3779B97F4A7C15          # SplitMix64 increment: per-token counter stride
 POSITION_MUL = 0xD1B54A32D192ED03    # keyed backend: odd multiplier spreading positions
 SPEC_SALT = 0x5350454356455249       # speculative-keyed: seed ^ SPEC_SALT ("SPECVERI"), apart from keyed
@@ -580,13 +582,11 @@ def speculative_noise(seed: int, vocab_size: int) -> SpeculativeNoise:
     return SpeculativeNoise(seed, vocab_size)
 
 
-_BACKENDS: dict[str, NoiseBackend] = {b.name: b for b in (VllmCpuBackend(), VllmV1ExponentialBackend(),
-                                                           KeyedBackend(), InverseCdfBackend(),
-                                                           SpeculativeKeyedBackend())}
+NOISE_BACKENDS: Registry[NoiseBackend] = Registry("noise backend", {
+    b.name: b for b in (VllmCpuBackend(), VllmV1ExponentialBackend(), KeyedBackend(), InverseCdfBackend(),
+                        SpeculativeKeyedBackend())})
 
 
 def get_backend(name: str) -> NoiseBackend:
-    try:
-        return _BACKENDS[name]
-    except KeyError:
-        raise ValueError(f"unknown noise backend {name!r}; choose one of {', '.join(_BACKENDS)}") from None
+    """The noise backend called `name` (an unknown name: UnknownNameError listing the choices)."""
+    return NOISE_BACKENDS.get(name)

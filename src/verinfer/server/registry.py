@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from verinfer.providers.simulated import MISCONFIGURED, ProviderConfig
-from verinfer.determinism.invariant import fixed_shape
+from verinfer.determinism.invariant import fixed_shape_model
 from verinfer.engine.engine import Engine
 from verinfer.errors import ModelError
 from verinfer.models.load import ModelInfo, load_model, load_tokenizer, model_info
@@ -91,7 +91,7 @@ def load_registry(root: str | Path, *, misconfig: str | None = None, device: str
         info = model_info(d)
         model = load_model(d, cfg.numerics, device)
         if deterministic == "best":
-            model = fixed_shape(model)
+            model = fixed_shape_model(model)
         tok = load_tokenizer(d)
         names = list(dict.fromkeys([*info.aliases, d.name]))
         sm = ServedModel(info.name, info, Engine(model, cfg.numerics, eos_token_id=info.eos_token_id),
