@@ -96,7 +96,7 @@ def mean_cross_entropy(claims, engine) -> float:
     xs = []
     for s in range(0, len(claims), 64):
         chunk = claims[s : s + 64]
-        t = scores_table(chunk, engine.score([(c.prompt_token_ids, c.output_token_ids) for c in chunk]))
+        t = scores_table(chunk, engine.replay([(c.prompt_token_ids, c.output_token_ids) for c in chunk]))
         x = t["cross_entropy"].to_numpy()
         xs.append(x[np.isfinite(x)])
     return float(np.concatenate(xs).mean())
@@ -171,7 +171,7 @@ def stage_features(log=print, reverse: bool = False) -> None:
         parts = []
         for s in range(0, len(claims), 64):
             chunk = claims[s : s + 64]
-            parts.append(features_table(chunk, engine.score([(c.prompt_token_ids, c.output_token_ids) for c in chunk]),
+            parts.append(features_table(chunk, engine.replay([(c.prompt_token_ids, c.output_token_ids) for c in chunk]),
                                         temperature_factors=TEMPERATURE_FACTORS, top_p_slacks=TOP_P_SLACKS))
         out.parent.mkdir(parents=True, exist_ok=True)
         atomic_write_parquet(pa.concat_tables(parts), out)
