@@ -34,7 +34,8 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from verinfer.io import ProgressBar, atomic_save_safetensors, atomic_write_json, atomic_write_text
+from verinfer.progress import ProgressBar
+from verinfer.io import atomic_save_safetensors, atomic_write_json, atomic_write_text
 from verinfer.models import corpus, load
 from verinfer.models.testbed import SEQ_LEN, fit, window_order
 

@@ -33,7 +33,8 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from verinfer.io import ProgressBar, atomic_save_safetensors, atomic_write_json
+from verinfer.progress import ProgressBar
+from verinfer.io import atomic_save_safetensors, atomic_write_json
 from verinfer.models import corpus, load
 
 TESTBED_DIR = Path(__file__).parent / "testbed"
