@@ -35,6 +35,7 @@ from safetensors.torch import load_file, save_file
 from verinfer.claims import Claim
 from verinfer.providers.simulated import request_seed
 from verinfer.errors import VerinferError
+from verinfer.models.llama import read_model_config
 from verinfer.models.load import model_info
 from verinfer.numerics import Numerics
 from verinfer.sampling.params import SamplingParams
@@ -91,7 +92,7 @@ def write_fake_quant_checkpoint(model_dir: str | Path, out_dir: str | Path, bits
                       metadata={"format": "pt"})
         elif f.is_file():
             shutil.copy2(f, out / f.name)
-    cfg = json.loads((out / "config.json").read_text())
+    cfg = read_model_config(out)
     cfg["verinfer_fake_quant"] = {"bits": bits, "group": group, "method": "rtn"}
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
     return out
