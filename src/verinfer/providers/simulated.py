@@ -22,7 +22,7 @@ from verinfer.fingerprint import encode
 from verinfer.models.load import load_model, model_info
 from verinfer.numerics import Numerics
 from verinfer.registry import Registry
-from verinfer.sampling.params import SamplingParams
+from verinfer.sampling.params import SamplingParams, misconfigured
 from verinfer.sampling.bug import buggy_sampler
 
 
@@ -40,11 +40,8 @@ class ProviderConfig:
 
     def run_params(self, claimed: SamplingParams) -> SamplingParams:
         """What this provider really samples with when it claims `claimed`: its temperature and
-        seed offset applied; a greedy request draws no noise, so it is left as claimed."""
-        if claimed.greedy:
-            return claimed
-        return replace(claimed, temperature=self.temperature if self.temperature is not None else claimed.temperature,
-                       seed=(claimed.seed + self.seed_offset) % 2**63)
+        seed offset applied (sampling.params.misconfigured)."""
+        return misconfigured(claimed, self.temperature, self.seed_offset)
 
 
 # The advertised specification of the demo (the paper's reference: T=1, top-k 50, top-p 0.95).
@@ -99,7 +96,7 @@ def bug_sampler(cfg: ProviderConfig, seed: int):
 def run_provider(cfg: ProviderConfig, model_dir: str | Path, prompts: list[list[int]], advertised: SamplingParams,
                  *, base_seed: int = 0, device: str = "cpu", progress=None, fingerprint=None) -> list[Claim]:
     """Generate claims for these prompts as provider `cfg` would, advertising `advertised`.
-    fingerprint (audit.fingerprint.FingerprintSpec): attach Activation-DiFR fingerprints of the
+    fingerprint (verinfer.fingerprint.FingerprintSpec): attach Activation-DiFR fingerprints of the
     provider's own hidden states as the claim field `activations`."""
     info = model_info(model_dir)
     claimed = claimed_params(prompts, advertised, base_seed)

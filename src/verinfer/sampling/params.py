@@ -2,12 +2,13 @@
 
 `check_sampling` is the one validation of sampling settings: SamplingParams runs it on
 construction and the claims reader (claims.SamplingRecord) runs it on every claim line.
-`stop_reason` is the one stop rule of every decoder (engine, speculative, target-only).
+`stop_reason` is the one stop rule of every decoder (engine, speculative, target-only), and
+`misconfigured` the one rule of what a misconfigured provider really samples with.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Collection
 
 from verinfer.sampling.noise import NOISE_BACKENDS
@@ -80,3 +81,14 @@ class SamplingParams:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def misconfigured(claimed: SamplingParams, temperature: float | None = None, seed_offset: int = 0) -> SamplingParams:
+    """What a misconfigured sampler really uses when it claims `claimed`: `temperature` instead of
+    the claimed one (None: the claimed one) and seed + seed_offset; a greedy request draws no
+    noise, so it is left as claimed. The one rule of the simulated providers, the server's
+    --misconfig and the vLLM runs."""
+    if claimed.greedy:
+        return claimed
+    return replace(claimed, temperature=claimed.temperature if temperature is None else temperature,
+                   seed=(claimed.seed + seed_offset) % 2**63)

@@ -7,7 +7,7 @@ name -> ServedModel table (its `verinfer_name` / config name and its directory n
 make the server touch a file outside the configured directory.
 
 A served model can be misconfigured on purpose (`misconfig`, one of the simulated providers'
-misconfigurations in audit/providers.py) so audits of a real HTTP endpoint can be tested:
+misconfigurations in providers/simulated.py) so audits of a real HTTP endpoint can be tested:
 int4 and fp8-kv change the numerics the model runs with, temp-1.1 samples at temperature 1.1
 whenever a request asks for a temperature > 0, wrong-seed samples with seed + 1, sampling-bug
 draws 1% of tokens uniformly from the top-k. Responses always report the requested settings.
