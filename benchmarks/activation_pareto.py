@@ -56,7 +56,7 @@ ROOT = Path(__file__).resolve().parents[1]
 from benchmarks.markdown import write_markdown
 from verinfer.fingerprint import projection_matrix, quantize, dequantize, DTYPES
 from verinfer.detect.metrics import auc_vs_tokens
-from verinfer.providers.simulated import HONEST, MISCONFIGURED, run_provider
+from verinfer.providers.simulated import HONEST, MISCONFIGURED, claimed_params, provider_generate
 from verinfer.audit import toploc_baseline as tl
 
 CACHE = ROOT / "benchmarks" / ".cache" / "activation_pareto"
@@ -95,11 +95,12 @@ def collect(name: str, n: int, max_tokens: int, seed: int) -> dict:
     cfg = {**HONEST, **MISCONFIGURED}[name]
     prompts = prompts_for(TARGET_DIR, n, seed)
     t0 = time.perf_counter()
-    claims = run_provider(cfg, TARGET_DIR, prompts, SamplingParams(seed=0, max_tokens=max_tokens, **DEFAULT_SPEC),
-                          base_seed=seed, keep_hidden=True)
+    advertised = SamplingParams(seed=0, max_tokens=max_tokens, **DEFAULT_SPEC)
+    claims = provider_generate(cfg, TARGET_DIR, prompts, claimed_params(prompts, advertised, seed), base_seed=seed,
+                               hidden_layer=-1)  # Completions: hidden_TD is the provider's own (fp32, T x D)
     gen_s = time.perf_counter() - t0
-    reps = verifier_engine(TARGET_DIR).score([(c.prompt_token_ids, c.output_token_ids) for c in claims],
-                                             hidden_layer=-1)
+    reps = verifier_engine(TARGET_DIR).replay([(c.prompt_token_ids, c.output_token_ids) for c in claims],
+                                              hidden_layer=-1)
     d = {"provider": [c.hidden_TD.float() for c in claims], "verifier": [r.hidden_TD.float() for r in reps],
          "gen_seconds": gen_s}
     _save_hidden(d, path)

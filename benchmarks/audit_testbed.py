@@ -54,7 +54,7 @@ def measure_speedup(n: int, max_tokens: int, seed: int, repeats: int = 3) -> dic
         claims = run_provider(cfg, TARGET_DIR, prompts, advertised, base_seed=seed)
         t_gen.append(time.perf_counter() - t0)
         t0 = time.perf_counter()
-        replays = engine.score([(c.prompt_token_ids, c.output_token_ids) for c in claims])
+        replays = engine.replay([(c.prompt_token_ids, c.output_token_ids) for c in claims])
         scores_table(claims, replays)
         t_score.append(time.perf_counter() - t0)
     tokens = sum(len(c.output_token_ids) for c in claims)

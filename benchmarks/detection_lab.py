@@ -30,7 +30,8 @@ import torch
 from benchmarks.markdown import write_markdown
 from verinfer.claims import read_claims, write_claims
 from verinfer.apps.pipeline import DEFAULT_SPEC, prompts_for, verifier_engine
-from verinfer.providers.simulated import HELDOUT_HONEST, HONEST, MISCONFIGURED, ProviderConfig, run_provider
+from verinfer.numerics import Numerics
+from verinfer.providers.simulated import HONEST, MISCONFIGURED, ProviderConfig, run_provider
 from verinfer.models.testbed import TARGET_DIR
 from verinfer.sampling.params import SamplingParams
 
@@ -39,6 +40,16 @@ CACHE = ROOT / ".cache" / "detection_lab"
 RESULTS = ROOT / "results"
 BATCH_SIZES = (1, 3, 10, 30, 100, 300, 1000, 3000, 10000)
 MAX_TOKENS = 64
+# Honest configurations kept OUT of detector calibration (a detector must hold its false-positive
+# rate on honest set-ups it never saw). Not among the product's providers: the demo is unchanged.
+HELDOUT_HONEST = {
+    "heldout-bf16-b3": ProviderConfig("heldout-bf16-b3", Numerics(dtype="bf16"), batch_size=3,
+                                      description="bf16, batches of 3 (held out of calibration)"),
+    "heldout-bf16-t1-b12": ProviderConfig("heldout-bf16-t1-b12", Numerics(dtype="bf16", threads=1), batch_size=12,
+                                          description="bf16, 1 thread, batches of 12 (held out)"),
+    "heldout-fp32-eager-b6": ProviderConfig("heldout-fp32-eager-b6", Numerics(dtype="fp32", attn="eager"),
+                                            batch_size=6, description="fp32, eager attention, batches of 6 (held out)"),
+}
 N_HONEST, N_MISCONF, N_HELDOUT, N_IPT = 320, 640, 320, 160  # N_IPT: ~10k tokens per inverse-CDF set (grid to 3000)
 ATTACK_TEMPS = (0.95, 1.0, 1.025, 1.05, 1.075, 1.1)
 N_ATTACK_PROBE = 96
@@ -86,7 +97,7 @@ def mean_cross_entropy(claims, engine) -> float:
     xs = []
     for s in range(0, len(claims), 64):
         chunk = claims[s : s + 64]
-        t = scores_table(chunk, engine.score([(c.prompt_token_ids, c.output_token_ids) for c in chunk]))
+        t = scores_table(chunk, engine.replay([(c.prompt_token_ids, c.output_token_ids) for c in chunk]))
         x = t["cross_entropy"].to_numpy()
         xs.append(x[np.isfinite(x)])
     return float(np.concatenate(xs).mean())
@@ -161,7 +172,7 @@ def stage_features(log=print, reverse: bool = False) -> None:
         parts = []
         for s in range(0, len(claims), 64):
             chunk = claims[s : s + 64]
-            parts.append(features_table(chunk, engine.score([(c.prompt_token_ids, c.output_token_ids) for c in chunk]),
+            parts.append(features_table(chunk, engine.replay([(c.prompt_token_ids, c.output_token_ids) for c in chunk]),
                                         temperature_factors=TEMPERATURE_FACTORS, top_p_slacks=TOP_P_SLACKS))
         out.parent.mkdir(parents=True, exist_ok=True)
         atomic_write_parquet(pa.concat_tables(parts), out)

@@ -30,7 +30,8 @@ ROOT = Path(__file__).resolve().parents[1]
 from benchmarks.markdown import write_markdown
 from verinfer.models.corpus import eval_prompts
 from verinfer.models.llama import LlamaLM
-from verinfer.models.testbed import DRAFT_DIR, TARGET_DIR, load_tokenizer
+from verinfer.models.load import load_tokenizer
+from verinfer.models.testbed import DRAFT_DIR, TARGET_DIR, TOKENIZER_DIR
 from verinfer.detect.metrics import auc_vs_tokens, tokens_to_detect
 from verinfer.speculative.rules import Rule
 from verinfer.speculative.spec_claims import spec_claims, verify_spec_claims
@@ -77,7 +78,7 @@ if __name__ == "__main__":
     t0 = time.time()
     stem = "kl_judge_audit"
     if a.model is None:
-        tok = load_tokenizer()
+        tok = load_tokenizer(TOKENIZER_DIR)
         target, draft = LlamaLM.from_pretrained(TARGET_DIR), LlamaLM.from_pretrained(DRAFT_DIR)
         prompts = eval_prompts(tok, a.n, seed=11)
         names = dict(model_name="testbed-target", draft_name="testbed-draft")

@@ -607,24 +607,30 @@ def run(out_dir, device: str = "cpu", quick: bool = False, batch_sizes=(1, 16), 
 def time_breakdown(m: Method, target, draft, prompts, max_tokens, stop, batch_size) -> dict:
     """Where one run's wall clock goes, ms per problem: target / draft forwards split into prefill
     (the speculative target's prefill is fused with the first verification) and later steps; the
-    rest is the loop itself (rules, sampling, bookkeeping). Forwards are timed by wrapping
-    LlamaLM.forward for this call only: a forward of `target` is the target's, any other model's
-    the draft's (the decoder may run a copy of the draft, e.g. with its head cut: FR-Spec)."""
+    rest is the loop itself (rules, sampling, bookkeeping). Forwards are timed with torch's module
+    forward hooks (a pre-hook starts the clock, a forward hook reads it), registered for this call
+    only: a LlamaLM forward of `target` is the target's, any other LlamaLM's the draft's (the
+    decoder may run a copy of the draft, e.g. with its head cut: FR-Spec)."""
+    from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+
     acc: dict[str, float] = {}
-    f = LlamaLM.forward
+    started: list[float] = []
 
-    def timed_forward(model, *args, **kw):
-        t0 = time.perf_counter()
-        r = f(model, *args, **kw)
-        k = f"{'target' if model is target else 'draft'}_{'prefill' if kw.get('select') is not None else 'steps'}_ms"
-        acc[k] = acc.get(k, 0.0) + time.perf_counter() - t0
-        return r
+    def start(model, _args):
+        if isinstance(model, LlamaLM):
+            started.append(time.perf_counter())
 
-    LlamaLM.forward = timed_forward
+    def stop_clock(model, _args, kwargs, _out):
+        if isinstance(model, LlamaLM):
+            k = f"{'target' if model is target else 'draft'}_{'prefill' if kwargs.get('select') is not None else 'steps'}_ms"
+            acc[k] = acc.get(k, 0.0) + time.perf_counter() - started.pop()
+
+    hooks = [register_module_forward_pre_hook(start), register_module_forward_hook(stop_clock, with_kwargs=True)]
     try:
         _, sec = timed_run(m, target, draft, prompts, max_tokens, stop, batch_size)
     finally:
-        LlamaLM.forward = f
+        for h in hooks:
+            h.remove()
     out = {k: 1e3 * v / len(prompts) for k, v in sorted(acc.items())}
     out["total_ms"] = 1e3 * sec / len(prompts)
     out["loop_ms"] = out["total_ms"] - sum(v for k, v in out.items() if k != "total_ms")

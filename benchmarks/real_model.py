@@ -261,7 +261,7 @@ def vllm_speed(model: str, n: int, max_tokens: int, rounds: int, seed: int, out:
             times["score"].append(time.perf_counter() - t0)
             times["score_cpu"].append(cpu_seconds() - c0)
             t0 = time.perf_counter()
-            engine.score(pairs)
+            engine.replay(pairs)
             times["replay"].append(time.perf_counter() - t0)
             t0 = time.perf_counter()  # the model's plain forward over the same claims: what any scorer built on it is bounded by
             _forward_only(engine, pairs, bt, budget)

@@ -154,7 +154,7 @@ def replay_logits(pairs: list[tuple[list[int], list[int]]], dtype: str, matmul: 
 
     num = Numerics(dtype=dtype, attn="sdpa", matmul=matmul)
     engine = Engine(load_model(TARGET_DIR, num, "cpu"), num, packed_replay=packed)
-    return [r.logits_TV for r in engine.score(pairs)]
+    return [r.logits_TV for r in engine.replay(pairs)]
 # ------------------------------------------------------------------------------------------------
 
 

@@ -67,12 +67,13 @@ def newline_tokens(tokenizer) -> tuple[int, ...]:
 
 def arithmetic_task(n_val: int = 300, n_test: int = 700) -> SpecTask:
     from verinfer.models.corpus import heldout_problems, train_problems
-    from verinfer.models.testbed import DRAFT_DIR, TARGET_DIR, load_tokenizer
+    from verinfer.models.load import load_tokenizer
+    from verinfer.models.testbed import DRAFT_DIR, TARGET_DIR, TOKENIZER_DIR
     from verinfer.speculative.autojudge import final_answer
 
     if n_val > 300 or n_test > 700:
         raise ValueError(f"the held-out set has 300 validation and 700 test problems (asked {n_val}, {n_test})")
-    tok = load_tokenizer()
+    tok = load_tokenizer(TOKENIZER_DIR)
     held = heldout_problems(1000)
     val, test = held[:n_val], held[300:300 + n_test]
     enc = lambda ps: [tok.encode(q, add_special_tokens=False) for q, _ in ps]  # noqa: E731

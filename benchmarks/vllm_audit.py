@@ -207,11 +207,11 @@ def main() -> None:
         if "honest" in gens and not t_runs["replay"]:
             claims = gens["honest"].claims
             pairs = [(c.prompt_token_ids, c.output_token_ids) for c in claims]
-            engine.score(pairs)  # warm-up
-            engine_other.score(pairs)
+            engine.replay(pairs)  # warm-up
+            engine_other.replay(pairs)
             for k in range(3):  # interleaved rounds
                 c0, t0 = cpu_seconds(), time.perf_counter()
-                engine.score(pairs)
+                engine.replay(pairs)
                 t_runs["replay"].append(time.perf_counter() - t0)
                 t_runs["replay_cpu"].append(cpu_seconds() - c0)
                 t0 = time.perf_counter()  # the whole audit scoring: replay + Token-DiFR scores + Parquet
@@ -219,11 +219,11 @@ def main() -> None:
                 t_runs["score"].append(time.perf_counter() - t0)
                 (cache / f"timing-{k}.parquet").unlink()
                 t0 = time.perf_counter()
-                engine_other.score(pairs)
+                engine_other.replay(pairs)
                 t_runs["replay_other"].append(time.perf_counter() - t0)
                 torch.set_num_threads(1)  # as vLLM's worker (it still keeps both cores busy, gen_cpu)
                 t0 = time.perf_counter()
-                engine.score(pairs)
+                engine.replay(pairs)
                 t_runs["replay_1_thread"].append(time.perf_counter() - t0)
                 torch.set_num_threads(all_threads)
 

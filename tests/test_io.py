@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from verinfer.errors import VerinferError
-from verinfer.io import (OutputBusyError, ProgressBar, ResumableParts, atomic_write, atomic_write_json, atomic_write_parquet,
+from verinfer.progress import ProgressBar
+from verinfer.io import (OutputBusyError, ResumableParts, atomic_write, atomic_write_json, atomic_write_parquet,
                          atomic_write_text, check_writable, exclusive_lock, update_json_section)
 
 

@@ -20,38 +20,38 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Iterator, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, model_validator
 
-from verinfer.errors import ClaimError
+from verinfer.errors import ClaimError, UnknownNameError
 from verinfer.io import atomic_write_text
-from verinfer.sampling.params import NOISE_BACKENDS, SamplingParams
+from verinfer.sampling.noise import NOISE_BACKENDS
+from verinfer.sampling.params import SamplingParamError, SamplingParams, check_sampling
 
 TokenIds = list[StrictInt]
 
 
 class SamplingRecord(BaseModel):
-    """The sampling settings the provider claims; finite numbers only (NaN / inf are refused)."""
+    """The sampling settings the provider claims; finite numbers only (NaN / inf are refused).
+    The ranges are sampling.params.check_sampling's, the one validation SamplingParams runs too."""
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
-    temperature: float = Field(1.0, ge=0.0, le=100.0)
+    temperature: float = 1.0
     top_k: StrictInt = -1
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    min_p: float = Field(0.0, ge=0.0, le=1.0)
-    seed: StrictInt | None = Field(None, ge=0, lt=2**63)
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: StrictInt | None = None
     noise: str = "vllm-cpu"
 
-    @field_validator("noise")
-    @classmethod
-    def _known_noise(cls, v: str) -> str:
-        if v not in NOISE_BACKENDS:
-            raise ValueError(f"{v!r} is not a known noise backend (use one of {', '.join(NOISE_BACKENDS)})")
-        return v
-
     @model_validator(mode="after")
-    def _seeded(self) -> "SamplingRecord":
-        if self.temperature > 0 and self.seed is None:
-            raise ValueError("`sampling.seed` is missing but temperature > 0: a seeded replay needs the seed the "
-                             "provider sampled with (ask the provider to send it, or audit temperature-0 requests)")
+    def _in_range(self) -> "SamplingRecord":
+        try:
+            check_sampling(temperature=self.temperature, top_p=self.top_p, min_p=self.min_p, seed=self.seed,
+                           noise=self.noise)
+        except SamplingParamError as e:  # name the field the way the reader names every field
+            raise ValueError(f"`sampling.{e.field}` {e.detail}") from None
+        except UnknownNameError as e:
+            raise ValueError(f"`sampling.noise` {self.noise!r} is not a known noise backend "
+                             f"(use one of {', '.join(NOISE_BACKENDS)})") from None
         return self
 
 

@@ -38,3 +38,8 @@ def api_error_message(e) -> str:
         return body.get("error", {}).get("message") or body.get("message") or e.response.text[:300]
     except Exception:
         return str(e)[:300]
+
+
+class UnknownNameError(VerinferError, ValueError):
+    """A name that no registry entry has (verinfer.registry). Also a ValueError: it is an invalid
+    argument value, and callers that validate arguments catch ValueError."""

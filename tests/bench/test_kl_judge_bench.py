@@ -4,7 +4,8 @@ import pytest
 from rich.console import Console
 
 from benchmarks.kl_judge import ROOT, criteria_table, parser
-from verinfer.models.testbed import DRAFT_DIR, load_tokenizer
+from verinfer.models.load import load_tokenizer
+from verinfer.models.testbed import DRAFT_DIR, TOKENIZER_DIR
 from benchmarks.kl_judge_bench import GRIDS, accuracy, agreement, cost_model, select_thresholds, summarize
 from benchmarks.spec_tasks import arithmetic_task
 from verinfer.speculative.decoder import SpecOutput
@@ -27,7 +28,7 @@ def test_select_thresholds_max_mat_within_half_a_point():
 
 
 def test_accuracy_agreement_and_mat():
-    tok = load_tokenizer()
+    tok = load_tokenizer(TOKENIZER_DIR)
     enc = lambda s: tok.encode(s, add_special_tokens=False)  # noqa: E731
     problems = [("Q: 1+1=\nA: ", "2"), ("Q: 5*5=\nA: ", "25"), ("Q: 9-3=\nA: ", "6")]
     outs = [SpecOutput([], enc("2\n"), "ab", "stop", target_forwards=1),
@@ -148,7 +149,7 @@ def test_fr_spec_method_is_standard_verification_with_the_counted_head(tmp_path)
     from verinfer.models.llama import LlamaLM
     from verinfer.models.testbed import TARGET_DIR
 
-    tok = load_tokenizer()
+    tok = load_tokenizer(TOKENIZER_DIR)
     texts = ["import os\nimport ", "    def __init__(self", "Q: 12+30=\nA: "]
     prompts = [tok.encode(t, add_special_tokens=False) for t in texts]
     target, draft = LlamaLM.from_pretrained(TARGET_DIR), LlamaLM.from_pretrained(DRAFT_DIR)

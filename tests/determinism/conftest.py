@@ -1,6 +1,6 @@
 import pytest
 
-from verinfer.determinism.invariant import batch_invariant, fixed_shape
+from verinfer.determinism.invariant import fixed_shape_model, tiled_model
 from verinfer.engine.engine import Engine
 from verinfer.models.load import load_model
 from verinfer.models.testbed import TARGET_DIR
@@ -17,13 +17,13 @@ def bf16_model():
 @pytest.fixture(scope="session")
 def det_engine(bf16_model):
     """The fixed-shape deterministic path: reference and verifier of every policy."""
-    return Engine(fixed_shape(bf16_model), BF16, eos_token_id=None)
+    return Engine(fixed_shape_model(bf16_model), BF16, eos_token_id=None)
 
 
 @pytest.fixture(scope="session")
 def tiled_engine(bf16_model):
     """The op-level batch-invariant path (fixed-shape tiles): the batch_invariant baseline."""
-    return Engine(batch_invariant(bf16_model), BF16, eos_token_id=None)
+    return Engine(tiled_model(bf16_model), BF16, eos_token_id=None)
 
 
 @pytest.fixture(scope="session", params=["fixed_shape", "tiled"])

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from verinfer.determinism.invariant import fixed_shape
+from verinfer.determinism.invariant import fixed_shape_model
 from verinfer.engine.engine import Request
 from verinfer.numerics import kernels
 from verinfer.numerics.kernels import Tiled
@@ -103,12 +103,12 @@ def test_fixed_shape_reads_slot_multiples_and_rejects_positions_past_its_slots(d
 def test_fixed_shape_falls_back_to_tiles_for_a_gemm_that_fails_the_check(bf16_model, monkeypatch):
     """A weight whose GEMM is not certified row-invariant runs in fixed tiles; bits unchanged
     here (where the GEMMs are row-invariant), and the result stays batch-invariant."""
-    certified = fixed_shape(bf16_model)
+    certified = fixed_shape_model(bf16_model)
     failing = sorted(n for n, W in bf16_model.w.items() if W.dim() == 2 and n != "embed_tokens.weight"
                      and not kernels._gemm_row_invariant(W.shape[0], W.shape[1], W.dtype, W.device))
     assert certified.kernels.certify()["tiled"] == failing  # CPU-dependent: [] on some, the 4 down_proj (688 in) on others
     monkeypatch.setattr(kernels, "_gemm_row_invariant", lambda *a, **k: False)
-    tiled = fixed_shape(bf16_model)
+    tiled = fixed_shape_model(bf16_model)
     assert "lm_head.weight" in tiled.kernels.tiled and len(tiled.kernels.tiled) == 29
     seq = torch.tensor(_prompts(3, seed=12, lo=9, hi=10))
     pos = torch.arange(9)[None].expand(3, -1)
@@ -123,7 +123,7 @@ def test_fixed_shape_refuses_attention_that_fails_the_check(bf16_model, monkeypa
 
     monkeypatch.setattr(kernels, "_attention_item_invariant", lambda *a, **k: False)
     with pytest.raises(NumericsError, match="batch_invariant"):
-        fixed_shape(bf16_model)
+        fixed_shape_model(bf16_model)
 
 
 def test_default_bf16_path_is_not_batch_invariant_with_mixed_lengths(fast_engine, det_engine):

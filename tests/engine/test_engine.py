@@ -70,7 +70,7 @@ def test_score_replays_the_decode_logits(tiny_llama_dir):
     while not batch.finished:
         step_logits.append(batch.logits_BV.clone())
         eng.decode_step(batch)
-    replays = eng.score([(r.prompt_token_ids, batch.outputs[b]) for b, r in enumerate(reqs)], batch_tokens=40)
+    replays = eng.replay([(r.prompt_token_ids, batch.outputs[b]) for b, r in enumerate(reqs)], batch_tokens=40)
     for b, rp in enumerate(replays):
         assert rp.logits_TV.shape == (10, 97)
         ref = torch.stack([s[b] for s in step_logits])
@@ -80,7 +80,7 @@ def test_score_replays_the_decode_logits(tiny_llama_dir):
 def test_score_hidden_states_and_rollback(tiny_llama_dir):
     eng = _engine(tiny_llama_dir)
     p, o = _prompts(1, seed=5)[0], [5, 6, 7, 8]
-    rp = eng.score([(p, o)], hidden_layer=-1)[0]
+    rp = eng.replay([(p, o)], hidden_layer=-1)[0]
     assert rp.hidden_TD.shape == (4, 64)
     # rollback + re-extend reproduces the same logits (speculative decoding relies on this)
     batch = eng.prefill([Request("a", p, SamplingParams(temperature=0.0, max_tokens=8))])
@@ -106,7 +106,7 @@ def test_nan_logits_are_a_clear_error(tiny_llama_dir):
     eng = _engine(tiny_llama_dir)
     eng.model.w["layers.1.mlp.down_proj.weight"][0, 0] = float("nan")
     with pytest.raises(NumericsError, match="replay of claim #0"):
-        eng.score([([3, 4, 5], [6, 7])])
+        eng.replay([([3, 4, 5], [6, 7])])
     with pytest.raises(NumericsError, match="prefill logits"):
         eng.prefill([Request("r", [3, 4, 5], SamplingParams(temperature=0.0, max_tokens=2))])
 
@@ -119,7 +119,7 @@ def test_generate_records_the_hidden_states_score_replays(tiny_llama_dir, layer)
     prompts = _prompts(4, seed=3)
     reqs = [Request(str(i), p, SamplingParams(temperature=1.0, seed=i, max_tokens=7)) for i, p in enumerate(prompts)]
     got = eng.generate(reqs, batch_size=3, hidden_layer=layer)
-    reps = eng.score([(c.prompt_token_ids, c.output_token_ids) for c in got], hidden_layer=layer)
+    reps = eng.replay([(c.prompt_token_ids, c.output_token_ids) for c in got], hidden_layer=layer)
     for c, r in zip(got, reps):
         assert c.hidden_TD.shape == r.hidden_TD.shape == (7, eng.model.config.hidden_size)
         torch.testing.assert_close(c.hidden_TD, r.hidden_TD, atol=1e-4, rtol=1e-4)

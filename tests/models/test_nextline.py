@@ -4,12 +4,13 @@ tokenization, answers are the rest of the line, grading is exact."""
 import pytest
 
 from verinfer.models import corpus, nextline
-from verinfer.models.testbed import load_tokenizer
+from verinfer.models.load import load_tokenizer
+from verinfer.models.testbed import TOKENIZER_DIR
 
 
 @pytest.fixture(scope="module")
 def tok():
-    return load_tokenizer()
+    return load_tokenizer(TOKENIZER_DIR)
 
 
 def test_problems_are_the_files_own_lines_and_deterministic(tok):

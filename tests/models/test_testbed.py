@@ -9,7 +9,7 @@ import re
 import pytest
 import torch
 
-from verinfer.models import corpus, testbed
+from verinfer.models import corpus, load, testbed
 
 
 def test_stdlib_source_is_deterministic_and_truncated():
@@ -74,7 +74,7 @@ def test_tiny_build_produces_loadable_safetensors_dirs(tiny_build):
         assert tok.decode(ids) == "def f(x):\n    return 12\n"
         with torch.no_grad():
             assert model(torch.tensor([ids])).logits.shape == (1, len(ids), len(tok))
-    assert testbed.load_tokenizer(out / "tokenizer").get_vocab() == tok.get_vocab()
+    assert load.load_tokenizer(out / "tokenizer").get_vocab() == tok.get_vocab()
 
 
 def test_tiny_build_is_reproducible(tiny_build, tmp_path):
@@ -86,7 +86,7 @@ def test_tiny_build_is_reproducible(tiny_build, tmp_path):
 
 def test_eval_prompts_are_deterministic_and_bounded(tiny_build):
     out, _ = tiny_build
-    tok = testbed.load_tokenizer(out / "tokenizer")
+    tok = load.load_tokenizer(out / "tokenizer")
     a = corpus.eval_prompts(tok, 8, seed=1, max_prompt_tokens=40)
     assert a == corpus.eval_prompts(tok, 8, seed=1, max_prompt_tokens=40)
     assert len(a) == 8 and all(0 < len(p) <= 40 for p in a)
@@ -123,4 +123,4 @@ def test_shipped_testbed_loads_and_matches_its_card():
         assert all(f.stat().st_size < 30_000_000 for f in files)
         model = LlamaForCausalLM.from_pretrained(d)
         assert sum(p.numel() for p in model.parameters()) == m[d.name]["parameters"]
-        assert AutoTokenizer.from_pretrained(d).get_vocab() == testbed.load_tokenizer().get_vocab()
+        assert AutoTokenizer.from_pretrained(d).get_vocab() == load.load_tokenizer(testbed.TOKENIZER_DIR).get_vocab()

@@ -11,7 +11,7 @@ import torch
 from verinfer.errors import ModelError
 from verinfer.models.testbed import TARGET_DIR, TESTBED_DIR
 from verinfer.sampling.params import SamplingParams
-from verinfer.server.generation import generate_steps, run_params
+from verinfer.server.generation import generate_steps
 from verinfer.server.registry import load_registry
 
 
@@ -24,6 +24,7 @@ def test_misconfigurations_change_what_is_sampled_not_what_is_claimed(registries
     claimed = SamplingParams(1.0, 50, 0.95, 0.0, 41, 8)
     greedy = SamplingParams(0.0, max_tokens=8)
     get = lambda m: registries[m]["target"]  # noqa: E731
+    run_params = lambda model, p: model.provider.run_params(p)  # noqa: E731
     assert run_params(get(None), claimed) == claimed
     assert run_params(get("temp-1.1"), claimed).temperature == pytest.approx(1.1)
     assert run_params(get("wrong-seed"), claimed).seed == 42

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from verinfer.models.llama import LlamaLM
-from verinfer.models.testbed import DRAFT_DIR, TARGET_DIR, load_tokenizer
+from verinfer.models.load import load_tokenizer
+from verinfer.models.testbed import DRAFT_DIR, TARGET_DIR, TOKENIZER_DIR
 from benchmarks.spec_tasks import newline_tokens
 from verinfer.speculative.autojudge import Judge, MinedSet, final_answer, mine, train_judge
 from verinfer.speculative.decoder import autoregressive
@@ -53,7 +54,7 @@ def test_single_class_labels_give_a_constant_judge():
 
 def test_mined_labels_match_direct_regeneration():
     torch.set_num_threads(1)
-    t, d, tok = LlamaLM.from_pretrained(TARGET_DIR), LlamaLM.from_pretrained(DRAFT_DIR), load_tokenizer()
+    t, d, tok = LlamaLM.from_pretrained(TARGET_DIR), LlamaLM.from_pretrained(DRAFT_DIR), load_tokenizer(TOKENIZER_DIR)
     stop = newline_tokens(tok)
     prompts = [tok.encode(q, add_special_tokens=False) for q in ("Q: 37+45=\nA: ", "Q: 9-7=\nA: ", "Q: 12*11=\nA: ")]
     m = mine(t, d, tok, prompts, 8, stop)

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from verinfer.models.llama import LlamaLM
-from verinfer.models.testbed import DRAFT_DIR, TARGET_DIR, load_tokenizer
+from verinfer.models.load import load_tokenizer
+from verinfer.models.testbed import DRAFT_DIR, TARGET_DIR, TOKENIZER_DIR
 from verinfer.speculative.decoder import SpeculativeDecoder, autoregressive
 from verinfer.speculative.lossless import two_token_chi_square
 from verinfer.speculative.rules import Rule
@@ -14,7 +15,7 @@ from verinfer.speculative.rules import Rule
 @pytest.fixture(scope="module")
 def models():
     torch.set_num_threads(1)
-    return LlamaLM.from_pretrained(TARGET_DIR), LlamaLM.from_pretrained(DRAFT_DIR), load_tokenizer()
+    return LlamaLM.from_pretrained(TARGET_DIR), LlamaLM.from_pretrained(DRAFT_DIR), load_tokenizer(TOKENIZER_DIR)
 
 
 def _chi2(target, outs, prompt, n):

@@ -10,7 +10,8 @@ import torch
 
 from verinfer.models.draft import load_counts, save_counts, token_counts
 from verinfer.models.llama import LlamaLM
-from verinfer.models.testbed import DRAFT_DIR, TARGET_DIR, load_tokenizer
+from verinfer.models.load import load_tokenizer
+from verinfer.models.testbed import DRAFT_DIR, TARGET_DIR, TOKENIZER_DIR
 from verinfer.speculative import draft_vocab as dv
 from verinfer.speculative.decoder import SpeculativeDecoder, autoregressive
 from verinfer.speculative.lossless import two_token_chi_square
@@ -21,7 +22,7 @@ from verinfer.speculative.rules import Rule
 @pytest.fixture(scope="module")
 def models():
     torch.set_num_threads(1)
-    return LlamaLM.from_pretrained(TARGET_DIR), LlamaLM.from_pretrained(DRAFT_DIR), load_tokenizer()
+    return LlamaLM.from_pretrained(TARGET_DIR), LlamaLM.from_pretrained(DRAFT_DIR), load_tokenizer(TOKENIZER_DIR)
 
 
 def test_ranking_coverage_and_size_rule():

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from verinfer.models.llama import LlamaLM
-from verinfer.models.testbed import DRAFT_DIR, TARGET_DIR, load_tokenizer
+from verinfer.models.load import load_tokenizer
+from verinfer.models.testbed import DRAFT_DIR, TARGET_DIR, TOKENIZER_DIR
 from verinfer.numerics.kernels import Fused
 from verinfer.engine.engine import Engine, Request
 from verinfer.sampling.params import SamplingParams
@@ -19,7 +20,7 @@ from verinfer.speculative.rules import Rule
 @pytest.fixture(scope="module")
 def models():
     torch.set_num_threads(1)
-    return LlamaLM.from_pretrained(TARGET_DIR), LlamaLM.from_pretrained(DRAFT_DIR), load_tokenizer()
+    return LlamaLM.from_pretrained(TARGET_DIR), LlamaLM.from_pretrained(DRAFT_DIR), load_tokenizer(TOKENIZER_DIR)
 
 
 def _prompts(tok):

@@ -12,7 +12,8 @@ from verinfer.claims import read_claims, write_claims
 from verinfer.cli.main import app
 from verinfer.errors import ClaimError
 from verinfer.models.llama import LlamaLM
-from verinfer.models.testbed import DRAFT_DIR, TARGET_DIR, load_tokenizer
+from verinfer.models.load import load_tokenizer
+from verinfer.models.testbed import DRAFT_DIR, TARGET_DIR, TOKENIZER_DIR
 from verinfer.speculative.spec_claims import check_events, spec_claims, verify_spec_claims
 from verinfer.speculative.rules import Rule
 
@@ -20,7 +21,7 @@ from verinfer.speculative.rules import Rule
 @pytest.fixture(scope="module")
 def models():
     torch.set_num_threads(1)
-    return LlamaLM.from_pretrained(TARGET_DIR), LlamaLM.from_pretrained(DRAFT_DIR), load_tokenizer()
+    return LlamaLM.from_pretrained(TARGET_DIR), LlamaLM.from_pretrained(DRAFT_DIR), load_tokenizer(TOKENIZER_DIR)
 
 
 def _claims(models, rule, temperature=1.0, n=6, max_tokens=24):

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from verinfer.determinism.scheduler import POLICIES, Scheduler, make_engines
 from verinfer.determinism.tau import calibrate, calibration_requests, read_tau, write_tau
 from verinfer.engine.engine import Request
-from verinfer.io import atomic_write_text, check_writable, progress_bar
+from verinfer.claims import Claim, write_claims
+from verinfer.io import check_writable
+from verinfer.progress import progress_bar
 from verinfer.models.load import model_info
 from verinfer.models.prompts import split_prompts
 from verinfer.sampling.params import SamplingParams
@@ -30,12 +31,12 @@ def run_calibrate(model_dir, out=DEFAULT_TAU_FILE, n: int = 16, max_batch: int =
 
 def generate(model_dir, out, *, policy: str = "margingate", n: int = 8, max_tokens: int = 64, seed: int = 0,
              max_batch: int = 16, tau: float | None = None, tau_file=DEFAULT_TAU_FILE, protect_every: int = 1,
-             window: int = 64, device: str = "cpu") -> list[dict]:
+             window: int = 64, device: str = "cpu") -> list[Claim]:
     """Greedy generation with a determinism policy; every `protect_every`-th request is protected
-    (the others share the batch on the bf16 path). Writes one JSON line per request."""
+    (the others share the batch on the bf16 path). Writes the claims (claims.write_claims), each
+    with the extra field `deterministic`: the policy for a protected request, else null."""
     check_writable(out, "completions file")
-    if policy not in POLICIES:
-        raise ValueError(f"--deterministic must be one of {tuple(POLICIES)}, got {policy!r}")
+    POLICIES.get(policy)  # an unknown policy fails before the model loads, naming the policies
     info = model_info(model_dir)
     if policy in ("margingate", "gated_llm42") and tau is None:
         tau = read_tau(tau_file, info.name)
@@ -48,8 +49,7 @@ def generate(model_dir, out, *, policy: str = "margingate", n: int = 8, max_toke
     fast = eng.layercast if policy == "layercast" else eng.fast
     det = eng.tiled if policy == "batch_invariant" else eng.det
     outs, st = Scheduler(fast, det, policy, tau=tau or 0.0, window=window, max_batch=max_batch).run(reqs, protected)
-    rows = [dict(id=r.id, model=info.name, prompt_token_ids=r.prompt_token_ids, output_token_ids=outs[r.id],
-                 sampling=dict(temperature=0.0, top_k=-1, top_p=1.0, min_p=0.0, seed=None, noise="vllm-cpu"),
-                 deterministic=policy if r.id in protected else None) for r in reqs]
-    atomic_write_text(out, "".join(json.dumps(x) + "\n" for x in rows))
-    return rows
+    claims = [Claim(r.id, info.name, r.prompt_token_ids, outs[r.id], params,
+                    extra={"deterministic": policy if r.id in protected else None}) for r in reqs]
+    write_claims(out, claims)
+    return claims

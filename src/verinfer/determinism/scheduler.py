@@ -25,17 +25,18 @@ from dataclasses import dataclass
 from typing import Callable
 
 from verinfer.determinism import llm42, margingate, policies
-from verinfer.determinism.invariant import batch_invariant, fixed_shape, layercast
+from verinfer.determinism.invariant import fixed_shape_model, layercast_model, tiled_model
 from verinfer.determinism.policies import Policy, Row, Stats
 from verinfer.engine.engine import Batch, Engine, Request, join, select_rows
 from verinfer.models.load import load_model
 from verinfer.numerics import Numerics
+from verinfer.registry import Registry
 
-POLICIES: dict[str, Callable[..., Policy]] = {
+POLICIES: Registry[Callable[..., Policy]] = Registry("determinism policy", {
     "bf16": policies.bf16, "batch_invariant": policies.batch_invariant, "layercast": policies.layercast,
     "margingate": margingate.margingate, "llm42": llm42.llm42, "gated_llm42": llm42.gated_llm42,
     "best": policies.best,
-}
+})
 
 
 @dataclass
@@ -54,20 +55,18 @@ def make_engines(model_dir, device="cpu", prefill_chunk: int = 16, threads: int 
     num = Numerics(dtype="bf16", threads=threads)
     m = load_model(model_dir, num, device)
     with num.threads_ctx():  # certify the kernels at the thread count they will run with
-        det = fixed_shape(m)
+        det = fixed_shape_model(m)
     return Engines(Engine(m, num.with_(prefill_chunk=prefill_chunk), eos_token_id=None),
                    Engine(det, num, eos_token_id=None),
-                   Engine(batch_invariant(m, key_slots=tiled_key_slots), num, eos_token_id=None),
-                   Engine(layercast(m), num.with_(dtype="fp32", prefill_chunk=prefill_chunk), eos_token_id=None))
+                   Engine(tiled_model(m, key_slots=tiled_key_slots), num, eos_token_id=None),
+                   Engine(layercast_model(m), num.with_(dtype="fp32", prefill_chunk=prefill_chunk), eos_token_id=None))
 
 
 class Scheduler:
     def __init__(self, fast: Engine, det: Engine, policy: str = "bf16", tau: float = 0.0, window: int = 64,
                  max_batch: int = 16, record_margins: bool = False, commit_verified: bool = True):
-        if policy not in POLICIES:
-            raise ValueError(f"policy must be one of {tuple(POLICIES)}, got {policy!r}")
         self.fast, self.det, self.policy_name = fast, det, policy
-        self.policy = POLICIES[policy](tau=tau, window=window, commit_verified=commit_verified)
+        self.policy = POLICIES.get(policy)(tau=tau, window=window, commit_verified=commit_verified)
         self.max_batch = max_batch
         self.record_margins = record_margins
         self.slots = fast.max_positions + 1

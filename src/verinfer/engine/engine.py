@@ -1,4 +1,4 @@
-"""Batched inference over a KV cache: `prefill`, `decode_step`, `generate`, and `score`
+"""Batched inference over a KV cache: `prefill`, `decode_step`, `generate`, and `replay`
 (teacher-forced replay of claimed tokens, one forward per claim, batched across claims).
 
 Rows are right-padded; each row owns the cache slots 0..len-1 (slot = absolute position), so
@@ -21,7 +21,7 @@ from verinfer.errors import NumericsError
 from verinfer.models.llama import KVCache, LlamaLM
 from verinfer.numerics import Numerics
 from verinfer.sampling.noise import get_backend
-from verinfer.sampling.params import SamplingParams
+from verinfer.sampling.params import SamplingParams, stop_reason
 from verinfer.sampling.sampler import sample_batch
 
 
@@ -138,8 +138,9 @@ def check_finite(logits: torch.Tensor, what: str) -> None:
 
 class Engine:
     def __init__(self, model: LlamaLM, numerics: Numerics = Numerics(), eos_token_id: int | None = None,
-                 packed_replay: bool = True, lean_prefill: bool = False):
-        """packed_replay: `score` runs linear layers, norms and RoPE on the real tokens only,
+                 packed_replay: bool = True, lean_prefill: bool = False, stop_token_ids: tuple[int, ...] = ()):
+        """eos_token_id and stop_token_ids: a row that samples one of them finishes ("stop").
+        packed_replay: `replay` runs linear layers, norms and RoPE on the real tokens only,
         not on the padding of its length-sorted batches (LlamaLM's lengths_B).
         lean_prefill: prefill runs the lm_head only at the positions whose logits it returns (the
         speculative decoders' engines); False runs it at every position of each prefill chunk,
@@ -150,6 +151,7 @@ class Engine:
         self.lean_prefill = lean_prefill
         self.numerics = numerics
         self.eos_token_id = eos_token_id
+        self.stop_token_ids = frozenset(stop_token_ids) | ({eos_token_id} if eos_token_id is not None else set())
         self.vocab_size = model.config.vocab_size
         self.max_positions = model.config.max_position_embeddings
 
@@ -162,7 +164,7 @@ class Engine:
                 hidden_layer: int | None = None) -> Batch:
         """Run the prompts (right-padded, optionally in chunks) and return the decoding state.
         With hidden_layer set, decode_step records, per row, the hidden state at the position
-        that produced each sampled token (the rows `score(..., hidden_layer)` returns)."""
+        that produced each sampled token (the rows `replay(..., hidden_layer)` returns)."""
         return self.prefill_extend(requests, None, extra_slots, hidden_layer)[0]
 
     @torch.no_grad()
@@ -292,6 +294,14 @@ class Engine:
     @torch.no_grad()
     def decode_step(self, batch: Batch, sampler=None) -> torch.Tensor:
         """Sample one token per unfinished row, record it, and run it through the model."""
+        tokens_B = self.emit(batch, sampler)
+        self.advance(batch, tokens_B)
+        return tokens_B
+
+    @torch.no_grad()
+    def emit(self, batch: Batch, sampler=None) -> torch.Tensor:
+        """The first half of `decode_step`: sample one token per unfinished row and record it
+        (outputs, hidden state, finish reason by the stop rule, sampling.params.stop_reason)."""
         tokens_B = self.sample(batch, sampler).to(self.device)
         for b, r in enumerate(batch.requests):
             if batch.done_B[b]:
@@ -300,10 +310,15 @@ class Engine:
             batch.outputs[b].append(tok)
             if batch.hidden_BD is not None:
                 batch.hiddens[b].append(batch.hidden_BD[b].cpu())
-            if self.eos_token_id is not None and tok == self.eos_token_id:
-                batch.done_B[b], batch.finish[b] = True, "stop"
-            elif len(batch.outputs[b]) >= r.params.max_tokens:
-                batch.done_B[b], batch.finish[b] = True, "length"
+            reason = stop_reason(tok, len(batch.outputs[b]), r.params.max_tokens, self.stop_token_ids)
+            if reason is not None:
+                batch.done_B[b], batch.finish[b] = True, reason
+        return tokens_B
+
+    @torch.no_grad()
+    def advance(self, batch: Batch, tokens_B: torch.Tensor) -> None:
+        """The second half of `decode_step`: run the emitted tokens through the model (unless
+        every row has finished), giving each row's next logits."""
         if not batch.finished:
             logits_BTV, hidden_BTD = self.extend(batch, tokens_B[:, None], hidden_layer=batch.hidden_layer)
             batch.logits_BV = logits_BTV[:, 0]
@@ -311,21 +326,34 @@ class Engine:
                 batch.hidden_BD = hidden_BTD[:, 0].float()
             check_finite(batch.logits_BV[[b for b in range(len(batch.requests)) if not batch.done_B[b]]],
                          "decode logits")
-        return tokens_B
 
     def generate(self, requests: list[Request], batch_size: int = 8, sampler=None,
-                 progress=None, hidden_layer: int | None = None) -> list[Completion]:
+                 progress=None, hidden_layer: int | None = None, *, drop_finished: bool = False,
+                 extra_slots: int | None = None) -> list[Completion]:
         """Generate every request, `batch_size` at a time (static batches, in order). With
-        hidden_layer, each Completion carries hidden_TD (fp32), the rows `score` replays."""
+        hidden_layer, each Completion carries hidden_TD (fp32), the rows `replay` replays.
+        drop_finished: a finished row leaves the batch before the next forward (the speculative
+        decoders' target-only baseline); by default it stays and is fed its last token (the bits
+        every recorded claim was produced with). extra_slots: `prefill`'s."""
         out: list[Completion] = []
         for i in range(0, len(requests), batch_size):
             group = requests[i : i + batch_size]
-            batch = self.prefill(group, hidden_layer=hidden_layer)
+            batch = self.prefill(group, extra_slots=extra_slots, hidden_layer=hidden_layer)
+            rows = list(range(len(group)))  # the group index of each batch row
+            done: list[Completion | None] = [None] * len(group)
             while not batch.finished:
-                self.decode_step(batch, sampler)
-            for b, r in enumerate(group):
-                h = torch.stack(batch.hiddens[b]) if hidden_layer is not None else None
-                out.append(Completion(r.id, list(r.prompt_token_ids), batch.outputs[b], r.params, batch.finish[b], h))
+                tokens_B = self.emit(batch, sampler)
+                if drop_finished and any(batch.done_B):
+                    for b in (b for b, d in enumerate(batch.done_B) if d):
+                        done[rows[b]] = _completion(batch, b)
+                    keep = [b for b, d in enumerate(batch.done_B) if not d]
+                    if not keep:
+                        break
+                    batch, tokens_B, rows = select_rows(batch, keep), tokens_B[keep], [rows[b] for b in keep]
+                self.advance(batch, tokens_B)
+            for b, g in enumerate(rows):
+                done[g] = done[g] or _completion(batch, b)
+            out += done  # type: ignore[arg-type]
             if progress is not None:
                 progress(len(group))
         return out
@@ -335,7 +363,7 @@ class Engine:
     def forward_sequence(self, tokens_T: list[int], hidden_layer: int | None = None):
         """One sequence teacher-forced without a cache: (logits_TV fp32, hidden_TD or None) at
         EVERY position (row t: the distribution of token t+1). For checks that read each position
-        of one sequence (AutoJudge mining, speculative-claim checks); `score` batches many claims
+        of one sequence (AutoJudge mining, speculative-claim checks); `replay` batches many claims
         and returns their output positions only."""
         tokens_1T = torch.tensor([tokens_T], device=self.device)
         with self.numerics.threads_ctx():
@@ -400,8 +428,8 @@ class Engine:
         if group:
             yield forward()
 
-    def score(self, pairs: list[tuple[list[int], list[int]]], batch_tokens: int = 2048,
-              hidden_layer: int | None = None) -> list[Replay]:
+    def replay(self, pairs: list[tuple[list[int], list[int]]], batch_tokens: int = 2048,
+               hidden_layer: int | None = None) -> list[Replay]:
         """Teacher-forced replay (`replay_batches`) gathered per claim on the host: the logits
         each output token was sampled from, and hidden states at those steps if asked. For
         scoring at the device's speed use `replay_batches` (audit/replay.py does)."""
@@ -415,3 +443,12 @@ class Engine:
                 results[i] = Replay(logits_NV[o : o + n], None if hidden_ND is None else hidden_ND[o : o + n])
                 o += n
         return results  # type: ignore[return-value]
+
+    score = replay  # the name audit/references.py still calls; `replay` says what it returns
+
+
+def _completion(batch: Batch, b: int) -> Completion:
+    """Row b of a batch as a Completion (hidden_TD: the recorded hidden states, if any)."""
+    r = batch.requests[b]
+    h = torch.stack(batch.hiddens[b]) if batch.hidden_layer is not None else None
+    return Completion(r.id, list(r.prompt_token_ids), batch.outputs[b], r.params, batch.finish[b], h)

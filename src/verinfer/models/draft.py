@@ -34,8 +34,10 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from verinfer.io import ProgressBar, atomic_save_safetensors, atomic_write_json, atomic_write_text
+from verinfer.progress import ProgressBar
+from verinfer.io import atomic_save_safetensors, atomic_write_json, atomic_write_text
 from verinfer.models import corpus, load
+from verinfer.models.llama import read_model_config
 from verinfer.models.testbed import SEQ_LEN, fit, window_order
 
 TOP_K = 32
@@ -226,7 +228,7 @@ def make_student(target_dir: Path, seed: int, arch: dict | None = None):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     arch = dict(DRAFT_ARCH, **(arch or {}))
-    tc = json.loads((Path(target_dir) / "config.json").read_text())
+    tc = read_model_config(target_dir)
     cfg = LlamaConfig(vocab_size=tc["vocab_size"], max_position_embeddings=tc["max_position_embeddings"],
                       rms_norm_eps=tc.get("rms_norm_eps", 1e-5),
                       rope_parameters={"rope_type": "default", "rope_theta": float(tc.get("rope_theta", 10000.0))},

@@ -42,6 +42,23 @@ from verinfer.numerics.kernels import Native
 SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 
+def read_model_config(local_dir: str | Path) -> dict:
+    """The JSON object in `local_dir`/config.json (the one reader of it), or a ModelError that
+    names the file and says what to do."""
+    cfg_path = Path(local_dir) / "config.json"
+    if not cfg_path.is_file():
+        raise ModelError("no config.json here", where=str(local_dir), fix="pass a save_pretrained directory")
+    try:
+        cfg = json.loads(cfg_path.read_text())
+    except json.JSONDecodeError as e:
+        raise ModelError(f"config.json is not valid JSON ({e.msg} at column {e.colno})", where=f"{cfg_path}:{e.lineno}",
+                         fix="the file looks truncated or hand-edited: re-save the model with save_pretrained") from None
+    if not isinstance(cfg, dict):
+        raise ModelError("config.json must hold a JSON object", where=str(cfg_path),
+                         fix="re-save the model with save_pretrained")
+    return cfg
+
+
 @dataclass(frozen=True)
 class LlamaConfig:
     vocab_size: int
@@ -58,6 +75,11 @@ class LlamaConfig:
     attention_bias: bool
     qk_norm: bool
     model_type: str
+
+    @classmethod
+    def from_dir(cls, local_dir: str | Path) -> "LlamaConfig":
+        """The config of a save_pretrained directory (read_model_config, then from_dict)."""
+        return cls.from_dict(read_model_config(local_dir), where=str(Path(local_dir) / "config.json"))
 
     @classmethod
     def from_dict(cls, cfg: dict, where: str = "config.json") -> "LlamaConfig":
@@ -233,14 +255,7 @@ class LlamaLM(torch.nn.Module):
         """Load config.json + *.safetensors. weight_transform(dict) -> dict runs on the fp32
         weights before the cast to `dtype` (numerics: fake-quantization)."""
         d = Path(local_dir)
-        cfg_path = d / "config.json"
-        if not cfg_path.is_file():
-            raise ModelError("no config.json", where=str(d), fix="point at a save_pretrained directory")
-        try:
-            cfg = json.loads(cfg_path.read_text())
-        except json.JSONDecodeError as e:
-            raise ModelError(f"config.json is not valid JSON ({e.msg})", where=f"{cfg_path}:{e.lineno}") from e
-        config = LlamaConfig.from_dict(cfg, where=str(cfg_path))
+        config = LlamaConfig.from_dir(d)
         files = sorted(d.glob("*.safetensors"))
         if not files:
             raise ModelError("no *.safetensors weights (pickle checkpoints are refused)", where=str(d),

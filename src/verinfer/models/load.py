@@ -7,7 +7,6 @@ names the checkpoint answers to, and content hash, so claims made for another mo
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,7 +14,7 @@ import torch
 
 from verinfer.errors import ModelError
 from verinfer.io import sha256_files
-from verinfer.models.llama import LlamaLM
+from verinfer.models.llama import LlamaLM, read_model_config
 from verinfer.numerics import Numerics
 from verinfer.numerics.kernels import Native
 
@@ -35,17 +34,8 @@ class ModelInfo:
 
 def model_info(local_dir: str | Path) -> ModelInfo:
     d = Path(local_dir)
-    if not (d / "config.json").is_file():
-        raise ModelError("no config.json here", where=str(d), fix="pass a save_pretrained directory")
+    cfg = read_model_config(d)
     cfg_path = d / "config.json"
-    try:
-        cfg = json.loads(cfg_path.read_text())
-    except json.JSONDecodeError as e:
-        raise ModelError(f"config.json is not valid JSON ({e.msg} at column {e.colno})", where=f"{cfg_path}:{e.lineno}",
-                         fix="the file looks truncated or hand-edited: re-save the model with save_pretrained") from None
-    if not isinstance(cfg, dict):
-        raise ModelError("config.json must hold a JSON object", where=str(cfg_path),
-                         fix="re-save the model with save_pretrained")
     for key in ("vocab_size", "hidden_size"):
         if not isinstance(cfg.get(key), int) or isinstance(cfg.get(key), bool):
             raise ModelError(f"`{key}` is missing or not an integer (got {cfg.get(key)!r})", where=f"{cfg_path}: {key}",

@@ -33,8 +33,9 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from verinfer.io import ProgressBar, atomic_save_safetensors, atomic_write_json
-from verinfer.models import corpus, load
+from verinfer.progress import ProgressBar
+from verinfer.io import atomic_save_safetensors, atomic_write_json
+from verinfer.models import corpus
 
 TESTBED_DIR = Path(__file__).parent / "testbed"
 TARGET_DIR = TESTBED_DIR / "target"
@@ -115,11 +116,6 @@ def save_tokenizer(tokenizer, d: Path) -> None:
     cfg = json.loads(cfg_p.read_text())
     cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
     cfg_p.write_text(json.dumps(cfg, indent=2) + "\n")
-
-
-def load_tokenizer(path: str | Path = TOKENIZER_DIR):
-    """The testbed tokenizer (or any save_pretrained tokenizer dir): models.load.load_tokenizer."""
-    return load.load_tokenizer(path)
 
 
 def encode_docs(tokenizer, docs: list[str]) -> torch.Tensor:

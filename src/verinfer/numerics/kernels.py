@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from verinfer.errors import NumericsError
+from verinfer.registry import Registry
 
 ROW_TILE = 64
 QUERY_TILE = 8
@@ -432,11 +433,10 @@ class FixedShape(Native):
         return _sdpa_packed(q_BHTE, k_BGSE, v_BGSE, mask_BTS)
 
 
-KERNELS = {k.name: k for k in (Native, Fused, FixedShape, Tiled, LayerCast)}
+KERNELS: Registry[type[Native]] = Registry("kernel strategy",
+                                           {k.name: k for k in (Native, Fused, FixedShape, Tiled, LayerCast)})
 
 
 def get_kernels(name: str, **options) -> Native:
     """A strategy by name: native | fused | fixed_shape | tiled | layercast."""
-    if name not in KERNELS:
-        raise ValueError(f"unknown kernel strategy {name!r}; choose one of {sorted(KERNELS)}")
-    return KERNELS[name](**options)
+    return KERNELS.get(name)(**options)

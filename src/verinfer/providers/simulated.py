@@ -13,15 +13,16 @@ draws 1% of tokens uniformly from the top-k. The claim always states the adverti
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from verinfer.claims import Claim
-from verinfer.engine.engine import Engine, Request
+from verinfer.engine.engine import Completion, Engine, Request
 from verinfer.fingerprint import encode
 from verinfer.models.load import load_model, model_info
 from verinfer.numerics import Numerics
-from verinfer.sampling.params import SamplingParams
+from verinfer.registry import Registry
+from verinfer.sampling.params import SamplingParams, misconfigured
 from verinfer.sampling.bug import buggy_sampler
 
 
@@ -37,11 +38,16 @@ class ProviderConfig:
     bug_k: int | None = None          # None: the request's top_k
     description: str = ""
 
+    def run_params(self, claimed: SamplingParams) -> SamplingParams:
+        """What this provider really samples with when it claims `claimed`: its temperature and
+        seed offset applied (sampling.params.misconfigured)."""
+        return misconfigured(claimed, self.temperature, self.seed_offset)
+
 
 # The advertised specification of the demo (the paper's reference: T=1, top-k 50, top-p 0.95).
 DEFAULT_SPEC = dict(temperature=1.0, top_k=50, top_p=0.95, min_p=0.0, noise="vllm-cpu")
 
-HONEST = {
+HONEST: Registry[ProviderConfig] = Registry("honest provider", {
     "honest-bf16-b8": ProviderConfig("honest-bf16-b8", Numerics(dtype="bf16"), batch_size=8,
                                      description="bf16, sdpa, batches of 8 mixed-length requests"),
     "honest-bf16-b1": ProviderConfig("honest-bf16-b1", Numerics(dtype="bf16"), batch_size=1,
@@ -51,12 +57,12 @@ HONEST = {
     "honest-bf16-eager-t1": ProviderConfig("honest-bf16-eager-t1", Numerics(dtype="bf16", attn="eager", threads=1),
                                            batch_size=16, description="bf16, eager attention, 1 thread, batches of 16"),
     # Chunks of 13, not 16: CPU GEMMs tile rows in blocks of 16, so chunks of 16 tokens reproduced
-    # unchunked prefill bitwise (all 128 demo claims equal to honest-bf16-b8; issue 16 item 10).
+    # unchunked prefill bitwise (all 128 demo claims equal to honest-bf16-b8).
     # tests/providers/test_honest_variation.py checks that every honest configuration differs.
     "honest-bf16-chunk13": ProviderConfig("honest-bf16-chunk13", Numerics(dtype="bf16", prefill_chunk=13),
                                           batch_size=8, description="bf16, prompts prefilled in chunks of 13 tokens"),
-}
-MISCONFIGURED = {
+})
+MISCONFIGURED: Registry[ProviderConfig] = Registry("misconfiguration", {
     "int4": ProviderConfig("int4", Numerics(dtype="bf16", weight_bits=4), honest=False,
                            description="4-bit weights (simulated group-wise RTN, group 32)"),
     "fp8-kv": ProviderConfig("fp8-kv", Numerics(dtype="bf16", kv_cache="fp8_e4m3"), honest=False,
@@ -67,14 +73,13 @@ MISCONFIGURED = {
                                  description="samples with seed+1, claims seed"),
     "sampling-bug": ProviderConfig("sampling-bug", honest=False, bug_rate=0.01,
                                    description="1% of tokens drawn uniformly from the top-k"),
-}
-PROVIDERS = {**HONEST, **MISCONFIGURED}
+})
+PROVIDERS: Registry[ProviderConfig] = Registry("provider", {**HONEST, **MISCONFIGURED})
 
 
 def get_provider(name: str) -> ProviderConfig:
-    if name not in PROVIDERS:
-        raise ValueError(f"unknown provider {name!r}; choose one of {', '.join(PROVIDERS)}")
-    return PROVIDERS[name]
+    """The simulated provider called `name` (unknown: UnknownNameError listing the providers)."""
+    return PROVIDERS.get(name)
 
 
 def request_seed(base_seed: int, index: int) -> int:
@@ -89,47 +94,39 @@ def bug_sampler(cfg: ProviderConfig, seed: int):
 
 
 def run_provider(cfg: ProviderConfig, model_dir: str | Path, prompts: list[list[int]], advertised: SamplingParams,
-                 *, base_seed: int = 0, device: str = "cpu", progress=None, fingerprint=None,
-                 keep_hidden: bool = False) -> list[Claim]:
+                 *, base_seed: int = 0, device: str = "cpu", progress=None, fingerprint=None) -> list[Claim]:
     """Generate claims for these prompts as provider `cfg` would, advertising `advertised`.
-    fingerprint (audit.fingerprint.FingerprintSpec): attach Activation-DiFR fingerprints of the
-    provider's own hidden states as the claim field `activations`. keep_hidden: also keep the raw
-    hidden states (fp32, T x D) in `claim.hidden_TD` (benchmarks; never serialized)."""
+    fingerprint (verinfer.fingerprint.FingerprintSpec): attach Activation-DiFR fingerprints of the
+    provider's own hidden states as the claim field `activations`."""
     info = model_info(model_dir)
-    engine = Engine(load_model(model_dir, cfg.numerics, device), cfg.numerics, eos_token_id=info.eos_token_id)
-    requests, claimed = [], []
-    for i, prompt in enumerate(prompts):
-        seed = request_seed(base_seed, i)
-        claim_p = SamplingParams(advertised.temperature, advertised.top_k, advertised.top_p, advertised.min_p,
-                                 seed, advertised.max_tokens, advertised.noise)
-        run_p = SamplingParams(cfg.temperature if cfg.temperature is not None else claim_p.temperature,
-                               claim_p.top_k, claim_p.top_p, claim_p.min_p, seed + cfg.seed_offset,
-                               claim_p.max_tokens, claim_p.noise)
-        requests.append(Request(f"{cfg.name}-{i:05d}", list(prompt), run_p))
-        claimed.append(claim_p)
-    sampler = bug_sampler(cfg, base_seed + 7919) if cfg.bug_rate > 0 else None
-    # Mixed-length batches: sort nothing, so each batch holds whatever prompts arrived together.
-    layer = fingerprint.layer if fingerprint is not None else (-1 if keep_hidden else None)
-    completions = engine.generate(requests, batch_size=cfg.batch_size, sampler=sampler, progress=progress,
-                                  hidden_layer=layer)
+    claimed = claimed_params(prompts, advertised, base_seed)
+    completions = provider_generate(cfg, model_dir, prompts, claimed, base_seed=base_seed, device=device,
+                                    progress=progress, hidden_layer=fingerprint.layer if fingerprint else None)
     claims = []
     for c, p in zip(completions, claimed):
         claim = Claim(c.id, info.name, c.prompt_token_ids, c.output_token_ids, p, provider=cfg.name)
         if fingerprint is not None:
             claim.extra["activations"] = encode(c.hidden_TD, fingerprint)
-        if keep_hidden:
-            claim.hidden_TD = c.hidden_TD  # type: ignore[attr-defined]
         claims.append(claim)
     return claims
 
 
-# Honest configurations kept OUT of detector calibration (issue 4: a detector must hold its
-# false-positive rate on honest set-ups it never saw). Not in PROVIDERS: the demo is unchanged.
-HELDOUT_HONEST = {
-    "heldout-bf16-b3": ProviderConfig("heldout-bf16-b3", Numerics(dtype="bf16"), batch_size=3,
-                                      description="bf16, batches of 3 (held out of calibration)"),
-    "heldout-bf16-t1-b12": ProviderConfig("heldout-bf16-t1-b12", Numerics(dtype="bf16", threads=1), batch_size=12,
-                                          description="bf16, 1 thread, batches of 12 (held out)"),
-    "heldout-fp32-eager-b6": ProviderConfig("heldout-fp32-eager-b6", Numerics(dtype="fp32", attn="eager"),
-                                            batch_size=6, description="fp32, eager attention, batches of 6 (held out)"),
-}
+def claimed_params(prompts: list[list[int]], advertised: SamplingParams, base_seed: int = 0) -> list[SamplingParams]:
+    """The settings each request's claim states: the advertised ones with the request's own seed."""
+    return [replace(advertised, seed=request_seed(base_seed, i)) for i in range(len(prompts))]
+
+
+def provider_generate(cfg: ProviderConfig, model_dir: str | Path, prompts: list[list[int]],
+                      claimed: list[SamplingParams], *, base_seed: int = 0, device: str = "cpu", progress=None,
+                      hidden_layer: int | None = None) -> list[Completion]:
+    """The engine's completions of provider `cfg` for these prompts, each request sampled with
+    cfg.run_params of its claimed settings (hidden_layer: Completion.hidden_TD, engine.generate)."""
+    info = model_info(model_dir)
+    engine = Engine(load_model(model_dir, cfg.numerics, device), cfg.numerics, eos_token_id=info.eos_token_id)
+    requests = [Request(f"{cfg.name}-{i:05d}", list(prompt), cfg.run_params(p))
+                for i, (prompt, p) in enumerate(zip(prompts, claimed))]
+    sampler = bug_sampler(cfg, base_seed + 7919) if cfg.bug_rate > 0 else None
+    # Mixed-length batches: sort nothing, so each batch holds whatever prompts arrived together.
+    return engine.generate(requests, batch_size=cfg.batch_size, sampler=sampler, progress=progress,
+                           hidden_layer=hidden_layer)
+

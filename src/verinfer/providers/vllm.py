@@ -35,11 +35,16 @@ from safetensors.torch import load_file, save_file
 from verinfer.claims import Claim
 from verinfer.providers.simulated import request_seed
 from verinfer.errors import VerinferError
+from verinfer.models.llama import read_model_config
 from verinfer.models.load import model_info
 from verinfer.numerics import Numerics
-from verinfer.sampling.params import SamplingParams
+from verinfer.registry import Registry
+from verinfer.sampling.params import SamplingParams, misconfigured
 
-VLLM_RUNS = ("honest", "honest-b1", "int4", "fp8-kv", "temp-1.1", "wrong-seed")
+# run name -> what it changes in VllmRun (the provider's settings; "honest": nothing)
+VLLM_RUNS: Registry[dict] = Registry("vLLM run", {
+    "honest": {}, "honest-b1": dict(max_num_seqs=1), "int4": dict(weight_bits=4), "fp8-kv": dict(kv_cache_dtype="fp8"),
+    "temp-1.1": dict(temperature=1.1), "wrong-seed": dict(seed_offset=1)})
 
 
 @dataclass(frozen=True)
@@ -54,15 +59,10 @@ class VllmRun:
 
     @classmethod
     def named(cls, name: str, dtype: str = "bfloat16") -> "VllmRun":
-        runs = {"honest": cls("honest", dtype), "honest-b1": cls("honest-b1", dtype, max_num_seqs=1),
-                "int4": cls("int4", dtype, weight_bits=4),
-                "fp8-kv": cls("fp8-kv", dtype, kv_cache_dtype="fp8"),
-                "temp-1.1": cls("temp-1.1", dtype, temperature=1.1), "wrong-seed": cls("wrong-seed", dtype, seed_offset=1)}
-        if name.startswith("honest") and name not in runs:
+        """The run called `name` (another honest-* name: "honest"; vLLM does its own batching)."""
+        if name.startswith("honest") and name not in VLLM_RUNS:
             name = "honest"
-        if name not in runs:
-            raise ValueError(f"unknown vLLM run {name!r}; choose one of {', '.join(VLLM_RUNS)}")
-        return runs[name]
+        return cls(name, dtype, **VLLM_RUNS.get(name))
 
     @property
     def engine_key(self) -> tuple:
@@ -91,7 +91,7 @@ def write_fake_quant_checkpoint(model_dir: str | Path, out_dir: str | Path, bits
                       metadata={"format": "pt"})
         elif f.is_file():
             shutil.copy2(f, out / f.name)
-    cfg = json.loads((out / "config.json").read_text())
+    cfg = read_model_config(out)
     cfg["verinfer_fake_quant"] = {"bits": bits, "group": group, "method": "rtn"}
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
     return out
@@ -124,10 +124,9 @@ def make_llm(model_dir: str | Path, run: VllmRun, work_dir: str | Path, seed: in
 def vllm_sampling(params: SamplingParams, run: VllmRun):
     from vllm import SamplingParams as VSP
 
-    temperature = run.temperature if (run.temperature is not None and not params.greedy) else params.temperature
-    seed = None if params.seed is None else (params.seed + run.seed_offset) % 2**63
-    return VSP(temperature=temperature, top_k=params.top_k if params.top_k > 0 else 0, top_p=params.top_p,
-               min_p=params.min_p, seed=seed, max_tokens=params.max_tokens)
+    p = misconfigured(params, run.temperature, run.seed_offset)
+    return VSP(temperature=p.temperature, top_k=p.top_k if p.top_k > 0 else 0, top_p=p.top_p, min_p=p.min_p,
+               seed=p.seed, max_tokens=p.max_tokens)
 
 
 @dataclass

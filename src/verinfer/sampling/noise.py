@@ -37,7 +37,7 @@ inverse-cdf -- HF / torch.multinomial style, one uniform per step:
     sample = smallest i with cdf_i > u * cdf_{V-1}
 
 speculative-keyed -- counter-based like keyed, addressed by speculative round instead of position:
-the draws of speculative decoding (speculative/decoder.py) and of its audit (speculative/audit.py).
+the draws of speculative decoding (speculative/decoder.py) and of its audit (speculative/spec_claims.py).
     key(r, c) = keyed key of (seed ^ SPEC_SALT) at "position" r * 2**32 + c              (u64)
     round r (0-based; a request's r-th target verification):
       draft token i < gamma:     G_v = token v's G under key(r, i) (bits, u, G as vllm-cpu)
@@ -70,6 +70,8 @@ import math
 from typing import Iterator
 
 import torch
+
+from verinfer.registry import Registry
 
 GOLDEN = 0x9E3779B97F4A7C15          # SplitMix64 increment: per-token counter stride
 POSITION_MUL = 0xD1B54A32D192ED03    # keyed backend: odd multiplier spreading positions
@@ -580,13 +582,11 @@ def speculative_noise(seed: int, vocab_size: int) -> SpeculativeNoise:
     return SpeculativeNoise(seed, vocab_size)
 
 
-_BACKENDS: dict[str, NoiseBackend] = {b.name: b for b in (VllmCpuBackend(), VllmV1ExponentialBackend(),
-                                                           KeyedBackend(), InverseCdfBackend(),
-                                                           SpeculativeKeyedBackend())}
+NOISE_BACKENDS: Registry[NoiseBackend] = Registry("noise backend", {
+    b.name: b for b in (VllmCpuBackend(), VllmV1ExponentialBackend(), KeyedBackend(), InverseCdfBackend(),
+                        SpeculativeKeyedBackend())})
 
 
 def get_backend(name: str) -> NoiseBackend:
-    try:
-        return _BACKENDS[name]
-    except KeyError:
-        raise ValueError(f"unknown noise backend {name!r}; choose one of {', '.join(_BACKENDS)}") from None
+    """The noise backend called `name` (an unknown name: UnknownNameError listing the choices)."""
+    return NOISE_BACKENDS.get(name)

@@ -1,10 +1,56 @@
-"""Per-request sampling settings, shared by the engine, the samplers and the claims format."""
+"""Per-request sampling settings, shared by the engine, the samplers and the claims format.
+
+`check_sampling` is the one validation of sampling settings: SamplingParams runs it on
+construction and the claims reader (claims.SamplingRecord) runs it on every claim line.
+`stop_reason` is the one stop rule of every decoder (engine, speculative, target-only), and
+`misconfigured` the one rule of what a misconfigured provider really samples with.
+"""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
+from typing import Collection
 
-NOISE_BACKENDS = ("vllm-cpu", "vllm-v1-exponential", "keyed", "inverse-cdf", "speculative-keyed")
+from verinfer.sampling.noise import NOISE_BACKENDS
+
+MAX_TEMPERATURE = 100.0  # beyond it logits / temperature leave no usable distribution (and 1e308 overflows)
+
+
+class SamplingParamError(ValueError):
+    """A sampling setting out of range: `field` names it, `detail` says what is wrong with it."""
+
+    def __init__(self, field: str, detail: str):
+        self.field, self.detail = field, detail
+        super().__init__(f"{field} {detail}")
+
+
+def check_sampling(*, temperature: float, top_p: float, min_p: float, seed: int | None, noise: str,
+                   max_tokens: int | None = None) -> None:
+    """Raise SamplingParamError for the first setting out of range (top_k: any value; <= 0 is off)."""
+    if not (0.0 <= temperature <= MAX_TEMPERATURE):
+        raise SamplingParamError("temperature", f"must be in [0, {MAX_TEMPERATURE:g}], got {temperature}")
+    if not (0.0 < top_p <= 1.0):
+        raise SamplingParamError("top_p", f"must be in (0, 1], got {top_p}")
+    if not (0.0 <= min_p <= 1.0):
+        raise SamplingParamError("min_p", f"must be in [0, 1], got {min_p}")
+    if max_tokens is not None and max_tokens < 1:
+        raise SamplingParamError("max_tokens", f"must be >= 1, got {max_tokens}")
+    NOISE_BACKENDS.get(noise)  # an unknown name raises, listing the backends
+    if temperature > 0 and seed is None:
+        raise SamplingParamError("seed", "is missing but temperature > 0: a seeded replay needs the seed the sampler "
+                                         "drew with (set the seed, or sample at temperature 0)")
+    if seed is not None and not (0 <= seed < 2**63):
+        raise SamplingParamError("seed", f"must be in [0, 2**63), got {seed}")
+
+
+def stop_reason(token: int, n_out: int, max_tokens: int, stop_token_ids: Collection[int]) -> str | None:
+    """Why a sequence ends after emitting `token` as its n_out-th output token: "stop" (a stop
+    token, checked first), "length" (max_tokens reached), or None (it goes on)."""
+    if token in stop_token_ids:
+        return "stop"
+    if n_out >= max_tokens:
+        return "length"
+    return None
 
 
 @dataclass(frozen=True)
@@ -26,20 +72,8 @@ class SamplingParams:
     noise: str = "vllm-cpu"
 
     def __post_init__(self):
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not (0.0 < self.top_p <= 1.0):
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if not (0.0 <= self.min_p <= 1.0):
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if self.noise not in NOISE_BACKENDS:
-            raise ValueError(f"unknown noise backend {self.noise!r}; choose one of {NOISE_BACKENDS}")
-        if self.temperature > 0 and self.seed is None:
-            raise ValueError("seed is required when temperature > 0 (set sampling.seed)")
-        if self.seed is not None and not (0 <= self.seed < 2**63):
-            raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
+        check_sampling(temperature=self.temperature, top_p=self.top_p, min_p=self.min_p, seed=self.seed,
+                       noise=self.noise, max_tokens=self.max_tokens)
 
     @property
     def greedy(self) -> bool:
@@ -47,3 +81,14 @@ class SamplingParams:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def misconfigured(claimed: SamplingParams, temperature: float | None = None, seed_offset: int = 0) -> SamplingParams:
+    """What a misconfigured sampler really uses when it claims `claimed`: `temperature` instead of
+    the claimed one (None: the claimed one) and seed + seed_offset; a greedy request draws no
+    noise, so it is left as claimed. The one rule of the simulated providers, the server's
+    --misconfig and the vLLM runs."""
+    if claimed.greedy:
+        return claimed
+    return replace(claimed, temperature=claimed.temperature if temperature is None else temperature,
+                   seed=(claimed.seed + seed_offset) % 2**63)

@@ -33,7 +33,8 @@ from typing import AsyncIterator
 
 from starlette.requests import Request  # module level: FastAPI resolves the handlers' annotations here
 
-from verinfer.sampling.params import NOISE_BACKENDS, SamplingParams
+from verinfer.sampling.noise import NOISE_BACKENDS
+from verinfer.sampling.params import SamplingParams
 from verinfer.server.generation import Step, generate_steps
 from verinfer.server.protocol import ChatCompletionRequest, CompletionRequest, Limits
 from verinfer.server.registry import ServedModel, load_registry
@@ -59,7 +60,7 @@ class ServeConfig:
 
     def __post_init__(self):
         if self.noise not in NOISE_BACKENDS:
-            raise ValueError(f"--noise must be one of {NOISE_BACKENDS}, got {self.noise!r}")
+            raise ValueError(f"--noise must be one of {', '.join(NOISE_BACKENDS)}, got {self.noise!r}")
 
 
 class Slots:

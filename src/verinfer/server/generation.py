@@ -34,22 +34,11 @@ class Step:
     finish_reason: str | None = None            # set on the last step: "stop" | "length"
 
 
-def run_params(model: ServedModel, claimed: SamplingParams) -> SamplingParams:
-    """What the (possibly misconfigured) server really samples with when asked for `claimed`."""
-    cfg = model.provider
-    if claimed.greedy:
-        return claimed
-    temperature = cfg.temperature if cfg.temperature is not None else claimed.temperature
-    seed = (claimed.seed + cfg.seed_offset) % 2**63
-    return SamplingParams(temperature, claimed.top_k, claimed.top_p, claimed.min_p, seed, claimed.max_tokens,
-                          claimed.noise)
-
-
 def generate_steps(model: ServedModel, request_id: str, prompt_ids: list[int], claimed: SamplingParams, *,
                    logprobs: int | None = None, ignore_eos: bool = False) -> Iterator[Step]:
     """Yield one Step per output token (the last one carries finish_reason)."""
     engine = model.engine_no_eos if ignore_eos else model.engine
-    params = run_params(model, claimed)
+    params = model.provider.run_params(claimed)  # what a misconfigured server really samples with
     batch = engine.prefill([Request(request_id, list(prompt_ids), params)])
     sampler = None
     if model.provider.bug_rate > 0 and not params.greedy:

@@ -7,7 +7,7 @@ name -> ServedModel table (its `verinfer_name` / config name and its directory n
 make the server touch a file outside the configured directory.
 
 A served model can be misconfigured on purpose (`misconfig`, one of the simulated providers'
-misconfigurations in audit/providers.py) so audits of a real HTTP endpoint can be tested:
+misconfigurations in providers/simulated.py) so audits of a real HTTP endpoint can be tested:
 int4 and fp8-kv change the numerics the model runs with, temp-1.1 samples at temperature 1.1
 whenever a request asks for a temperature > 0, wrong-seed samples with seed + 1, sampling-bug
 draws 1% of tokens uniformly from the top-k. Responses always report the requested settings.
@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from verinfer.providers.simulated import MISCONFIGURED, ProviderConfig
-from verinfer.determinism.invariant import fixed_shape
+from verinfer.determinism.invariant import fixed_shape_model
 from verinfer.engine.engine import Engine
 from verinfer.errors import ModelError
 from verinfer.models.load import ModelInfo, load_model, load_tokenizer, model_info
@@ -91,7 +91,7 @@ def load_registry(root: str | Path, *, misconfig: str | None = None, device: str
         info = model_info(d)
         model = load_model(d, cfg.numerics, device)
         if deterministic == "best":
-            model = fixed_shape(model)
+            model = fixed_shape_model(model)
         tok = load_tokenizer(d)
         names = list(dict.fromkeys([*info.aliases, d.name]))
         sm = ServedModel(info.name, info, Engine(model, cfg.numerics, eos_token_id=info.eos_token_id),

@@ -29,6 +29,7 @@ import torch
 
 from verinfer.engine.engine import Engine
 from verinfer.models.llama import LlamaLM
+from verinfer.sampling.params import stop_reason
 from verinfer.speculative.decoder import autoregressive
 
 
@@ -74,7 +75,7 @@ def mine(target: LlamaLM, draft: LlamaLM, tokenizer, prompts: list[list[int]], m
             _, ht = _hidden_at(target_engine, seq)
             feats.append(torch.cat([ht[P - 1 + i], hd[P - 1 + i]]))
             alt_prefix = resp[:i] + [d_argmax[i]]
-            done = d_argmax[i] in stop_token_ids or len(alt_prefix) >= max_tokens
+            done = stop_reason(d_argmax[i], len(alt_prefix), max_tokens, stop_token_ids) is not None
             alt = alt_prefix if done else alt_prefix + autoregressive(
                 target, [prompt + alt_prefix], max_tokens - len(alt_prefix), stop_token_ids=stop_token_ids)[0].output_token_ids
             same = final_answer(dec(alt)) == answer

@@ -1,5 +1,6 @@
 """The draft/verify loop of speculative decoding over two engines (target and draft), batched,
-plus plain autoregressive decoding with the same stop logic (the target-only baseline).
+plus plain autoregressive decoding with the same stop rule (the target-only baseline, on
+Engine.generate).
 
 One round, per active row with committed sequence s (prompt + output so far, length n):
   draft:  cache rolled back to n-2 tokens; extend with s[n-2:n] (re-writing slot n-2 with the
@@ -28,7 +29,6 @@ Shape key: B = active rows, G = gamma, V = vocab, D = hidden dim.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
 import torch
@@ -37,7 +37,7 @@ from verinfer.engine.engine import Engine, Request, check_finite, select_rows
 from verinfer.models.llama import LlamaLM
 from verinfer.sampling.noise import SpeculativeNoise, speculative_noise
 from verinfer.sampling.sampler import sample_probs
-from verinfer.sampling.params import SamplingParams
+from verinfer.sampling.params import SamplingParams, stop_reason
 from verinfer.speculative.draft_vocab import restrict_head
 from verinfer.speculative.ngram import NgramDraft
 from verinfer.speculative.rules import Rule, verify
@@ -211,7 +211,8 @@ class SpeculativeDecoder:
                     qs.append(q)
                     hds.append(hd)
                     if self.greedy:
-                        ended = [e or t in self.stop or i + 1 >= n for e, t, n in zip(ended, x.tolist(), budget)]
+                        ended = [e or stop_reason(t, i + 1, n, self.stop) is not None
+                                 for e, t, n in zip(ended, x.tolist(), budget)]
                         if all(ended):
                             break
                     if i < G - 1:
@@ -253,11 +254,9 @@ class SpeculativeDecoder:
                     o.output_token_ids.append(tok)
                     o.events += e
                     rows.seqs[r].append(tok)
-                    if tok in self.stop:
-                        o.finish_reason, done = "stop", True
-                        break
-                    if len(o.output_token_ids) >= max_tokens:
-                        o.finish_reason, done = "length", True
+                    reason = stop_reason(tok, len(o.output_token_ids), max_tokens, self.stop)
+                    if reason is not None:
+                        o.finish_reason, done = reason, True
                         break
                 if not done:
                     keep.append(b)
@@ -280,61 +279,29 @@ class SpeculativeDecoder:
         return x_BG, q_BGV, torch.tensor([len(x) for x in props])
 
 
-@torch.no_grad()
 def autoregressive(target: LlamaLM, prompts: list[list[int]], max_tokens: int, temperature: float = 0.0,
                    seeds: list[int] | None = None, stop_token_ids: tuple[int, ...] = (), batch_size: int = 8,
                    eos_token_id: int | None = None) -> list[SpecOutput]:
-    """Target-only decoding (one target forward per token) with the same stop logic and the same
-    per-row noise as SpeculativeDecoder (step t draws round t's token noise: speculative decoding
-    with gamma = 0): the baseline speculative decoding is timed against."""
-    eng = Engine(target, lean_prefill=True)
-    stop = set(stop_token_ids) | ({eos_token_id} if eos_token_id is not None else set())
-    if temperature > 0 and (seeds is None or len(seeds) != len(prompts)):
-        raise ValueError(f"sampling (temperature {temperature}) needs one seed per prompt ({len(prompts)})")
-    out: list[SpecOutput] = []
-    for i0 in range(0, len(prompts), batch_size):
-        group = prompts[i0 : i0 + batch_size]
-        gens = None if temperature == 0 else [speculative_noise(int(s), target.config.vocab_size)
-                                              for s in seeds[i0 : i0 + batch_size]]
-        _check_context(target, group, max_tokens + 1)
-        batch = eng.prefill(_requests(group, max_tokens), extra_slots=max_tokens + 1)
-        logits = batch.logits_BV
-        outs = [SpecOutput(list(p), [], "", "length") for p in group]
-        active = list(range(len(group)))
-        while active:
-            if temperature == 0:
-                tok = logits.argmax(-1).cpu()
-            else:
-                pc = _probs(logits, temperature).double().cpu()
-                tok = torch.tensor([sample_probs(pc[b], gens[r].token(len(outs[r].output_token_ids)))
-                                    for b, r in enumerate(active)])
-            keep = []
-            for b, r in enumerate(active):
-                o = outs[r]
-                t = int(tok[b])
-                o.output_token_ids.append(t)
-                o.events += "t"
-                o.target_forwards += 1
-                if t in stop:
-                    o.finish_reason = "stop"
-                elif len(o.output_token_ids) >= max_tokens:
-                    o.finish_reason = "length"
-                else:
-                    keep.append(b)
-            if not keep:
-                break
-            if len(keep) < len(active):
-                batch = select_rows(batch, keep)
-                tok = tok[keep]
-                active = [active[b] for b in keep]
-            lg, _ = eng.extend(batch, tok[:, None].to(eng.device))
-            logits = lg[:, 0]
-        # the forward that would follow a finished row's last token is never run: count matches
-        out += outs
-    return out
+    """Target-only decoding (one target forward per token): Engine.generate, with the same stop
+    rule and the same per-row noise as SpeculativeDecoder (step t draws round t's token noise:
+    speculative decoding with gamma = 0); a finished row leaves the batch. The baseline
+    speculative decoding is timed against."""
+    stop = tuple(stop_token_ids) + ((eos_token_id,) if eos_token_id is not None else ())
+    eng = Engine(target, lean_prefill=True, stop_token_ids=stop)
+    sampler = None
+    if temperature > 0:
+        if seeds is None or len(seeds) != len(prompts):
+            raise ValueError(f"sampling (temperature {temperature}) needs one seed per prompt ({len(prompts)})")
+        gens = [speculative_noise(int(s), target.config.vocab_size) for s in seeds]
 
+        def sampler(logits_BV, _params, _noises, batch):  # row r's step t: gens[r].token(t)
+            pc = _probs(logits_BV, temperature).double().cpu()
+            return torch.tensor([sample_probs(pc[b], gens[int(r.id)].token(len(batch.outputs[b])))
+                                 for b, r in enumerate(batch.requests)])
 
-def timed(fn, *args, **kwargs):
-    t0 = time.perf_counter()
-    r = fn(*args, **kwargs)
-    return r, time.perf_counter() - t0
+    _check_context(target, prompts, max_tokens + 1)
+    done = eng.generate(_requests(prompts, max_tokens), batch_size, sampler, drop_finished=True,
+                        extra_slots=max_tokens + 1)
+    # the forward that would follow a finished row's last token is never run: one per token
+    return [SpecOutput(c.prompt_token_ids, c.output_token_ids, "t" * len(c.output_token_ids), c.finish_reason,
+                       target_forwards=len(c.output_token_ids)) for c in done]

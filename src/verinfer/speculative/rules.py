@@ -32,11 +32,14 @@ from typing import Callable
 
 import torch
 
+from verinfer.registry import Registry
 from verinfer.sampling.noise import StepNoise
 from verinfer.sampling.sampler import sample_probs
 
 CONFIDENT_TOP1 = 0.9  # KL judge: above this target top-1 probability only the standard rule applies
-RULES = ("standard", "kl", "topk", "target_entropy", "draft_entropy", "autojudge")
+
+# acceptance rule name -> its relaxation (None: the standard rule alone), in the order of the docstring
+RELAX: Registry[Callable[..., torch.Tensor] | None] = Registry("acceptance rule", {"standard": None})
 
 
 def kl_divergence(p_BGV: torch.Tensor, q_BGV: torch.Tensor) -> torch.Tensor:
@@ -63,6 +66,7 @@ def standard_accept(p_BGV: torch.Tensor, q_BGV: torch.Tensor, x_BG: torch.Tensor
     return u_BG * qx < px
 
 
+@RELAX.register("kl")
 def kl_judge(p_BGV, q_BGV, x_BG, threshold: float, **_) -> torch.Tensor:
     """The KL judge (KL-judge paper, section 4.1): accept the drafted token beyond the standard
     rule when KL(p || q) < threshold AND max p <= CONFIDENT_TOP1 (0.9); where the target's top-1
@@ -70,6 +74,7 @@ def kl_judge(p_BGV, q_BGV, x_BG, threshold: float, **_) -> torch.Tensor:
     return (kl_divergence(p_BGV, q_BGV) < threshold) & (p_BGV.amax(-1) <= CONFIDENT_TOP1)
 
 
+@RELAX.register("topk")
 def relax_topk(p_BGV, q_BGV, x_BG, threshold: float, **_) -> torch.Tensor:
     k = int(threshold)
     if k <= 0:
@@ -78,14 +83,17 @@ def relax_topk(p_BGV, q_BGV, x_BG, threshold: float, **_) -> torch.Tensor:
     return (top == x_BG[..., None]).any(-1)
 
 
+@RELAX.register("target_entropy")
 def relax_target_entropy(p_BGV, q_BGV, x_BG, threshold: float, **_) -> torch.Tensor:
     return entropy(p_BGV) > threshold
 
 
+@RELAX.register("draft_entropy")
 def relax_draft_entropy(p_BGV, q_BGV, x_BG, threshold: float, **_) -> torch.Tensor:
     return entropy(q_BGV) < threshold
 
 
+@RELAX.register("autojudge")
 def relax_autojudge(p_BGV, q_BGV, x_BG, threshold: float, *, judge=None, feats_BGD=None, **_) -> torch.Tensor:
     if judge is None or feats_BGD is None:
         raise ValueError("the autojudge rule needs a trained judge and hidden-state features "
@@ -93,10 +101,7 @@ def relax_autojudge(p_BGV, q_BGV, x_BG, threshold: float, *, judge=None, feats_B
     return judge.prob_important(feats_BGD) < threshold
 
 
-RELAX: dict[str, Callable[..., torch.Tensor] | None] = {
-    "standard": None, "kl": kl_judge, "topk": relax_topk, "target_entropy": relax_target_entropy,
-    "draft_entropy": relax_draft_entropy, "autojudge": relax_autojudge,
-}
+RULES = RELAX.names()  # every acceptance rule, "standard" first
 
 
 @dataclass(frozen=True)
@@ -108,8 +113,7 @@ class Rule:
     judge: object | None = None
 
     def __post_init__(self):
-        if self.name not in RELAX:
-            raise ValueError(f"unknown acceptance rule {self.name!r}; choose one of {RULES}")
+        RELAX.get(self.name)  # an unknown name raises, listing the rules
 
     @property
     def needs_hidden(self) -> bool:
