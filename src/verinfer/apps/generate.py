@@ -98,13 +98,9 @@ def _speculative(req: GenerateRequest) -> Generated:
 
 
 def _deterministic(req: GenerateRequest) -> Generated:
-    rows = determinism.generate(req.model_dir, req.out, policy=req.deterministic, n=req.n, max_tokens=req.max_tokens,
-                                seed=req.seed, tau_file=req.tau_file, device=req.device)
-    return Generated("deterministic", req.out, len(rows), sum(len(_output_ids(r)) for r in rows))
-
-
-def _output_ids(row) -> list[int]:
-    return row["output_token_ids"] if isinstance(row, dict) else row.output_token_ids
+    claims = determinism.generate(req.model_dir, req.out, policy=req.deterministic, n=req.n,
+                                  max_tokens=req.max_tokens, seed=req.seed, tau_file=req.tau_file, device=req.device)
+    return Generated("deterministic", req.out, len(claims), sum(len(c.output_token_ids) for c in claims))
 
 
 def _simulated(req: GenerateRequest) -> Generated:
