@@ -39,7 +39,7 @@ LADDER = (100, 250, 500, 1000, 2000, 4000)
 def tokens_to_flag(det, table, ladder=LADDER) -> int | None:
     """Smallest prefix (tokens, from the ladder, then all) of a score table that the detector flags."""
     for n in [*[x for x in ladder if x < table.num_rows], table.num_rows]:
-        if det.verdict(table, max_tokens=n)["flagged"]:
+        if det.verdict(table, max_tokens=n).flagged:
             return n
     return None
 
@@ -148,8 +148,8 @@ def main() -> None:
 
     from verinfer.claims import write_claims
     from verinfer.scores import load_score_tables
-    from verinfer.apps.pipeline import (VERIFIER_NUMERICS, calibrate, prompts_for, score,
-                                         verifier_engine)
+    from verinfer.apps.pipeline import VERIFIER_NUMERICS, prompts_for, score, verifier_engine
+    from verinfer.detect.calibrate import calibrate
     from verinfer.audit.replay import score_claims
     from verinfer.providers.simulated import HONEST, run_provider
     from verinfer.providers.vllm import VllmRun, generate_claims, make_llm
@@ -254,8 +254,8 @@ def main() -> None:
     per_run = {}
     for name, t in tables.items():
         d = det.verdict(t)
-        per_run[name] = {"flagged": d["flagged"], "n_tokens": d["n_tokens"], "p_value": d["p_value"],
-                         "pooled": d["pooled"], "threshold": d["threshold"],
+        per_run[name] = {"flagged": d.flagged, "n_tokens": d.n_tokens, "p_value": d.p_value,
+                         "pooled": d.pooled, "threshold": d.threshold,
                          "exact_match": float(np.mean(t["exact_match"].to_numpy())),
                          "tokens_to_flag": tokens_to_flag(det, t),
                          "vllm_generate_s": gens[name].seconds,
