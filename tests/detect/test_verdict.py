@@ -17,14 +17,11 @@ def fitted():
 
 def _old_dict(det: ClippedMeanDetector, pooled: float, n: int) -> dict:
     """The dict `ClippedMeanDetector.verdict` returned before verdicts were typed (its literal)."""
-    thr = det.threshold(n)
-    p, method = det._p_value(pooled, n)
+    thr, (p, method) = det.threshold(n), det._p_value(pooled, n)
     flagged = bool(pooled > thr)
-    more, power = None, None
-    if not flagged:
-        n_star = det.tokens_to_flag(pooled, n)
-        more = None if n_star is None else max(1, n_star - n)
-        power = det.power(n)
+    n_star = None if flagged else det.tokens_to_flag(pooled, n)
+    more = None if n_star is None else max(1, n_star - n)
+    power = None if flagged else det.power(n)
     return {"flagged": flagged, "pooled": float(pooled), "threshold": thr, "p_value": p,
             "tail_probability": p, "p_value_method": method, "p_value_bound": det.p_value_bound(pooled, n),
             "n_tokens": n, "target_fpr": det.target_fpr, "threshold_fpr": det.threshold_fpr(n),

@@ -127,8 +127,9 @@ def _names(names: list[str]) -> str:
 
 
 def summarize(verdicts: list[dict] | None, curves: Mapping, honest: Iterable[str]) -> str:
-    """The page's one-line summary (of the verdicts' `_verdict_view`s): how many providers were flagged (and which), on how many
-    tokens at what target FPR; without verdicts, which misconfigurations the curves separate."""
+    """The page's one-line summary of the verdicts (their `_verdict_view`s): how many providers were
+    flagged (and which), on how many tokens at what target FPR; without verdicts, which
+    misconfigurations the curves separate."""
     honest = set(honest)
     if verdicts:
         audited = [d for d in verdicts if d.get("provider") not in honest]
