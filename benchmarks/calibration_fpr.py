@@ -13,7 +13,7 @@ honest reference kernels (the `env_` envelope columns `verinfer score --gaps` wr
 Protocol, per detector and per calibration r = 0..R-1:
   1. draw CALIB_CLAIMS whole claims (about 6,400 tokens) of each of the five honest configurations
      (seeded by r);
-  2. fit with `apps.pipeline.calibrate` on them, the function `verinfer calibrate` runs (every token,
+  2. fit with `detect.calibrate.calibrate` on them, the function `verinfer calibrate` runs (every token,
      one null group per configuration; its own 5-fold held-out FPR is recorded beside ours);
   3. audit N_BATCHES batches of exactly BATCH_TOKENS tokens per honest source, each the first
      1,000 tokens of whole claims drawn at random without replacement from
@@ -96,7 +96,7 @@ def clopper_pearson_upper(k: int, n: int) -> float:
 
 
 def run(log=print, n_batches: int = N_BATCHES, calibrations: int = N_CALIBRATIONS) -> dict:
-    from verinfer.apps.pipeline import calibrate
+    from verinfer.detect.calibrate import calibrate
 
     t0 = time.perf_counter()
     configs = lab.lab_configs()
@@ -130,7 +130,7 @@ def run(log=print, n_batches: int = N_BATCHES, calibrations: int = N_CALIBRATION
             for src, (t, cl) in sources.items():
                 bs = batches(t, cl, n_batches, BATCH_TOKENS, rng)
                 if r == 0:  # the flag predict() gives is the verdict's
-                    assert all(det.predict(b) == det.verdict(b)["flagged"] for b in bs[:5])
+                    assert all(det.predict(b) == det.verdict(b).flagged for b in bs[:5])
                 flags = [bool(det.predict(b)) for b in bs]
                 per_source.setdefault(src, [0, 0])
                 per_source[src][0] += sum(flags)
@@ -177,7 +177,7 @@ def markdown(doc: dict) -> str:
     L = ["# Held-out false-positive rate of `verinfer calibrate`", "",
          f"Command: `{s['command']}` (on the detection lab's cache, {s['model']}). Each of {s['calibrations']} "
          f"calibrations fits on {s['calibration_claims_per_config']} random claims (~{s['calibration_claims_per_config'] * s['tokens_per_claim']:,} "
-         f"tokens) of each of the {len(s['honest'])} honest configurations with `apps.pipeline.calibrate` (what "
+         f"tokens) of each of the {len(s['honest'])} honest configurations with `detect.calibrate.calibrate` (what "
          f"`verinfer calibrate` runs) at a {s['target_fpr']:.0%} target, then audits {s['batches_per_source_per_calibration']} "
          f"batches of {s['batch_tokens']:,} tokens (whole claims, drawn without replacement) from the claims of each "
          f"honest configuration it did not see and from {len(s['heldout'])} honest configurations it never saw.", "",

@@ -26,7 +26,7 @@ ru_maxrss) and wall time per N, and time per token (linear in N if it stays flat
 (the honest run: one llm.generate call over --n prompts, vLLM's defaults: compiled model, chunked
 prefill off as `providers.vllm.make_llm` must; a warm-up, then --rounds timed calls) against
 verinfer's scoring of those claims (`score_claims`: replay + every Token-DiFR score + Parquet, what
-`verinfer score` runs) and its replay alone (`Engine.score`), --rounds interleaved rounds after
+`verinfer score` runs) and its replay alone (`Engine.replay`), --rounds interleaved rounds after
 vLLM's processes have exited (they use CPU while idle), torch's default threads; medians. CPU
 seconds of each side (process and children) give the cores each keeps busy.
 
@@ -42,7 +42,7 @@ wrong-seed. Every run is scored by local replay with the honest-reference envelo
 (`detection_lab` protocol: token-level 50/50 splits, clips fitted on honest train tokens, batch
 means) for the 99.9-clipped margin, the mismatch rate, cross-entropy and `best` (the perturbation
 GLRT on the envelope), and the tokens to detect (AUC >= 0.99); verdicts of the clipped-mean and
-glrt detectors calibrated (`apps.pipeline.calibrate`) on the pool, with the tokens to flag.
+glrt detectors calibrated (`detect.calibrate.calibrate`) on the pool, with the tokens to flag.
 Claims and scores are cached under benchmarks/.cache/real_model/ (a rerun computes only what is
 missing). Plot: benchmarks/results/real_model_auc.png.
 
@@ -395,14 +395,14 @@ def detection_curves(data: dict, calib: list[str], runs: list[str], ladder=DETEC
 
 def detection_verdicts(tables: dict, calib: list[str], audited: list[str], seed: int = 0,
                        ladder=FLAG_LADDER) -> dict:
-    """Each detector of DETECTORS calibrated (`apps.pipeline.calibrate`, held-out FPR included) on
+    """Each detector of DETECTORS calibrated (`detect.calibrate.calibrate`, held-out FPR included) on
     the calibration runs (pyarrow score tables, one honest provider each), then its verdict on every
     audited run (all its tokens) and the smallest prefix on the ladder it flags
     (`vllm_audit.tokens_to_flag`)."""
     import pyarrow as pa
 
     from benchmarks.vllm_audit import tokens_to_flag
-    from verinfer.apps.pipeline import calibrate
+    from verinfer.detect.calibrate import calibrate
 
     def named(t, k):
         return t.set_column(t.column_names.index("provider"), "provider", pa.array([k] * t.num_rows, pa.string()))
@@ -415,7 +415,7 @@ def detection_verdicts(tables: dict, calib: list[str], audited: list[str], seed:
         runs = {}
         for r in audited:
             d = det.verdict(tables[r])
-            runs[r] = {"flagged": bool(d["flagged"]), "p_value": float(d["p_value"]), "n_tokens": int(d["n_tokens"]),
+            runs[r] = {"flagged": bool(d.flagged), "p_value": float(d.p_value), "n_tokens": int(d.n_tokens),
                        "tokens_to_flag": tokens_to_flag(det, tables[r], ladder)}
         out[detector] = {"summary": det.summary(), "target_fpr": det.target_fpr,
                          "calibration_tokens": det.calibration_.tokens,
@@ -541,7 +541,7 @@ def render_detection(r: dict) -> list[str]:
                   f"({p['train']} train / {p['test']} test tokens, token-level 50/50 split per run); the held-out "
                   "honest runs are scored like the misconfigurations (they should not reach 0.99). `best` fitted: "
                   f"sigma0 {r['best_fitted']['sigma0']:.4g}, eps0 {r['best_fitted']['eps0']:.3g}.", "",
-              "### Verdicts (detectors calibrated on the honest pool, `apps.pipeline.calibrate`)", "",
+              "### Verdicts (detectors calibrated on the honest pool, `detect.calibrate.calibrate`)", "",
               "| run | " + " | ".join(f"{d}: flagged (p, tokens) | {d}: first flagged at (tokens)" for d in r["verdicts"]) + " |",
               "|---|" + "---|---|" * len(r["verdicts"])]
     for k in runs:
@@ -602,7 +602,7 @@ def render(doc: dict) -> str:
                   f"{v['vllm_generate_cores']:.2f} |",
                   f"| verinfer scoring (score_claims: replay + scores + Parquet) | {v['score_tokens_per_s']:.0f} | "
                   f"{v['score_cores']:.2f} |",
-                  f"| verinfer replay alone (Engine.score) | {v['replay_tokens_per_s']:.0f} | |",
+                  f"| verinfer replay alone (Engine.replay) | {v['replay_tokens_per_s']:.0f} | |",
                   *([f"| the model's plain forward over the same claims (no scoring) | {v['forward_tokens_per_s']:.0f} | |"]
                     if "forward_tokens_per_s" in v else []), "",
                   f"replay_vs_vllm_generate = {v['replay_vs_vllm_generate']:.2f} (target >= 5: "

@@ -146,7 +146,7 @@ REPLAY_CONFIGS = {  # name -> (dtype, matmul, packed)
 
 def replay_logits(pairs: list[tuple[list[int], list[int]]], dtype: str, matmul: str, packed: bool) -> list:
     """Teacher-forced replay logits_TV (fp32) of each (prompt, output) pair on the testbed target,
-    as `verinfer score` computes them (Engine.score: claims batched, padded or packed)."""
+    as `verinfer score` computes them (Engine.replay: claims batched, padded or packed)."""
     from verinfer.engine.engine import Engine
     from verinfer.models.load import load_model
     from verinfer.models.testbed import TARGET_DIR

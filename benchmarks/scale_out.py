@@ -18,7 +18,7 @@ and the misconfigurations `verinfer generate --engine vllm` supports (int4, fp8-
 wrong-seed). Every run is scored twice: by local replay (verinfer's bf16 verifier) and through the
 remote reference (vLLM's OpenAI server on loopback serving the same checkpoint with --max-logprobs
 64, `audit.remote_reference`, 64 prompt logprobs per position). Each side calibrates its own
-detector on its scores of the honest calibration run (`apps.pipeline.calibrate`: train half) and
+detector on its scores of the honest calibration run (`detect.calibrate.calibrate`: train half) and
 audits the held-out half, the honest run on other prompts and each misconfigured run: the verdicts
 of the two sides, and each side's honest exact match, side by side. Claims are cached under
 benchmarks/.cache/scale_out/ (a rerun regenerates only what is missing).
@@ -179,7 +179,8 @@ def remote_section(model: str, n: int, calib_n: int, max_tokens: int, logprobs: 
     import numpy as np
     import vllm
 
-    from verinfer.apps.pipeline import calibrate, score, split_claims
+    from verinfer.apps.pipeline import score
+    from verinfer.detect.calibrate import calibrate, split_claims
     from verinfer.providers.vllm import api_server
 
     model_dir = resolve_model(model)
@@ -216,7 +217,7 @@ def remote_section(model: str, n: int, calib_n: int, max_tokens: int, logprobs: 
         runs = {}
         for name, t in audited.items():
             d = det.verdict(t)
-            runs[name] = {"flagged": d["flagged"], "p_value": d["p_value"], "n_tokens": d["n_tokens"],
+            runs[name] = {"flagged": d.flagged, "p_value": d.p_value, "n_tokens": d.n_tokens,
                           "exact_match": float(np.mean(t["exact_match"].to_numpy()))}
             if side == "remote":
                 runs[name]["approximate_rows"] = float(np.mean(t["approximate"].to_numpy()))

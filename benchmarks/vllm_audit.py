@@ -12,7 +12,7 @@ calibrated on verinfer's own honest simulated providers (other prompts, same set
 Measured in the same run: vLLM's batched generation tokens/s (one llm.generate call over all
 prompts, vLLM's defaults: compiled model, one torch thread in its worker, yet its engine keeps
 both cores of this machine busy: `vllm_generate_cores`) and verinfer's replay tokens/s over the
-same honest claims (Engine.score: packed forwards, bf16 operands with fp32 GEMMs, torch's default
+same honest claims (Engine.replay: packed forwards, bf16 operands with fp32 GEMMs, torch's default
 threads), 3 rounds each (medians), the replay only after vLLM's processes have exited (they use
 CPU while idle, `vllm_idle_processes_cpu_percent`). Beside the headline ratio: the whole scoring
 (replay + Token-DiFR + Parquet), the replay on one thread, the native-bf16 verifier, and tokens
@@ -40,7 +40,7 @@ LADDER = (100, 250, 500, 1000, 2000, 4000)
 def tokens_to_flag(det, table, ladder=LADDER) -> int | None:
     """Smallest prefix (tokens, from the ladder, then all) of a score table that the detector flags."""
     for n in [*[x for x in ladder if x < table.num_rows], table.num_rows]:
-        if det.verdict(table, max_tokens=n)["flagged"]:
+        if det.verdict(table, max_tokens=n).flagged:
             return n
     return None
 
@@ -149,8 +149,8 @@ def main() -> None:
 
     from verinfer.claims import write_claims
     from verinfer.scores import load_score_tables
-    from verinfer.apps.pipeline import (VERIFIER_NUMERICS, calibrate, prompts_for, score,
-                                         verifier_engine)
+    from verinfer.apps.pipeline import VERIFIER_NUMERICS, prompts_for, score, verifier_engine
+    from verinfer.detect.calibrate import calibrate
     from verinfer.audit.replay import score_claims
     from verinfer.providers.simulated import HONEST, run_provider
     from verinfer.providers.vllm import VllmRun, generate_claims, make_llm
@@ -255,8 +255,8 @@ def main() -> None:
     per_run = {}
     for name, t in tables.items():
         d = det.verdict(t)
-        per_run[name] = {"flagged": d["flagged"], "n_tokens": d["n_tokens"], "p_value": d["p_value"],
-                         "pooled": d["pooled"], "threshold": d["threshold"],
+        per_run[name] = {"flagged": d.flagged, "n_tokens": d.n_tokens, "p_value": d.p_value,
+                         "pooled": d.pooled, "threshold": d.threshold,
                          "exact_match": float(np.mean(t["exact_match"].to_numpy())),
                          "tokens_to_flag": tokens_to_flag(det, t),
                          "vllm_generate_s": gens[name].seconds,
@@ -287,7 +287,7 @@ def main() -> None:
         "throughput_timing": "vLLM (its defaults: torch.compiled model, one torch thread in its worker) "
                              "llm.generate over all prompts in one call, 3 rounds after a warm-up; then, once "
                              "vLLM's processes have exited, interleaved rounds of verinfer's replay "
-                             "(Engine.score: packed forwards over the same claims, torch's default threads), "
+                             "(Engine.replay: packed forwards over the same claims, torch's default threads), "
                              "the whole score_claims (replay + Token-DiFR scores + Parquet), the replay with "
                              "the other verifier matmul, and the replay on one thread; 3 rounds after a "
                              "warm-up, medians. CPU seconds (process and children, psutil) give each side's "

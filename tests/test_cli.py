@@ -316,21 +316,6 @@ def test_report_names_the_model_given_and_says_not_recorded_otherwise(scored, tm
     assert 'id="model">not recorded<' in (tmp_path / "plain" / "report.html").read_text()
 
 
-def test_combined_audit_rows_keep_their_detector_labels(capsys):
-    """`audit -d token.json -d fp.json` rows are `int4 [margin]`, `int4 [fp_l2]`, `int4 [combined]`:
-    rich read the brackets as markup and printed `int4` three times."""
-    from verinfer.apps.pipeline import combine_verdicts, print_verdicts
-
-    def verdict(score, flagged, p):
-        return {"provider": "int4", "honest": False, "flagged": flagged, "n_tokens": 96, "pooled": 0.5,
-                "threshold": 0.1, "p_value": p, "target_fpr": 0.005, "threshold_fpr": 0.004, "score": score}
-
-    print_verdicts(combine_verdicts([[verdict("margin", True, 1e-5)], [verdict("fp_l2", False, 0.3)]]))
-    out = capsys.readouterr().out
-    for label in ("int4 [margin]", "int4 [fp_l2]", "int4 [combined]"):
-        assert label in out, out
-
-
 def _commands(group, path=()):
     """(command path, click command) of every command and group of the CLI."""
     yield path, group

@@ -130,8 +130,8 @@ def test_honest_replay_at_another_batch_size_not_flagged_int4_flagged(tiny_llama
         tables[cfg.name] = t
         assert vals[cfg.name].size > 64  # one distance per output token (stride 1; EOS may end a claim early)
     det = ClippedMeanDetector(score_name="fp_l2", clip_quantile=0.999, target_fpr=0.01).fit(tables["cal"])
-    assert not det.verdict(tables["other-batch"])["flagged"]
-    assert det.verdict(tables["int4"])["flagged"]
+    assert not det.verdict(tables["other-batch"]).flagged
+    assert det.verdict(tables["int4"]).flagged
     assert vals["int4"].mean() > 3 * vals["other-batch"].mean()
 
 

@@ -27,7 +27,6 @@ import json
 import os
 import shutil
 import tempfile
-import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
@@ -36,7 +35,6 @@ import pyarrow.parquet as pq
 from safetensors.torch import save_file
 
 from verinfer.errors import VerinferError
-from verinfer.progress import progress_bar  # noqa: F401  (re-export: apps/pipeline.py, apps/speculative.py)
 
 
 class OutputBusyError(VerinferError):

@@ -26,7 +26,7 @@ def test_replay_library_detector_separates_the_alternative():
     alt_flags = [det.predict(claims(1000, True)) for _ in range(100)]
     assert np.mean(honest_flags) <= 0.05 and np.mean(alt_flags) >= 0.9
     v = det.verdict(claims(300, True))
-    assert set(v) >= {"flagged", "threshold_fpr", "tail_probability", "more_tokens_needed"}
+    assert set(v.reported) >= {"flagged", "threshold_fpr", "tail_probability", "more_tokens_needed"}
 
 
 def test_replay_library_groups_guard_a_noisier_new_honest_config():

@@ -65,18 +65,18 @@ def test_p_values_uniform_under_null(det):
 def test_flags_shifted_distribution(det):
     rng = np.random.default_rng(3)
     bad = det.verdict(M(rng.exponential(1.3, 1000)))
-    assert bad["flagged"] and bad["p_value"] < 1e-12 and bad["p_value_method"] == "saddle-point"
-    assert bad["p_value"] <= bad["p_value_bound"] < 1e-10  # the Chernoff bound is above it, and tight-ish
+    assert bad.flagged and bad.p_value < 1e-12 and bad.p_value_method == "saddle-point"
+    assert bad.p_value <= bad.extra["p_value_bound"] < 1e-10  # the Chernoff bound is above it, and tight-ish
     ok = det.verdict(M(rng.exponential(1.0, 1000)))
-    assert not ok["flagged"] and ok["p_value_method"] == "resampled" and ok["p_value"] > 0.01
-    assert set(ok) == {"flagged", "pooled", "threshold", "p_value", "p_value_method", "p_value_bound", "n_tokens", "target_fpr",
+    assert not ok.flagged and ok.p_value_method == "resampled" and ok.p_value > 0.01
+    assert set(ok.reported) == {"flagged", "pooled", "threshold", "p_value", "p_value_method", "p_value_bound", "n_tokens", "target_fpr",
                        "score", "clip", "tail_probability", "threshold_fpr", "more_tokens_needed", "power",
                        "detectable_excess", "decision"}
-    assert ok["n_tokens"] == 1000 and ok["score"] == "margin" and ok["clip"] == det.clip_
+    assert ok.n_tokens == 1000 and ok.score == "margin" and ok.extra["clip"] == det.clip_
     # a resampled p-value is (1 + #null means >= observed) / (1 + B)
     null = det.null_means(1000)
-    assert ok["p_value"] == (1 + np.sum(null >= ok["pooled"])) / (1 + null.size)
-    assert ok["threshold"] == pytest.approx(np.quantile(null, 0.99))
+    assert ok.p_value == (1 + np.sum(null >= ok.pooled)) / (1 + null.size)
+    assert ok.threshold == pytest.approx(np.quantile(null, 0.99))
 
 
 def test_threshold_resampled_matches_normal_approximation(det):
@@ -84,8 +84,8 @@ def test_threshold_resampled_matches_normal_approximation(det):
     normal = det.null_mean_ + norm.isf(0.01) * det.null_std_ / math.sqrt(n)
     assert det.threshold(n) == pytest.approx(normal, abs=0.1 * det.null_std_ / math.sqrt(n))
     big = det.verdict(M(np.full(20_000, det.null_mean_ + 0.1)))
-    assert big["threshold"] == pytest.approx(det.null_mean_ + norm.isf(0.01) * det.null_std_ / math.sqrt(20_000))
-    assert big["p_value_method"] == "saddle-point" and big["flagged"]
+    assert big.threshold == pytest.approx(det.null_mean_ + norm.isf(0.01) * det.null_std_ / math.sqrt(20_000))
+    assert big.p_value_method == "saddle-point" and big.flagged
 
 
 def test_degenerate_null_is_refused_and_a_thin_one_warned():
@@ -163,16 +163,17 @@ def test_verdict_reports_confidence(det, honest):
     rng = np.random.default_rng(5)
     fin = honest[np.isfinite(honest)]
     v = det.verdict(M(rng.choice(fin, 200) + 0.05))  # small excess
-    assert v["tail_probability"] == v["p_value"] and v["threshold_fpr"] <= 0.02
-    if not v["flagged"]:
-        assert v["more_tokens_needed"] is None or v["more_tokens_needed"] >= 1
+    assert v.tail_probability == v.p_value and v.threshold_fpr <= 0.02
+    if not v.flagged:
+        assert v.more_tokens_needed is None or v.more_tokens_needed >= 1
     pooled = det.null_mean_ + 0.1
     n_star = det.tokens_to_flag(pooled, 100)
     assert n_star == math.ceil((norm.isf(0.01) * det.null_std_ / 0.1) ** 2)
     d = det.verdict_from_pooled(pooled, 100)
-    assert not d["flagged"] and d["more_tokens_needed"] == n_star - 100 and "consistent with honest inference" in d["decision"] and "only if it persisted" in d["decision"]
-    assert det.verdict_from_pooled(det.null_mean_ - 0.1, 100)["more_tokens_needed"] is None
-    assert det.verdict_from_pooled(det.null_mean_ + 2.0, 100)["flagged"]
+    assert not d.flagged and d.more_tokens_needed == n_star - 100
+    assert "consistent with honest inference" in d.decision and "only if it persisted" in d.decision
+    assert det.verdict_from_pooled(det.null_mean_ - 0.1, 100).more_tokens_needed is None
+    assert det.verdict_from_pooled(det.null_mean_ + 2.0, 100).flagged
 
 
 def test_stratified_null_holds_fpr_for_every_honest_group(tmp_path):
@@ -206,8 +207,8 @@ def test_activation_score_reads_only_logged_tokens():
     table = pa.table({"fp_l2": pa.array(v, from_pandas=True), "margin": np.zeros(v.size)})
     assert table["fp_l2"].null_count > 0
     vt, vd = det.verdict(table, max_tokens=100), det.verdict({"fp_l2": v, "margin": np.zeros(v.size)}, max_tokens=100)
-    assert vt == vd and vt["n_tokens"] == 100
-    assert vt["pooled"] == np.minimum(v[~np.isnan(v)][:100], det.clip_).mean()
+    assert vt == vd and vt.n_tokens == 100
+    assert vt.pooled == np.minimum(v[~np.isnan(v)][:100], det.clip_).mean()
 
 
 
@@ -266,7 +267,7 @@ def test_design_effect_holds_the_fpr_on_batches_of_whole_claims():
     fpr_tokens = np.mean([tokens_only.predict(b) for b in batches])
     assert fpr <= 0.03 and fpr_tokens >= 0.15
     v = with_claims.verdict(batches[0])
-    assert v["p_value"] > 1e-3 or v["flagged"]
+    assert v.p_value > 1e-3 or v.flagged
     # independent tokens: deff ~1, the null unchanged
     flat = {"margin": rng.exponential(1.0, 100_000), "claim_id": np.repeat(np.arange(2000), 50)}
     assert ClippedMeanDetector().fit(flat).design_effects_[0] == pytest.approx(1.0, abs=0.1)

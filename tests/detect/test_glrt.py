@@ -129,15 +129,15 @@ def test_glrt_verdict_roundtrip_and_errors(tmp_path):
     honest = _claims(20_000, 0.05, rng, eps=5e-4)
     det = _fit(_glrt(n_null_batches=200), honest, groups=np.arange(20_000) % 2)
     v = det.verdict(_claims(2000, 0.3, rng))
-    assert v["flagged"] and v["p_value"] <= 1 / 201 + 1e-12 and v["more_tokens_needed"] is None
-    assert v["strongest_alternative"].startswith("noise sigma")
+    assert v.flagged and v.p_value <= 1 / 201 + 1e-12 and v.more_tokens_needed is None
+    assert v.extra["strongest_alternative"].startswith("noise sigma")
     # 20,000 honest tokens: too few to estimate the 0.9999 quantile the evidence is capped at
     assert det.llr_clip_ is None and "not capped" in det.warnings_[0] and "30,000" in det.warnings_[0]
     weak = det.verdict(_claims(30, 0.09, rng))
-    assert not weak["flagged"] and set(weak) >= {"threshold_fpr", "tail_probability", "more_tokens_needed"}
-    if weak["more_tokens_needed"] is not None:
-        assert weak["more_tokens_needed"] >= 1
-    assert det.verdict({k: np.full(50, -5.0) for k in honest})["more_tokens_needed"] is None  # nothing to see
+    assert not weak.flagged and set(weak.reported) >= {"threshold_fpr", "tail_probability", "more_tokens_needed"}
+    if weak.more_tokens_needed is not None:
+        assert weak.more_tokens_needed >= 1
+    assert det.verdict({k: np.full(50, -5.0) for k in honest}).more_tokens_needed is None  # nothing to see
     det.save(tmp_path / "g.json")
     back = PerturbationGLRTDetector.load(tmp_path / "g.json")
     t = _claims(400, 0.1, rng)
@@ -184,7 +184,7 @@ def test_glrt_caps_the_evidence_at_the_honest_quantile(tmp_path):
     batch = _claims(1000, 0.05, rng, eps=5e-4)
     batch["gap_0"][:3] = 8.0                               # three wide-margin flips
     assert det.statistic(batch) - det.threshold(1000) <= raw.statistic(batch) - raw.threshold(1000) + 1e-9
-    assert det.verdict(_claims(2000, 0.3, rng))["flagged"]  # a noisier provider is still caught
+    assert det.verdict(_claims(2000, 0.3, rng)).flagged  # a noisier provider is still caught
     det.save(tmp_path / "g.json")
     back = PerturbationGLRTDetector.load(tmp_path / "g.json")
     np.testing.assert_array_equal(back.llr_clip_, det.llr_clip_)

@@ -45,8 +45,8 @@ def test_fit_weights_and_honest_fpr(data):
     assert np.mean(flags) <= 0.03
     mis = {k: v[:1000] for k, v in data["mis"].items()}
     v = det.verdict(mis)
-    assert v["flagged"] and v["p_value"] < 0.01 and v["more_tokens_needed"] is None
-    assert v["n_tokens"] == 1000 and v["target_fpr"] == 0.01
+    assert v.flagged and v.p_value < 0.01 and v.more_tokens_needed is None
+    assert v.n_tokens == 1000 and v.target_fpr == 0.01
 
 
 def test_honest_only_fit_save_load(tmp_path, data):

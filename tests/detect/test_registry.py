@@ -51,9 +51,9 @@ def test_registry_round_trip(fitted, tmp_path):
     rng = np.random.default_rng(1)
     honest, shifted = score_table(3000, 0.05, rng, cols), score_table(3000, 0.15, rng, cols)
     ok, bad = det.verdict(honest, max_tokens=1000), det.verdict(shifted, max_tokens=1000)
-    assert set(ok) >= PROTOCOL_KEYS and ok["n_tokens"] == bad["n_tokens"] == 1000
-    assert not ok["flagged"] and bad["flagged"] and bad["p_value"] < 0.01 < ok["p_value"]
-    assert bad["pooled"] == det.score(shifted, max_tokens=1000) > bad["threshold"] == det.threshold(1000)
+    assert set(ok.reported) >= PROTOCOL_KEYS and ok.n_tokens == bad.n_tokens == 1000
+    assert not ok.flagged and bad.flagged and bad.p_value < 0.01 < ok.p_value
+    assert bad.pooled == det.score(shifted, max_tokens=1000) > bad.threshold == det.threshold(1000)
     assert det.predict(shifted.slice(0, 1000)) and not det.predict(honest.slice(0, 1000))
     det.save(tmp_path / "d.json")
     back = load_detector(tmp_path / "d.json")
@@ -132,7 +132,7 @@ def test_p_values_are_not_floored_at_one_over_the_resamples(fitted):
     name, det, cols = fitted
     rng = np.random.default_rng(5)
     bad = det.verdict(score_table(3000, 0.3, rng, cols), max_tokens=1000)
-    assert bad["flagged"] and bad["p_value"] < 1e-12 and bad["p_value_method"].startswith("saddle-point")  # 0: < 1e-300
+    assert bad.flagged and bad.p_value < 1e-12 and bad.p_value_method.startswith("saddle-point")  # 0: < 1e-300
     ok = det.verdict(score_table(3000, 0.05, rng, cols), max_tokens=1000)
-    resolved = ok["p_value"] >= 11 / (det.n_null_batches + 1)  # >= 10 resampled statistics reach it
-    assert ok["p_value_method"].startswith("resampled" if resolved else "saddle-point"), ok
+    resolved = ok.p_value >= 11 / (det.n_null_batches + 1)  # >= 10 resampled statistics reach it
+    assert ok.p_value_method.startswith("resampled" if resolved else "saddle-point"), ok

@@ -74,10 +74,10 @@ def test_verdict_fields_and_errors(fitted):
     det, rng = fitted
     seq = SequentialAudit(det, alpha=0.01)
     v = seq.verdict(_claims(20_000, 0.15, rng))
-    assert v["flagged"] and v["decided_at_tokens"] == v["n_tokens"] < 20_000 and v["pooled"] >= 100
-    assert v["p_value"] <= 0.01 and v["target_fpr"] == 0.01 and v["tokens_available"] == 20_000
+    assert v.flagged and v.extra["decided_at_tokens"] == v.n_tokens < 20_000 and v.pooled >= 100
+    assert v.p_value <= 0.01 and v.target_fpr == 0.01 and v.extra["tokens_available"] == 20_000
     h = seq.verdict(_claims(500, 0.05, rng, eps=5e-4))
-    assert not h["flagged"] and h["decided_at_tokens"] is None and h["n_tokens"] == 500 and 0 < h["p_value"] <= 1
+    assert not h.flagged and h.extra["decided_at_tokens"] is None and h.n_tokens == 500 and 0 < h.p_value <= 1
     cm = ClippedMeanDetector().fit({"margin": np.abs(rng.normal(size=5000))})
     with pytest.raises(VerinferError, match="--detector glrt"):
         SequentialAudit(cm)
@@ -124,8 +124,8 @@ def test_claim_blocks_match_a_loop_and_survive_save_load(tmp_path):
     np.testing.assert_array_equal(log_e[25:49], np.full(24, log_e[24]))   # constant inside claim 2
     assert (log_e[:24] == 0).all()
     v = seq.verdict(audited)
-    if v["flagged"]:
-        assert v["decided_at_tokens"] % 25 == 0                            # decided at a claim's end
+    if v.flagged:
+        assert v.extra["decided_at_tokens"] % 25 == 0                      # decided at a claim's end
     det.save(tmp_path / "g.json")
     back = PerturbationGLRTDetector.load(tmp_path / "g.json")
     np.testing.assert_array_equal(SequentialAudit(back, alpha=0.01, lambdas=(0.125, 0.5)).psi_LC, seq.psi_LC)

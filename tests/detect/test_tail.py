@@ -78,10 +78,10 @@ def test_detector_p_values_reach_1e_12_where_the_evidence_does():
     rng = np.random.default_rng(2)
     det = ClippedMeanDetector().fit({"margin": margins(rng, 50_000)})
     near = det.verdict({"margin": margins(rng, 1000, rate=0.006)})
-    assert near["p_value_method"] == "resampled" and near["p_value"] > 1 / (det.n_null_batches + 1)
+    assert near.p_value_method == "resampled" and near.p_value > 1 / (det.n_null_batches + 1)
     far = det.verdict({"margin": margins(rng, 1000, rate=0.05)})
-    assert far["flagged"] and far["p_value_method"] == "saddle-point" and 0 < far["p_value"] < 1e-12
-    assert far["p_value"] <= far["p_value_bound"]
+    assert far.flagged and far.p_value_method == "saddle-point" and 0 < far.p_value < 1e-12
+    assert far.p_value <= far.extra["p_value_bound"]
 
 
 def test_power_of_an_ok_verdict_matches_resampling_the_stated_alternative():
@@ -102,5 +102,5 @@ def test_power_of_an_ok_verdict_matches_resampling_the_stated_alternative():
         got = det.power(n)["probability"]
         assert got == pytest.approx(expect, abs=4 * math.sqrt(expect * (1 - expect) / 4000) + 0.02), n
     ok = det.verdict({"margin": margins(rng, 1000)})
-    assert not ok["flagged"] and ok["power"]["n_tokens"] == 1000 and ok["power"]["effect"] == 2.0
-    assert f"caught at these 1000 tokens with probability {ok['power']['probability']:.2f}" in ok["decision"]
+    assert not ok.flagged and ok.extra["power"]["n_tokens"] == 1000 and ok.extra["power"]["effect"] == 2.0
+    assert f"caught at these 1000 tokens with probability {ok.extra['power']['probability']:.2f}" in ok.decision

@@ -9,7 +9,7 @@ import itertools
 
 import pytest
 
-from verinfer.apps.pipeline import prompts_for
+from verinfer.models.prompts import prompts_for
 from verinfer.models.testbed import TARGET_DIR
 from verinfer.providers.simulated import DEFAULT_SPEC, HONEST, run_provider
 from verinfer.sampling.params import SamplingParams

@@ -77,8 +77,8 @@ def report(tmp_path_factory) -> Path:
     table = _table(np.random.default_rng(0))
     honest = ["honest-a", "honest-b"]
     det = ClippedMeanDetector().fit(table.filter(pc.is_in(table["provider"], pa.array(honest))))
-    verdicts = [{**det.verdict(table.filter(pc.equal(table["provider"], p)), max_tokens=1000), "provider": p,
-                 "honest": p in honest} for p in ("honest-a", "honest-b", "int4", "wrong-seed")]
+    verdicts = [det.verdict(table.filter(pc.equal(table["provider"], p)), max_tokens=1000).with_(
+        provider=p, honest=p in honest) for p in ("honest-a", "honest-b", "int4", "wrong-seed")]
     ctx = ReportContext(model="synthetic scores (tests/report/test_browser.py)", weights_sha256="none",
                         sampling="temperature 1.0, top_k 50, top_p 0.95")
     curves = compute_auc_curves(table, honest, batch_sizes=(1, 10, 100, 1000), n_batches=200)

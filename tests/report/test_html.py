@@ -9,6 +9,7 @@ import pytest
 
 from verinfer import __version__
 from verinfer.scores import SCORES, likelihood_score
+from verinfer.detect.verdict import Verdict
 from verinfer.report.html import ReportContext, compute_auc_curves, write_report
 from verinfer.report.plots import DPI, FIG_SIZE, LEGEND_SIZE, AucVsTokensPlot, ScoreHistogramPlot
 
@@ -110,14 +111,14 @@ def _verdicts(table, honest, providers, max_tokens=1000):
     from verinfer.detect.clipped_mean import ClippedMeanDetector
 
     det = ClippedMeanDetector().fit(table.filter(pc.is_in(table["provider"], pa.array(honest))))
-    return [{**det.verdict(table.filter(pc.equal(table["provider"], p)), max_tokens=max_tokens), "provider": p,
-             "honest": p in honest} for p in providers]
+    return [det.verdict(table.filter(pc.equal(table["provider"], p)), max_tokens=max_tokens).with_(
+        provider=p, honest=p in honest) for p in providers]
 
 
 def test_write_report(table, tmp_path):
     honest = ["honest-a", "honest-b"]
     verdicts = _verdicts(table, honest, ("honest-a", "int4", "temp-1.1"))
-    assert verdicts[1]["flagged"]
+    assert verdicts[1].flagged
     curves = compute_auc_curves(table, honest, batch_sizes=(1, 10, 100, 1000), n_batches=200)
     out = write_report(table, tmp_path / "rep", honest, verdicts, curves, batch_sizes=(1, 10, 100, 1000))
     assert out == tmp_path / "rep" / "report.html"
@@ -170,9 +171,10 @@ def test_summary_without_verdicts_says_what_the_curves_separate(table, tmp_path)
 
 
 def _verdict(provider, flagged, pooled, threshold, p, n=1000, honest=False):
-    return {"provider": provider, "honest": honest, "flagged": flagged, "pooled": pooled, "threshold": threshold,
-            "p_value": p, "p_value_method": "normal", "n_tokens": n, "target_fpr": 0.01, "threshold_fpr": 0.0098,
-            "score": "margin", "clip": 0.321, "more_tokens_needed": None if flagged else 2500}
+    return Verdict.of(provider=provider, honest=honest, flagged=flagged, pooled=pooled, threshold=threshold,
+                      p_value=p, p_value_method="normal", n_tokens=n, target_fpr=0.01, threshold_fpr=0.0098,
+                      score="margin", clip=0.321, more_tokens_needed=None if flagged else 2500,
+                      decision="flagged" if flagged else "ok")
 
 
 def test_p_values_and_small_pooled_values_keep_their_digits(table, tmp_path):

@@ -5,7 +5,7 @@
              serve always sends them) and become claims. Text is never re-tokenized: an endpoint
              that returns no token ids cannot be audited and says so.
     replay   the trusted local model replays the claims (audit/replay.py)
-    audit    a detector calibrated on verinfer's own honest runs (audit/providers.py HONEST, same
+    audit    a detector calibrated on verinfer's own honest runs (providers/simulated.py HONEST, same
              prompt distribution and sampling settings, other prompts) gives the verdict.
 
 Modes (`mode`):
@@ -37,7 +37,7 @@ from pathlib import Path
 
 import numpy as np
 
-from verinfer.apps.pipeline import VERIFIER_NUMERICS, calibrate, reference_engines, score, verifier_engine
+from verinfer.apps.pipeline import VERIFIER_NUMERICS, reference_engines, score, verifier_engine
 from verinfer.audit.replay import score_chunk
 from verinfer.models.prompts import prompts_for
 from verinfer.claims import Claim, read_claims, write_claims
@@ -45,9 +45,11 @@ from verinfer.io import (atomic_write_json, atomic_write_text, check_manifest, c
                          progress_bar)
 from verinfer.detect import Detector, load_detector
 from verinfer.detect.sequential import SequentialAudit
+from verinfer.detect.calibrate import calibrate
+from verinfer.detect.verdict import Verdict
 from verinfer.providers.openai_http import Endpoint, EndpointError, openai_client, probe_seeds, request_completion
 from verinfer.providers.simulated import HONEST, MISCONFIGURED, PROVIDERS, request_seed, run_provider
-from verinfer.scores import divergence
+from verinfer.scores import divergence, load_score_tables
 from verinfer.errors import VerinferError
 from verinfer.models.load import model_info
 from verinfer.sampling.params import SamplingParams
@@ -115,7 +117,7 @@ class ApiAuditConfig:
 
 @dataclass
 class ApiAuditResult:
-    verdict: dict
+    verdict: Verdict
     mode: str
     claims: Path
     scores: Path
@@ -380,20 +382,20 @@ def audit_api(cfg: ApiAuditConfig, *, show_progress: bool = True) -> ApiAuditRes
     if det is None:
         det, ctimes = calibrated_detector(cfg, mode, info, engine, score_fn, show_progress)
     table = load_score_tables([scores_path])
-    verdict = stop.audit.verdict(table) if stop else det.verdict(table)
-    verdict.update(provider=f"api:{cfg.model}", honest=None)
+    verdict = (stop.audit.verdict(table) if stop else det.verdict(table)).with_(provider=f"api:{cfg.model}",
+                                                                               honest=None)
     if stop:
-        verdict.update(requests_sent=len(claims), requests_planned=len(prompts))
+        verdict = verdict.with_(requests_sent=len(claims), requests_planned=len(prompts))
     bands = None
     point = None if cfg.sequential else summarize(table, det, seed=cfg.seed)
     if mode == "greedy":
         bands = reference_bands(cfg, det, score_fn, show_progress=show_progress)
-        verdict["nearest_band"] = nearest_band(point, bands)
+        verdict = verdict.with_(nearest_band=nearest_band(point, bands))
     timings = {"probe_s": t_probe - t0, "collect_s": t_collect - t_calib, "score_s": t_score - t_collect, **ctimes,
                "total_s": time.perf_counter() - t0}
     exact = float(np.mean(np.asarray(table["exact_match"].to_numpy(zero_copy_only=False), dtype=bool)))
     report = {"base_url": cfg.base_url, "model": cfg.model, "trusted_model": info.name,
-              "trusted_weights_sha256": info.weights_sha256, "mode": mode, "verdict": verdict,
+              "trusted_weights_sha256": info.weights_sha256, "mode": mode, "verdict": verdict.to_dict(),
               "n_claims": len(claims), "n_tokens": int(table.num_rows), "exact_match": exact, "endpoint": point,
               "reference_bands": bands, "settings": {k: (str(v) if isinstance(v, Path) else v)
                                                      for k, v in asdict(cfg).items() if k != "api_key"},

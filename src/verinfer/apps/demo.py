@@ -10,7 +10,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from verinfer.apps.pipeline import audit, calibrate, generate, score, split_claims, verifier_engine
+from verinfer.apps.pipeline import audit, generate, score, verifier_engine
+from verinfer.detect.calibrate import calibrate, split_claims
+from verinfer.detect.verdict import Verdict
 from verinfer.io import atomic_write_json, atomic_write_text, check_manifest
 from verinfer.models.load import model_info
 from verinfer.models.testbed import TARGET_DIR
@@ -21,7 +23,7 @@ from verinfer.scores import load_score_tables
 
 @dataclass
 class DemoResult:
-    verdicts: list[dict]
+    verdicts: list[Verdict]
     report: Path
     seconds: float
 
@@ -57,7 +59,7 @@ def demo(out_dir: str | Path = "runs/demo", *, model_dir: str | Path | None = No
     det = calibrate(calib, honest, seed=seed)
     det.save(out / "detector.json")
     verdicts = audit(table, det, list(PROVIDERS), held_out, max_tokens=audit_tokens)
-    atomic_write_text(out / "verdicts.json", json.dumps(verdicts, indent=1, default=float))
+    atomic_write_text(out / "verdicts.json", json.dumps([v.to_dict() for v in verdicts], indent=1, default=float))
     curves = compute_auc_curves(table, honest, seed=seed)
     context = ReportContext.for_model(model_dir, {**DEFAULT_SPEC, "max_tokens": max_tokens, "seed": seed})
     report = write_report(table, out, honest, verdicts, curves, context=context)

@@ -12,10 +12,12 @@ from pathlib import Path
 import pyarrow.compute as pc
 
 from verinfer.apps import speculative
-from verinfer.apps.pipeline import audit, calibrate, combine_verdicts, score
+from verinfer.apps.pipeline import audit, score
 from verinfer.audit.replay import Scored
 from verinfer.claims import iter_claims
 from verinfer.detect import Detector, load_detector
+from verinfer.detect.calibrate import calibrate
+from verinfer.detect.verdict import Verdict, combine_verdicts
 from verinfer.errors import VerinferError
 from verinfer.io import atomic_write_text, check_writable
 from verinfer.scores import check_provenance, common_provenance, load_score_tables
@@ -82,12 +84,12 @@ def calibrate_files(scores: list[Path], out: Path, *, detector: str = "clipped-m
 
 @dataclass(frozen=True)
 class AuditOutcome:
-    verdicts: list[dict]
+    verdicts: list[Verdict]
     notes: list[str]  # what could not be checked (provenance not recorded)
 
     @property
     def flagged(self) -> bool:
-        return any(v["flagged"] for v in self.verdicts)
+        return any(v.flagged for v in self.verdicts)
 
 
 def audit_files(inputs: list[Path], detector_paths: list[Path], *, model_dir: Path | None = None,
@@ -115,7 +117,7 @@ def audit_files(inputs: list[Path], detector_paths: list[Path], *, model_dir: Pa
     verdicts = combine_verdicts([audit(table, det, providers, max_tokens=max_tokens, sequential=sequential)
                                  for det in dets])
     if json_out:
-        atomic_write_text(json_out, json.dumps(verdicts, indent=1, default=float))
+        atomic_write_text(json_out, json.dumps([v.to_dict() for v in verdicts], indent=1, default=float))
     return AuditOutcome(verdicts, notes)
 
 

@@ -8,7 +8,8 @@ from typing import Iterable
 
 from verinfer.claims import Claim, check_claims_fit, read_claims, write_claims
 from verinfer.errors import ClaimError
-from verinfer.io import check_writable, progress_bar
+from verinfer.io import check_writable
+from verinfer.progress import progress_bar
 from verinfer.models.llama import LlamaLM
 from verinfer.models.load import model_info
 from verinfer.models.prompts import prompts_for

@@ -23,7 +23,6 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from pathlib import Path
 
 import pyarrow as pa
 
@@ -88,10 +87,7 @@ class RayReplayPool:
         if self.threads < 1:
             raise VerinferError(f"threads per worker must be >= 1, got {self.threads}", fix="e.g. --worker-threads 1")
         self.numerics = self.numerics.with_(threads=self.threads)
-        cfg_path = Path(self.model_dir) / "config.json"
-        import json
-
-        self.config = LlamaConfig.from_dict(json.loads(cfg_path.read_text()), where=str(cfg_path))
+        self.config = LlamaConfig.from_dir(self.model_dir)
         self._started = False
         self.actors: list = []
 

@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from verinfer.numerics import Numerics
+from verinfer.registry import Registry
 from verinfer.scores import score_column
 from verinfer.engine.engine import Replay, Request
 
@@ -38,7 +39,7 @@ class Reference:
     """One honest reference replay: the numerics it computes with, and whether it replays
     token by token through the KV cache (`decode=True`, as a provider decodes; `batch` claims at a
     time, grouped in a seeded random order so that the companions in a batch have nothing to do
-    with the provider's own batching) or teacher-forced in one forward per claim (`Engine.score`)."""
+    with the provider's own batching) or teacher-forced in one forward per claim (`Engine.replay`)."""
 
     numerics: Numerics
     decode: bool = False
@@ -46,14 +47,14 @@ class Reference:
     group_seed: int = 0
 
 
-# name -> each honest reference replay; "bf16" is the verifier's primary replay (Engine.score)
-REFERENCES: dict[str, Reference] = {
+# name -> each honest reference replay; "bf16" is the verifier's primary replay (Engine.replay)
+REFERENCES: Registry[Reference] = Registry("honest reference", {
     "bf16": Reference(Numerics(dtype="bf16", attn="sdpa")),
     "fp32": Reference(Numerics(dtype="fp32", attn="sdpa")),
     "bf16-eager": Reference(Numerics(dtype="bf16", attn="eager")),
     "bf16-decode": Reference(Numerics(dtype="bf16", attn="sdpa"), decode=True),
     "bf16-decode-b8": Reference(Numerics(dtype="bf16", attn="sdpa"), decode=True, batch=8, group_seed=1),
-}
+})
 
 
 @torch.no_grad()
@@ -62,7 +63,7 @@ def decode_replay(engine, claims, batch: int = 1, group_seed: int = 0) -> list:
     through `Engine.extend` (the KV-cache decode path a provider samples from), `batch` claims at a
     time (right-padded mixed-length prompts, as `Engine.generate` batches them; with batch > 1 the
     claims are grouped in the random order of `group_seed`; a row whose claim has ended is fed
-    token 0, which no other row sees). Returns `engine.Replay`s like `Engine.score`."""
+    token 0, which no other row sees). Returns `engine.Replay`s like `Engine.replay`."""
     out: list = [None] * len(claims)
     order = np.arange(len(claims)) if batch <= 1 else np.random.default_rng(group_seed).permutation(len(claims))
     for s in range(0, len(order), max(1, batch)):
@@ -94,7 +95,7 @@ def replay(reference: Reference, engine, claims) -> list:
     """The reference's replays of claims (engine built with reference.numerics)."""
     if reference.decode:
         return decode_replay(engine, claims, reference.batch, reference.group_seed)
-    return engine.score([(c.prompt_token_ids, c.output_token_ids) for c in claims])
+    return engine.replay([(c.prompt_token_ids, c.output_token_ids) for c in claims])
 
 
 def envelope(gaps: list[np.ndarray]) -> np.ndarray:

@@ -142,8 +142,7 @@ class RemoteReference:
 
     @classmethod
     def for_model_dir(cls, url: str, model: str, model_dir: str | Path, **kw) -> "RemoteReference":
-        cfg_path = Path(model_dir) / "config.json"
-        return cls(url, model, LlamaConfig.from_dict(json.loads(cfg_path.read_text()), where=str(cfg_path)), **kw)
+        return cls(url, model, LlamaConfig.from_dir(model_dir), **kw)
 
     @property
     def client(self):

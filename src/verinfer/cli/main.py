@@ -244,7 +244,7 @@ def audit_api(base_url: str = O.BASE_URL, model: str = O.ENDPOINT_MODEL, model_d
                          detector=detector, device=device, threads=threads, matmul=matmul, sequential=sequential, **kw)
     res = run_audit_api(cfg)
     render.api_audit(res)
-    if res.verdict["flagged"]:
+    if res.verdict.flagged:
         raise typer.Exit(1)
 
 

@@ -1,17 +1,19 @@
-"""What the `verinfer` commands print: each function turns what an apps/ function returned into the
-terminal text (the HTML report is report/'s)."""
+"""What the `verinfer` commands print: each function turns what an apps/ function returned into
+terminal text; `verdicts` draws the rich table of `audit`, `demo` and `audit-api` (the HTML report
+is report/'s)."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
 
-
-def verdicts(rows) -> None:
-    from verinfer.apps.pipeline import print_verdicts
-
-    print_verdicts(rows)
+if TYPE_CHECKING:
+    from verinfer.detect.verdict import Verdict
 
 
 def generated(g, req) -> str:
@@ -72,5 +74,35 @@ def api_audit(res) -> None:
     """What `verinfer audit-api` prints for an `apps.audit_api.ApiAuditResult`."""
     verdicts([res.verdict])
     typer.echo(f"mode {res.mode}: {res.n_claims} claims, {res.n_tokens} tokens, exact match {res.exact_match:.4f}"
-               + (f", nearest reference band: {res.verdict['nearest_band']}" if res.bands else "")
+               + (f", nearest reference band: {res.verdict.get('nearest_band')}" if res.bands else "")
                + f"\nreport: {res.report}")
+
+
+def verdicts(rows: list[Verdict]) -> None:
+    """One row per verdict (provider, truth, verdict, tokens, pooled, threshold, p-value, FPRs,
+    tokens to flag), then what each ok verdict with a stated power established."""
+    t = Table(title="verinfer audit: DiFR verdicts",
+              caption="FPR: the target, the rate at the threshold on resampled honest batches, and on held-out honest "
+                      "claims at calibration; to flag: tokens at which the provider's excess over honest, if it "
+                      "persisted, would be flagged")
+    for col in ("provider", "truth", "verdict", "tokens", "pooled", "threshold", "p-value", "FPR", "to flag"):
+        t.add_column(col, no_wrap=True, min_width=7 if col in ("verdict", "p-value") else None)
+    for v in rows:
+        truth = {True: "honest", False: "misconfigured", None: "?"}[v.honest]
+        fpr = f"{v.target_fpr:.0%}" + (f" / {v.threshold_fpr:.2%}" if "threshold_fpr" in v.reported else "") + \
+            (f" / {v.heldout_fpr:.1%}" if "heldout_fpr" in v.reported else "")
+        t.add_row(escape(v.provider), truth, "[red]FLAGGED[/red]" if v.flagged else "[green]ok[/green]",
+                  str(v.n_tokens), f"{v.pooled:.2g}", f"{v.threshold:.2g}",
+                  (f"{v.p_value:.2g}" if v.p_value > 0 else "<1e-300"), fpr, more_tokens(v))
+    console = Console(width=max(160, Console().width))
+    console.print(t)
+    for v in rows:  # what an ok verdict established (the power against a stated deviation)
+        if not v.flagged and v.get("power"):
+            console.print(f"{escape(v.provider)}: {escape(v.decision)}", soft_wrap=True)
+
+
+def more_tokens(v: Verdict) -> str:
+    """'-' when flagged, 'none (no excess)' when more tokens would not flag it, else ~N."""
+    if v.flagged or "more_tokens_needed" not in v.reported:
+        return "-"
+    return "none (no excess)" if v.more_tokens_needed is None else f"~{v.more_tokens_needed}"

@@ -3,9 +3,10 @@
     det = Detector(**config)              config: plain attributes, fixed once constructed
     det.fit(table, groups=None)           learn from honest score rows only; learned attributes end in `_`
     det.score(table, max_tokens=None)     the batch statistic of the rows (higher = more divergent)
-    det.verdict(table, max_tokens=None)   dict: flagged, pooled (= the statistic), threshold, p_value,
-                                          n_tokens, target_fpr, threshold_fpr, more_tokens_needed,
-                                          decision, score (what the statistic is), + detector extras
+    det.verdict(table, max_tokens=None)   a `verdict.Verdict`: flagged, pooled (= the statistic),
+                                          threshold, p_value, n_tokens, target_fpr, threshold_fpr,
+                                          more_tokens_needed, decision, score (what the statistic
+                                          is), + detector extras
     det.to_json() / det.save(path)        the fitted detector as JSON (atomic write); no pickle
     Detector.load(path)                   the inverse (`registry.load_detector` picks the class)
 
@@ -29,6 +30,7 @@ from typing import ClassVar
 import numpy as np
 from verinfer.detect import record
 from verinfer.detect.tail import MIN_RESAMPLED_HITS, compress, mean_tail
+from verinfer.detect.verdict import Verdict
 from verinfer.errors import VerinferError
 from verinfer.io import atomic_write_text
 
@@ -228,7 +230,7 @@ class Detector(abc.ABC):
         """Flag a batch of n_tokens tokens when its statistic exceeds this."""
 
     @abc.abstractmethod
-    def verdict(self, table, max_tokens: int | None = None) -> dict:
+    def verdict(self, table, max_tokens: int | None = None) -> Verdict:
         """Everything a report states about the first max_tokens tokens of `table`."""
 
     def evidence(self, table, max_tokens: int | None = None) -> np.ndarray:
@@ -329,6 +331,7 @@ class ColumnStatistics(Detector):
         """Tokens a decision would need beyond n_tokens if the per-token excess persisted."""
 
     def _verdict_extra(self, x: np.ndarray) -> dict:
+        """What the verdict reports after `decision` (`Verdict.of` values: score, extras)."""
         return {}
 
     def _check_fitted(self) -> None:
@@ -365,7 +368,7 @@ class ColumnStatistics(Detector):
     def threshold(self, n_tokens: int) -> float:
         return float(np.quantile(self.null_statistics(n_tokens), 1.0 - self.target_fpr))
 
-    def verdict(self, table, max_tokens: int | None = None) -> dict:
+    def verdict(self, table, max_tokens: int | None = None) -> Verdict:
         """flagged, the statistic and threshold, the FPR the threshold was set at and its rate on
         the resampled honest null, the tail probability (p-value) under the honest null (resampled,
         worst group plus allowance), and, when not flagged, how many more tokens a decision would
@@ -378,10 +381,10 @@ class ColumnStatistics(Detector):
         p, method = self._p_value(stat, n, null)
         flagged = stat > thr
         more = None if flagged else self._more_tokens(stat, thr, n)
-        return {"flagged": bool(flagged), "pooled": stat, "threshold": thr, "p_value": p, "tail_probability": p,
-                "p_value_method": method, "n_tokens": n, "target_fpr": self.target_fpr,
-                "threshold_fpr": float(np.mean(null > thr)), "more_tokens_needed": more,
-                "decision": decision_text(flagged, more), **self._verdict_extra(x)}
+        return Verdict.of(flagged=bool(flagged), pooled=stat, threshold=thr, p_value=p, tail_probability=p,
+                          p_value_method=method, n_tokens=n, target_fpr=self.target_fpr,
+                          threshold_fpr=float(np.mean(null > thr)), more_tokens_needed=more,
+                          decision=decision_text(flagged, more), **self._verdict_extra(x))
 
     def _p_value(self, stat: float, n: int, null: np.ndarray) -> tuple[float, str]:
         """Resampled, (1 + #null >= stat) / (1 + B), where at least MIN_RESAMPLED_HITS resampled

@@ -54,6 +54,7 @@ from verinfer.scores import ALL_SCORES, ACTIVATION_SCORES, divergence
 from verinfer.detect.base import (Detector, claim_labels, decision_text, decode_f8, encode_f8, group_labels,
                                   stratified_subsample)
 from verinfer.detect.tail import MIN_RESAMPLED_HITS, chernoff_bound, compress, mean_tail, tilt
+from verinfer.detect.verdict import Verdict
 from verinfer.errors import VerinferError
 
 MAX_NULL_SAMPLE = 200_000
@@ -342,12 +343,10 @@ class ClippedMeanDetector(Detector):
         x = self.evidence(table)
         return self._p_value(self.statistic_of(x), x.size)[0]
 
-    def verdict(self, table, max_tokens: int | None = None) -> dict:
+    def verdict(self, table, max_tokens: int | None = None) -> Verdict:
         """`verdict_from_pooled` of the first max_tokens tokens, and the clip."""
         x = self.evidence(table, max_tokens)
-        d = self.verdict_from_pooled(self.statistic_of(x), x.size)
-        d["clip"] = self.clip_
-        return d
+        return self.verdict_from_pooled(self.statistic_of(x), x.size).with_(clip=self.clip_)
 
     def threshold_fpr(self, n_tokens: int) -> float:
         """False-positive rate of threshold(n) on the honest null: the fraction of resampled honest
@@ -396,7 +395,7 @@ class ClippedMeanDetector(Detector):
             return {**alt, "probability": 1.0 if effect * mean >= values[-1] > thr else 0.0}
         return {**alt, "probability": mean_tail(values, tilt(values, shares, effect * mean), self._n_eff(n, g), thr)}
 
-    def verdict_from_pooled(self, pooled: float, n_tokens: int) -> dict:
+    def verdict_from_pooled(self, pooled: float, n_tokens: int) -> Verdict:
         """Verdict with confidence for a pooled score over n_tokens tokens: flagged, threshold, the
         FPR the threshold was set at (target) and its FPR on the honest null, the tail probability
         (p-value) of the pooled score under the honest null, and, when not flagged, how many more
@@ -412,13 +411,13 @@ class ClippedMeanDetector(Detector):
             n_star = self.tokens_to_flag(pooled, n)
             more = None if n_star is None else max(1, n_star - n)
             power = self.power(n)
-        return {"flagged": flagged, "pooled": float(pooled), "threshold": thr, "p_value": p,
-                "tail_probability": p, "p_value_method": method, "p_value_bound": self.p_value_bound(pooled, n),
-                "n_tokens": n, "target_fpr": self.target_fpr,
-                "threshold_fpr": self.threshold_fpr(n), "more_tokens_needed": more,
-                "detectable_excess": float(thr - self.null_mean_), "power": power,
-                "decision": decision_text(flagged, more, power),
-                "score": self.score_name}
+        return Verdict.of(flagged=flagged, pooled=float(pooled), threshold=thr, p_value=p,
+                          tail_probability=p, p_value_method=method, p_value_bound=self.p_value_bound(pooled, n),
+                          n_tokens=n, target_fpr=self.target_fpr,
+                          threshold_fpr=self.threshold_fpr(n), more_tokens_needed=more,
+                          detectable_excess=float(thr - self.null_mean_), power=power,
+                          decision=decision_text(flagged, more, power),
+                          score=self.score_name)
 
     def summary(self) -> str:
         deff = max(self.design_effects_)

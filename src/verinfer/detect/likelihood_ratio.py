@@ -39,6 +39,7 @@ import numpy as np
 from verinfer.scores import score_column
 from verinfer.detect.base import Detector, decode_f8, encode_f8
 from verinfer.detect.clipped_mean import ClippedMeanDetector
+from verinfer.detect.verdict import Verdict
 from verinfer.errors import VerinferError
 
 N_MARGIN_BANDS, N_DIRECTIONS, N_CE_BANDS = 7, 2, 4
@@ -197,13 +198,12 @@ class LikelihoodRatioDetector(Detector):
         self._check_fitted()
         return self.null_.threshold(n_tokens)
 
-    def verdict(self, table, max_tokens: int | None = None) -> dict:
+    def verdict(self, table, max_tokens: int | None = None) -> Verdict:
         """ClippedMeanDetector.verdict_from_pooled on the pooled log-likelihood ratio."""
         self._check_fitted()
         w = self.evidence(table, max_tokens)
-        d = self.null_.verdict_from_pooled(self.statistic_of(w), w.size)
-        d["score"] = "likelihood-ratio(margin, exact_match, cross_entropy)"
-        return d
+        return self.null_.verdict_from_pooled(self.statistic_of(w), w.size).with_(
+            score="likelihood-ratio(margin, exact_match, cross_entropy)")
 
     def summary(self) -> str:
         return f"likelihood ratio over {N_BINS} bins, {self.n_alternatives_} alternatives, FPR {self.target_fpr}"

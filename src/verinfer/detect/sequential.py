@@ -44,6 +44,7 @@ from scipy.special import logsumexp
 
 from verinfer.detect.base import ColumnStatistics, Detector, block_sizes
 from verinfer.detect.glrt import honest_allowance
+from verinfer.detect.verdict import Verdict
 from verinfer.errors import VerinferError
 
 LAMBDAS = tuple(2.0 ** -k for k in range(9, -1, -1))  # 1/512 .. 1: a claim's sum is ~its length x a token's
@@ -119,7 +120,7 @@ class SequentialAudit:
         None if it does not."""
         return self.stopping_time_of(self.log_e_values(evidence_NC, claims))
 
-    def verdict(self, table, max_tokens: int | None = None) -> dict:
+    def verdict(self, table, max_tokens: int | None = None) -> Verdict:
         """The audit of a provider's tokens in stream order (its rows' order): flagged, the tokens at
         which it decided (`decided_at_tokens`, None if undecided), the e-value there (`pooled`) and
         its threshold 1/alpha, the anytime-valid p-value min(1, 1 / sup E_t) over the tokens seen."""
@@ -131,10 +132,10 @@ class SequentialAudit:
         decision = (f"flagged after {t} tokens: inconsistent with honest inference (anytime-valid)" if t is not None
                     else f"ok: consistent with honest inference over {len(log_e)} tokens (anytime-valid; the audit "
                          f"may continue)")
-        return {"flagged": t is not None, "pooled": math.exp(min(sup, 700.0)), "threshold": 1.0 / self.alpha,
-                "p_value": p, "tail_probability": p, "p_value_method": "anytime-valid e-value (1 / sup E)",
-                "n_tokens": int(len(seen)), "target_fpr": self.alpha, "decided_at_tokens": t,
-                "tokens_available": int(len(log_e)), "decision": decision, "score": "sequential-e-process"}
+        return Verdict.of(flagged=t is not None, pooled=math.exp(min(sup, 700.0)), threshold=1.0 / self.alpha,
+                          p_value=p, tail_probability=p, p_value_method="anytime-valid e-value (1 / sup E)",
+                          n_tokens=int(len(seen)), target_fpr=self.alpha, decided_at_tokens=t,
+                          tokens_available=int(len(log_e)), decision=decision, score="sequential-e-process")
 
     def stopping_time_of(self, log_e: np.ndarray) -> int | None:
         """The first t (1-based) with log_e[t - 1] >= log(1/alpha), None if none."""

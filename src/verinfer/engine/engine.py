@@ -444,7 +444,6 @@ class Engine:
                 o += n
         return results  # type: ignore[return-value]
 
-    score = replay  # the name audit/references.py still calls; `replay` says what it returns
 
 
 def _completion(batch: Batch, b: int) -> Completion:

@@ -2,7 +2,7 @@
 checkpoint directory. Every command (generate, score, the server, determinism, speculative)
 runs this class; the transformers model stays only as the reference tests compare it against.
 
-Why: on CPU, per-call framework overhead dominates small models (DESIGN.md "Speed"). This
+Why: on CPU, per-call framework overhead dominates small models (benchmarks/results/forward_speed.md). This
 module computes exactly what `transformers.LlamaForCausalLM` computes (RMSNorm in fp32, RoPE,
 grouped-query attention, SiLU-gated MLP), over a caller-owned KV cache, with explicit hooks
 for the hidden states and the KV columns. How the linear layers, attention and logits are
@@ -399,7 +399,7 @@ class LlamaLM(torch.nn.Module):
         """Replay of right-padded rows with the padding removed from every per-token op (linear
         layers, norms, RoPE): only attention sees the padded [B, T] layout. A padded token never
         reaches a real one (causal, padding is at the end), so real tokens get the values of the
-        padded forward up to GEMM row order (the honest noise of DESIGN.md)."""
+        padded forward up to GEMM row order (honest numerical noise)."""
         B, T = tokens_BT.shape
         dev = tokens_BT.device
         lengths_B = lengths_B.to(dev)

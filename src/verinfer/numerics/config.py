@@ -5,7 +5,7 @@ turns a checkpoint's fp32 weights into what a provider with that numerics would 
 
 What is simulated and what is a real kernel:
 - dtype bf16/fp32, attention sdpa/eager, thread count, chunked prefill: real PyTorch kernels
-  (they change the floating-point reduction order, the honest noise of DESIGN.md).
+  (they change the floating-point reduction order, honest numerical noise).
 - int4 / int8 weights: *simulated* (fake-quant) group-wise round-to-nearest with a zero point,
   dequantized back to the compute dtype; the matmuls stay bf16/fp32.
 - fp8 e4m3 KV cache: *simulated* by casting each written K/V to torch.float8_e4m3fn and back

@@ -3,7 +3,7 @@
 Honest variation (all compute the same function; only floating-point order differs): batch size
 and composition (mixed-length padded batches), bf16 vs fp32, sdpa vs eager attention, thread
 count, chunked prefill. Every honest provider decodes token by token while the verifier
-prefills, which alone moves bf16 logits on CPU (DESIGN.md "Honest noise").
+prefills, which alone moves bf16 logits on CPU (docs/architecture.md).
 
 Misconfigurations (DiFR paper section 5.1): 4-bit weights (simulated group-wise RTN), fp8 e4m3
 KV cache (simulated cast), temperature 1.1 instead of 1.0, wrong seed, and a sampling bug that

@@ -75,7 +75,7 @@ def require_vllm():
         import vllm  # noqa: F401
     except ImportError as e:
         raise VerinferError(f"vLLM is not importable ({e})",
-                            fix='install the [vllm] extra in its own venv (see README "vLLM"), then remove '
+                            fix='install the [vllm] extra in its own venv (see docs/vllm.md), then remove '
                                 "torchvision, torchaudio and torchcodec (they break vLLM's import)") from e
     return vllm
 

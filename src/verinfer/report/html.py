@@ -25,6 +25,7 @@ import pyarrow as pa
 from verinfer import __version__
 from verinfer.scores import SCORES, divergence
 from verinfer.detect.metrics import auc_vs_tokens, tokens_to_detect
+from verinfer.detect.verdict import Verdict
 from verinfer.errors import VerinferError
 from verinfer.io import atomic_write_text
 from verinfer.report import format as fmt
@@ -126,8 +127,9 @@ def _names(names: list[str]) -> str:
 
 
 def summarize(verdicts: list[dict] | None, curves: Mapping, honest: Iterable[str]) -> str:
-    """The page's one-line summary: how many providers were flagged (and which), on how many
-    tokens at what target FPR; without verdicts, which misconfigurations the curves separate."""
+    """The page's one-line summary of the verdicts (their `_verdict_view`s): how many providers were
+    flagged (and which), on how many tokens at what target FPR; without verdicts, which
+    misconfigurations the curves separate."""
     honest = set(honest)
     if verdicts:
         audited = [d for d in verdicts if d.get("provider") not in honest]
@@ -155,16 +157,16 @@ VERDICT_KEYS = ("provider", "honest", "flagged", "n_tokens", "pooled", "threshol
                 "target_fpr", "threshold_fpr", "score", "clip")
 
 
-def _verdict_view(d: dict) -> dict:
+def _verdict_view(v: Verdict) -> dict:
     """A verdict with every key the page reads (None where a detector does not report it) and
     `more`: the tokens a decision would still need ('-' when flagged or not reported)."""
-    v = {k: d.get(k) for k in VERDICT_KEYS}
-    if d.get("flagged") or "more_tokens_needed" not in d:
-        v["more"] = fmt.DASH
+    view = {k: v.get(k) for k in VERDICT_KEYS}
+    if v.flagged or "more_tokens_needed" not in v.reported:
+        view["more"] = fmt.DASH
     else:
-        more = d["more_tokens_needed"]
-        v["more"] = "none (no excess)" if more is None else f"~{fmt.tokens(more)}"
-    return v
+        more = v.more_tokens_needed
+        view["more"] = "none (no excess)" if more is None else f"~{fmt.tokens(more)}"
+    return view
 
 
 def _provider_rows(cols: dict, honest: set[str], verdicts: list[dict], curves: Mapping) -> list[dict]:
@@ -266,9 +268,9 @@ def _environment() -> jinja2.Environment:
     return env
 
 
-def write_report(scores_table, out_dir: str | Path, honest_providers: list[str], verdicts: list[dict] | None = None,
-                 auc_curves: dict | None = None, batch_sizes: Iterable[int] = BATCH_SIZES,
-                 context: ReportContext | None = None) -> Path:
+def write_report(scores_table, out_dir: str | Path, honest_providers: list[str],
+                 verdicts: list[Verdict] | None = None, auc_curves: dict | None = None,
+                 batch_sizes: Iterable[int] = BATCH_SIZES, context: ReportContext | None = None) -> Path:
     """Write out_dir/report.html (self-contained) and its PNGs (auc_overview.png,
     auc_<misconf>.png, hist_<misconf>_<score>.png); return the HTML path. `auc_curves` as returned
     by `compute_auc_curves` (computed here if None); `context`: what was audited (every field

@@ -114,7 +114,7 @@ class Judge:
             d = json.loads(Path(path).read_text())
             return cls(d["mean"], d["scale"], d["coef"], d["intercept"])
         except (OSError, json.JSONDecodeError, KeyError) as e:
-            raise ValueError(f"{path}: not a judge file ({e}); train one with `python -m benchmarks.kl_judge`") from e
+            raise ValueError(f"{path}: not a judge file ({e}); train one with `verinfer speculative train-autojudge`") from e
 
 
 def train_judge(mined: MinedSet, C: float = 1.0, seed: int = 0) -> Judge:
