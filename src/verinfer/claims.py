@@ -98,7 +98,7 @@ class ClaimRecord(BaseModel):
 FIX = {
     "prompt_token_ids": "send token ids, not text (verinfer never re-tokenizes)",
     "output_token_ids": "send token ids, not text (verinfer never re-tokenizes); an empty output has nothing to audit",
-    "sampling": "see the claims schema in docs/architecture.md ("Claims")",
+    "sampling": "see the claims schema in docs/architecture.md, section Claims",
 }
 
 
@@ -108,14 +108,14 @@ def _claim_error(e: ValidationError, where: str) -> ClaimError:
     loc = [str(x) for x in err["loc"] if not isinstance(x, int)]
     fld = ".".join(loc)
     if err["type"] == "missing":
-        return ClaimError(f"missing field `{fld}`", where=where, fix="see the claims schema in docs/architecture.md ("Claims")")
+        return ClaimError(f"missing field `{fld}`", where=where, fix="see the claims schema in docs/architecture.md, section Claims")
     msg = err["msg"].removeprefix("Value error, ")
     if loc and loc[-1].endswith("token_ids"):
         msg = "must be a list of integer token ids" if err["type"] != "too_short" else "is empty: nothing to audit"
     if msg.startswith("`"):  # a model-level check that names its own field
-        return ClaimError(msg, where=where, fix=FIX.get(loc[0] if loc else "", "see the claims schema in docs/architecture.md ("Claims")"))
+        return ClaimError(msg, where=where, fix=FIX.get(loc[0] if loc else "", "see the claims schema in docs/architecture.md, section Claims"))
     return ClaimError(f"`{fld}` {msg} (got {err.get('input')!r:.80})", where=where,
-                      fix=FIX.get(loc[0] if loc else "", "see the claims schema in docs/architecture.md ("Claims")"))
+                      fix=FIX.get(loc[0] if loc else "", "see the claims schema in docs/architecture.md, section Claims"))
 
 
 @dataclass
