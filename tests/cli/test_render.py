@@ -1,4 +1,4 @@
-from verinfer.cli.render import more_tokens, print_verdicts
+from verinfer.cli.render import more_tokens, verdicts as print_verdicts
 from verinfer.detect.verdict import Verdict, combine_verdicts
 
 

@@ -41,8 +41,8 @@ from verinfer.apps.pipeline import VERIFIER_NUMERICS, reference_engines, score, 
 from verinfer.audit.replay import score_chunk
 from verinfer.models.prompts import prompts_for
 from verinfer.claims import Claim, read_claims, write_claims
-from verinfer.io import (atomic_write_json, atomic_write_text, check_manifest, check_writable, exclusive_lock,
-                         progress_bar)
+from verinfer.io import atomic_write_json, atomic_write_text, check_manifest, check_writable, exclusive_lock
+from verinfer.progress import progress_bar
 from verinfer.detect import Detector, load_detector
 from verinfer.detect.sequential import SequentialAudit
 from verinfer.detect.calibrate import calibrate
