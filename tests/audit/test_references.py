@@ -61,6 +61,7 @@ def test_auc_at_fpr_bound_holds_and_is_reached():
     assert auc_at_fpr(neg, pos, 0.01) == pytest.approx(auc_at_fpr_bound(q), abs=1e-3)
 
 
+@pytest.mark.slow
 def test_decode_replay_reproduces_a_batch_one_provider_bit_for_bit(tiny_llama_dir):
     numerics = Numerics(dtype="bf16")
     engine = Engine(load_model(tiny_llama_dir, numerics), numerics, eos_token_id=None)

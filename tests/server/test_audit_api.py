@@ -9,6 +9,9 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 pytest.importorskip("openai")
 
+# every test here starts real `verinfer serve` processes and audits them (minutes on 2 cores)
+pytestmark = pytest.mark.slow
+
 import json
 
 import openai

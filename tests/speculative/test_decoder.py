@@ -25,6 +25,7 @@ def _chi2(target, outs, prompt, n):
 PROMPT = "    def __init__(self"
 
 
+@pytest.mark.slow
 def test_standard_speculative_sampling_is_lossless(models):
     """Chi-square of the first two sampled tokens against the exact target distribution; the KL
     judge (lossy) on the same draws must be rejected by the same test (the test has power)."""
