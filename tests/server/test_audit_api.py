@@ -16,7 +16,7 @@ import json
 
 import openai
 
-from serverproc import free_port
+from .serverproc import free_port
 from typer.testing import CliRunner
 from verinfer.claims import read_claims
 from verinfer.apps.audit_api import ApiAuditConfig, collect_claims

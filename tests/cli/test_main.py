@@ -362,7 +362,7 @@ def test_option_choices_are_the_librarys_values_and_others_exit_2():
     assert "margin|likelihood|exact_match|cross_entropy|fp_l2" in r.output
 
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+README = Path(__file__).resolve().parents[2] / "README.md"
 
 
 def test_help_agrees_with_the_readme():
