@@ -179,6 +179,7 @@ def remote(claims, stub, tmp_path_factory):
     return remote_score(claims, tmp_path_factory.mktemp("remote") / "remote.parquet", stub)
 
 
+@pytest.mark.slow  # 24 claims generated, replayed and served
 def test_remote_scores_equal_local_replay(remote, local):
     """Same rows in the same order; on exact rows every score column equals local replay's (the
     margins to the fp32 rounding of the server's log-softmax), exact match equal; rows of claims
@@ -220,6 +221,7 @@ def test_exactness_rule():
     assert exactness(v, SamplingParams(1.0, 3, 1.0, 0.3, 0), 5) is None
 
 
+@pytest.mark.slow
 def test_retries_then_resumes_without_refetching(claims, stub, remote, tmp_path):
     """Two 503s are retried with backoff; a run stopped after its first part resumes and fetches
     only the claims of the parts not written."""
@@ -284,6 +286,7 @@ def test_errors_name_the_server_and_the_claim(tiny_claims, tmp_path, case, what,
     assert "claim '" in msg, msg
 
 
+@pytest.mark.slow
 def test_cli_reports_exact_and_approximate_rows(claims, stub, tmp_path):
     from typer.testing import CliRunner
 

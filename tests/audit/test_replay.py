@@ -27,6 +27,7 @@ def verifier(tiny_llama_dir):
     return Engine(load_model(tiny_llama_dir, FP32), FP32)
 
 
+@pytest.mark.slow
 def test_honest_fp32_provider_replays_exactly(tiny_llama_dir, verifier, tmp_path):
     cfg = ProviderConfig("same", FP32, batch_size=1)
     claims = run_provider(cfg, tiny_llama_dir, _prompts(6), SPEC)
@@ -79,6 +80,7 @@ def test_truncated_parquet_is_a_clear_error(tmp_path, tiny_llama_dir, verifier):
         read_scores(out)
 
 
+@pytest.mark.slow
 def test_fp32_matmul_verifier_reproduces_a_bf16_provider_like_the_native_one(tiny_llama_dir, tmp_path):
     """The faster verifier (bf16 operands, fp32 GEMMs, bf16 outputs) replays an honest bf16
     provider about as exactly as the native bf16 verifier, and still separates a wrong seed."""

@@ -6,6 +6,7 @@ from scipy.stats import norm
 from verinfer.detect.clipping import clip_at_quantile, fit_sigma, tail_pool, winsorize
 from verinfer.scores import SCORES, divergence, likelihood_score
 from verinfer.detect.metrics import auc_at_fpr, auc_vs_tokens, batch_means, split_tokens, tokens_to_detect
+from verinfer.detect.metrics import auc_at_fpr_bound
 
 NEG, POS = [0.0, 1.0, 2.0, 3.0], [1.5, 2.5, 3.5, 4.0]
 
@@ -142,3 +143,32 @@ def test_clip_never_collapses_every_score_to_one_constant():
     assert clip_at_quantile(v, 0.999) == pytest.approx(np.quantile([0.5, 2.0], 0.999))
     assert clip_at_quantile(np.zeros(100), 0.999) == 1.0
     assert clip_at_quantile(np.r_[np.zeros(100), np.arange(1, 101.0)], 0.5) == pytest.approx(0.5)  # normal case untouched
+
+
+def test_auc_at_fpr_bound_values():
+    assert auc_at_fpr_bound(0.0) == 1.0 and auc_at_fpr_bound(1.0) == pytest.approx(0.5)
+    # q >= max_fpr: pAUC = a (1 - q) + a^2 / 2 -> McClish 0.5 (1 + a (1 - q) / (a - a^2 / 2))
+    q, a = 0.03, 0.01
+    assert auc_at_fpr_bound(q) == pytest.approx(0.5 * (1 + a * (1 - q) / (a - a * a / 2)))
+    # q < max_fpr: + q^2 / 2 + q (a - q)
+    q = 0.004
+    p = a * (1 - q) + q * q / 2 + q * (a - q)
+    assert auc_at_fpr_bound(q) == pytest.approx(0.5 * (1 + (p - a * a / 2) / (a - a * a / 2)))
+    # honest batches without evidence rarer than the misconfigured ones: a looser bound
+    assert auc_at_fpr_bound(0.03, q_honest=0.02) > auc_at_fpr_bound(0.03)
+
+
+def test_auc_at_fpr_bound_holds_and_is_reached():
+    # a fraction q of positive batches has no evidence: distributed as the honest batches of the same
+    # (no-evidence) kind, which also make up a fraction q of the negatives; the rest separate perfectly
+    rng = np.random.default_rng(0)
+    n, q = 400_000, 0.02
+    blind = lambda: rng.uniform(50, 60, n)  # noqa: E731
+    # blind honest batches independent of the score: the detector falls short of the bound
+    neg = rng.normal(size=n)
+    pos = np.where(rng.random(n) < q, rng.normal(size=n), 100.0)
+    assert auc_at_fpr(neg, pos, 0.01) < auc_at_fpr_bound(q)
+    # worst case: the no-evidence honest batches are the ones the detector scores highest
+    neg = np.where(rng.random(n) < q, blind(), rng.normal(size=n))
+    pos = np.where(rng.random(n) < q, blind(), 100.0)
+    assert auc_at_fpr(neg, pos, 0.01) == pytest.approx(auc_at_fpr_bound(q), abs=1e-3)

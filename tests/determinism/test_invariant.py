@@ -20,6 +20,7 @@ def _reqs(prompts):
     return [Request(str(i), p, GREEDY) for i, p in enumerate(prompts)]
 
 
+@pytest.mark.slow
 def test_prefill_and_decode_bitwise_equal_for_batch_sizes_1_to_32(any_det_engine):
     det_engine = any_det_engine
     target = _prompts(1, seed=0)[0]
@@ -42,6 +43,7 @@ def test_prefill_and_decode_bitwise_equal_for_batch_sizes_1_to_32(any_det_engine
             assert torch.equal(batch.logits_BV[pos], ref_decode), f"decode differs at batch size {B}"
 
 
+@pytest.mark.slow
 def test_other_cobatched_requests_do_not_change_bits(any_det_engine):
     det_engine = any_det_engine
     target = _prompts(1, seed=3)[0]

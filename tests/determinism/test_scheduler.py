@@ -2,9 +2,7 @@ import pytest
 import torch
 
 from verinfer.determinism.scheduler import Scheduler
-from verinfer.determinism.tau import calibrate, calibration_requests
 from verinfer.engine.engine import Request
-from verinfer.models.testbed import TARGET_DIR
 from verinfer.sampling.params import SamplingParams
 
 
@@ -22,6 +20,7 @@ def _reference(det_engine, reqs):
     return out
 
 
+@pytest.mark.slow
 def test_continuous_batching_bf16_matches_engine_generate_token_counts(fast_engine, det_engine):
     reqs = _workload()
     out, st = Scheduler(fast_engine, det_engine, "bf16", max_batch=4).run(reqs)
@@ -33,6 +32,7 @@ def test_continuous_batching_bf16_matches_engine_generate_token_counts(fast_engi
     assert got == ref
 
 
+@pytest.mark.slow
 def test_llm42_and_gated_llm42_at_infinite_tau_are_exact(fast_engine, det_engine):
     reqs = _workload(seed=1)
     ref = _reference(det_engine, reqs)
@@ -45,6 +45,7 @@ def test_llm42_and_gated_llm42_at_infinite_tau_are_exact(fast_engine, det_engine
         assert st.rates()["trigger_rate"] >= 0.9  # every protected token replayed
 
 
+@pytest.mark.slow
 def test_best_equals_the_reference_without_verifying(fast_engine, det_engine):
     """best decodes on the fixed-shape path: protected rows equal the batch-size-1 reference in
     every batch size, with nothing triggered; bf16 on the same workload is compared too."""
@@ -85,6 +86,7 @@ def test_cli_generate_deterministic(tmp_path):
     assert r.exit_code == 2 and "calibrate" in r.output
 
 
+@pytest.mark.slow
 def test_server_deterministic_best_gives_the_reference_tokens(fast_engine, det_engine):
     """`verinfer serve --deterministic best`: a lone greedy request's tokens equal what the best
     policy gives the same prompt inside a continuous batch (the determinism reference)."""
@@ -105,12 +107,3 @@ def test_server_deterministic_best_gives_the_reference_tokens(fast_engine, det_e
     assert plain.engine.model.kernels.name == "native" and served.engine.model.kernels.name == "fixed_shape"
     with pytest.raises(Exception, match="deterministic"):
         load_registry(TARGET_DIR, deterministic="margingate")
-
-
-def test_tau_calibration_reports_progress_in_every_phase():
-    """`determinism calibrate` reports each finished request of its reference, eps_pert and sweep
-    runs (it was silent through reference and eps_pert, then counted sweep points): the count is
-    (2 + sweep points) x prompts, `calibration_requests` when the sweep is not widened."""
-    done = []
-    rec = calibrate(TARGET_DIR, n=2, max_tokens=(6, 6), max_batch=2, points=2, progress=done.append)
-    assert sum(done) == (2 + len(rec["sweep"])) * 2 >= calibration_requests(2, points=2)

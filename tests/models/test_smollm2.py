@@ -78,6 +78,7 @@ def test_converted_checkpoint_is_named_verified_and_chat_ready(smol_dir):
         add_generation_prompt=True, tokenize=False)
 
 
+@pytest.mark.slow  # transformers' GGUF load alone takes ~17 s
 def test_weights_are_the_gguf_weights_rounded_to_bf16(smol_dir, gguf_model):
     from safetensors.torch import load_file
 
@@ -89,6 +90,7 @@ def test_weights_are_the_gguf_weights_rounded_to_bf16(smol_dir, gguf_model):
     assert differ == []
 
 
+@pytest.mark.slow
 def test_llamalm_logits_match_transformers_gguf_model_fp32(smol_dir, gguf_model):
     """Our forward (fp32 compute) of the converted bf16 checkpoint against transformers' forward
     of the GGUF with the same weights (its fp32 dequantized weights rounded through bf16): only
@@ -129,6 +131,7 @@ def test_get_returns_the_cached_copy_at_once(smol_dir):
     assert time.perf_counter() - t0 < 5
 
 
+@pytest.mark.slow
 def test_cli_generates_and_scores_by_name_and_alias(smol_dir, tmp_path):
     """`--model smollm2-135m-instruct` everywhere; claims named as vLLM names the model are accepted."""
     from typer.testing import CliRunner

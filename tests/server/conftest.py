@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from serverproc import Launched  # tests/server is on sys.path (pytest's default prepend import mode)
+from .serverproc import Launched
 
 
 @pytest.fixture(scope="session")

@@ -9,11 +9,14 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 pytest.importorskip("openai")
 
+# every test here starts real `verinfer serve` processes and audits them (minutes on 2 cores)
+pytestmark = pytest.mark.slow
+
 import json
 
 import openai
 
-from serverproc import free_port
+from .serverproc import free_port
 from typer.testing import CliRunner
 from verinfer.claims import read_claims
 from verinfer.apps.audit_api import ApiAuditConfig, collect_claims

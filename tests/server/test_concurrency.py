@@ -36,6 +36,7 @@ def _request(server, prompt: list[int], seed: int, stream: bool) -> list[int]:
     return ids
 
 
+@pytest.mark.slow
 def test_concurrent_clients_equal_sequential(honest_server):
     prompts = prompts_for(TARGET_DIR, N_CLIENTS * REQUESTS_PER_CLIENT, seed=3)
     jobs = [(prompts[i], 1000 + i, i % 2 == 1) for i in range(len(prompts))]

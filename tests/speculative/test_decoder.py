@@ -26,6 +26,7 @@ def _chi2(target, outs, prompt, n):
 PROMPT = "    def __init__(self"
 
 
+@pytest.mark.slow
 def test_standard_speculative_sampling_is_lossless(models):
     """Chi-square of the first two sampled tokens against the exact target distribution; the KL
     judge (lossy) on the same draws must be rejected by the same test (the test has power)."""
@@ -105,18 +106,8 @@ def test_stop_tokens_and_errors(models):
         SpeculativeDecoder(target, draft, gamma=0)
 
 
-# --- n-gram prompt lookup (speculative/ngram.py): the baseline with no draft model
-
-def test_ngram_propose_follows_vllms_longest_suffix_earliest_match():
-    from verinfer.speculative.ngram import NgramDraft, propose
-
-    assert propose([1, 2, 3, 4, 2, 3], 2, 3, 4) == [4, 2, 3]  # vLLM's docstring example
-    assert propose([1, 2, 3, 1, 2, 3, 1, 2], 1, 3, 3) == [3, 1, 2]  # longest (3), earliest occurrence
-    assert propose([9, 1, 2, 8, 1, 2, 7, 2], 1, 3, 2) == [8, 1]  # only n = 1 matches: its earliest one
-    assert propose([5, 6, 7], 1, 2, 2) == [] and propose([5, 6, 5, 6], 3, 3, 2) == []
-    with pytest.raises(ValueError, match="min_n"):
-        NgramDraft(3, 2)
-
+# --- n-gram prompt lookup (speculative/ngram.py): the baseline with no draft model; `propose`
+# itself: tests/speculative/test_ngram.py
 
 NGRAM_TEXTS = ["    def __init__(self, x):\n        self.x = x\n    def __init__(self",
                "import os\nimport sys\nimport os\nimport ", "Q: 37+45=\nA: 82\nQ: 37+45=\nA: "]
@@ -139,6 +130,7 @@ def test_ngram_greedy_equals_target_only_and_skips_target_forwards(models):
         SpeculativeDecoder(target, NgramDraft(), Rule("kl", 0.5))
 
 
+@pytest.mark.slow  # 2000 samples: 14.2 s wall in the fast tier, 10.1 s CPU (2 cores, 2026-11-26)
 def test_ngram_speculative_sampling_is_lossless(models):
     """One-hot q at the looked-up token: accept with p(x), else sample p without x. Chi-square of
     the first two tokens against the exact target distribution, on a prompt whose suffix recurs."""

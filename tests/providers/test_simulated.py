@@ -16,6 +16,9 @@ from verinfer.sampling.params import SamplingParams
 
 N_PROMPTS, MAX_TOKENS = 24, 64
 
+# every honest provider on 24 prompts x 64 tokens (honest-bf16-b1 and -eager-t1 decode one claim at a time)
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def honest_outputs() -> dict[str, list[list[int]]]:

@@ -1,0 +1,350 @@
+"""The architecture, read from the source with `ast` (fast, no model): issue 30's grep-level facts.
+
+(a) no function in src/verinfer/cli/ is longer than 40 lines (first decorator to last line);
+(b) no fitted attribute of a detector (a name ending in `_`: `provenance_`, `calibration_`,
+    `warnings_`, ...) is assigned outside src/verinfer/detect/;
+(c) no module outside src/verinfer/scores.py writes Parquet (io.py may hold a generic atomic
+    writer, if scores.py is what calls it), and none defines the score columns (a pyarrow schema
+    or field naming one, a collection naming all of them, or one of the contract's constants).
+
+A failing check lists each offence as file:line. The checks on src/ are xfail while the issue 30
+refactor is in flight (the lead removes the marks once it lands); the tests of the checkers on
+small snippets, at the end, are not: they keep the checks precise (no false positives)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SRC = ROOT / "src" / "verinfer"
+
+MAX_CLI_FUNCTION_LINES = 40
+# The Token-DiFR score columns: a collection naming all four defines the column list.
+SCORE_NAMES = frozenset({"margin", "likelihood", "exact_match", "cross_entropy"})
+# Names of the scores contract (issue 30 plan): defined in scores.py only, imported elsewhere.
+CONTRACT_NAMES = frozenset({"SCORE_SCHEMA", "SCORES", "ACTIVATION_SCORES", "ALL_SCORES",
+                            "GAP_TEMPERATURE_FACTORS", "GAP_TOP_P_SLACK", "ENVELOPE_PREFIX"})
+PARQUET_WRITERS = frozenset({"write_table", "ParquetWriter", "write_to_dataset"})
+IN_FLIGHT = pytest.mark.xfail(strict=False, reason="issue 30 refactor in flight")
+
+
+# --- the checkers: each takes a parsed module and returns (line, what) of every offence -------------
+
+def _dotted(node: ast.AST) -> str | None:
+    """`a.b.c` for a Name/Attribute chain, else None."""
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    if not isinstance(node, ast.Name):
+        return None
+    return ".".join([node.id, *reversed(parts)])
+
+
+def long_functions(tree: ast.AST, limit: int = MAX_CLI_FUNCTION_LINES) -> list[tuple[int, str]]:
+    """Functions (methods and nested ones too) over `limit` lines, from the first decorator line."""
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            start = min([node.lineno, *(d.lineno for d in node.decorator_list)])
+            n = node.end_lineno - start + 1
+            if n > limit:
+                out.append((start, f"{node.name}() is {n} lines (at most {limit})"))
+    return out
+
+
+def _is_fitted(name: str) -> bool:
+    return len(name) > 1 and name.endswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def _assigned(node: ast.AST) -> list[ast.AST]:
+    if isinstance(node, ast.Assign):
+        targets = list(node.targets)
+    elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+        targets = [node.target]
+    else:
+        return []
+    flat = []
+    while targets:
+        t = targets.pop()
+        if isinstance(t, (ast.Tuple, ast.List)):
+            targets.extend(t.elts)
+        elif isinstance(t, ast.Starred):
+            targets.append(t.value)
+        else:
+            flat.append(t)
+    return flat
+
+
+def fitted_attribute_assignments(tree: ast.AST) -> list[tuple[int, str]]:
+    """`obj.name_ = ...` (also +=, annotated, tuple targets) and `setattr(obj, "name_", ...)`."""
+    out = []
+    for node in ast.walk(tree):
+        for t in _assigned(node):
+            if isinstance(t, ast.Attribute) and _is_fitted(t.attr):
+                out.append((t.lineno, f"{_dotted(t) or '...' + t.attr} assigned"))
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "setattr"
+                and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant)
+                and isinstance(node.args[1].value, str) and _is_fitted(node.args[1].value)):
+            out.append((node.lineno, f"setattr(..., {node.args[1].value!r}, ...)"))
+    return out
+
+
+def _aliases(tree: ast.AST) -> tuple[set[str], set[str], set[str]]:
+    """Names bound to pyarrow, to pyarrow.parquet, and to pyarrow.parquet's writers themselves."""
+    pa, pq, writers = set(), set(), set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name == "pyarrow":
+                    pa.add(a.asname or "pyarrow")
+                elif a.name == "pyarrow.parquet":
+                    pq.add(a.asname or "pyarrow.parquet")
+                    if not a.asname:
+                        pa.add("pyarrow")
+        elif isinstance(node, ast.ImportFrom) and node.level == 0:
+            for a in node.names:
+                if node.module == "pyarrow" and a.name == "parquet":
+                    pq.add(a.asname or "parquet")
+                elif node.module == "pyarrow.parquet" and a.name in PARQUET_WRITERS:
+                    writers.add(a.asname or a.name)
+    pq |= {f"{p}.parquet" for p in pa}
+    return pa, pq, writers
+
+
+def parquet_writes(tree: ast.AST, within: ast.AST | None = None) -> list[tuple[int, str]]:
+    """Calls that write Parquet (in `within`, a part of the module `tree`; default all of it):
+    pyarrow.parquet's writers through any import alias, and any `*write_parquet*` / `to_parquet`
+    call (io's atomic helper, pandas and polars frames)."""
+    _, pq, writers = _aliases(tree)
+    out = []
+    for node in ast.walk(within or tree):
+        if not isinstance(node, ast.Call):
+            continue
+        name = _dotted(node.func) or (node.func.attr if isinstance(node.func, ast.Attribute) else None)
+        if name is None:
+            continue
+        head, _, last = name.rpartition(".")
+        if (last in PARQUET_WRITERS and head in pq) or (not head and name in writers) \
+                or "write_parquet" in last or last == "to_parquet":
+            out.append((node.lineno, f"{name}(...) writes Parquet"))
+    return out
+
+
+def _functions_writing_parquet(tree: ast.Module) -> dict[str, list[tuple[int, str]]]:
+    """Top-level functions of a module that write Parquet, with their writes."""
+    return {f.name: w for f in tree.body if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
+            if (w := parquet_writes(tree, f))}
+
+
+def _called_names(tree: ast.AST) -> set[str]:
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            d = _dotted(node.func)
+            if d:
+                names.add(d.rpartition(".")[2])
+    return names
+
+
+def _strings(node: ast.AST) -> set[str]:
+    return {n.value for n in ast.walk(node) if isinstance(n, ast.Constant) and isinstance(n.value, str)}
+
+
+def score_column_definitions(tree: ast.AST) -> list[tuple[int, str]]:
+    """Where a module defines score columns: a pyarrow schema/field naming a score column; a tuple,
+    list, set (a Literal[...] too) or dict keys naming all of SCORE_NAMES; a module- or class-level
+    assignment of a contract name (CONTRACT_NAMES) to a value, not a re-export of another name."""
+    pa, _, _ = _aliases(tree)
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            name = _dotted(node.func)
+            if name and name.rpartition(".")[0] in pa and name.rpartition(".")[2] in ("schema", "field"):
+                named = sorted(_strings(node) & SCORE_NAMES)
+                if named:
+                    out.append((node.lineno, f"{name}(...) names score column(s) {', '.join(named)}"))
+        elif isinstance(node, (ast.Tuple, ast.List, ast.Set, ast.Dict)):
+            elts = node.keys if isinstance(node, ast.Dict) else node.elts
+            consts = {e.value for e in elts if isinstance(e, ast.Constant) and isinstance(e.value, str)}
+            if SCORE_NAMES <= consts:
+                out.append((node.lineno, f"a {type(node).__name__.lower()} naming every score column"))
+    bodies = [tree.body] if isinstance(tree, ast.Module) else []
+    bodies += [n.body for n in ast.walk(tree) if isinstance(n, ast.ClassDef)]
+    for body in bodies:
+        for stmt in body:
+            if isinstance(stmt, (ast.Assign, ast.AnnAssign)) and stmt.value is not None \
+                    and not isinstance(stmt.value, (ast.Name, ast.Attribute)):
+                for t in _assigned(stmt):
+                    if isinstance(t, ast.Name) and t.id in CONTRACT_NAMES:
+                        out.append((stmt.lineno, f"{t.id} defined (the scores contract's name)"))
+    return out
+
+
+# --- the source ---------------------------------------------------------------------------------
+
+def _modules(under: Path = SRC):
+    for path in sorted(under.rglob("*.py")):
+        yield path, ast.parse(path.read_text(), filename=str(path))
+
+
+def _where(path: Path, offences: list[tuple[int, str]]) -> list[str]:
+    rel = path.relative_to(ROOT).as_posix()
+    return [f"{rel}:{line}: {what}" for line, what in sorted(offences)]
+
+
+def _report(found: list[str], rule: str) -> str:
+    return f"{len(found)} offence(s) against: {rule}\n" + "\n".join(found)
+
+
+def test_the_checks_read_the_source():
+    """Guards the checks below against passing on nothing (a moved src/ or cli/)."""
+    assert (SRC / "cli").is_dir() and (SRC / "detect").is_dir() and (SRC / "claims.py").is_file()
+    assert sum(1 for _ in SRC.rglob("*.py")) > 50
+
+
+@IN_FLIGHT
+def test_cli_functions_are_at_most_40_lines():
+    found = [w for path, tree in _modules(SRC / "cli") for w in _where(path, long_functions(tree))]
+    assert not found, _report(found, "no function in src/verinfer/cli/ longer than "
+                                     f"{MAX_CLI_FUNCTION_LINES} lines (a command parses, calls apps/, renders)")
+
+
+@IN_FLIGHT
+def test_detector_fitted_attributes_are_set_only_in_detect():
+    detect = SRC / "detect"
+    found = [w for path, tree in _modules() if detect not in path.parents
+             for w in _where(path, fitted_attribute_assignments(tree))]
+    assert not found, _report(found, "a detector's fitted attributes (`name_`) are set inside detect/ "
+                                     "(its fit or detect.calibrate), never from outside")
+
+
+@IN_FLIGHT
+def test_only_scores_writes_parquet():
+    scores_py, io_py = SRC / "scores.py", SRC / "io.py"
+    called_by_scores = _called_names(ast.parse(scores_py.read_text())) if scores_py.is_file() else set()
+    found = []
+    for path, tree in _modules():
+        if path == scores_py:
+            continue
+        if path == io_py:  # a generic atomic writer is fine where scores.py is what calls it
+            for fn, writes in _functions_writing_parquet(tree).items():
+                if fn not in called_by_scores:
+                    found += _where(path, [(line, f"{what} in {fn}(), which scores.py does not call")
+                                           for line, what in writes])
+            continue
+        found += _where(path, parquet_writes(tree))
+    assert not found, _report(found, "only src/verinfer/scores.py writes a scores Parquet")
+
+
+@IN_FLIGHT
+def test_only_scores_defines_the_score_columns():
+    scores_py = SRC / "scores.py"
+    found = [w for path, tree in _modules() if path != scores_py
+             for w in _where(path, score_column_definitions(tree))]
+    assert not found, _report(found, "only src/verinfer/scores.py defines score column names and the schema")
+
+
+# --- the checkers on snippets: what they flag and what they leave alone ------------------------------
+
+def _lines(check, code: str) -> list[int]:
+    return sorted(line for line, _ in check(ast.parse(code)))
+
+
+def test_long_functions_count_from_the_first_decorator():
+    body = "".join(f"    x{i} = {i}\n" for i in range(37))
+    code = f"@app.command()\n@other\ndef f():\n{body}    return 1\n"  # 2 + 1 + 37 + 1 = 41 lines
+    assert _lines(long_functions, code) == [1]
+    assert _lines(long_functions, code.replace("@other\n", "")) == []  # 40 lines
+    nested = "def outer():\n    def inner():\n" + "".join(f"        y{i} = {i}\n" for i in range(40))
+    assert _lines(long_functions, nested) == [1, 2]
+
+
+def test_fitted_attribute_assignments_flag_attributes_not_locals():
+    flagged = """
+det.provenance_ = prov
+a.b.calibration_ = cal
+det.warnings_ += ["x"]
+det.clip_, n = 1.0, 2
+det.null_: list = []
+setattr(det, "warnings_", [])
+"""
+    assert _lines(fitted_attribute_assignments, flagged) == [2, 3, 4, 5, 6, 7]
+    clean = """
+warnings_ = []
+x_, y = 1, 2
+det.__dict__ = {}
+det._private = 1
+det.name = "x"
+v = det.provenance_
+getattr(det, "warnings_", [])
+setattr(det, "name", 1)
+"""
+    assert _lines(fitted_attribute_assignments, clean) == []
+
+
+def test_parquet_writes_through_any_alias_and_nothing_else():
+    flagged = """
+import pyarrow.parquet as pq
+import pyarrow
+from pyarrow import parquet as pqt
+from pyarrow.parquet import write_table as wt
+pq.write_table(t, p)
+pyarrow.parquet.write_table(t, p)
+with pqt.ParquetWriter(p, schema) as w:
+    pass
+wt(t, p)
+atomic_write_parquet(t, p)
+io.atomic_write_parquet(t, p)
+df.to_parquet(p)
+"""
+    assert _lines(parquet_writes, flagged) == [6, 7, 8, 10, 11, 12, 13]
+    clean = """
+import pyarrow.parquet as pq
+pq.read_table(p)
+pq.ParquetFile(p).schema_arrow
+write_table(t)
+csv.write_table(t)
+w.write_table(t)
+"""
+    assert _lines(parquet_writes, clean) == []
+    io = """
+import pyarrow.parquet as pq
+def atomic_write_parquet(table, path):
+    return atomic_write(path, lambda tmp: pq.write_table(table, tmp))
+def atomic_write_text(text, path):
+    return atomic_write(path, lambda tmp: tmp.write_text(text))
+"""
+    assert {f: [line for line, _ in w] for f, w in _functions_writing_parquet(ast.parse(io)).items()} == \
+        {"atomic_write_parquet": [4]}
+    assert "atomic_write_parquet" in _called_names(ast.parse("io.atomic_write_parquet(t, out)"))
+
+
+def test_score_column_definitions_flag_the_list_not_its_uses():
+    flagged = """
+import pyarrow as pa
+SCHEMA = pa.schema([("claim_id", pa.string()), ("margin", pa.float64())])
+f = pa.field("likelihood", pa.float64())
+Score = Literal["margin", "likelihood", "exact_match", "cross_entropy", "fp_l2"]
+row = {"margin": m, "likelihood": l, "exact_match": e, "cross_entropy": c}
+ENVELOPE_PREFIX = "env_"
+class D:
+    GAP_TOP_P_SLACK: float = 0.01
+"""
+    assert _lines(score_column_definitions, flagged) == [3, 4, 5, 6, 7, 9]
+    clean = """
+import pyarrow as pa
+from verinfer.scores import ENVELOPE_PREFIX, SCORES
+from verinfer import scores
+ALL_SCORES = scores.ALL_SCORES
+HIST_SCORES = ("margin", "cross_entropy")
+t = pa.table({"claim_id": ids})
+s = pa.schema([("claim_id", pa.string())])
+m = table["margin"]
+def f():
+    SCORES = ("margin",)
+"""
+    assert _lines(score_column_definitions, clean) == []
