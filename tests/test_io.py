@@ -13,7 +13,7 @@ import pytest
 
 from verinfer.errors import VerinferError
 from verinfer.progress import ProgressBar
-from verinfer.io import (OutputBusyError, ResumableParts, atomic_write, atomic_write_json, atomic_write_parquet,
+from verinfer.io import (OutputBusyError, ResumableParts, atomic_write, atomic_write_json,
                          atomic_write_text, check_writable, exclusive_lock, update_json_section)
 
 
@@ -34,7 +34,7 @@ def test_atomic_write_replaces_whole_file_and_leaves_no_temp_on_failure(tmp_path
 
 def test_atomic_parquet_and_json_round_trip(tmp_path):
     t = pa.table({"a": [1, 2, 3]})
-    atomic_write_parquet(t, tmp_path / "t.parquet")
+    atomic_write(tmp_path / "t.parquet", lambda tmp: pq.write_table(t, tmp))
     assert pq.read_table(tmp_path / "t.parquet").equals(t)
     atomic_write_json(tmp_path / "m.json", {"x": 1})
     assert json.loads((tmp_path / "m.json").read_text()) == {"x": 1}
@@ -175,7 +175,7 @@ def test_atomic_writes_get_the_umask_mode_not_0600(tmp_path, mask):
     try:
         for name, write in (("a.txt", lambda p: atomic_write_text(p, "x")),
                             ("a.json", lambda p: atomic_write_json(p, {"a": 1})),
-                            ("a.parquet", lambda p: atomic_write_parquet(pa.table({"a": [1]}), p))):
+                            ("a.parquet", lambda p: atomic_write(p, lambda tmp: pq.write_table(pa.table({"a": [1]}), tmp)))):
             write(tmp_path / name)
             assert (tmp_path / name).stat().st_mode & 0o777 == 0o666 & ~mask, name
     finally:

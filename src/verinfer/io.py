@@ -3,8 +3,8 @@
 Every writer in verinfer goes through this module:
 - `atomic_write(path, write_fn)`: `write_fn(tmp)` writes a temp file beside `path`, which is then
   fsynced and renamed over `path` (os.replace): a reader never sees half a file, and a crash
-  leaves the old file (or none). `atomic_write_text`, `atomic_write_parquet` and
-  `atomic_save_safetensors` are the three kinds of file verinfer writes.
+  leaves the old file (or none). `atomic_write_text` and `atomic_save_safetensors` write text and
+  weights; scores Parquet goes through `verinfer.scores.write_scores`, which calls `atomic_write`.
 - `exclusive_lock(path)`: an advisory lock (fcntl.flock) on `<path>.lock`, held while a job writes
   `path` and its parts; a second writer of the same output gets an `OutputBusyError` at once
   instead of mixing its work with the first one's.
@@ -31,7 +31,6 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
-import pyarrow.parquet as pq
 from safetensors.torch import save_file
 
 from verinfer.errors import VerinferError
@@ -110,10 +109,6 @@ def update_json_section(path: str | Path, section: str, value) -> dict:
     doc[section] = value
     atomic_write_json(p, doc)
     return doc
-
-
-def atomic_write_parquet(table, path: str | Path) -> Path:
-    return atomic_write(path, lambda tmp: pq.write_table(table, tmp))
 
 
 def atomic_save_safetensors(tensors: dict, path: str | Path, metadata: dict[str, str] | None = None) -> Path:

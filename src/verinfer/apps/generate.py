@@ -17,6 +17,7 @@ from pathlib import Path
 
 from verinfer.apps import determinism, pipeline, speculative
 from verinfer.fingerprint import FingerprintSpec
+from verinfer.providers.simulated import DEFAULT_SPEC
 
 ENGINES = ("verinfer", "vllm")
 
@@ -29,11 +30,7 @@ class GenerateRequest:
     n: int = 32
     max_tokens: int = 64
     seed: int = 0
-    temperature: float = 1.0
-    top_k: int = 50
-    top_p: float = 0.95
-    min_p: float = 0.0
-    noise: str = "vllm-cpu"
+    sampling: dict = field(default_factory=lambda: dict(DEFAULT_SPEC))  # temperature, top_k, top_p, min_p, noise
     device: str = "cpu"
     engine: str = "verinfer"
     fingerprint: str | None = None      # "k=16,stride=4[,layer=-1,seed=0,dtype=fp16|int8]" (simulated)
@@ -54,11 +51,6 @@ class GenerateRequest:
         if self.engine == "vllm":
             return "vllm"
         return "speculative" if self.speculative else "deterministic" if self.deterministic else "simulated"
-
-    @property
-    def sampling(self) -> dict:
-        return dict(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p,
-                    noise=self.noise)
 
 
 @dataclass(frozen=True)
@@ -90,7 +82,8 @@ def _speculative(req: GenerateRequest) -> Generated:
     claims = speculative.generate_claims_file(req.model_dir, req.draft_dir or DRAFT_DIR, req.out,
                                               rule=req.speculative, threshold=req.threshold, gamma=req.gamma,
                                               n=req.n, max_tokens=req.max_tokens, seed=req.seed,
-                                              temperature=req.temperature, judge_path=req.judge, device=req.device)
+                                              temperature=req.sampling["temperature"], judge_path=req.judge,
+                                              device=req.device)
     events = [c.extra["spec"]["events"] for c in claims]
     return Generated("speculative", req.out, len(claims), sum(len(c.output_token_ids) for c in claims),
                      {"accepted": sum(e.count("a") for e in events),

@@ -41,7 +41,8 @@ from verinfer.fingerprint import check_layer, l2_distances, parse_fingerprint
 from verinfer.scores import (CLAIM_ID, CROSS_ENTROPY, DEFAULT_SIGMA, ENVELOPE_PREFIX, EXACT_MATCH, FP_L2,
                              GAP_TEMPERATURE_FACTORS, GAP_TOP_P_SLACK, LIKELIHOOD, MARGIN, POSITION, PROVIDER,
                              REPLAY_TOKEN_ID, SCORE_SCHEMA, TOKEN_ID, UNKNOWN_PROVIDER, Provenance, gap_column_names,
-                             likelihood_score, make_provenance, part_is_readable, read_part, read_scores, schema as scores_schema,
+                             likelihood_score, make_provenance, part_is_readable, read_part, read_scores,
+                             schema as scores_schema,
                              write_part, write_scores)
 
 # Replay batch sizes by device: claims per resumable part, padded tokens per forward batch, and
@@ -131,7 +132,8 @@ def scores_table(claims: list[Claim], replays: list[Replay], sigma: float = DEFA
     gaps: also the signed-gap columns (module docstring)."""
     margin_N, replay_N, kept_N, logp_N = (x.cpu() for x in score_claimed(*gap_args(claims, replays)))
     n_i = [len(c.output_token_ids) for c in claims]
-    token_N = np.concatenate([np.asarray(c.output_token_ids, dtype=np.int32) for c in claims]) if claims else np.zeros(0, np.int32)
+    token_N = (np.concatenate([np.asarray(c.output_token_ids, dtype=np.int32) for c in claims]) if claims
+               else np.zeros(0, np.int32))
     margin = margin_N.numpy()
     xent = np.where(kept_N.numpy(), -logp_N.numpy(), math.inf)
     table = pa.table({

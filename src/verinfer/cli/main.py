@@ -20,8 +20,7 @@ import typer.core
 from verinfer.errors import VerinferError
 
 from verinfer.cli import options as O, render
-from verinfer.cli.options import (AuditMode, Budget, DraftBudget, EngineName, LogLevel, Matmul, Misconfig,  # noqa: F401
-                                  Noise, Policy, Score, ServeDeterministic, SpecRule)
+from verinfer.cli.options import LogLevel
 
 
 def _plain_flags(params):
@@ -34,7 +33,23 @@ def _plain_flags(params):
 
 class Command(typer.core.TyperCommand):
     def get_params(self, ctx):
-        return _plain_flags(super().get_params(ctx))
+        params = _plain_flags(super().get_params(ctx))
+        for p in params:  # the value sets come from the library's own lists (cli/options.py)
+            choice = O.choices_of(self.name, p.name)
+            if choice is not None and not getattr(p, "choice", None):
+                p.choice = choice
+                p.display_type = lambda ctx, c=choice: f"<{'|'.join(c.choices)}>"  # help lists them
+                p.callback = _one_of(choice, p.callback)  # another value: a usage error (exit 2)
+        return params
+
+
+def _one_of(choice, then):
+    """A parameter callback refusing values outside `choice` (typer.BadParameter names them)."""
+    def check(ctx, param, value):
+        if value is not None and value not in choice.choices:
+            raise typer.BadParameter(f"{value!r} is not one of {', '.join(map(repr, choice.choices))}.", ctx, param)
+        return then(ctx, param, value) if then is not None else value
+    return check
 
 
 class Group(typer.core.TyperGroup):
@@ -124,16 +139,17 @@ def demo(out: Path = O.DEMO_OUT, n: Optional[int] = O.DEMO_N, max_tokens: int = 
 def generate(provider: str = O.PROVIDER_ARG, out: Path = O.out("Claims JSONL to write."),
              model: Optional[str] = O.model(), n: int = O.GEN_N, max_tokens: int = O.GEN_MAX_TOKENS,
              seed: int = O.seed(), temperature: float = O.TEMPERATURE, top_k: int = O.TOP_K, top_p: float = O.TOP_P,
-             min_p: float = O.MIN_P, noise: Noise = O.noise(O.GEN_NOISE_HELP), device: str = O.device(),
-             deterministic: Optional[Policy] = O.DETERMINISTIC, tau_file: Path = O.TAU_FILE,
-             fingerprint: Optional[str] = O.FINGERPRINT, speculative: Optional[SpecRule] = O.SPECULATIVE,
+             min_p: float = O.MIN_P, noise: str = O.noise(O.GEN_NOISE_HELP), device: str = O.device(),
+             deterministic: Optional[str] = O.DETERMINISTIC, tau_file: Path = O.TAU_FILE,
+             fingerprint: Optional[str] = O.FINGERPRINT, speculative: Optional[str] = O.SPECULATIVE,
              threshold: float = O.THRESHOLD, gamma: int = O.GAMMA, draft: Optional[Path] = O.DRAFT,
-             judge: Optional[Path] = O.JUDGE, engine: EngineName = O.ENGINE):
+             judge: Optional[Path] = O.JUDGE, engine: str = O.ENGINE):
     """Write claims JSONL from a simulated (honest or misconfigured) provider, or from real vLLM."""
     from verinfer.apps.generate import GenerateRequest, generate as run_generate
 
     req = GenerateRequest(_model_dir(model), out, provider=provider, n=n, max_tokens=max_tokens, seed=seed,
-                          temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, noise=noise, device=device,
+                          sampling=dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, noise=noise),
+                          device=device,
                           engine=engine, fingerprint=fingerprint, deterministic=deterministic, tau_file=tau_file,
                           speculative=speculative, threshold=threshold, gamma=gamma, draft_dir=draft, judge=judge)
     typer.echo(render.generated(run_generate(req), req))
@@ -142,7 +158,7 @@ def generate(provider: str = O.PROVIDER_ARG, out: Path = O.out("Claims JSONL to 
 @command(app)
 def score(claims: Path = O.CLAIMS_ARG, out: Path = O.out("Scores Parquet to write (resumes)."),
           model: Optional[str] = O.model(), model_name: List[str] = O.model_names(), device: str = O.device(),
-          draft: Optional[Path] = O.SCORE_DRAFT, gaps: bool = O.GAPS, matmul: Matmul = O.matmul(),
+          draft: Optional[Path] = O.SCORE_DRAFT, gaps: bool = O.GAPS, matmul: str = O.matmul(),
           workers: Optional[int] = O.WORKERS, ray_address: Optional[str] = O.RAY_ADDRESS,
           worker_threads: int = O.WORKER_THREADS, reference_url: Optional[str] = O.REFERENCE_URL,
           reference_model: Optional[str] = O.REFERENCE_MODEL, reference_logprobs: int = O.REFERENCE_LOGPROBS,
@@ -163,7 +179,7 @@ def score(claims: Path = O.CLAIMS_ARG, out: Path = O.out("Scores Parquet to writ
 
 @command(app)
 def calibrate(scores: List[Path] = O.HONEST_SCORES_ARG, out: Path = O.out("Detector JSON to write."),
-              score_name: Optional[Score] = O.SCORE_NAME, clip_quantile: Optional[float] = O.CLIP_QUANTILE,
+              score_name: Optional[str] = O.SCORE_NAME, clip_quantile: Optional[float] = O.CLIP_QUANTILE,
               target_fpr: float = O.TARGET_FPR, seed: int = O.CALIBRATE_SEED,
               fpr_batch_tokens: int = O.FPR_BATCH_TOKENS, kind: str = O.DETECTOR_KIND):
     """Fit a detector on every token of honest scores (each file one honest configuration of its
@@ -207,10 +223,10 @@ def report(scores: List[Path] = O.REPORT_SCORES_ARG,
 
 @command(app)
 def serve(model: Optional[str] = O.SERVE_MODEL, host: str = O.HOST, port: int = O.PORT,
-          misconfig: Optional[Misconfig] = O.MISCONFIG, noise: Noise = O.noise(O.SERVE_NOISE_HELP),
+          misconfig: Optional[str] = O.MISCONFIG, noise: str = O.noise(O.SERVE_NOISE_HELP),
           threads: Optional[int] = O.THREADS, max_concurrent: int = O.MAX_CONCURRENT, max_waiting: int = O.MAX_WAITING,
           max_tokens: int = O.SERVE_MAX_TOKENS, max_body_bytes: int = O.MAX_BODY_BYTES, device: str = O.device(),
-          log_level: LogLevel = O.LOG_LEVEL, deterministic: Optional[ServeDeterministic] = O.SERVE_DETERMINISTIC):
+          log_level: LogLevel = O.LOG_LEVEL, deterministic: Optional[str] = O.SERVE_DETERMINISTIC):
     """OpenAI-compatible server: /v1/completions, /v1/chat/completions (SSE streaming), /v1/models."""
     try:  # the [server] extra (FastAPI, uvicorn) is optional: imported only when serving
         from verinfer.server.app import ServeConfig, serve as run
@@ -227,12 +243,12 @@ def serve(model: Optional[str] = O.SERVE_MODEL, host: str = O.HOST, port: int = 
 @command(app, "audit-api")
 def audit_api(base_url: str = O.BASE_URL, model: str = O.ENDPOINT_MODEL, model_dir: Optional[str] = O.MODEL_DIR,
               out: Path = O.API_OUT, n: int = O.API_N, max_tokens: int = O.API_MAX_TOKENS, seed: int = O.seed(),
-              mode: AuditMode = O.MODE, temperature: float = O.API_TEMPERATURE, top_k: int = O.API_TOP_K,
-              top_p: float = O.API_TOP_P, min_p: float = O.API_MIN_P, noise: Noise = O.noise(O.API_NOISE_HELP),
+              mode: str = O.MODE, temperature: float = O.API_TEMPERATURE, top_k: int = O.API_TOP_K,
+              top_p: float = O.API_TOP_P, min_p: float = O.API_MIN_P, noise: str = O.noise(O.API_NOISE_HELP),
               ignore_eos: bool = O.IGNORE_EOS, api_key: str = O.API_KEY, timeout: float = O.TIMEOUT,
               calib_n: Optional[int] = O.CALIB_N, honest: List[str] = O.API_HONEST,
               detector: Optional[Path] = O.API_DETECTOR, device: str = O.device(),
-              threads: Optional[int] = O.AUDITOR_THREADS, matmul: Matmul = O.matmul(),
+              threads: Optional[int] = O.AUDITOR_THREADS, matmul: str = O.matmul(),
               sequential: bool = O.API_SEQUENTIAL):
     """Audit an OpenAI-compatible endpoint: seeded (or temperature-0) prompts, replay, verdict, report."""
     from verinfer.apps.audit_api import ApiAuditConfig, audit_api as run_audit_api
@@ -278,7 +294,7 @@ def models_list(cache: Optional[Path] = typer.Option(None, help=O.CACHE_HELP)):
 
 
 @command(testbed_app, "build")
-def testbed_build(seed: int = O.BUILD_SEED, out: Optional[Path] = O.TESTBED_OUT, budget: Budget = O.TESTBED_BUDGET):
+def testbed_build(seed: int = O.BUILD_SEED, out: Optional[Path] = O.TESTBED_OUT, budget: str = O.TESTBED_BUDGET):
     """Retrain the testbed tokenizer, target and draft from a seed (about 10 minutes on 2 idle cores)."""
     from verinfer.models import testbed
 
@@ -287,7 +303,7 @@ def testbed_build(seed: int = O.BUILD_SEED, out: Optional[Path] = O.TESTBED_OUT,
 
 
 def build_draft(model: str = O.DRAFT_TARGET, seed: int = O.DRAFT_SEED, out: Optional[Path] = O.DRAFT_OUT,
-                budget: DraftBudget = O.DRAFT_BUDGET, work: Optional[Path] = O.DRAFT_WORK):
+                budget: str = O.DRAFT_BUDGET, work: Optional[Path] = O.DRAFT_WORK):
     """Distil a small draft of a real target on its tokenizer, for speculative decoding (recipe:
     models/draft.py): the target's top-32 log-probs on stdlib training files, then a 4-layer d-256 student."""
     from verinfer.models import draft

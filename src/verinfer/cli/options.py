@@ -1,28 +1,74 @@
 """The options of every `verinfer` command: value sets, help texts and defaults, one constant per
 option (commands in cli/main.py take them as parameter defaults, so each command stays a few lines).
 
-The fixed value sets are choices (help lists them; another value is a usage error, exit 2);
-tests/test_cli.py checks each against the library's own list."""
+The fixed value sets are choices read from the library's own lists (`Names`)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Literal
 
 import typer
 
-Noise = Literal["vllm-cpu", "vllm-v1-exponential", "keyed", "inverse-cdf"]  # sampling.params.NOISE_BACKENDS
-Matmul = Literal["native", "fp32"]                                             # numerics Numerics.matmul
-Policy = Literal["best", "margingate", "llm42", "gated_llm42", "batch_invariant", "layercast", "bf16"]
-SpecRule = Literal["standard", "kl", "topk", "target_entropy", "draft_entropy", "autojudge"]  # speculative.rules.RULES
-EngineName = Literal["verinfer", "vllm"]                                       # apps.generate.ENGINES
-AuditMode = Literal["auto", "seeded", "greedy"]                                # apps.audit_api.MODES
-Misconfig = Literal["int4", "fp8-kv", "temp-1.1", "wrong-seed", "sampling-bug"]  # providers.simulated.MISCONFIGURED
-Score = Literal["margin", "likelihood", "exact_match", "cross_entropy", "fp_l2"]  # scores.ALL_SCORES
-ServeDeterministic = Literal["best"]                                           # server.registry.DETERMINISTIC
-LogLevel = Literal["critical", "error", "warning", "info", "debug", "trace"]   # uvicorn's levels
-Budget = Literal["full", "tiny"]                                               # models.testbed budgets
-DraftBudget = Literal["full", "large", "tiny"]                                 # models.draft budgets
+
+
+class Names:
+    """A choice whose names come from the library's own list (a `verinfer.registry.Registry` or a
+    tuple), read when first needed: `verinfer --help` imports no torch, and no list is copied here."""
+
+    def __init__(self, load: Callable[[], Iterable[str]]):
+        self._load, self._names, self.case_sensitive = load, None, True
+
+    @property
+    def choices(self) -> tuple[str, ...]:
+        if self._names is None:
+            self._names = tuple(self._load())
+        return self._names
+
+
+def _noise_names():
+    from verinfer.sampling.noise import NOISE_BACKENDS
+    from verinfer.speculative.spec_claims import SPEC_NOISE
+
+    return [n for n in NOISE_BACKENDS.names() if n != SPEC_NOISE]  # the speculative decoder's own stream
+
+
+def _names(module: str, attr: str) -> Names:
+    """Names(module.attr): a Registry's names, or a tuple / dict's keys."""
+    def load():
+        import importlib
+
+        obj = getattr(importlib.import_module(module), attr)
+        return obj.names() if hasattr(obj, "names") else list(obj)
+    return Names(load)
+
+
+# The value sets of the options (help lists them; another value is a usage error, exit 2): each
+# parameter is annotated `str` and `choices_of` gives its click type by (command, parameter).
+NOISE = Names(_noise_names)
+MATMUL = _names("verinfer.numerics.config", "MATMULS")
+POLICY = _names("verinfer.determinism.scheduler", "POLICIES")
+SPEC_RULE = _names("verinfer.speculative.rules", "RELAX")
+ENGINES = _names("verinfer.apps.generate", "ENGINES")
+AUDIT_MODES = _names("verinfer.apps.audit_api", "MODES")
+MISCONFIGS = _names("verinfer.providers.simulated", "MISCONFIGURED")
+SCORE_NAMES = _names("verinfer.scores", "ALL_SCORES")
+SERVE_DETERMINISTIC_NAMES = _names("verinfer.server.registry", "DETERMINISTIC")
+TESTBED_BUDGETS = _names("verinfer.models.testbed", "BUDGETS")
+DRAFT_BUDGETS = _names("verinfer.models.draft", "BUDGETS")
+DETECTOR_NAMES = _names("verinfer.detect.registry", "DETECTORS")
+LogLevel = Literal["critical", "error", "warning", "info", "debug", "trace"]   # uvicorn's levels (not ours)
+CHOICES = {("*", "noise"): NOISE, ("*", "matmul"): MATMUL, ("generate", "deterministic"): POLICY,
+           ("generate", "speculative"): SPEC_RULE, ("generate", "engine"): ENGINES, ("audit-api", "mode"): AUDIT_MODES,
+           ("serve", "misconfig"): MISCONFIGS, ("serve", "deterministic"): SERVE_DETERMINISTIC_NAMES,
+           ("calibrate", "score_name"): SCORE_NAMES, ("calibrate", "kind"): DETECTOR_NAMES,
+           ("build", "budget"): TESTBED_BUDGETS, ("build-draft", "budget"): DRAFT_BUDGETS}
+
+
+def choices_of(command: str | None, param: str) -> Names | None:
+    """The choice type of `param` of `command` (None: a free value)."""
+    return CHOICES.get((command, param)) or CHOICES.get(("*", param))
 
 MATMUL_HELP = ("Verifier matmuls: native (bf16 kernels) or fp32 (bf16 operands, fp32 GEMMs, outputs rounded to "
                "bf16). Which is faster depends on the CPU: time both (docs/vllm.md).")
@@ -64,9 +110,11 @@ def out(help: str, default=...):
 
 
 # -- demo -----------------------------------------------------------------------------------------
-DEMO_OUT = typer.Option(Path("runs/demo"), help="Output directory (resumes a run made with the same model and settings).")
+DEMO_OUT = typer.Option(Path("runs/demo"), help="Output directory (resumes a run made with the same model and "
+                                                 "settings).")
 DEMO_N = typer.Option(None, help="Requests per provider (half of each honest provider's tokens calibrate). Default "
-                                 "128 on the testbed, 32 with --model (a real model decodes about 20x slower on a CPU).")
+                                 "128 on the testbed, 32 with --model (a real model decodes about 20x slower on a "
+                                 "CPU).")
 DEMO_MAX_TOKENS = typer.Option(64, help="Output tokens per request.")
 DEMO_AUDIT_TOKENS = typer.Option(1000, help="Tokens per audited provider.")
 QUIET = typer.Option(False, help="No progress bars.")
@@ -175,10 +223,10 @@ API_MAX_TOKENS = typer.Option(64, help="max_tokens of each request.")
 MODE = typer.Option("auto", help="seeded: temperature > 0 with per-request seeds; greedy: temperature 0 (endpoints "
                                  "that ignore seeds); auto: send one seeded prompt twice and pick.")
 API_TEMPERATURE = typer.Option(1.0, help="Sampling temperature of seeded requests.")
+API_NOISE_HELP = "Noise backend the endpoint samples with (vllm-cpu for vLLM on CPU and verinfer serve)."
 API_TOP_K = typer.Option(50, help="top_k of seeded requests (<= 0: off).")
 API_TOP_P = typer.Option(0.95, help="top_p of seeded requests (1: off).")
 API_MIN_P = typer.Option(0.0, help="min_p of seeded requests (0: off).")
-API_NOISE_HELP = "Noise backend the endpoint samples with (vllm-cpu for vLLM on CPU and verinfer serve)."
 IGNORE_EOS = typer.Option(False, help="Send vLLM's ignore_eos (fixed-length outputs).")
 API_KEY = typer.Option("EMPTY", envvar="OPENAI_API_KEY", help="API key sent to the endpoint.")
 TIMEOUT = typer.Option(120.0, help="Seconds to wait for each reply.")

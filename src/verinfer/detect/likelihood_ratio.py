@@ -27,7 +27,8 @@ threshold / p-value / verdict: a `ClippedMeanDetector` null (`null_`) over the h
          `groups` when fit is given them).
 
 Inputs: a pyarrow score table (or dict of arrays) with columns margin, exact_match, cross_entropy
-(and logit_gap with use_direction, written by the detection lab's features table (benchmarks/difr_variants.py), not by `verinfer score`).
+(and logit_gap with use_direction, written by the detection lab's features table
+(benchmarks/difr_variants.py), not by `verinfer score`).
 """
 
 from __future__ import annotations

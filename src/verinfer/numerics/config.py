@@ -25,6 +25,9 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 QUANT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
+MATMULS = ("native", "fp32")  # Numerics.matmul: the dtype's own kernels, or fp32 GEMMs on dtype-rounded operands
+
+
 @dataclass(frozen=True)
 class Numerics:
     dtype: str = "bf16"
@@ -47,8 +50,8 @@ class Numerics:
             raise ValueError(f"attn must be 'sdpa' or 'eager', got {self.attn!r}")
         if self.weight_bits not in (None, 4, 8):
             raise ValueError(f"weight_bits must be None, 4 or 8, got {self.weight_bits}")
-        if self.matmul not in ("native", "fp32"):
-            raise ValueError(f"matmul must be 'native' or 'fp32', got {self.matmul!r}")
+        if self.matmul not in MATMULS:
+            raise ValueError(f"matmul must be one of {', '.join(MATMULS)}, got {self.matmul!r}")
         if self.kv_cache not in (None, "fp8_e4m3"):
             raise ValueError(f"kv_cache must be None or 'fp8_e4m3', got {self.kv_cache!r}")
 
