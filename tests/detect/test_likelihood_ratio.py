@@ -1,8 +1,32 @@
 import numpy as np
 import pytest
 
-from verinfer.detect.likelihood_ratio import LikelihoodRatioDetector, token_bins, token_bins_loop
+from verinfer.detect.likelihood_ratio import N_CE_BANDS, N_DIRECTIONS, LikelihoodRatioDetector, token_bins
 from verinfer.errors import VerinferError
+
+
+
+def token_bins_loop(margin, exact_match, cross_entropy, margin_edges, ce_edges, logit_gap=None) -> np.ndarray:
+    """Reference for `token_bins`, one token at a time."""
+    q50, q90, q99, mx = margin_edges
+    c50, c90, cmx = ce_edges
+    out = []
+    gaps = logit_gap if logit_gap is not None else [0.0] * len(margin)
+    for m, em, ce, g in zip(margin, exact_match, cross_entropy, gaps):
+        if em:
+            out.append(0)
+            continue
+        if np.isinf(m):
+            i = 6
+        elif m > 4 * mx:
+            i = 5
+        elif m > mx:
+            i = 4
+        else:
+            i = sum(m >= e for e in (q50, q90, q99))
+        j = 3 if ce > cmx else sum(ce >= e for e in (c50, c90))
+        out.append(1 + (i * N_DIRECTIONS + int(g > 0)) * N_CE_BANDS + j)
+    return np.array(out, dtype=np.int64)
 
 
 def _tokens(n, mismatch, scale, rng, filtered=0.0):

@@ -64,29 +64,6 @@ def token_bins(margin, exact_match, cross_entropy, margin_edges, ce_edges, logit
     return np.where(em, 0, 1 + (band * N_DIRECTIONS + k) * N_CE_BANDS + cband).astype(np.int64)
 
 
-def token_bins_loop(margin, exact_match, cross_entropy, margin_edges, ce_edges, logit_gap=None) -> np.ndarray:
-    """Reference for `token_bins`, one token at a time."""
-    q50, q90, q99, mx = margin_edges
-    c50, c90, cmx = ce_edges
-    out = []
-    gaps = logit_gap if logit_gap is not None else [0.0] * len(margin)
-    for m, em, ce, g in zip(margin, exact_match, cross_entropy, gaps):
-        if em:
-            out.append(0)
-            continue
-        if np.isinf(m):
-            i = 6
-        elif m > 4 * mx:
-            i = 5
-        elif m > mx:
-            i = 4
-        else:
-            i = sum(m >= e for e in (q50, q90, q99))
-        j = 3 if ce > cmx else sum(ce >= e for e in (c50, c90))
-        out.append(1 + (i * N_DIRECTIONS + int(g > 0)) * N_CE_BANDS + j)
-    return np.array(out, dtype=np.int64)
-
-
 def _freq(bins: np.ndarray, alpha: float) -> np.ndarray:
     c = np.bincount(bins, minlength=N_BINS).astype(np.float64) + alpha
     return c / c.sum()
