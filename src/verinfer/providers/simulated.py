@@ -58,7 +58,7 @@ HONEST: Registry[ProviderConfig] = Registry("honest provider", {
                                            batch_size=16, description="bf16, eager attention, 1 thread, batches of 16"),
     # Chunks of 13, not 16: CPU GEMMs tile rows in blocks of 16, so chunks of 16 tokens reproduced
     # unchunked prefill bitwise (all 128 demo claims equal to honest-bf16-b8).
-    # tests/providers/test_honest_variation.py checks that every honest configuration differs.
+    # tests/providers/test_simulated.py checks that every honest configuration differs.
     "honest-bf16-chunk13": ProviderConfig("honest-bf16-chunk13", Numerics(dtype="bf16", prefill_chunk=13),
                                           batch_size=8, description="bf16, prompts prefilled in chunks of 13 tokens"),
 })
