@@ -158,7 +158,7 @@ def run(log=print, n_batches: int = N_BATCHES, calibrations: int = N_CALIBRATION
                      "calibrations": calibrations, "target_fpr": TARGET_FPR, "honest": honest, "heldout": heldout,
                      "model": "shipped testbed", "command": "python -m benchmarks.calibration_fpr",
                      "seconds": time.perf_counter() - t0}}
-    from verinfer.io import atomic_write_json, atomic_write_text
+    from verinfer.io import atomic_write_json
 
     lab.RESULTS.mkdir(parents=True, exist_ok=True)
     atomic_write_json(lab.RESULTS / "calibration_fpr.json", doc)

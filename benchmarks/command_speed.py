@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 from benchmarks.markdown import write_markdown
-from verinfer.io import atomic_write_json, atomic_write_text
+from verinfer.io import atomic_write_json
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "benchmarks" / "results"

@@ -107,7 +107,7 @@ def run(work: Path, demo: Path) -> dict:
            "setup": {"claims": "the demo's: 128 claims x 64 tokens per provider, seed 0; fresh honest: 32 claims, seed 1",
                      "sizes": list(SIZES), "command": "python -m benchmarks.demo_glrt",
                      "seconds": time.perf_counter() - t0}}
-    from verinfer.io import atomic_write_json, atomic_write_text
+    from verinfer.io import atomic_write_json
 
     atomic_write_json(RESULTS / "demo_glrt.json", doc)
     write_markdown(RESULTS / "demo_glrt.md", markdown(doc))
@@ -138,7 +138,6 @@ def main(argv=None) -> None:
     ap.add_argument("--demo", type=Path, default=Path("runs/demo"), help="a `verinfer demo` output to reuse")
     a = ap.parse_args(argv)
     if a.render:
-        from verinfer.io import atomic_write_text
 
         write_markdown(RESULTS / "demo_glrt.md", markdown(json.loads((RESULTS / "demo_glrt.json").read_text())))
         return

@@ -27,7 +27,6 @@ Signed gaps (the input of the perturbation likelihood, `verinfer.detect.perturba
 
 from __future__ import annotations
 
-import math
 from dataclasses import replace
 
 import numpy as np
@@ -37,7 +36,7 @@ from scipy.special import ndtr
 from scipy.stats import norm
 
 from verinfer.audit.replay import gap_args, scores_table
-from verinfer.detect.clipping import fit_sigma, winsorize
+from verinfer.detect.clipping import winsorize
 from verinfer.scores import gap_column, temperature_column
 from verinfer.sampling import gap
 from verinfer.sampling.sampler import inverse_cdf_interval

@@ -37,7 +37,7 @@ from typing import Callable
 import torch
 
 from benchmarks.markdown import write_markdown
-from verinfer.io import atomic_write_json, atomic_write_text
+from verinfer.io import atomic_write_json
 from verinfer.models.corpus import Problem
 from verinfer.models.llama import LlamaLM
 from benchmarks.spec_tasks import TASKS, SpecTask

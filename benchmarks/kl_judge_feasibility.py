@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.markdown import write_markdown
 from benchmarks.kl_judge_bench import Method, interleaved_timing, method_for, summarize, time_breakdown  # noqa: E402
 from benchmarks.spec_tasks import NEXTLINE_CONTEXT, nextline_task  # noqa: E402
-from verinfer.io import atomic_write_json, atomic_write_text  # noqa: E402
+from verinfer.io import atomic_write_json  # noqa: E402
 from verinfer.speculative.decoder import autoregressive  # noqa: E402
 
 

@@ -27,7 +27,7 @@ from benchmarks.markdown import write_markdown
 from verinfer.determinism import tau as C
 from verinfer.determinism.policies import Stats
 from verinfer.determinism.scheduler import Scheduler, make_engines
-from verinfer.io import atomic_write_json, atomic_write_text
+from verinfer.io import atomic_write_json
 from verinfer.models.catalog import resolve_model
 from verinfer.models.prompts import split_prompts
 from verinfer.models.testbed import TARGET_DIR

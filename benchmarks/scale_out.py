@@ -41,7 +41,7 @@ from verinfer.apps.pipeline import VERIFIER_NUMERICS, generate, verifier_engine
 from verinfer.audit.ray_pool import RayReplayPool, import_ray
 from verinfer.audit.replay import score_claims
 from verinfer.claims import read_claims
-from verinfer.io import atomic_write_text, sha256_files, update_json_section
+from verinfer.io import sha256_files, update_json_section
 from verinfer.models.catalog import resolve_model
 from verinfer.models.load import model_info
 from verinfer.numerics.machine import machine_fingerprint

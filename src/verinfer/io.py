@@ -14,8 +14,7 @@ Every writer in verinfer goes through this module:
 - `check_writable(path, what, directory=False)`: fail before any compute when an output file (or
   directory) cannot be written.
 
-The progress display of long jobs is verinfer.progress (`progress_bar` is re-exported here for
-the callers that still import it from io).
+The progress display of long jobs is verinfer.progress.
 """
 
 from __future__ import annotations
@@ -31,7 +30,6 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
-from safetensors.torch import save_file
 
 from verinfer.errors import VerinferError
 
@@ -112,6 +110,8 @@ def update_json_section(path: str | Path, section: str, value) -> dict:
 
 
 def atomic_save_safetensors(tensors: dict, path: str | Path, metadata: dict[str, str] | None = None) -> Path:
+    from safetensors.torch import save_file  # torch: imported only where weights are written
+
     return atomic_write(path, lambda tmp: save_file(tensors, str(tmp), metadata=metadata))
 
 

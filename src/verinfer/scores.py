@@ -262,7 +262,7 @@ def _short(v) -> str:
 
 def scores_provenance(path: str | Path) -> Provenance | None:
     """What replayed a scores file (None: not recorded, an older verinfer)."""
-    return provenance_of_schema(pq.read_schema(path), str(path))
+    return provenance_of_schema(_read(path, pq.read_schema), str(path))
 
 
 def common_provenance(paths: list[str | Path], strict: bool = True) -> Provenance | None:
@@ -345,18 +345,23 @@ def write_scores(out: str | Path, tables: pa.Table | Iterable[pa.Table], schema_
 # -- reading --------------------------------------------------------------------------------------
 def read_scores(path: str | Path) -> pa.Table:
     """One scores file, checked to be Parquet with the key and Token-DiFR columns."""
+    t = _read(path, pq.read_table)
+    missing = [c for c in REQUIRED if c not in t.column_names]
+    if missing:
+        raise VerinferError(f"missing score columns {missing}", where=str(path), fix="rerun `verinfer score`")
+    return t
+
+
+def _read(path: str | Path, read):
+    """read(path) (pq.read_table or pq.read_schema), or a VerinferError for a missing or unreadable file."""
     p = Path(path)
     if not p.is_file():
         raise VerinferError("no such scores file", where=str(p), fix="run `verinfer score` first")
     try:
-        t = pq.read_table(p)
+        return read(p)
     except Exception as e:  # pyarrow raises ArrowInvalid / OSError on truncated files
         raise VerinferError(f"cannot read Parquet ({e})", where=str(p),
                             fix="the file is truncated or not Parquet; rerun `verinfer score` to rebuild it") from e
-    missing = [c for c in REQUIRED if c not in t.column_names]
-    if missing:
-        raise VerinferError(f"missing score columns {missing}", where=str(p), fix="rerun `verinfer score`")
-    return t
 
 
 def load_score_tables(paths: list[str | Path], *, labels: list[str] | None = None, provider: str | None = None,

@@ -60,7 +60,7 @@ def test_mixed_speculative_and_plain_claims_are_refused(claims_file, tmp_path):
                     "events": "a" * len(spec["output_token_ids"])}
     path = tmp_path / "mixed.jsonl"
     path.write_text("\n".join(lines + [json.dumps(spec)]) + "\n")
-    with pytest.raises(ClaimError, match="mixed file"):
+    with pytest.raises(ClaimError, match="a speculative claim"):
         score_file(path, TARGET_DIR, tmp_path / "s.parquet", draft_dir=DRAFT_DIR, show_progress=False)
 
 
@@ -75,3 +75,15 @@ def test_calibrate_then_audit_files(claims_file, tmp_path):
     assert (tmp_path / "w.scores.parquet").is_file()          # a claims input is scored next to it
     (v,) = json.loads((tmp_path / "v.json").read_text())
     assert v["provider"] == "wrong-seed" and v["n_tokens"] == 6 * 24
+
+
+def test_a_missing_scores_file_is_an_error_not_a_crash(tmp_path):
+    from typer.testing import CliRunner
+
+    from verinfer.cli.main import app
+    from verinfer.errors import VerinferError
+
+    with pytest.raises(VerinferError, match="no such scores file"):
+        calibrate_files([tmp_path / "none.parquet"], tmp_path / "d.json")
+    r = CliRunner().invoke(app, ["calibrate", str(tmp_path / "none.parquet"), "-o", str(tmp_path / "d.json")])
+    assert r.exit_code == 2 and "no such scores file" in r.output   # 1 would mean "flagged"

@@ -18,6 +18,10 @@ def test_the_request_names_its_job(tmp_path):
     assert GenerateRequest(**base, speculative="kl", engine="vllm").job == "vllm"   # the engine comes first
     with pytest.raises(ValueError, match="--engine"):
         GenerateRequest(**base, engine="sglang")
+    with pytest.raises(ValueError, match="--fingerprint"):            # used by simulated providers only
+        GenerateRequest(**base, deterministic="best", fingerprint="k=16,stride=4")
+    with pytest.raises(ValueError):                                   # a bad spec fails before generating
+        GenerateRequest(**base, fingerprint="k=0")
 
 
 @pytest.mark.parametrize("extra", [{}, {"speculative": "standard"}, {"deterministic": "bf16"}])

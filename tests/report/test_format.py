@@ -27,7 +27,7 @@ def test_sig(x, digits, text):
 
 
 @pytest.mark.parametrize("p, text", [
-    (0.0, "<1e-300"),  # underflow: what `verinfer audit` prints (cli.render.print_verdicts)
+    (0.0, "<1e-300"),  # underflow: what `verinfer audit` prints (cli.render.verdicts)
     (5e-324, "4.9e-324"),  # the smallest double is still a number
     (1.3e-12, "1.3e-12"),
     (0.00712, "0.0071"),

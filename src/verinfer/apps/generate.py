@@ -45,6 +45,11 @@ class GenerateRequest:
     def __post_init__(self):
         if self.engine not in ENGINES:
             raise ValueError(f"--engine must be verinfer or vllm, got {self.engine!r}")
+        if self.fingerprint is not None:
+            if self.job != "simulated":
+                raise ValueError(f"--fingerprint attaches Activation-DiFR fingerprints to simulated providers' "
+                                 f"claims, not to {self.job} generation: drop it")
+            FingerprintSpec.parse(self.fingerprint)  # a bad spec fails before any generation
 
     @property
     def job(self) -> str:

@@ -133,11 +133,13 @@ def count_lines(path: str | Path) -> int:
 
 
 def refuse_speculative(chunk: list[Claim]) -> None:
-    """A ClaimError for a speculative claim in a file of plain claims (they are checked differently)."""
+    """A ClaimError for a speculative claim among the plain claims this replay scores (speculative
+    claims are checked against standard speculative sampling with the draft instead)."""
     for c in chunk:
         if "spec" in c.extra:
-            raise ClaimError("mixed file: some claims carry `spec` and some do not", where=c.source,
-                             fix="score speculative and plain claims in separate files")
+            raise ClaimError("a speculative claim (it carries `spec`) among claims scored by replay", where=c.source,
+                             fix="score speculative claims on their own with `verinfer score FILE` (every claim "
+                                 "of the file speculative), plain claims in another file")
 
 
 def reference_engines(model_dir: str | Path, engine: Engine, device: str = "cpu") -> dict:

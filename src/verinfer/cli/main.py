@@ -5,7 +5,11 @@ error handler turns bad input into exit 2 and Ctrl-C into 130.
 Each command imports the package code it runs when it runs, so `verinfer --help` and a command
 that needs only a few packages do not pay for torch, scipy, scikit-learn and matplotlib all at
 once (0.07 s vs 3.3 s to import this module with every import at the top). These are the top
-layer's own imports (lint-imports checks them like any other), not a way around a cycle."""
+layer's own imports (lint-imports checks them like any other), not a way around a cycle. A
+command's value sets (noise backends, policies, rules, ...) are read from the library's own
+registries when its help or its arguments need them: `verinfer --help` imports no torch;
+`verinfer generate --help` does (about 2-3 s on a 2-core CPU, 0.2 s when the lists were copied
+here by hand)."""
 
 from __future__ import annotations
 

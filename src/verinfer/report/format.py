@@ -1,6 +1,6 @@
 """Numbers as the report prints them: significant digits, not a fixed count of decimals (a pooled
 margin of 3.1e-05 is not `0.0000`), and p-values in the CLI's words (`<1e-300` where the tail
-probability underflows to 0, as `cli.render.print_verdicts` prints it).
+probability underflows to 0, as `cli.render.verdicts` prints it).
 
     sig(3.14159e-05)  -> "3.14e-05"      sig(0.012345) -> "0.0123"     sig(1234.5) -> "1234"
     p_value(0.0)      -> "<1e-300"       p_value(0.00712) -> "0.0071"  p_value(1.0) -> "1"

@@ -23,7 +23,7 @@ import numpy as np
 import pyarrow as pa
 
 from verinfer import __version__
-from verinfer.scores import SCORES, divergence
+from verinfer.scores import CROSS_ENTROPY, MARGIN, SCORES, divergence
 from verinfer.detect.metrics import auc_vs_tokens, tokens_to_detect
 from verinfer.detect.verdict import Verdict
 from verinfer.errors import VerinferError
@@ -35,7 +35,7 @@ __all__ = ["AucVsTokensPlot", "ReportContext", "ScoreHistogramPlot", "compute_au
            "write_report"]
 
 BATCH_SIZES = (1, 3, 10, 30, 100, 300, 1000, 3000, 10000)
-HIST_SCORES = ("margin", "cross_entropy")
+HIST_SCORES = (MARGIN, CROSS_ENTROPY)
 NOT_RECORDED = "not recorded"
 
 
