@@ -207,3 +207,11 @@ def test_progress_bar_logs_first_and_last_counts_and_grows_its_total(capsys):
     bar.close()
     lines = capsys.readouterr().err.splitlines()
     assert [x.split()[1] for x in lines] == ["1/2", "3/3"] and "eta -" not in lines[-1]
+
+
+def test_sha256_and_lines_reads_once_what_sha256_files_gives(tmp_path):
+    from verinfer.io import sha256_and_lines, sha256_files
+
+    p = tmp_path / "c.jsonl"
+    p.write_bytes(b'{"a": 1}\n' * 300_000 + b'{"b": 2}')   # > 1 MiB: several blocks, no final newline
+    assert sha256_and_lines(p) == (sha256_files([p]), 300_000)

@@ -45,14 +45,29 @@ def chunked(items: Iterable, n: int) -> Iterator[list]:
         yield chunk
 
 
-def sha256_files(paths, digits: int = 16) -> str:
-    """sha256 of the files' bytes in order, read 1 MiB at a time (first `digits` hex digits)."""
-    h = hashlib.sha256()
+def _blocks(paths) -> Iterator[bytes]:
+    """The files' bytes in order, 1 MiB at a time."""
     for p in paths:
         with open(p, "rb") as f:
-            for chunk in iter(lambda: f.read(1 << 20), b""):
-                h.update(chunk)
+            yield from iter(lambda: f.read(1 << 20), b"")
+
+
+def sha256_files(paths, digits: int = 16) -> str:
+    """sha256 of the files' bytes in order (first `digits` hex digits)."""
+    h = hashlib.sha256()
+    for block in _blocks(paths):
+        h.update(block)
     return h.hexdigest()[:digits]
+
+
+def sha256_and_lines(path, digits: int = 16) -> tuple[str, int]:
+    """`sha256_files([path])` and the file's line count, in one read (a JSONL file's job key and
+    progress total)."""
+    h, lines = hashlib.sha256(), 0
+    for block in _blocks([path]):
+        h.update(block)
+        lines += block.count(b"\n")
+    return h.hexdigest()[:digits], lines
 
 
 def _umask() -> int:

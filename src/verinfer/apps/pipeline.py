@@ -14,7 +14,7 @@ from verinfer.claims import Claim, check_claims_fit, iter_claims, write_claims
 from verinfer.detect import Detector
 from verinfer.detect.sequential import SequentialAudit
 from verinfer.detect.verdict import Verdict
-from verinfer.io import check_writable, sha256_files
+from verinfer.io import check_writable, sha256_and_lines
 from verinfer.models.prompts import prompts_for
 from verinfer.progress import progress_bar
 from verinfer.providers import vllm
@@ -119,17 +119,12 @@ def score(claims_path: str | Path, model_dir: str | Path, out: str | Path, *, en
                          max_positions=info.max_positions, aliases=(*info.aliases, *model_names))
         refuse_speculative(chunk)
 
-    with progress_bar(f"score {Path(claims_path).name} (claims)", count_lines(claims_path), show_progress) as adv:
+    claims_sha, n_lines = sha256_and_lines(claims_path)
+    with progress_bar(f"score {Path(claims_path).name} (claims)", n_lines, show_progress) as adv:
         return score_claims(claims if claims is not None else iter_claims(claims_path), engine, out,
-                            claims_sha=sha256_files([claims_path]), model_sha=info.weights_sha256, progress=adv,
+                            claims_sha=claims_sha, model_sha=info.weights_sha256, progress=adv,
                             gaps=gaps, info=info, check=check, references=reference_engines(model_dir, engine, device)
                             if gaps and isinstance(engine, Engine) else None)
-
-
-def count_lines(path: str | Path) -> int:
-    """Lines of a file (a byte scan, no parsing): the progress total of a claims file."""
-    with open(path, "rb") as f:
-        return sum(block.count(b"\n") for block in iter(lambda: f.read(1 << 20), b""))
 
 
 def refuse_speculative(chunk: list[Claim]) -> None:
