@@ -5,9 +5,14 @@
                   "seed": int | null, "noise": str},
      "provider": str (optional; who served it),
      "activations": {...} (optional; Activation-DiFR fingerprints, verinfer.fingerprint),
-     "spec": {"method", "threshold", "gamma", "draft", "events"} (optional; speculative claims)}
+     "spec": {"method", "threshold", "gamma", "draft", "events"} (optional; speculative claims),
+     "chat": {"messages": [{"role", "content"}], "text": str, "finish_reason": "stop" | "length",
+              "tokens": "returned" | "derived", "usage": {...} | null} (optional; a chat reply)}
 
-Token ids, never re-tokenized text. The wire format is the pydantic models below (`ClaimRecord`
+Token ids are what is scored. A chat reply (`chat`) keeps the messages and the text it was made
+from and says how its ids were obtained: returned by the endpoint, or derived from the text with
+the model's chat template and tokenizer (`verinfer.retokenize`; the replay then re-cuts a derived
+claim where the reference segments the same text differently). The wire format is the pydantic models below (`ClaimRecord`
 and its parts); `iter_claims` / `read_claims` validate every line against them and raise a
 ClaimError naming file:line and the field, with what to do; `write_claims` writes atomically.
 In memory a claim is the plain `Claim` dataclass (sampling as the engine's SamplingParams).
@@ -16,7 +21,7 @@ In memory a claim is the plain `Claim` dataclass (sampling as the engine's Sampl
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Iterable, Iterator, Literal
 
@@ -24,6 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, m
 
 from verinfer.errors import ClaimError, UnknownNameError
 from verinfer.io import atomic_write_text
+from verinfer.retokenize import DERIVED, RETURNED, TOKEN_SOURCES, Retokenizer
 from verinfer.sampling.noise import NOISE_BACKENDS
 from verinfer.sampling.params import SamplingParamError, SamplingParams, check_sampling
 
@@ -81,6 +87,23 @@ class ActivationsRecord(BaseModel):
     data: str
 
 
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: str
+    content: str
+
+
+class ChatRecord(BaseModel):
+    """A chat reply's origin: the messages sent, the text returned, and how the ids were obtained."""
+
+    model_config = ConfigDict(extra="allow")
+    messages: list[ChatMessage] = Field(min_length=1)
+    text: str
+    finish_reason: Literal["stop", "length"]
+    tokens: Literal["returned", "derived"]
+    usage: dict | None = None
+
+
 class ClaimRecord(BaseModel):
     """One line of a claims file."""
 
@@ -93,11 +116,15 @@ class ClaimRecord(BaseModel):
     provider: str | None = None
     activations: ActivationsRecord | None = None
     spec: SpecRecord | None = None
+    chat: ChatRecord | None = None
 
 
 FIX = {
-    "prompt_token_ids": "send token ids, not text (verinfer never re-tokenizes)",
-    "output_token_ids": "send token ids, not text (verinfer never re-tokenizes); an empty output has nothing to audit",
+    "prompt_token_ids": "send token ids; for text replies of a chat endpoint use `verinfer claims from-log` or "
+                        "`verinfer audit-api --chat`",
+    "output_token_ids": "send token ids (an empty output has nothing to audit); for text replies of a chat endpoint "
+                        "use `verinfer claims from-log` or `verinfer audit-api --chat`",
+    "chat": "see the claims schema in docs/architecture.md, section Claims",
     "sampling": "see the claims schema in docs/architecture.md, section Claims",
 }
 
@@ -128,6 +155,39 @@ class Claim:
     provider: str | None = None
     extra: dict = field(default_factory=dict)  # activations, spec, anything else carried along
     source: str | None = field(default=None, compare=False, repr=False)  # "file:line" it was read from
+
+    @property
+    def chat(self) -> dict | None:
+        """The chat record (`ChatRecord` fields) of a chat reply, None for a token-id claim."""
+        return self.extra.get("chat")
+
+    @property
+    def derived(self) -> bool:
+        """True if the output ids were derived from the reply's text (the replay may re-cut them)."""
+        return (self.chat or {}).get("tokens") == DERIVED
+
+    @classmethod
+    def from_chat(cls, id: str, model: str, messages: list[dict], text: str, finish_reason: str,
+                  sampling: SamplingParams, retokenizer: Retokenizer, *, tokens: str = DERIVED,
+                  returned: tuple[list[int] | None, list[int] | None] = (None, None), usage: dict | None = None,
+                  provider: str | None = None, extra: dict | None = None) -> "Claim":
+        """The claim of one chat reply. tokens="derived": prompt and output ids from the messages and
+        the text (`Retokenizer`); "returned": the endpoint's (prompt ids, output ids) in `returned`
+        (the prompt derived where the endpoint sent none). The endpoint's ids are kept beside
+        derived ones (`chat.returned_output_token_ids`), which measures re-tokenization drift."""
+        if tokens not in TOKEN_SOURCES:
+            raise ValueError(f"tokens must be one of {TOKEN_SOURCES}, got {tokens!r}")
+        r_prompt, r_output = returned
+        if tokens == RETURNED and r_output is None:
+            raise ValueError("tokens='returned' needs the endpoint's output token ids")
+        prompt = list(r_prompt) if tokens == RETURNED and r_prompt is not None else retokenizer.prompt_ids(messages)
+        output = list(r_output) if tokens == RETURNED else retokenizer.output_ids(text, finish_reason)
+        chat = {"messages": [dict(m) for m in messages], "text": text, "finish_reason": finish_reason,
+                "tokens": tokens, "usage": usage}
+        if tokens == DERIVED and r_output is not None:
+            chat["returned_output_token_ids"] = list(r_output)
+        params = replace(sampling, max_tokens=max(1, len(output)))
+        return cls(str(id), model, prompt, output, params, provider, {**(extra or {}), "chat": chat})
 
     def to_json(self) -> dict:
         s = self.sampling

