@@ -79,7 +79,7 @@ def test_verdict_fields_and_errors(fitted):
     h = seq.verdict(_claims(500, 0.05, rng, eps=5e-4))
     assert not h.flagged and h.extra["decided_at_tokens"] is None and h.n_tokens == 500 and 0 < h.p_value <= 1
     cm = ClippedMeanDetector().fit({"margin": np.abs(rng.normal(size=5000))})
-    with pytest.raises(VerinferError, match="--detector glrt"):
+    with pytest.raises(VerinferError, match="no per-claim honest sums"):  # fit without claim ids
         SequentialAudit(cm)
     with pytest.raises(ValueError, match="alpha"):
         SequentialAudit(det, alpha=1.5)
@@ -155,3 +155,27 @@ def test_claim_blocks_hold_the_fpr_where_tokens_of_a_claim_are_dependent():
         flags["claim"] += by_claim.stopping_time(x, claims) is not None
         flags["token"] += by_token.stopping_time(x) is not None
     assert flags["claim"] / 100 <= 0.05 + 0.05 and flags["token"] / 100 >= 0.2, flags   # measured 0 and ~0.33
+
+
+def _margin_claims(n_claims, rng, rate, length=32, prefix="m"):
+    """Greedy-mode margins: a token diverges with probability `rate` (margin ~ Exp(1)), else 0."""
+    m = np.where(rng.random(n_claims * length) < rate, rng.exponential(1.0, n_claims * length), 0.0)
+    return {"margin": m, "claim_id": np.repeat([f"{prefix}{i}" for i in range(n_claims)], length)}
+
+
+def test_clipped_mean_streams_claim_sums(tmp_path):
+    """The clipped-mean detector (greedy audits) keeps each honest group's per-claim sums, through
+    its file; the e-process leaves honest streams alone and stops a divergent one early."""
+    rng = np.random.default_rng(3)
+    groups = [_margin_claims(300, rng, r, prefix=f"g{k}-") for k, r in enumerate((0.010, 0.012, 0.015))]
+    table = {k: np.concatenate([g[k] for g in groups]) for k in groups[0]}
+    det = ClippedMeanDetector(clip_quantile=0.999).fit(table, groups=np.repeat([0, 1, 2], 300 * 32))
+    det.save(tmp_path / "d.json")
+    back = ClippedMeanDetector.load(tmp_path / "d.json")
+    for a, b in zip(det.sequential_blocks(), back.sequential_blocks()):
+        assert a.shape == (300, 1) and np.array_equal(a, b)
+    seq = SequentialAudit(back, alpha=0.01)
+    honest = [seq.verdict(_margin_claims(100, rng, 0.012, prefix=f"h{i}-")).flagged for i in range(20)]
+    assert sum(honest) == 0
+    bad = seq.verdict(_margin_claims(100, rng, 0.08, prefix="b-"))
+    assert bad.flagged and bad.extra["decided_at_tokens"] < 100 * 32 // 2

@@ -51,7 +51,7 @@ from scipy.stats import norm
 
 from verinfer.detect.clipping import clip_at_quantile, winsorize
 from verinfer.scores import ALL_SCORES, ACTIVATION_SCORES, divergence
-from verinfer.detect.base import (Detector, claim_labels, decision_text, decode_f8, encode_f8, group_labels,
+from verinfer.detect.base import (Detector, claim_labels, decision_text, decode_f8, encode_f8, group_labels, head,
                                   stratified_subsample)
 from verinfer.detect.tail import MIN_RESAMPLED_HITS, chernoff_bound, compress, mean_tail, tilt
 from verinfer.detect.verdict import Verdict
@@ -79,6 +79,16 @@ class _Fitted(BaseModel):
     null_group_sizes: list[int]
     design_effects: list[float]
     null_sample_f8_base64: str
+    claim_sums_f8_base64: list[str] | None = None  # per group; absent in files fit without claim ids
+
+    def claim_sums(self) -> list[np.ndarray] | None:
+        if self.claim_sums_f8_base64 is None:
+            return None
+        out = [decode_f8(t) for t in self.claim_sums_f8_base64]
+        if len(out) != len(self.null_group_sizes) or any(s.size == 0 or (s < 0).any() for s in out):
+            raise ValueError(f"claim_sums must hold one non-empty list of sums >= 0 per null group "
+                             f"({len(self.null_group_sizes)})")
+        return out
 
     def sample(self) -> tuple[np.ndarray, list[int]]:
         s = decode_f8(self.null_sample_f8_base64)
@@ -102,6 +112,12 @@ class _Fitted(BaseModel):
 
 def claims_per_group(claims: np.ndarray, labels: np.ndarray) -> list[int]:
     return [int(np.unique(claims[labels == k]).size) for k in range(int(labels.max()) + 1)]
+
+
+def claim_sums(w: np.ndarray, claims: np.ndarray) -> np.ndarray:
+    """Each claim's sum of winsorized scores (claims in order of first appearance)."""
+    _, first, inv = np.unique(claims, return_index=True, return_inverse=True)
+    return np.bincount(inv.ravel(), weights=w)[np.argsort(first)]
 
 
 def design_effect(w: np.ndarray, claims: np.ndarray) -> float:
@@ -221,6 +237,8 @@ class ClippedMeanDetector(Detector):
         parts = stratified_subsample(w, labels, MAX_NULL_SAMPLE, self.random_state, sort_values=True)
         deff = None if claims is None else [design_effect(w[labels == k], claims[labels == k])
                                              for k in range(len(parts))]
+        self.claim_sums_ = None if claims is None else [claim_sums(w[labels == k], claims[labels == k])
+                                                         for k in range(len(parts))]
         self.set_null(np.concatenate(parts), [int(p.size) for p in parts], n_train=int(w.size), clip=clip,
                       design_effects=deff)
 
@@ -425,6 +443,26 @@ class ClippedMeanDetector(Detector):
                 + (f", design effect up to {deff:.3g} (tokens of a claim are correlated: {deff:.3g} of them count as "
                    "one)" if deff > 1.0 else ""))
 
+    # -- sequential (detect.sequential) ----------------------------------------------------------
+    def sequential_blocks(self) -> list[np.ndarray]:
+        """Per honest group, [n_claims_k, 1] sums of its winsorized scores over each claim: the
+        blocks whose log-moment generating function bounds the e-process of `detect.sequential`
+        (claims, not tokens: a claim's tokens are dependent)."""
+        self._check_fitted()
+        if getattr(self, "claim_sums_", None) is None:
+            raise VerinferError("this clipped-mean detector holds no per-claim honest sums (fit without claim ids, "
+                                "or by an older verinfer): a sequential audit cannot bound its honest claims",
+                                fix="recalibrate it with `verinfer calibrate` on scored claims")
+        return [c[:, None] for c in self.claim_sums_]
+
+    def sequential_evidence(self, table, max_tokens: int | None = None) -> tuple[np.ndarray, np.ndarray | None]:
+        """The winsorized scores of the first max_tokens token rows ([N, 1]) and their claim labels."""
+        t = head(self.token_rows(table), max_tokens)
+        x = self.token_scores(t)
+        if len(x) == 0:
+            raise ValueError("the batch is empty: no scored tokens")
+        return x[:, None], claim_labels(t, len(x))
+
     # -- persistence -----------------------------------------------------------------------------
     def _fitted_json(self) -> dict:
         self._check_fitted()
@@ -433,7 +471,9 @@ class ClippedMeanDetector(Detector):
                 "n_train_": self.n_train_, "null_sample_size": n,
                 "null_group_sizes": list(getattr(self, "null_group_sizes_", None) or [n]),
                 "design_effects": list(self.design_effects_),
-                "null_sample_f8_base64": encode_f8(self.null_sample_)}
+                "null_sample_f8_base64": encode_f8(self.null_sample_),
+                **({} if getattr(self, "claim_sums_", None) is None
+                   else {"claim_sums_f8_base64": [encode_f8(c) for c in self.claim_sums_]})}
 
     def _load_fitted(self, f: dict) -> None:
         """Validated (`_Fitted`): a field that is missing, NaN, infinite or out of range is refused."""
@@ -445,3 +485,4 @@ class ClippedMeanDetector(Detector):
         s, sizes = fitted.sample()
         self.set_null(s, sizes, n_train=fitted.n_train_, clip=fitted.clip_, mean=fitted.null_mean_,
                       std=fitted.null_std_, design_effects=fitted.design_effects)
+        self.claim_sums_ = fitted.claim_sums()

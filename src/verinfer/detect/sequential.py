@@ -3,7 +3,7 @@
 Shape key: N = tokens in stream order, B = blocks (claims) in stream order, C = evidence columns
 of the detector, L = bets lambda.
 
-For a fitted `ColumnStatistics` detector (the glrt: per token, x_c = the log-likelihood ratio of
+For a fitted detector with per-token evidence columns (the glrt: per token, x_c = the log-likelihood ratio of
 alternative c against the honest fit, uncapped: `sequential_evidence`) the stream is cut into
 blocks, one per claim (consecutive rows of one claim_id; one per token without claim ids), X_bc =
 the block's summed evidence, and with bets lambda_l in `lambdas`:
@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from scipy.special import logsumexp
 
-from verinfer.detect.base import ColumnStatistics, Detector, block_sizes
+from verinfer.detect.base import Detector, block_sizes
 from verinfer.detect.glrt import honest_allowance
 from verinfer.detect.verdict import Verdict
 from verinfer.errors import VerinferError
@@ -69,10 +69,11 @@ class SequentialAudit:
     psi_LC: np.ndarray = field(init=False, repr=False)
 
     def __post_init__(self):
-        if not isinstance(self.detector, ColumnStatistics):
+        if not hasattr(self.detector, "sequential_blocks"):
             raise VerinferError(f"a sequential audit needs a detector with per-token evidence columns; the "
                                 f"{self.detector.NAME} detector has none",
-                                fix="calibrate with `verinfer calibrate --detector glrt` for --sequential")
+                                fix="calibrate with `verinfer calibrate --detector glrt` (or clipped-mean) for "
+                                    "--sequential")
         if not 0.0 < self.alpha < 1.0:
             raise ValueError(f"alpha must be in (0, 1), got {self.alpha}")
         if not self.lambdas or any(not 0.0 < lam <= 1.0 for lam in self.lambdas):
