@@ -41,6 +41,26 @@ TOKEN_SOURCES = (RETURNED, DERIVED)
 STOP_REASONS = ("stop", "length")
 
 
+# A model whose tokenizer has no chat template (the testbed) is chatted with in this plain form, by
+# `verinfer serve` and by the auditor alike: <bos> "role: content\n" per message, then "assistant:".
+PLAIN_CHAT_TEMPLATE = ("{{ bos_token or '' }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                       "{% if add_generation_prompt %}assistant:{% endif %}")
+
+
+def chat_prompt_ids(tokenizer, messages: list[dict], chat_template: str | None = None) -> list[int]:
+    """The prompt a chat endpoint feeds the model: the chat template (the tokenizer's, or
+    PLAIN_CHAT_TEMPLATE without one) rendered with the generation prompt, then encoded without
+    adding special tokens (the template writes its own)."""
+    template = chat_template or (None if getattr(tokenizer, "chat_template", None) else PLAIN_CHAT_TEMPLATE)
+    try:
+        text = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False,
+                                             chat_template=template)
+    except Exception as e:  # jinja2 errors, a template that does not fit the messages
+        raise TemplateError(f"the chat template cannot render these messages ({type(e).__name__}: {e})",
+                            fix="check the messages' roles and contents, or pass another chat template") from e
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
 class TemplateError(VerinferError):
     """The reference model's chat template cannot render these messages."""
 
@@ -62,14 +82,8 @@ class Retokenizer:
         return cls(load_tokenizer(model_dir), model_info(model_dir).eos_token_id, chat_template)
 
     def prompt_ids(self, messages: list[dict]) -> list[int]:
-        """The prompt a chat endpoint feeds the model for `messages` (generation prompt included)."""
-        try:
-            text = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False,
-                                                      chat_template=self.chat_template)
-        except Exception as e:  # jinja2 errors, a tokenizer without a template (ValueError)
-            raise TemplateError(f"the chat template cannot render these messages ({type(e).__name__}: {e})",
-                                fix="audit a chat model whose tokenizer has a chat template, or pass one") from e
-        return self.encode(text)
+        """The prompt a chat endpoint feeds the model for `messages` (`chat_prompt_ids`)."""
+        return chat_prompt_ids(self.tokenizer, messages, self.chat_template)
 
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False))

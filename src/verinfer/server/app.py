@@ -33,6 +33,7 @@ from typing import AsyncIterator
 
 from starlette.requests import Request  # module level: FastAPI resolves the handlers' annotations here
 
+from verinfer import retokenize
 from verinfer.sampling.noise import NOISE_BACKENDS
 from verinfer.sampling.params import SamplingParams
 from verinfer.server.generation import Step, generate_steps
@@ -125,22 +126,18 @@ def _encode(model: ServedModel, text: str, limits: Limits, param: str) -> list[i
 
 
 def chat_prompt_ids(model: ServedModel, messages, limits: Limits) -> list[int]:
-    """The model's chat template if its tokenizer has one; otherwise the plain template
-    `<bos>` + "role: content\\n" per message + "assistant:" (the testbed has no chat template)."""
+    """The model's chat template if its tokenizer has one, else the plain one of
+    `retokenize.PLAIN_CHAT_TEMPLATE` (the testbed has none): the rule an auditor re-derives."""
     total = sum(len(m.content) for m in messages)
     if total > limits.max_prompt_chars:
         raise APIError(400, f"messages hold {total} characters; this server accepts at most "
                             f"{limits.max_prompt_chars}", "messages")
-    tok = model.tokenizer
     msgs = [{"role": m.role, "content": m.content} for m in messages]
-    if getattr(tok, "chat_template", None):
-        ids = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
-        if isinstance(ids, dict):
-            ids = ids["input_ids"]
-        return _check_ids(model, list(ids), "messages")
-    text = "".join(f"{m['role']}: {m['content']}\n" for m in msgs) + "assistant:"
-    bos = [tok.bos_token_id] if tok.bos_token_id is not None else []
-    return _check_ids(model, bos + tok.encode(text, add_special_tokens=False), "messages")
+    try:
+        ids = retokenize.chat_prompt_ids(model.tokenizer, msgs)
+    except retokenize.TemplateError as e:
+        raise APIError(400, e.what, "messages") from None
+    return _check_ids(model, ids, "messages")
 
 
 def _params(body, model: ServedModel, max_tokens: int | None, n_prompt: int, noise: str, limits: Limits):

@@ -1,0 +1,177 @@
+"""A claim producer over HTTP for the endpoints people buy from: OpenAI-compatible chat APIs
+(`/v1/chat/completions`: hosted open-weight APIs, routers that pin a provider, a company's gateway,
+vLLM, SGLang), which take messages and return text.
+
+    request  {"model", "messages", "max_tokens", "temperature", "top_p", "seed" (seeded mode only),
+              **extra}   (extra: the vendor's own fields, passed through: e.g. OpenRouter's
+              {"provider": {"order": ["X"], "allow_fallbacks": false}}, or vLLM's
+              {"return_token_ids": true})
+    reply    choices[0].message.content, finish_reason, usage; choices[0].token_ids and
+             prompt_token_ids where the endpoint returns them (vLLM with return_token_ids)
+
+The API key is read from the environment variable the vendor names (`ChatEndpoint.api_key_env`),
+never from the command line, and never written anywhere. Retries: the official `openai` client
+retries refused connections, timeouts, 429 and 5xx with exponential backoff and honours the
+server's Retry-After (`max_retries`). Every reply is validated (pydantic) before anything of it is
+kept; a reply an audit cannot use (tool calls, no text, a finish reason other than stop/length,
+n > 1) is an EndpointError saying so.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from verinfer.errors import VerinferError, api_error_message
+from verinfer.providers.openai_http import EndpointError, TokenId, _short
+from verinfer.sampling.params import SamplingParams
+
+RESERVED = ("model", "messages", "max_tokens", "temperature", "top_p", "seed", "n", "stream")
+
+
+@dataclass(frozen=True)
+class ChatEndpoint:
+    """One vendor: where to send, the model name it serves, the environment variable holding its
+    key (None: no key), extra request fields, and how many requests may be in flight."""
+
+    name: str
+    base_url: str
+    model: str
+    api_key_env: str | None = None
+    extra: dict = field(default_factory=dict)
+    concurrency: int = 4
+    timeout: float = 120.0
+    max_retries: int = 5
+
+    def __post_init__(self):
+        clash = [k for k in self.extra if k in RESERVED]
+        if clash:
+            raise VerinferError(f"vendor {self.name!r}: extra fields {clash} would override the audit's own request "
+                                "fields", fix=f"remove them from `extra` (the audit sets {', '.join(RESERVED)})")
+        if self.concurrency < 1:
+            raise VerinferError(f"vendor {self.name!r}: concurrency must be >= 1, got {self.concurrency}")
+
+    def api_key(self) -> str:
+        if self.api_key_env is None:
+            return "EMPTY"
+        key = os.environ.get(self.api_key_env)
+        if not key:
+            raise VerinferError(f"vendor {self.name!r}: the environment variable {self.api_key_env} is not set",
+                                fix=f"export {self.api_key_env}=... (verinfer reads keys from the environment only)")
+        return key
+
+    def client(self):
+        try:
+            import openai
+        except ImportError as e:  # pragma: no cover - the [server] extra brings it
+            raise VerinferError("the `openai` package is not installed",
+                                fix='pip install -e ".[server]" (the [server] extra has the official openai client)') from e
+        return openai.OpenAI(base_url=self.base_url, api_key=self.api_key(), timeout=self.timeout,
+                             max_retries=self.max_retries)
+
+    def public(self) -> dict:
+        """What may be written into outputs (the key's variable name, never its value)."""
+        return {"name": self.name, "base_url": self.base_url, "model": self.model, "api_key_env": self.api_key_env,
+                "extra": self.extra}
+
+
+class ChatMessageOut(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    content: str | None = None
+    tool_calls: list | None = None
+    function_call: dict | None = None
+    reasoning_content: str | None = None
+
+
+class ChatChoice(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    message: ChatMessageOut
+    finish_reason: str | None = None
+    token_ids: list[TokenId] | None = None
+    prompt_token_ids: list[TokenId] | None = None
+
+
+class ChatCompletion(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    choices: list[ChatChoice] = Field(min_length=1)
+    model: str | None = None
+    usage: dict | None = None
+    prompt_token_ids: list[TokenId] | None = None
+
+
+@dataclass(frozen=True)
+class ChatReply:
+    """A chat reply as an audit keeps it."""
+
+    text: str
+    finish_reason: str
+    usage: dict | None
+    served_model: str | None
+    output_token_ids: list[int] | None
+    prompt_token_ids: list[int] | None
+
+
+def chat_request(endpoint: ChatEndpoint, messages: list[dict], params: SamplingParams) -> dict:
+    """The request body (without the key): sampling as asked; `seed` only when sampling is seeded."""
+    body = {"model": endpoint.model, "messages": list(messages), "max_tokens": params.max_tokens,
+            "temperature": params.temperature, "top_p": params.top_p}
+    if params.seed is not None and not params.greedy:
+        body["seed"] = params.seed
+    return {**body, **endpoint.extra}
+
+
+def parse_chat_reply(body: bytes, where: str, request: str) -> ChatReply:
+    """Validate a chat completion's body: one choice with text, stopped or cut at max_tokens."""
+    try:
+        data = json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        shown = body[:120].decode("utf-8", "replace").strip()
+        raise EndpointError(f"{request}: the reply is not JSON ({e.msg}; body starts {shown!r})", where=where,
+                            fix="check the base URL: an OpenAI-compatible API ending in /v1") from None
+    try:
+        reply = ChatCompletion.model_validate(data)
+    except ValidationError as e:
+        bad = "; ".join(f"{'.'.join(map(str, err['loc'])) or 'body'}: {err['msg']} (got {_short(err['input'])})"
+                        for err in e.errors()[:3])
+        raise EndpointError(f"{request}: the reply is not a usable chat completion ({bad})", where=where,
+                            fix="audit an OpenAI-compatible /v1/chat/completions endpoint") from None
+    if len(reply.choices) > 1:
+        raise EndpointError(f"{request}: the reply holds {len(reply.choices)} choices, the audit asked for one",
+                            where=where, fix="remove `n` from the vendor's extra fields")
+    choice = reply.choices[0]
+    msg = choice.message
+    if msg.tool_calls or msg.function_call:
+        raise EndpointError(f"{request}: the reply is a tool call, not text", where=where,
+                            fix="audit prompts without tools (tool schemas are templated by the provider unseen)")
+    if msg.content is None:
+        raise EndpointError(f"{request}: the reply has no text (message.content is null)", where=where,
+                            fix="check that the model name is a chat model the endpoint serves")
+    if choice.finish_reason not in ("stop", "length"):
+        raise EndpointError(f"{request}: finish_reason {choice.finish_reason!r}: the reply was cut or filtered by "
+                            "the provider, not by the model", where=where,
+                            fix="use other prompts; a content filter's cut cannot be audited")
+    prompt = choice.prompt_token_ids if choice.prompt_token_ids is not None else reply.prompt_token_ids
+    return ChatReply(msg.content, choice.finish_reason, reply.usage, reply.model,
+                     None if choice.token_ids is None else list(choice.token_ids),
+                     None if prompt is None else list(prompt))
+
+
+def request_chat(client, endpoint: ChatEndpoint, messages: list[dict], params: SamplingParams,
+                 request: str = "request") -> ChatReply:
+    """One chat completion, validated (`parse_chat_reply`); `request` names it in errors."""
+    import openai
+
+    body = chat_request(endpoint, messages, params)
+    known = {k: body.pop(k) for k in ("model", "messages", "max_tokens", "temperature", "top_p", "seed") if k in body}
+    try:
+        raw = client.chat.completions.with_raw_response.create(**known, extra_body=body or None)
+    except (openai.APIConnectionError, openai.APITimeoutError) as e:
+        raise EndpointError(f"{request}: cannot reach {endpoint.base_url} ({type(e).__name__})", where=endpoint.name,
+                            fix="check the vendor's base URL; rerun the same command to resume") from e
+    except openai.APIStatusError as e:
+        raise EndpointError(f"{request}: HTTP {e.status_code}: {api_error_message(e)}", where=endpoint.name,
+                            fix="check the vendor's model name, key and extra fields") from e
+    return parse_chat_reply(raw.http_response.content, endpoint.name, request)
