@@ -23,9 +23,10 @@ from verinfer.audit.remote_reference import RemoteReference
 from verinfer.audit.replay import Scored, score_claims
 from verinfer.engine.engine import Engine
 from verinfer.errors import ClaimError, VerinferError
-from verinfer.models.load import load_model, model_info
+from verinfer.models.load import has_tokenizer, load_model, model_info
 from verinfer.numerics import Numerics
 from verinfer.sampling.params import SamplingParams
+from verinfer.retokenize import Retokenizer
 
 VERIFIER_NUMERICS = Numerics(dtype="bf16", attn="sdpa")
 
@@ -73,7 +74,8 @@ def score(claims_path: str | Path, model_dir: str | Path, out: str | Path, *, en
           device: str = "cpu", show_progress: bool = True, gaps: bool = False, matmul: str = "native",
           model_names: tuple[str, ...] = (), workers: int | None = None, ray_address: str | None = None,
           worker_threads: int = 1, reference_url: str | None = None, reference_model: str | None = None,
-          reference_logprobs: int = 20, reference_concurrency: int = 4, claims=None) -> Scored:
+          reference_logprobs: int = 20, reference_concurrency: int = 4, claims=None,
+          retokenizer: Retokenizer | None = None) -> Scored:
     """Replay and score every claim (one Parquet row per token). matmul: the verifier's
     Numerics.matmul when no engine is given ('fp32' is the faster bf16-faithful path on CPU).
     model_names: names the user vouches the model is claimed under, besides its own aliases.
@@ -87,7 +89,9 @@ def score(claims_path: str | Path, model_dir: str | Path, out: str | Path, *, en
     reference_url / reference_model: score from a trusted vLLM server's prompt logprobs
     (`audit.remote_reference`: `reference_logprobs` per position, `reference_concurrency` requests at
     a time); model_dir then needs only the model's config.json. claims: the stream of the file's
-    claims when the caller has started reading it (`score_file` peeks at the first claim)."""
+    claims when the caller has started reading it (`score_file` peeks at the first claim).
+    Claims derived from chat text are re-cut where the reference segments the text differently
+    (`audit.replay.recut_claims`), with `retokenizer` or the model's own tokenizer."""
     check_writable(out, "scores file")
     info = model_info(model_dir)
     if reference_url is not None:
@@ -119,11 +123,13 @@ def score(claims_path: str | Path, model_dir: str | Path, out: str | Path, *, en
                          max_positions=info.max_positions, aliases=(*info.aliases, *model_names))
         refuse_speculative(chunk)
 
+    if retokenizer is None and has_tokenizer(model_dir):
+        retokenizer = Retokenizer.for_model(model_dir)
     claims_sha, n_lines = sha256_and_lines(claims_path)
     with progress_bar(f"score {Path(claims_path).name} (claims)", n_lines, show_progress) as adv:
         return score_claims(claims if claims is not None else iter_claims(claims_path), engine, out,
                             claims_sha=claims_sha, model_sha=info.weights_sha256, progress=adv,
-                            gaps=gaps, info=info, check=check, references=reference_engines(model_dir, engine, device)
+                            gaps=gaps, info=info, check=check, retokenizer=retokenizer, references=reference_engines(model_dir, engine, device)
                             if gaps and isinstance(engine, Engine) else None)
 
 

@@ -43,7 +43,7 @@ import pyarrow as pa
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from verinfer.audit.replay import replay_batch_size, scores_table
+from verinfer.audit.replay import recut_claims, replay_batch_size, scores_table
 from verinfer.claims import Claim
 from verinfer.engine.engine import Replay
 from verinfer.errors import VerinferError, api_error_message
@@ -269,10 +269,22 @@ class RemoteReference:
         t = t.append_column(REMOTE_FIELDS[0], pa.array([r is not None for r in reasons], pa.bool_()))
         return t.append_column(REMOTE_FIELDS[1], pa.array(reasons, pa.string()))
 
-    def map_parts(self, jobs: Iterable[tuple], **kwargs) -> Iterator[tuple[int, pa.Table]]:
+    def map_parts(self, jobs: Iterable[tuple], retokenizer=None, **kwargs) -> Iterator[tuple[int, pa.Table]]:
         """Score (k, claims, fps, layer) jobs in order: every claim of a part fetched, `concurrency`
-        requests at a time, then scored. fps / layer are ignored (fp_l2 stays null)."""
+        requests at a time, then scored. fps / layer are ignored (fp_l2 stays null). retokenizer:
+        claims derived from text are re-cut where the server's greedy token spells the same text
+        (`audit.replay.recut_claims`; each re-cut claim is fetched again)."""
         with ThreadPoolExecutor(self.concurrency) as pool:
             for k, claims, _fps, _layer in jobs:
                 rows = list(pool.map(self.fetch, claims))
+                if retokenizer is not None and any(c.derived for c in claims):
+                    claims = list(claims)
+
+                    def rescore(idx: list[int]) -> list[pa.Table]:
+                        for i, r in zip(idx, pool.map(self.fetch, [claims[i] for i in idx])):
+                            rows[i] = r
+                        return [self.score_chunk([claims[i]], [rows[i]], **kwargs) for i in idx]
+
+                    recut_claims(claims, [self.score_chunk([c], [r], **kwargs) for c, r in zip(claims, rows)],
+                                 retokenizer, rescore)
                 yield k, self.score_chunk(claims, rows, **kwargs)

@@ -50,8 +50,10 @@ class Command(typer.core.TyperCommand):
 def _one_of(choice, then):
     """A parameter callback refusing values outside `choice` (typer.BadParameter names them)."""
     def check(ctx, param, value):
-        if value is not None and value not in choice.choices:
-            raise typer.BadParameter(f"{value!r} is not one of {', '.join(map(repr, choice.choices))}.", ctx, param)
+        values = value if isinstance(value, (list, tuple)) else [] if value is None else [value]
+        bad = [v for v in values if v not in choice.choices]
+        if bad:
+            raise typer.BadParameter(f"{bad[0]!r} is not one of {', '.join(map(repr, choice.choices))}.", ctx, param)
         return then(ctx, param, value) if then is not None else value
     return check
 
@@ -253,8 +255,18 @@ def audit_api(base_url: str = O.BASE_URL, model: str = O.ENDPOINT_MODEL, model_d
               calib_n: Optional[int] = O.CALIB_N, honest: List[str] = O.API_HONEST,
               detector: Optional[Path] = O.API_DETECTOR, device: str = O.device(),
               threads: Optional[int] = O.AUDITOR_THREADS, matmul: str = O.matmul(),
-              sequential: bool = O.API_SEQUENTIAL):
-    """Audit an OpenAI-compatible endpoint: seeded (or temperature-0) prompts, replay, verdict, report."""
+              sequential: bool = O.API_SEQUENTIAL, chat: bool = O.CHAT, system_prompt: Optional[str] = O.SYSTEM_PROMPT,
+              tokens: str = O.TOKENS, api_key_env: Optional[str] = O.API_KEY_ENV, extra: Optional[str] = O.EXTRA,
+              concurrency: int = O.CONCURRENCY):
+    """Audit an OpenAI-compatible endpoint: seeded (or temperature-0) prompts, replay, verdict, report.
+    With --chat: a chat endpoint that returns text, at temperature 0 (as `audit-vendors` with one vendor)."""
+    if chat:
+        from verinfer.apps.audit_chat import audit_endpoint
+
+        res = audit_endpoint(base_url, model, _chat_config(model_dir, out, n, max_tokens, seed, system_prompt, tokens,
+                                                           calib_n or 64, honest, None, True, 0.01, device, matmul),
+                             api_key_env=api_key_env, extra=extra, concurrency=concurrency, timeout=timeout)
+        return _chat_exit(res)
     from verinfer.apps.audit_api import ApiAuditConfig, audit_api as run_audit_api
 
     kw = dict(honest=tuple(honest)) if honest else {}
@@ -265,6 +277,54 @@ def audit_api(base_url: str = O.BASE_URL, model: str = O.ENDPOINT_MODEL, model_d
     res = run_audit_api(cfg)
     render.api_audit(res)
     if res.verdict.flagged:
+        raise typer.Exit(1)
+
+
+@command(app, "audit-vendors")
+def audit_vendors(vendors: Path = O.VENDORS_FILE, model_dir: Optional[str] = O.MODEL_DIR, out: Path = O.CHAT_OUT,
+                  n: int = O.CHAT_N, max_tokens: int = O.API_MAX_TOKENS, seed: int = O.seed(),
+                  system_prompt: Optional[str] = O.SYSTEM_PROMPT, tokens: str = O.TOKENS,
+                  calib_n: int = O.CHAT_CALIB_N, honest: List[str] = O.CHAT_HONEST, bands: List[str] = O.BANDS,
+                  sequential: bool = O.CHAT_SEQUENTIAL, target_fpr: float = O.TARGET_FPR_CHAT,
+                  device: str = O.device(), matmul: str = O.matmul()):
+    """Audit several chat endpoints side by side at temperature 0 (same prompts, one calibrated detector,
+    reference bands): a row per vendor in vendors.json / vendors.md / vendors.html. Exit 1 if any is flagged."""
+    from verinfer.apps.audit_chat import audit_vendors as run, read_vendors
+
+    cfg = _chat_config(model_dir, out, n, max_tokens, seed, system_prompt, tokens, calib_n, honest, bands, sequential,
+                       target_fpr, device, matmul)
+    return _chat_exit(run(read_vendors(vendors), cfg))
+
+
+@command(app, "audit-log")
+def audit_log(log: Path = O.LOG_FILE, model_dir: Optional[str] = O.MODEL_DIR, out: Path = O.CHAT_OUT,
+              calib_n: int = O.CHAT_CALIB_N, honest: List[str] = O.CHAT_HONEST, bands: List[str] = O.BANDS,
+              tokens: str = O.TOKENS, skip_unusable: bool = O.SKIP_UNUSABLE, target_fpr: float = O.TARGET_FPR_CHAT,
+              device: str = O.device(), matmul: str = O.matmul()):
+    """Audit a log of past chat exchanges (temperature 0): claims from its text, replay, a verdict per
+    served model, reference bands run on the log's own conversations. Exit 1 if any is flagged."""
+    from verinfer.apps.audit_chat import audit_log as run
+
+    cfg = _chat_config(model_dir, out, 1, 1, 0, None, tokens, calib_n, honest, bands, False, target_fpr, device,
+                       matmul)
+    return _chat_exit(run(log, cfg, skip_unusable=skip_unusable))
+
+
+def _chat_config(model_dir, out, n, max_tokens, seed, system_prompt, tokens, calib_n, honest, bands, sequential,
+                 target_fpr, device, matmul):
+    from verinfer.apps.audit_chat import ChatAuditConfig
+
+    kw = {**({"honest": tuple(honest)} if honest else {}), **({"bands": tuple(bands)} if bands else {})}
+    return ChatAuditConfig(_model_dir(model_dir), out, n=n, max_tokens=max_tokens, seed=seed,
+                           system_prompt=system_prompt, tokens=tokens, calib_n=calib_n, sequential=sequential,
+                           target_fpr=target_fpr, device=device, matmul=matmul, **kw)
+
+
+def _chat_exit(res) -> None:
+    render.vendors(res)
+    if any(v.error for v in res.vendors):
+        raise typer.Exit(2)
+    if any(v.flagged for v in res.vendors):
         raise typer.Exit(1)
 
 

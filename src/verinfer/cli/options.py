@@ -58,12 +58,16 @@ SERVE_DETERMINISTIC_NAMES = _names("verinfer.server.registry", "DETERMINISTIC")
 TESTBED_BUDGETS = _names("verinfer.models.testbed", "BUDGETS")
 DRAFT_BUDGETS = _names("verinfer.models.draft", "BUDGETS")
 DETECTOR_NAMES = _names("verinfer.detect.registry", "DETECTORS")
+TOKEN_MODES = _names("verinfer.apps.audit_chat", "TOKEN_MODES")
+BAND_NAMES = _names("verinfer.apps.audit_chat", "BANDS")
+HONEST_NAMES = _names("verinfer.providers.simulated", "HONEST")
 LogLevel = Literal["critical", "error", "warning", "info", "debug", "trace"]   # uvicorn's levels (not ours)
 CHOICES = {("*", "noise"): NOISE, ("*", "matmul"): MATMUL, ("generate", "deterministic"): POLICY,
            ("generate", "speculative"): SPEC_RULE, ("generate", "engine"): ENGINES, ("audit-api", "mode"): AUDIT_MODES,
            ("serve", "misconfig"): MISCONFIGS, ("serve", "deterministic"): SERVE_DETERMINISTIC_NAMES,
            ("calibrate", "score_name"): SCORE_NAMES, ("calibrate", "kind"): DETECTOR_NAMES,
-           ("build", "budget"): TESTBED_BUDGETS, ("build-draft", "budget"): DRAFT_BUDGETS}
+           ("build", "budget"): TESTBED_BUDGETS, ("build-draft", "budget"): DRAFT_BUDGETS,
+           ("*", "tokens"): TOKEN_MODES, ("*", "bands"): BAND_NAMES}
 
 
 def choices_of(command: str | None, param: str) -> Names | None:
@@ -236,6 +240,35 @@ API_DETECTOR = typer.Option(None, help="Calibrated detector to reuse (created if
 AUDITOR_THREADS = typer.Option(None, help="torch threads of the auditor.")
 API_SEQUENTIAL = typer.Option(False, help="Anytime-valid audit (glrt detector, seeded mode): replay each answer as it "
                                           "arrives and stop sending requests once the e-value reaches 1/FPR.")
+
+# -- chat endpoints (audit-api --chat, audit-vendors, audit-log) ----------------------------------
+CHAT = typer.Option(False, help="Audit a chat endpoint (/v1/chat/completions, text replies) at temperature 0: "
+                                "messages out, text back, token ids derived from the text with the model's "
+                                "chat template and tokenizer.")
+VENDORS_FILE = typer.Argument(..., help="TOML file, one [[vendor]] table per endpoint: name, base_url, model, "
+                                        "optional api_key_env, concurrency, extra.")
+CHAT_OUT = typer.Option(Path("runs/audit-chat"), "--out", "-o", help="Output directory (resumes per vendor).")
+CHAT_N = typer.Option(64, help="Prompts per vendor (the most requests each is sent).")
+SYSTEM_PROMPT = typer.Option(None, help="System message sent with every prompt (default: none, so the endpoint's "
+                                        "template applies its own default).")
+TOKENS = typer.Option("derived", help="Claim token ids: derived from the text (default), returned by the endpoint "
+                                      "(vLLM's return_token_ids), or auto (returned where sent).",
+                      )
+CHAT_CALIB_N = typer.Option(64, help="Prompts per honest calibration run and per reference band.")
+CHAT_HONEST = typer.Option(None, help="Honest configurations to calibrate on (default: all).")
+BANDS = typer.Option(None, help="Reference bands to run (default: all).")
+CHAT_SEQUENTIAL = typer.Option(True, help="Stop a vendor's requests as soon as it is flagged (anytime-valid "
+                                          "e-process over claims).")
+TARGET_FPR_CHAT = typer.Option(0.01, help="False-positive rate of each verdict.")
+API_KEY_ENV = typer.Option(None, help="Environment variable holding the endpoint's API key (read from the "
+                                      "environment only; never written). Default: OPENAI_API_KEY when set.")
+EXTRA = typer.Option(None, help='Extra request fields as JSON, passed through (e.g. \'{"provider": {"order": '
+                                '["x"]}}\' to pin a router\'s provider).')
+CONCURRENCY = typer.Option(4, help="Requests in flight per vendor.")
+LOG_FILE = typer.Argument(..., help="JSONL log of chat exchanges: one {\"request\": ..., \"response\": ...} "
+                                    "per line (OpenAI chat-completions JSON).")
+SKIP_UNUSABLE = typer.Option(False, help="Skip exchanges that cannot be audited (tool calls, images, n > 1, ...) "
+                                         "and count them, instead of stopping at the first.")
 
 # -- determinism, models, testbed, speculative ----------------------------------------------------
 TAU_OUT = typer.Option(Path("runs/margingate_tau.json"), "--out", "-o", help="Tau JSON to write (merged by model; "

@@ -78,6 +78,30 @@ def api_audit(res) -> None:
                + f"\nreport: {res.report}")
 
 
+def vendors(res) -> None:
+    """What `verinfer audit-vendors` / `audit-log` / `audit-api --chat` print for an
+    `apps.audit_chat.ChatAuditResult`: a row per vendor, then where the dashboard is."""
+    t = Table(title="verinfer: chat endpoints at temperature 0",
+              caption="verdict: anytime-valid at the target FPR (requests stop once a vendor is flagged); nearest band: "
+                      "the local configuration whose margin and cross-entropy the vendor's resemble")
+    for col in ("vendor", "verdict", "nearest band", "exact match", "tokens", "requests", "decided at", "re-cut"):
+        t.add_column(col, no_wrap=True)
+    for v in res.vendors:
+        if v.error:
+            t.add_row(escape(v.name), "[yellow]error[/yellow]", "", "", "", "", "", "")
+            continue
+        decided = "-" if v.tokens_to_decide is None else f"{v.tokens_to_decide} tok / {v.requests_to_decide} req"
+        t.add_row(escape(v.name), "[red]FLAGGED[/red]" if v.flagged else "[green]ok[/green]", escape(str(v.nearest_band)),
+                  f"{v.exact_match:.4f}", str(v.n_tokens), str(v.n_requests), decided,
+                  "-" if v.resegmented is None else f"{v.resegmented:.1%}")
+    console = Console(width=max(140, Console().width))
+    console.print(t)
+    for v in res.vendors:
+        if v.error:
+            console.print(f"[yellow]{escape(v.name)}[/yellow]: {escape(v.error)}", soft_wrap=True)
+    typer.echo(f"dashboard: {res.html or res.path}")
+
+
 def verdicts(rows: list[Verdict]) -> None:
     """One row per verdict (provider, truth, verdict, tokens, pooled, threshold, p-value, FPRs,
     tokens to flag), then what each ok verdict with a stated power established."""

@@ -445,23 +445,25 @@ class ClippedMeanDetector(Detector):
 
     # -- sequential (detect.sequential) ----------------------------------------------------------
     def sequential_blocks(self) -> list[np.ndarray]:
-        """Per honest group, [n_claims_k, 1] sums of its winsorized scores over each claim: the
-        blocks whose log-moment generating function bounds the e-process of `detect.sequential`
-        (claims, not tokens: a claim's tokens are dependent)."""
+        """Per honest group, [n_claims_k, 1] sums over each claim of its winsorized scores in units
+        of the clip (each token in [0, 1], the scale of the e-process's bets): the blocks whose
+        log-moment generating function bounds the e-process of `detect.sequential` (claims, not
+        tokens: a claim's tokens are dependent)."""
         self._check_fitted()
         if getattr(self, "claim_sums_", None) is None:
             raise VerinferError("this clipped-mean detector holds no per-claim honest sums (fit without claim ids, "
                                 "or by an older verinfer): a sequential audit cannot bound its honest claims",
                                 fix="recalibrate it with `verinfer calibrate` on scored claims")
-        return [c[:, None] for c in self.claim_sums_]
+        return [c[:, None] / self.clip_ for c in self.claim_sums_]
 
     def sequential_evidence(self, table, max_tokens: int | None = None) -> tuple[np.ndarray, np.ndarray | None]:
-        """The winsorized scores of the first max_tokens token rows ([N, 1]) and their claim labels."""
+        """The winsorized scores of the first max_tokens token rows in units of the clip ([N, 1])
+        and their claim labels."""
         t = head(self.token_rows(table), max_tokens)
         x = self.token_scores(t)
         if len(x) == 0:
             raise ValueError("the batch is empty: no scored tokens")
-        return x[:, None], claim_labels(t, len(x))
+        return x[:, None] / self.clip_, claim_labels(t, len(x))
 
     # -- persistence -----------------------------------------------------------------------------
     def _fitted_json(self) -> dict:

@@ -74,10 +74,15 @@ def load_model(local_dir: str | Path, numerics: Numerics = Numerics(), device: s
                                    weight_transform=numerics.apply_weights, matmul=numerics.matmul, kernels=kernels)
 
 
+def has_tokenizer(local_dir: str | Path) -> bool:
+    d = Path(local_dir)
+    return (d / "tokenizer.json").is_file() or (d / "tokenizer_config.json").is_file()
+
+
 def load_tokenizer(local_dir: str | Path):
     from transformers import AutoTokenizer
 
     d = Path(local_dir)
-    if not (d / "tokenizer.json").is_file() and not (d / "tokenizer_config.json").is_file():
+    if not has_tokenizer(d):
         raise ModelError("no tokenizer here", where=str(d), fix="save the tokenizer with save_pretrained beside the model")
     return AutoTokenizer.from_pretrained(d)

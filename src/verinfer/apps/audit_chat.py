@@ -1,0 +1,595 @@
+"""Audit the chat endpoints people buy from (DiFR appendix D, the authors' `token-difr`, Moonshot's
+K2 Vendor Verifier), one vendor or several side by side, at temperature 0, from the text they return.
+
+    prompts      `models.prompts.chat_messages`: questions about held-out code and arithmetic, the
+                 same for every vendor (and the auditor's system prompt, if any)
+    collect      each vendor's `/v1/chat/completions` (`providers.chat_http`), `concurrency` requests
+                 in flight, every reply saved as it arrives (resumable per vendor); a claim per
+                 reply, its ids derived from the text (`retokenize`) or, with tokens="returned",
+                 the endpoint's own where it sends them
+    replay       the trusted local model replays each claim (re-cutting derived ids where it spells
+                 the same text with other tokens: `audit.replay.recut_claims`)
+    verdict      a clipped-mean margin detector calibrated on verinfer's own honest greedy runs of
+                 the same kind of chat prompts (other prompts; each honest configuration one group
+                 of the null; held-out false-positive rate stated), streamed as an anytime-valid
+                 e-process over claims (`detect.sequential`): requests stop as soon as a vendor is
+                 flagged, and the tokens and requests that took are reported
+    bands        reference bands (DiFR figure 5): verinfer's own greedy runs of the vendors' prompts as
+                 an honest provider (bf16) and as misconfigured ones (fp8 KV cache, 8-bit and 4-bit
+                 weights, an extra system prompt, another chat template), replayed and summarized
+                 like a vendor; each vendor's nearest band by mean clipped margin and cross-entropy
+
+Outputs in out_dir: calibration/ and bands/ (local runs, scored), vendors/<name>/ (claims.jsonl,
+collect.json, scores.parquet), detector.json, vendors.json (the dashboard's input), vendors.md and
+vendors.html. Rerunning the same command resumes; another audit's directory is refused.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+import tomllib
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from verinfer import __version__
+from verinfer.apps.pipeline import VERIFIER_NUMERICS, score, verifier_engine
+from verinfer.audit.replay import score_chunk
+from verinfer.claims import Claim, read_claims, write_claims
+from verinfer.detect.calibrate import calibrate
+from verinfer.detect.clipped_mean import ClippedMeanDetector
+from verinfer.detect.sequential import SequentialAudit
+from verinfer.errors import VerinferError
+from verinfer.io import atomic_write_json, atomic_write_text, check_manifest, check_writable, exclusive_lock
+from verinfer.models.load import model_info
+from verinfer.models.prompts import chat_messages
+from verinfer.numerics import Numerics
+from verinfer.progress import progress_bar
+from verinfer.providers.chat_http import ChatEndpoint, ChatReply, request_chat
+from verinfer.providers.openai_http import EndpointError
+from verinfer.providers.simulated import HONEST, ProviderConfig, provider_generate
+from verinfer.registry import Registry
+from verinfer.retokenize import DERIVED, PLAIN_CHAT_TEMPLATE, RETURNED, Retokenizer
+from verinfer.sampling.params import SamplingParams
+from verinfer.scores import CLAIM_ID, EXACT_MATCH, TOKEN_ID, divergence, load_score_tables
+
+CALIB_SEED_OFFSET = 1_000_003     # calibration and band prompts: another sample of the same distribution
+TOKEN_MODES = ("derived", "returned", "auto")
+BAND_SYSTEM_PROMPT = "You are a helpful assistant. Keep your answers short and follow the instructions."
+
+
+@dataclass(frozen=True)
+class Band:
+    """A local configuration an auditor runs as a reference: a provider's numerics, and what it does
+    to the conversation (an extra system message, another chat template). The claim always states
+    the plain conversation, as a vendor's does."""
+
+    provider: ProviderConfig
+    description: str
+    system_prompt: str | None = None
+    chat_template: str | None = None
+
+
+BANDS: Registry[Band] = Registry("reference band", {
+    "bf16": Band(HONEST.get("honest-bf16-b8"), "honest: bf16, batches of 8"),
+    "fp8-kv": Band(ProviderConfig("fp8-kv", Numerics(dtype="bf16", kv_cache="fp8_e4m3"), honest=False),
+                   "fp8 e4m3 KV cache"),
+    "int8": Band(ProviderConfig("int8", Numerics(dtype="bf16", weight_bits=8), honest=False),
+                 "8-bit weights (RTN, group 32)"),
+    "int4": Band(ProviderConfig("int4", Numerics(dtype="bf16", weight_bits=4), honest=False),
+                 "4-bit weights (RTN, group 32)"),
+    "system-prompt": Band(HONEST.get("honest-bf16-b8"), "an extra system prompt", system_prompt=BAND_SYSTEM_PROMPT),
+    "template": Band(HONEST.get("honest-bf16-b8"), "another chat template (plain 'role: content')",
+                     chat_template=PLAIN_CHAT_TEMPLATE),
+})
+
+
+@dataclass(frozen=True)
+class ChatAuditConfig:
+    """What an audit of chat endpoints asks (the same for every vendor)."""
+
+    model_dir: Path                   # the trusted local copy of the claimed model
+    out_dir: Path
+    n: int = 64                       # prompts: the most requests per vendor
+    max_tokens: int = 64
+    seed: int = 0
+    system_prompt: str | None = None  # the auditor's system message (None: the endpoint's template default)
+    tokens: str = "derived"           # claim ids: derived from the text | returned by the endpoint | auto
+    sequential: bool = True           # stop a vendor's requests as soon as it is flagged
+    target_fpr: float = 0.01
+    honest: tuple[str, ...] = tuple(HONEST)
+    calib_n: int = 64                 # prompts per honest calibration run and per band
+    bands: tuple[str, ...] = tuple(BANDS)
+    device: str = "cpu"
+    matmul: str = "native"
+
+    def __post_init__(self):
+        if self.n < 1 or self.max_tokens < 1 or self.calib_n < 1:
+            raise VerinferError(f"need n, max_tokens and calib_n >= 1, got {self.n}, {self.max_tokens}, "
+                                f"{self.calib_n}")
+        if self.tokens not in TOKEN_MODES:
+            raise VerinferError(f"tokens must be one of {', '.join(TOKEN_MODES)}, got {self.tokens!r}")
+        for name in self.honest:
+            HONEST.get(name)
+        for name in self.bands:
+            BANDS.get(name)
+
+    @property
+    def params(self) -> SamplingParams:
+        return SamplingParams(0.0, -1, 1.0, 0.0, None, self.max_tokens, "vllm-cpu")
+
+    def settings(self) -> dict:
+        return {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(self).items()}
+
+
+@dataclass
+class VendorResult:
+    """One vendor's row of the dashboard (`vendors.json`)."""
+
+    name: str
+    base_url: str
+    served_model: str
+    verdict: dict | None = None
+    nearest_band: str | None = None
+    exact_match: float | None = None
+    margin: dict | None = None
+    cross_entropy: dict | None = None
+    mismatch: dict | None = None
+    n_tokens: int = 0
+    n_requests: int = 0
+    tokens_to_decide: int | None = None
+    requests_to_decide: int | None = None
+    retokenized: float | None = None
+    resegmented: float | None = None
+    drift: float | None = None
+    error: str | None = None
+
+    @property
+    def flagged(self) -> bool | None:
+        return None if self.verdict is None else bool(self.verdict["flagged"])
+
+
+@dataclass
+class ChatAuditResult:
+    vendors: list[VendorResult]
+    bands: dict
+    path: Path                        # vendors.json
+    html: Path | None
+    timings: dict = field(default_factory=dict)
+
+    def vendor(self, name: str) -> VendorResult:
+        return next(v for v in self.vendors if v.name == name)
+
+
+# --- the vendors file ---------------------------------------------------------------------------
+class VendorRecord(BaseModel):
+    """One [[vendor]] table of a vendors file."""
+
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+    base_url: str = Field(pattern=r"^https?://")
+    model: str = Field(min_length=1)
+    api_key_env: str | None = Field(None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")
+    extra: dict = Field(default_factory=dict)
+    concurrency: int = Field(4, ge=1, le=256)
+    timeout: float = Field(120.0, gt=0)
+    max_retries: int = Field(5, ge=0, le=20)
+
+
+class VendorsFile(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    vendor: list[VendorRecord] = Field(min_length=1)
+
+
+def read_vendors(path: str | Path) -> list[ChatEndpoint]:
+    """The vendors of a TOML file, one [[vendor]] table each:
+
+        [[vendor]]
+        name = "acme"                                  # letters, digits, . _ - (a directory name)
+        base_url = "https://api.acme.example/v1"
+        model = "HuggingFaceTB/SmolLM2-135M-Instruct"   # the name the vendor serves
+        api_key_env = "ACME_API_KEY"                   # the key's environment variable (never the key)
+        concurrency = 4                                # requests in flight (default 4)
+        extra = { provider = { order = ["acme"], allow_fallbacks = false } }   # passed through
+
+    A VerinferError names the file, the vendor and the field."""
+    p = Path(path)
+    if not p.is_file():
+        raise VerinferError("no such vendors file", where=str(p), fix="write one [[vendor]] table per endpoint "
+                                                                     "(see `verinfer audit-vendors --help`)")
+    try:
+        data = tomllib.loads(p.read_text(encoding="utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise VerinferError(f"not valid TOML ({e})", where=str(p), fix="check the file's syntax") from None
+    try:
+        vendors = VendorsFile.model_validate(data).vendor
+    except ValidationError as e:
+        err = e.errors()[0]
+        loc = err["loc"]
+        who = f"vendor {loc[1] + 1}" if len(loc) > 1 and loc[0] == "vendor" and isinstance(loc[1], int) else "file"
+        fld = ".".join(str(x) for x in loc[2:]) or ".".join(str(x) for x in loc)
+        raise VerinferError(f"{who}: `{fld}` {err['msg']} (got {str(err.get('input'))[:60]!r})", where=str(p),
+                            fix="each [[vendor]] needs name, base_url and model; optional api_key_env, concurrency, "
+                                "timeout, max_retries, extra") from None
+    names = [v.name for v in vendors]
+    dup = sorted({n for n in names if names.count(n) > 1})
+    if dup:
+        raise VerinferError(f"vendor names repeat: {dup}", where=str(p), fix="give each vendor its own name")
+    return [ChatEndpoint(**v.model_dump()) for v in vendors]
+
+
+# --- local runs: calibration and bands --------------------------------------------------------
+def local_chat_claims(band: Band, name: str, cfg: ChatAuditConfig, conversations: list[list[dict]],
+                      retok: Retokenizer, out: Path, show_progress: bool = True) -> Path:
+    """Claims of a local run (cached at out/<name>.jsonl): the conversations as the band runs them
+    (its system prompt, its template), greedy, then each reply claimed as a vendor's is, from its
+    text, against the plain conversation."""
+    path = out / f"{name}.jsonl"
+    if path.is_file():
+        return path
+    run_retok = Retokenizer(retok.tokenizer, retok.end_token_id, band.chat_template)
+    run_msgs = [([{"role": "system", "content": band.system_prompt}] if band.system_prompt else []) + list(m)
+                for m in conversations]
+    prompts = [run_retok.prompt_ids(m) for m in run_msgs]
+    params = cfg.params
+    with progress_bar(f"{out.name}: generate {name}", len(prompts), show_progress) as adv:
+        done = provider_generate(band.provider, cfg.model_dir, prompts, [params] * len(prompts), device=cfg.device,
+                                 progress=adv)
+    info = model_info(cfg.model_dir)
+    claims = []
+    for i, (msgs, c) in enumerate(zip(conversations, done)):
+        ids = list(c.output_token_ids)
+        stopped = c.finish_reason == "stop"
+        text = retok.tokenizer.decode(ids[:-1] if stopped else ids, skip_special_tokens=True)
+        if not text:
+            continue
+        claims.append(Claim.from_chat(f"{name}-{i:05d}", info.name, msgs, text, "stop" if stopped else "length",
+                                      params, retok, returned=(list(c.prompt_token_ids), ids), provider=name))
+    out.mkdir(parents=True, exist_ok=True)
+    write_claims(path, claims)
+    return path
+
+
+def summarize(table: pa.Table, clip: float, n_boot: int = 1000, seed: int = 0) -> dict:
+    """Mean clipped margin, mean cross-entropy (finite values) and mismatch rate, each with a 95%
+    bootstrap interval over claims."""
+    ids = np.asarray(table[CLAIM_ID].to_pylist())
+    xent_raw = divergence(table, "cross_entropy")
+    cols = {"margin": (np.minimum(divergence(table, "margin"), clip), None),
+            "cross_entropy": (np.where(np.isfinite(xent_raw), xent_raw, 0.0), np.isfinite(xent_raw).astype(float)),
+            "mismatch": (divergence(table, "exact_match"), None)}
+    _, inv = np.unique(ids, return_inverse=True)
+    k = int(inv.max()) + 1
+    rng = np.random.default_rng(seed)
+    picks = rng.integers(0, k, (n_boot, k))
+    out = {"n_tokens": int(len(ids)), "n_claims": k}
+    for name, (v, w) in cols.items():
+        sums, counts = np.bincount(inv, v, k), np.bincount(inv, w, k)
+        boots = sums[picks].sum(axis=1) / np.maximum(counts[picks].sum(axis=1), 1)
+        out[name] = {"mean": float(sums.sum() / max(counts.sum(), 1)),
+                     "ci95": [float(np.quantile(boots, 0.025)), float(np.quantile(boots, 0.975))]}
+    return out
+
+
+def nearest_band(point: dict, bands: dict) -> str | None:
+    """The band closest to a vendor in (mean clipped margin, mean cross-entropy), each axis scaled
+    by the spread of the bands' means."""
+    if not bands:
+        return None
+    keys = ("margin", "cross_entropy")
+    scale = {k: max(np.ptp([b[k]["mean"] for b in bands.values()]), 1e-9) for k in keys}
+    return min(bands, key=lambda b: sum(((bands[b][k]["mean"] - point[k]["mean"]) / scale[k]) ** 2 for k in keys))
+
+
+# --- collection -------------------------------------------------------------------------------
+def _collect_manifest(endpoint: ChatEndpoint, cfg: ChatAuditConfig, conversations: list[list[dict]]) -> dict:
+    h = hashlib.sha256(json.dumps(conversations).encode()).hexdigest()[:16]
+    return {**endpoint.public(), "max_tokens": cfg.max_tokens, "temperature": 0.0, "tokens": cfg.tokens,
+            "conversations_sha256": h}
+
+
+def reply_claim(i: int, msgs: list[dict], reply: ChatReply, endpoint: ChatEndpoint, cfg: ChatAuditConfig,
+                retok: Retokenizer, model_name: str) -> Claim:
+    tokens = cfg.tokens
+    if tokens == "auto":
+        tokens = RETURNED if reply.output_token_ids is not None else DERIVED
+    if tokens == RETURNED and reply.output_token_ids is None:
+        raise EndpointError(f"request {i}: the endpoint returned no token ids (tokens='returned')",
+                            where=endpoint.name, fix="audit with tokens derived from the text (the default)")
+    return Claim.from_chat(f"{endpoint.name}-{i:05d}", model_name, msgs, reply.text, reply.finish_reason, cfg.params,
+                           retok, tokens=tokens, returned=(reply.prompt_token_ids, reply.output_token_ids),
+                           usage=reply.usage, provider=endpoint.name,
+                           extra={"served_model": reply.served_model} if reply.served_model else None)
+
+
+def collect_vendor(endpoint: ChatEndpoint, cfg: ChatAuditConfig, conversations: list[list[dict]],
+                   retok: Retokenizer, out: Path, progress=None,
+                   stop: Callable[[list[Claim]], bool] | None = None) -> tuple[list[Claim], int]:
+    """(claims, requests sent) of one vendor: each conversation not yet in out/claims.jsonl sent,
+    `endpoint.concurrency` at a time, claims saved in conversation order as replies arrive (under a
+    lock: a second audit of the same directory is refused). stop(claims) after each new claim (and
+    once on resumed ones): True cancels the requests not yet sent (those in flight are counted)."""
+    path, mpath = out / "claims.jsonl", out / "collect.json"
+    out.mkdir(parents=True, exist_ok=True)
+    name = model_info(cfg.model_dir).name
+    with exclusive_lock(path):
+        claims: list[Claim] = []
+        if path.is_file():
+            check_manifest(mpath, _collect_manifest(endpoint, cfg, conversations), on_mismatch="error", where=out,
+                           what="claims of another audit")
+            claims = read_claims(path)
+        else:
+            atomic_write_json(mpath, _collect_manifest(endpoint, cfg, conversations))
+        state = json.loads(mpath.read_text()).get("requests_sent", len(claims))
+        if stop is not None and claims and stop(claims):
+            return claims, state
+        done = {c.id for c in claims}
+        todo = [i for i in range(len(conversations)) if f"{endpoint.name}-{i:05d}" not in done]
+        if progress:
+            progress(len(conversations) - len(todo))
+        client = endpoint.client()
+        sent = state
+        with ThreadPoolExecutor(endpoint.concurrency) as pool:
+            futures = [(i, pool.submit(request_chat, client, endpoint, conversations[i], cfg.params,
+                                       f"request {i} of vendor {endpoint.name!r}")) for i in todo]
+            try:
+                for j, (i, fut) in enumerate(futures):
+                    reply = fut.result()
+                    sent += 1
+                    claims.append(reply_claim(i, conversations[i], reply, endpoint, cfg, retok, name))
+                    write_claims(path, claims)
+                    atomic_write_json(mpath, {**_collect_manifest(endpoint, cfg, conversations), "requests_sent": sent})
+                    if progress:
+                        progress(1)
+                    if stop is not None and stop(claims):
+                        running = [f for _, f in futures[j + 1:] if not f.cancel()]
+                        sent += len(running)  # already on the wire: paid for, not used
+                        break
+            except EndpointError as e:
+                for _, f in futures:
+                    f.cancel()
+                raise EndpointError(f"{e.what} ({len(claims)} of {len(conversations)} replies saved in {path}; rerun "
+                                    "to resume)", where=e.where, fix=e.fix) from e
+        atomic_write_json(mpath, {**_collect_manifest(endpoint, cfg, conversations), "requests_sent": sent})
+    return claims, sent
+
+
+class StreamingChatAudit:
+    """The stop rule of `collect_vendor`: replays each new claim, extends the e-process and says
+    whether it has reached 1/alpha (the vendor is flagged; anytime-valid)."""
+
+    def __init__(self, audit: SequentialAudit, engine, retok: Retokenizer):
+        self.audit, self.engine, self.retok = audit, engine, retok
+        self.seen, self.evidence, self.labels, self.n_claims = 0, [], [], 0
+
+    def __call__(self, claims: list[Claim]) -> bool:
+        new = claims[self.seen:]
+        if new:
+            t = score_chunk(new, self.engine, retokenizer=self.retok)
+            x, labels = self.audit.detector.sequential_evidence(t)
+            self.evidence.append(x)
+            self.labels.append(labels + self.n_claims)
+            self.n_claims += int(labels.max(initial=-1)) + 1
+            self.seen = len(claims)
+        if not self.evidence:
+            return False
+        return self.audit.stopping_time(np.concatenate(self.evidence), np.concatenate(self.labels)) is not None
+
+
+# --- the audit --------------------------------------------------------------------------------
+class ChatAudit:
+    """An audit's shared parts: the trusted engine, the tokenizer, the calibrated detector and the
+    reference bands (computed once, cached in out_dir), then any number of vendors."""
+
+    def __init__(self, cfg: ChatAuditConfig, show_progress: bool = True):
+        check_writable(cfg.out_dir, "audit directory", directory=True)
+        self.cfg, self.show = cfg, show_progress
+        self.out = Path(cfg.out_dir)
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.info = model_info(cfg.model_dir)
+        self.retok = Retokenizer.for_model(cfg.model_dir)
+        self.engine = verifier_engine(cfg.model_dir, VERIFIER_NUMERICS.with_(matmul=cfg.matmul), device=cfg.device)
+        self.conversations = chat_messages(cfg.n, cfg.seed, cfg.system_prompt)
+        self.timings: dict = {}
+
+    def score_file(self, claims_path: Path, out: Path) -> Path:
+        if not out.is_file():
+            score(claims_path, self.cfg.model_dir, out, engine=self.engine, show_progress=self.show,
+                  retokenizer=self.retok)
+        return out
+
+    def _local(self, names: dict[str, Band], sub: str, conv: list[list[dict]]) -> dict[str, pa.Table]:
+        out = {}
+        for name, band in names.items():
+            path = local_chat_claims(band, name, self.cfg, conv, self.retok, self.out / sub, self.show)
+            out[name] = load_score_tables([self.score_file(path, path.with_suffix(".parquet"))])
+        return out
+
+    def detector(self) -> ClippedMeanDetector:
+        """The margin detector fit on the honest configurations' greedy chat runs (cached in
+        out_dir/detector.json with the settings it was made for)."""
+        path, meta_path = self.out / "detector.json", self.out / "detector.json.meta.json"
+        meta = {"model_weights_sha256": self.info.weights_sha256, "max_tokens": self.cfg.max_tokens,
+                "honest": list(self.cfg.honest), "calib_n": self.cfg.calib_n, "seed": self.cfg.seed,
+                "system_prompt": self.cfg.system_prompt, "target_fpr": self.cfg.target_fpr, "matmul": self.cfg.matmul}
+        if path.is_file() and meta_path.is_file() and json.loads(meta_path.read_text()) == meta:
+            return ClippedMeanDetector.load(path)
+        t0 = time.perf_counter()
+        conv = chat_messages(self.cfg.calib_n, self.cfg.seed + CALIB_SEED_OFFSET, self.cfg.system_prompt)
+        tables = self._local({h: Band(HONEST.get(h), HONEST.get(h).description) for h in self.cfg.honest},
+                             "calibration", conv)
+        det = calibrate(pa.concat_tables(tables.values()), list(self.cfg.honest), detector="clipped-mean",
+                        target_fpr=self.cfg.target_fpr, seed=self.cfg.seed)
+        det.save(path)
+        atomic_write_json(meta_path, meta)
+        self.timings["calibration_s"] = time.perf_counter() - t0
+        return det
+
+    def bands(self, det) -> dict:
+        """Each band run on the vendors' own conversations (a score's level depends on the prompts)."""
+        t0 = time.perf_counter()
+        tables = self._local({b: BANDS.get(b) for b in self.cfg.bands}, "bands", self.conversations)
+        out = {name: {**summarize(t, det.clip_, seed=self.cfg.seed), "description": BANDS.get(name).description}
+               for name, t in tables.items()}
+        self.timings["bands_s"] = time.perf_counter() - t0
+        return out
+
+    def vendor(self, endpoint: ChatEndpoint, det: ClippedMeanDetector, bands: dict) -> VendorResult:
+        """Collect (resuming), replay and judge one vendor; an endpoint error is the row's `error`."""
+        row = VendorResult(endpoint.name, endpoint.base_url, endpoint.model)
+        out = self.out / "vendors" / endpoint.name
+        seq = SequentialAudit(det, alpha=self.cfg.target_fpr)
+        stop = StreamingChatAudit(seq, self.engine, self.retok) if self.cfg.sequential else None
+        try:
+            with progress_bar(f"{endpoint.name}: requests", len(self.conversations), self.show) as adv:
+                claims, sent = collect_vendor(endpoint, self.cfg, self.conversations, self.retok, out, adv, stop)
+        except (EndpointError, VerinferError) as e:
+            row.error = str(e)
+            return row
+        spath = out / "scores.parquet"
+        if spath.is_file() and spath.stat().st_mtime < (out / "claims.jsonl").stat().st_mtime:
+            spath.unlink()  # more claims since it was scored
+        table = load_score_tables([self.score_file(out / "claims.jsonl", spath)])
+        v = seq.verdict(table)
+        point = summarize(table, det.clip_, seed=self.cfg.seed)
+        row.verdict = v.with_(provider=endpoint.name, fixed_n=det.verdict(table).to_dict()).to_dict()
+        row.n_tokens, row.n_requests = int(table.num_rows), int(sent)
+        row.exact_match = float(np.mean(table[EXACT_MATCH].to_numpy(zero_copy_only=False)))
+        row.margin, row.cross_entropy, row.mismatch = point["margin"], point["cross_entropy"], point["mismatch"]
+        row.nearest_band = nearest_band(point, bands)
+        decided = v.extra.get("decided_at_tokens")
+        if decided is not None:
+            ends = np.cumsum([n for n in _claim_lengths(table)])
+            row.tokens_to_decide = int(decided)
+            row.requests_to_decide = int(np.searchsorted(ends, decided) + 1)
+        row.retokenized = float(np.mean([c.derived for c in claims]))
+        row.resegmented, row.drift = resegmentation(claims, table)
+        return row
+
+
+def _claim_lengths(table: pa.Table) -> list[int]:
+    ids = table[CLAIM_ID].to_pylist()
+    out, prev = [], object()
+    for c in ids:
+        if c != prev:
+            out.append(0)
+            prev = c
+        out[-1] += 1
+    return out
+
+
+def resegmentation(claims: list[Claim], table: pa.Table) -> tuple[float | None, float | None]:
+    """(fraction of derived claims the replay re-cut, fraction of derived claims whose canonical
+    ids differ from the ids the endpoint returned, where it returned them: re-tokenization drift)."""
+    derived = [c for c in claims if c.derived]
+    if not derived:
+        return None, None
+    scored: dict[str, list[int]] = {}
+    for cid, tok in zip(table[CLAIM_ID].to_pylist(), table[TOKEN_ID].to_pylist()):
+        scored.setdefault(cid, []).append(tok)
+    recut = float(np.mean([scored.get(c.id) != c.output_token_ids for c in derived]))
+    known = [c for c in derived if "returned_output_token_ids" in c.chat]
+    drift = float(np.mean([c.chat["returned_output_token_ids"] != c.output_token_ids for c in known])) if known else None
+    return recut, drift
+
+
+def audit_vendors(vendors: list[ChatEndpoint], cfg: ChatAuditConfig, *, show_progress: bool = True,
+                  title: str | None = None) -> ChatAuditResult:
+    """Audit each vendor with the same prompts against one calibrated detector and one set of
+    reference bands; writes vendors.json, vendors.md and vendors.html in cfg.out_dir."""
+    names = [v.name for v in vendors]
+    if len(set(names)) != len(names) or not vendors:
+        raise VerinferError(f"vendor names must be unique and at least one given, got {names}")
+    t0 = time.perf_counter()
+    audit = ChatAudit(cfg, show_progress)
+    det = audit.detector()
+    bands = audit.bands(det)
+    rows = []
+    for ep in vendors:
+        t = time.perf_counter()
+        rows.append(audit.vendor(ep, det, bands))
+        audit.timings[f"vendor_{ep.name}_s"] = time.perf_counter() - t
+    audit.timings["total_s"] = time.perf_counter() - t0
+    doc = {"title": title or f"verinfer audit of {len(vendors)} chat endpoint(s) serving {vendors[0].model}",
+           "model": vendors[0].model, "trusted_model": audit.info.name,
+           "trusted_weights_sha256": audit.info.weights_sha256,
+           "created": datetime.now(timezone.utc).isoformat(timespec="seconds"), "verinfer_version": __version__,
+           "target_fpr": cfg.target_fpr, "mode": "greedy", "settings": cfg.settings(),
+           "detector": {"summary": det.summary(), "heldout": _heldout(det)},
+           "bands": bands, "vendors": [asdict(r) for r in rows],
+           "endpoints": [v.public() for v in vendors], "timings": audit.timings}
+    path = atomic_write_json(cfg.out_dir / "vendors.json", doc)
+    atomic_write_text(cfg.out_dir / "vendors.md", render_markdown(doc))
+    html = None
+    try:
+        from verinfer.report.vendors import render_vendors_html
+    except ImportError:  # pragma: no cover - the dashboard module ships with verinfer
+        render_vendors_html = None
+    if render_vendors_html is not None:
+        html = render_vendors_html(doc, cfg.out_dir / "vendors.html")
+    return ChatAuditResult(rows, bands, path, html, audit.timings)
+
+
+def audit_endpoint(base_url: str, model: str, cfg: ChatAuditConfig, *, name: str = "endpoint",
+                   api_key_env: str | None = None, extra: dict | str | None = None, concurrency: int = 4,
+                   timeout: float = 120.0, show_progress: bool = True) -> ChatAuditResult:
+    """Audit one chat endpoint (`audit_vendors` with one vendor). api_key_env: the environment
+    variable holding its key (default OPENAI_API_KEY when set); extra: request fields passed
+    through (a dict, or JSON text)."""
+    if isinstance(extra, str):
+        try:
+            extra = json.loads(extra)
+        except json.JSONDecodeError as e:
+            raise VerinferError(f"--extra is not JSON ({e.msg} at column {e.colno})",
+                                fix='e.g. --extra \'{"provider": {"order": ["acme"]}}\'') from None
+        if not isinstance(extra, dict):
+            raise VerinferError("--extra must be a JSON object", fix='e.g. --extra \'{"top_k": 1}\'')
+    if api_key_env is None and os.environ.get("OPENAI_API_KEY"):
+        api_key_env = "OPENAI_API_KEY"
+    ep = ChatEndpoint(name, base_url, model, api_key_env, dict(extra or {}), concurrency, timeout)
+    return audit_vendors([ep], cfg, show_progress=show_progress, title=f"verinfer audit of {model} at {base_url}")
+
+
+def _heldout(det) -> dict | None:
+    cal = getattr(det, "calibration_", None)
+    held = cal and cal.heldout
+    return None if not held else {"fpr": held.fpr, "batches": held.batches, "batch_tokens": held.batch_tokens}
+
+
+def _rate(x: float | None) -> str:
+    return "-" if x is None else f"{x:.3f}"
+
+
+def render_markdown(doc: dict) -> str:
+    lines = [f"# {doc['title']}", "",
+             f"Trusted model {doc['trusted_model']} (weights sha256 {doc['trusted_weights_sha256'][:16]}...), "
+             f"temperature 0, target FPR {doc['target_fpr']}; detector: {doc['detector']['summary']}.", "",
+             "| vendor | verdict | nearest band | exact match | mean margin | mean cross-entropy | tokens | requests | "
+             "tokens to decide | requests to decide | re-cut |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for v in doc["vendors"]:
+        if v["error"]:
+            lines.append(f"| {v['name']} | error: {v['error'][:80]} |  |  |  |  |  |  |  |  |  |")
+            continue
+        lines.append(f"| {v['name']} | {'FLAGGED' if v['verdict']['flagged'] else 'ok'} | {v['nearest_band']} | "
+                     f"{v['exact_match']:.4f} | {v['margin']['mean']:.4g} | {v['cross_entropy']['mean']:.4g} | "
+                     f"{v['n_tokens']} | {v['n_requests']} | {v['tokens_to_decide'] or '-'} | "
+                     f"{v['requests_to_decide'] or '-'} | {_rate(v['resegmented'])} |")
+    lines += ["", "Reference bands (verinfer's own greedy runs, replayed like a vendor; 95% bootstrap CI):", "",
+              "| band | what | mean clipped margin | mean cross-entropy | mismatch |", "|---|---|---|---|---|"]
+    for name, b in doc["bands"].items():
+        lines.append(f"| {name} | {b['description']} | {b['margin']['mean']:.4g} [{b['margin']['ci95'][0]:.3g}, "
+                     f"{b['margin']['ci95'][1]:.3g}] | {b['cross_entropy']['mean']:.4g} | {b['mismatch']['mean']:.4f} |")
+    return "\n".join(lines) + "\n"
+
+
+__all__ = ["BANDS", "ChatAuditConfig", "ChatAuditResult", "VendorResult", "audit_endpoint", "audit_vendors",
+           "collect_vendor", "read_vendors"]
