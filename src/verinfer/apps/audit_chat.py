@@ -31,6 +31,7 @@ import json
 import os
 import time
 import tomllib
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
@@ -329,7 +330,8 @@ def collect_vendor(endpoint: ChatEndpoint, cfg: ChatAuditConfig, conversations: 
             claims = read_claims(path)
         else:
             atomic_write_json(mpath, _collect_manifest(endpoint, cfg, conversations))
-        state = json.loads(mpath.read_text()).get("requests_sent", len(claims))
+        rpath = out / "requests.json"  # requests sent so far (paid for), claims or not
+        state = json.loads(rpath.read_text())["requests_sent"] if rpath.is_file() else len(claims)
         if stop is not None and claims and stop(claims):
             return claims, state
         done = {c.id for c in claims}
@@ -339,27 +341,34 @@ def collect_vendor(endpoint: ChatEndpoint, cfg: ChatAuditConfig, conversations: 
         client = endpoint.client()
         sent = state
         with ThreadPoolExecutor(endpoint.concurrency) as pool:
-            futures = [(i, pool.submit(request_chat, client, endpoint, conversations[i], cfg.params,
-                                       f"request {i} of vendor {endpoint.name!r}")) for i in todo]
+            def send(i: int):
+                return pool.submit(request_chat, client, endpoint, conversations[i], cfg.params,
+                                   f"request {i} of vendor {endpoint.name!r}")
+
+            window = deque((i, send(i)) for i in todo[:endpoint.concurrency])  # at most `concurrency` in flight
+            rest = iter(todo[endpoint.concurrency:])
             try:
-                for j, (i, fut) in enumerate(futures):
+                while window:
+                    i, fut = window.popleft()
                     reply = fut.result()
                     sent += 1
                     claims.append(reply_claim(i, conversations[i], reply, endpoint, cfg, retok, name))
                     write_claims(path, claims)
-                    atomic_write_json(mpath, {**_collect_manifest(endpoint, cfg, conversations), "requests_sent": sent})
+                    atomic_write_json(rpath, {"requests_sent": sent})
                     if progress:
                         progress(1)
                     if stop is not None and stop(claims):
-                        running = [f for _, f in futures[j + 1:] if not f.cancel()]
-                        sent += len(running)  # already on the wire: paid for, not used
+                        sent += sum(not f.cancel() for _, f in window)  # already on the wire: paid for, not used
                         break
+                    nxt = next(rest, None)
+                    if nxt is not None:
+                        window.append((nxt, send(nxt)))
             except EndpointError as e:
-                for _, f in futures:
+                for _, f in window:
                     f.cancel()
                 raise EndpointError(f"{e.what} ({len(claims)} of {len(conversations)} replies saved in {path}; rerun "
                                     "to resume)", where=e.where, fix=e.fix) from e
-        atomic_write_json(mpath, {**_collect_manifest(endpoint, cfg, conversations), "requests_sent": sent})
+        atomic_write_json(rpath, {"requests_sent": sent})
     return claims, sent
 
 

@@ -281,7 +281,7 @@ def audit_api(base_url: str = O.BASE_URL, model: str = O.ENDPOINT_MODEL, model_d
 
 
 @command(app, "audit-vendors")
-def audit_vendors(vendors: Path = O.VENDORS_FILE, model_dir: Optional[str] = O.MODEL_DIR, out: Path = O.CHAT_OUT,
+def audit_vendors(vendors: Path = O.VENDORS_FILE, model: Optional[str] = O.model(), out: Path = O.CHAT_OUT,
                   n: int = O.CHAT_N, max_tokens: int = O.API_MAX_TOKENS, seed: int = O.seed(),
                   system_prompt: Optional[str] = O.SYSTEM_PROMPT, tokens: str = O.TOKENS,
                   calib_n: int = O.CHAT_CALIB_N, honest: List[str] = O.CHAT_HONEST, bands: List[str] = O.BANDS,
@@ -291,13 +291,13 @@ def audit_vendors(vendors: Path = O.VENDORS_FILE, model_dir: Optional[str] = O.M
     reference bands): a row per vendor in vendors.json / vendors.md / vendors.html. Exit 1 if any is flagged."""
     from verinfer.apps.audit_chat import audit_vendors as run, read_vendors
 
-    cfg = _chat_config(model_dir, out, n, max_tokens, seed, system_prompt, tokens, calib_n, honest, bands, sequential,
+    cfg = _chat_config(model, out, n, max_tokens, seed, system_prompt, tokens, calib_n, honest, bands, sequential,
                        target_fpr, device, matmul)
     return _chat_exit(run(read_vendors(vendors), cfg))
 
 
 @command(app, "audit-log")
-def audit_log(log: Path = O.LOG_FILE, model_dir: Optional[str] = O.MODEL_DIR, out: Path = O.CHAT_OUT,
+def audit_log(log: Path = O.LOG_FILE, model: Optional[str] = O.model(), out: Path = O.CHAT_OUT,
               calib_n: int = O.CHAT_CALIB_N, honest: List[str] = O.CHAT_HONEST, bands: List[str] = O.BANDS,
               tokens: str = O.TOKENS, skip_unusable: bool = O.SKIP_UNUSABLE, target_fpr: float = O.TARGET_FPR_CHAT,
               device: str = O.device(), matmul: str = O.matmul()):
@@ -305,7 +305,7 @@ def audit_log(log: Path = O.LOG_FILE, model_dir: Optional[str] = O.MODEL_DIR, ou
     served model, reference bands run on the log's own conversations. Exit 1 if any is flagged."""
     from verinfer.apps.audit_chat import audit_log as run
 
-    cfg = _chat_config(model_dir, out, 1, 1, 0, None, tokens, calib_n, honest, bands, False, target_fpr, device,
+    cfg = _chat_config(model, out, 1, 1, 0, None, tokens, calib_n, honest, bands, False, target_fpr, device,
                        matmul)
     return _chat_exit(run(log, cfg, skip_unusable=skip_unusable))
 

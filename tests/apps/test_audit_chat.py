@@ -1,0 +1,125 @@
+"""Audits of chat endpoints at temperature 0 (apps.audit_chat): the vendors file, and real `verinfer
+serve` processes audited side by side from their text replies: an honest server passes, a smaller
+model served under the claimed name is flagged by the sequential audit before all prompts are
+sent, a dead vendor is an error row (exit 2) that costs the others nothing; a rerun resumes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from verinfer.apps.audit_chat import read_vendors
+from verinfer.errors import VerinferError
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    p = tmp_path / "vendors.toml"
+    p.write_text(text)
+    return p
+
+
+def test_vendors_file(tmp_path):
+    vs = read_vendors(write(tmp_path, '''
+[[vendor]]
+name = "acme"
+base_url = "https://api.acme.example/v1"
+model = "org/model"
+api_key_env = "ACME_KEY"
+concurrency = 8
+extra = { provider = { order = ["acme"], allow_fallbacks = false } }
+[[vendor]]
+name = "self"
+base_url = "http://127.0.0.1:8000/v1"
+model = "m"
+'''))
+    assert [v.name for v in vs] == ["acme", "self"] and vs[0].concurrency == 8 and vs[1].api_key_env is None
+    assert vs[0].extra == {"provider": {"order": ["acme"], "allow_fallbacks": False}}
+
+
+@pytest.mark.parametrize("text, message", [
+    ('[[vendor]]\nname = "a"\nbase_url = "http://h/v1"\n', "vendor 1: `model` Field required"),
+    ('[[vendor]]\nname = "../x"\nbase_url = "http://h/v1"\nmodel = "m"\n', "vendor 1: `name`"),
+    ('[[vendor]]\nname = "a"\nbase_url = "ftp://h"\nmodel = "m"\n', "`base_url`"),
+    ('[[vendor]]\nname = "a"\nbase_url = "http://h/v1"\nmodel = "m"\napi_key = "sk-1"\n', "`api_key` Extra inputs"),
+    ('[[vendor]]\nname = "a"\nbase_url = "http://h/v1"\nmodel = "m"\n[[vendor]]\nname = "a"\n'
+     'base_url = "http://h/v1"\nmodel = "m"\n', "vendor names repeat"),
+    ("vendor = [", "not valid TOML"),
+    ("", "`vendor` Field required"),
+])
+def test_vendors_file_errors_name_the_vendor_and_field(tmp_path, text, message):
+    with pytest.raises(VerinferError, match=message):
+        read_vendors(write(tmp_path, text))
+
+
+# --- real servers (slow) -----------------------------------------------------------------------
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+pytest.importorskip("openai")
+
+from typer.testing import CliRunner  # noqa: E402
+
+from tests.server.serverproc import Launched  # noqa: E402
+from verinfer.cli.main import app  # noqa: E402
+from verinfer.models.testbed import DRAFT_DIR  # noqa: E402
+
+ARGS = ["--n", "24", "--max-tokens", "32", "--calib-n", "24", "--honest", "honest-bf16-b8", "--honest",
+        "honest-fp32-b4", "--honest", "honest-bf16-eager-t1", "--bands", "bf16", "--bands", "int4"]
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory):
+    d = tmp_path_factory.mktemp("chat-servers")
+    launched = {"honest": Launched(d, "--max-concurrent", "4"), "draft": Launched(d, "--model", str(DRAFT_DIR))}
+    try:
+        yield {k: v.ready() for k, v in launched.items()}
+    finally:
+        for s in launched.values():
+            s.stop()
+
+
+@pytest.mark.slow
+def test_vendors_side_by_side(servers, tmp_path, monkeypatch):
+    monkeypatch.setenv("HONEST_VENDOR_KEY", "sk-never-written-anywhere")
+    cfg = write(tmp_path, f'''
+[[vendor]]
+name = "honest"
+base_url = "{servers['honest'].base_url}"
+model = "verinfer-testbed-target"
+api_key_env = "HONEST_VENDOR_KEY"
+[[vendor]]
+name = "small-model"
+base_url = "{servers['draft'].base_url}"
+model = "verinfer-testbed-draft"
+concurrency = 2
+[[vendor]]
+name = "dead"
+base_url = "http://127.0.0.1:9/v1"
+model = "verinfer-testbed-target"
+max_retries = 0
+''')
+    out = tmp_path / "audit"
+    r = CliRunner().invoke(app, ["audit-vendors", str(cfg), "--out", str(out), *ARGS])
+    assert r.exit_code == 2, r.output  # a vendor could not be audited: an error, never a verdict
+    doc = json.loads((out / "vendors.json").read_text())
+    rows = {v["name"]: v for v in doc["vendors"]}
+    assert not rows["honest"]["verdict"]["flagged"] and rows["honest"]["exact_match"] >= 0.99
+    assert rows["honest"]["n_requests"] == 24 and rows["honest"]["nearest_band"] == "bf16"
+    small = rows["small-model"]
+    assert small["verdict"]["flagged"] and small["requests_to_decide"] <= small["n_requests"] < 24
+    assert small["tokens_to_decide"] <= small["n_tokens"] and small["exact_match"] < 0.9
+    assert rows["dead"]["verdict"] is None and "cannot reach" in rows["dead"]["error"]
+    assert set(doc["bands"]) == {"bf16", "int4"}
+    for f in out.rglob("*"):  # the key is read from the environment, never written
+        if f.is_file():
+            assert b"sk-never-written-anywhere" not in f.read_bytes(), f
+    claims = (out / "vendors" / "honest" / "claims.jsonl").read_text()
+    first = json.loads(claims.splitlines()[0])
+    assert first["chat"]["tokens"] == "derived" and first["chat"]["messages"][0]["role"] == "user"
+    # rerun: every reply is on disk, nothing is requested again, the same verdicts
+    servers["honest"].stop()
+    r2 = CliRunner().invoke(app, ["audit-vendors", str(cfg), "--out", str(out), *ARGS])
+    again = {v["name"]: v for v in json.loads((out / "vendors.json").read_text())["vendors"]}
+    assert again["honest"]["verdict"]["flagged"] is False and again["honest"]["n_requests"] == 24, r2.output
+    assert (out / "vendors" / "honest" / "claims.jsonl").read_text() == claims

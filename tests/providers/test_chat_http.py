@@ -1,0 +1,61 @@
+"""Chat endpoints (providers.chat_http): the request an audit sends, the replies it accepts and the
+ones it refuses with a reason; the API key comes from the environment only."""
+
+import json
+
+import pytest
+
+from verinfer.errors import VerinferError
+from verinfer.providers.chat_http import ChatEndpoint, chat_request, parse_chat_reply
+from verinfer.providers.openai_http import EndpointError
+from verinfer.sampling.params import SamplingParams
+
+GREEDY = SamplingParams(0.0, -1, 1.0, 0.0, None, 32, "vllm-cpu")
+SEEDED = SamplingParams(0.7, -1, 0.9, 0.0, 5, 32, "vllm-cpu")
+MSGS = [{"role": "user", "content": "hi"}]
+
+
+def reply(**choice) -> bytes:
+    c = {"index": 0, "message": {"role": "assistant", "content": "Hello"}, "finish_reason": "stop", **choice}
+    return json.dumps({"id": "x", "model": "m", "choices": [c], "usage": {"completion_tokens": 2}}).encode()
+
+
+def test_request_sends_the_audits_fields_and_passes_extra_through():
+    ep = ChatEndpoint("v", "http://h/v1", "m", extra={"provider": {"order": ["acme"]}})
+    body = chat_request(ep, MSGS, GREEDY)
+    assert body == {"model": "m", "messages": MSGS, "max_tokens": 32, "temperature": 0.0, "top_p": 1.0,
+                    "provider": {"order": ["acme"]}}  # no seed at temperature 0
+    assert chat_request(ep, MSGS, SEEDED)["seed"] == 5
+    with pytest.raises(VerinferError, match="override the audit's own request fields"):
+        ChatEndpoint("v", "http://h/v1", "m", extra={"temperature": 1.0})
+
+
+def test_key_comes_from_the_named_environment_variable(monkeypatch):
+    ep = ChatEndpoint("v", "http://h/v1", "m", api_key_env="VENDOR_KEY_FOR_TEST")
+    monkeypatch.delenv("VENDOR_KEY_FOR_TEST", raising=False)
+    with pytest.raises(VerinferError, match="VENDOR_KEY_FOR_TEST is not set"):
+        ep.api_key()
+    monkeypatch.setenv("VENDOR_KEY_FOR_TEST", "sk-secret")
+    assert ep.api_key() == "sk-secret"
+    assert "sk-secret" not in json.dumps(ep.public())
+
+
+def test_a_usable_reply_keeps_text_finish_usage_and_returned_ids():
+    r = parse_chat_reply(reply(token_ids=[5, 6], prompt_token_ids=[1, 2, 3]), "v", "request 0")
+    assert (r.text, r.finish_reason, r.usage, r.served_model) == ("Hello", "stop", {"completion_tokens": 2}, "m")
+    assert (r.output_token_ids, r.prompt_token_ids) == ([5, 6], [1, 2, 3])
+    plain = parse_chat_reply(reply(finish_reason="length"), "v", "request 0")
+    assert plain.output_token_ids is None and plain.finish_reason == "length"
+
+
+@pytest.mark.parametrize("body, message", [
+    (b"<html>502</html>", "not JSON"),
+    (json.dumps({"choices": []}).encode(), "not a usable chat completion"),
+    (reply(message={"role": "assistant", "content": None, "tool_calls": [{"id": "t"}]}), "tool call"),
+    (reply(message={"role": "assistant", "content": None}), "no text"),
+    (reply(finish_reason="content_filter"), "cut or filtered by the provider"),
+    (reply(token_ids=[-1]), "not a usable chat completion"),
+])
+def test_unusable_replies_are_refused_with_the_reason(body, message):
+    with pytest.raises(EndpointError, match=message):
+        parse_chat_reply(body, "v", "request 3")
