@@ -130,12 +130,26 @@ class Retokenizer:
 
 @dataclass(frozen=True)
 class TokenBytes:
-    """Each token id's bytes (None for special tokens)."""
+    """Each token id's bytes (None for special tokens) and the special tokens by their text."""
 
     table: tuple[bytes | None, ...]
+    specials: tuple[tuple[str, int], ...] = ()
 
     def of_id(self, token_id: int) -> bytes | None:
         return self.table[token_id] if 0 <= token_id < len(self.table) else None
+
+    def id_of(self, piece: bytes) -> int | None:
+        """The token spelled by these bytes (the lowest id where several are), None if none is."""
+        if "_index" not in self.__dict__:
+            index: dict[bytes, int] = {}
+            for i, b in enumerate(self.table):
+                if b is not None:
+                    index.setdefault(b, i)
+            object.__setattr__(self, "_index", index)
+        return self.__dict__["_index"].get(piece)
+
+    def special_id(self, text: str) -> int | None:
+        return dict(self.specials).get(text)
 
     @classmethod
     def of(cls, tokenizer) -> "TokenBytes":
@@ -145,15 +159,17 @@ class TokenBytes:
         n = len(tokenizer)
         pieces = tokenizer.convert_ids_to_tokens(list(range(n)))
         inverse = _byte_level_inverse(tokenizer)
-        table = []
+        table, named = [], []
         for i, p in enumerate(pieces):
             if i in specials or p is None:
                 table.append(None)
+                if p is not None:
+                    named.append((p, i))
             elif inverse is not None and all(ch in inverse for ch in p):
                 table.append(bytes(inverse[ch] for ch in p))
             else:
                 table.append(tokenizer.decode([i]).encode("utf-8"))
-        return cls(tuple(table))
+        return cls(tuple(table), tuple(named))
 
 
 def _byte_level_inverse(tokenizer) -> dict[str, int] | None:

@@ -88,6 +88,9 @@ class StubVllm:
         if self.mode == "not-json":
             return 200, b"<html>proxy error</html>"
         choice = {"index": 0, "text": "x", "logprobs": None, "finish_reason": "length"}
+        if req.get("echo"):
+            choice["logprobs"] = self.echo_logprobs(req["prompt"], req["logprobs"])
+            return 200, {"id": "cmpl-stub", "object": "text_completion", "model": self.model, "choices": [choice]}
         if self.mode == "malformed":
             choice["prompt_logprobs"] = [None] * (len(req["prompt"]) - 1) + [{"5": {"logprob": "high"}}]
         elif k is not None and self.mode != "no-prompt-logprobs":
@@ -119,6 +122,32 @@ class StubVllm:
             row.setdefault(str(y), {"logprob": float(lp_TV[t, y]), "rank": int((lp_TV[t] > lp_TV[t, y]).sum()) + 1})
             rows.append(row)
         return rows
+
+    def echo_logprobs(self, ids, k):
+        """OpenAI's legacy echo reply: per position the actual token's logprob and the top k keyed
+        by token text (byte-level pieces that are not whole characters as "bytes:\\x.."), then the
+        generated token."""
+        from verinfer.retokenize import Retokenizer
+
+        tb = Retokenizer.for_model(TARGET_DIR).token_bytes
+        P, logits_TV = self.logits[tuple(ids)]
+        lp_TV = torch.log_softmax(logits_TV.float(), -1)
+        vals_Tk, ids_Tk = lp_TV.topk(k, -1)
+
+        def text(i):
+            b = tb.of_id(int(i))
+            if b is None:  # a special token: its own text
+                return next(t for t, j in tb.specials if j == int(i))
+            try:
+                return b.decode("utf-8")
+            except UnicodeDecodeError:
+                return "bytes:" + "".join(f"\\x{x:02x}" for x in b)
+
+        token_lp = [None] * P + [float(lp_TV[t, y]) for t, y in enumerate(ids[P:])] + [-0.5]
+        top = [None] * P + [{text(i): float(v) for i, v in zip(ids_Tk[t], vals_Tk[t])}
+                            for t in range(len(ids) - P)] + [{"x": -0.5}]
+        return {"tokens": [text(i) for i in ids] + ["x"], "token_logprobs": token_lp, "top_logprobs": top,
+                "text_offset": list(range(len(ids) + 1))}
 
     def close(self):
         self.server.shutdown()
@@ -302,3 +331,19 @@ def test_cli_reports_exact_and_approximate_rows(claims, stub, tmp_path):
     assert f"{t.num_rows - approx} tokens exact, {approx} approximate" in r.output
     r = CliRunner().invoke(app, ["score", str(claims), "-o", str(tmp_path / "x.parquet"), "--reference-url", stub.url])
     assert r.exit_code != 0 and "--reference-model" in r.output
+
+
+@pytest.mark.slow  # shares the module's 24 generated claims
+def test_echo_reference_reads_token_texts(claims, stub, local, tmp_path):
+    """A hosted completions API's echo with logprobs (top 5, keyed by token text): greedy rows are
+    exact where the top-1 is above the 5th and then equal local replay; sampled rows with top_k >= 5
+    are marked approximate."""
+    r = remote_score(claims, tmp_path / "echo.parquet", stub, reference_protocol="echo", reference_logprobs=5)
+    assert r.num_rows == local.num_rows and r["token_id"].equals(local["token_id"])
+    prov = np.asarray(r["provider"].to_pylist())
+    exact = ~r["approximate"].to_numpy()
+    assert exact[prov == "greedy"].mean() > 0.95 and not exact[prov == "topk8"].any()
+    g = exact & (prov == "greedy")
+    for c in ("replay_token_id", "exact_match"):
+        assert np.array_equal(r[c].to_numpy()[g], local[c].to_numpy()[g]), c
+    np.testing.assert_allclose(r["margin"].to_numpy()[g], local["margin"].to_numpy()[g], atol=2e-4)

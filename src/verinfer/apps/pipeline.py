@@ -74,7 +74,8 @@ def score(claims_path: str | Path, model_dir: str | Path, out: str | Path, *, en
           device: str = "cpu", show_progress: bool = True, gaps: bool = False, matmul: str = "native",
           model_names: tuple[str, ...] = (), workers: int | None = None, ray_address: str | None = None,
           worker_threads: int = 1, reference_url: str | None = None, reference_model: str | None = None,
-          reference_logprobs: int = 20, reference_concurrency: int = 4, claims=None,
+          reference_logprobs: int = 20, reference_concurrency: int = 4, reference_protocol: str = "prompt_logprobs",
+          claims=None,
           retokenizer: Retokenizer | None = None) -> Scored:
     """Replay and score every claim (one Parquet row per token). matmul: the verifier's
     Numerics.matmul when no engine is given ('fp32' is the faster bf16-faithful path on CPU).
@@ -88,7 +89,8 @@ def score(claims_path: str | Path, model_dir: str | Path, out: str | Path, *, en
     claims are replayed by each honest reference kernel, ~5x the replay work).
     reference_url / reference_model: score from a trusted vLLM server's prompt logprobs
     (`audit.remote_reference`: `reference_logprobs` per position, `reference_concurrency` requests at
-    a time); model_dir then needs only the model's config.json. claims: the stream of the file's
+    a time; reference_protocol "echo": a hosted completions API's echo with logprobs, read through
+    the model's tokenizer); model_dir then needs only the model's config.json (and its tokenizer for "echo"). claims: the stream of the file's
     claims when the caller has started reading it (`score_file` peeks at the first claim).
     Claims derived from chat text are re-cut where the reference segments the text differently
     (`audit.replay.recut_claims`), with `retokenizer` or the model's own tokenizer."""
@@ -102,6 +104,7 @@ def score(claims_path: str | Path, model_dir: str | Path, out: str | Path, *, en
             raise VerinferError("--reference-url needs --reference-model (the name the server serves)",
                                 where=reference_url, fix="e.g. --reference-model HuggingFaceTB/SmolLM2-135M-Instruct")
         engine = RemoteReference.for_model_dir(reference_url, reference_model, model_dir, logprobs=reference_logprobs,
+                                               protocol=reference_protocol,
                                                concurrency=reference_concurrency, device=device)
     if workers is not None or ray_address is not None:
         if gaps:

@@ -25,6 +25,15 @@ the same way and marked: column `approximate` (bool) and `approximate_reason` (w
 exact). Greedy claims' cross_entropy is the server's -logprob of the claimed token (the full
 softmax local replay uses). fp_l2 is null: a server returns no activations.
 
+A hosted reference that is not vLLM (protocol "echo"): OpenAI's completions API with
+    {"model": NAME, "prompt": [ids], "max_tokens": 1, "echo": true, "logprobs": k}
+echoes the prompt with, per position, the actual token's logprob (`token_logprobs`) and the top k
+(`top_logprobs`), keyed by token *text* ("token_id:N" where the server is asked
+return_tokens_as_token_ids, "bytes:\\x..." for partial characters). Texts map back to ids through
+the model's tokenizer (each token's bytes, `retokenize.TokenBytes`; byte-level vocabularies spell
+each token uniquely). Hosted APIs cap k (OpenAI: 5): rows are exact for greedy claims wherever the
+top-1 is strictly above the k-th value, and marked approximate otherwise, as above.
+
 Requests run `concurrency` at a time; the openai client retries refused connections, timeouts,
 429 and 5xx with exponential backoff (`retries`). Parts are the same resumable `<out>.parts/` as
 local replay (`audit.replay.score_claims`, which takes a RemoteReference in place of the Engine).
@@ -48,9 +57,11 @@ from verinfer.claims import Claim
 from verinfer.engine.engine import Replay
 from verinfer.errors import VerinferError, api_error_message
 from verinfer.models.llama import LlamaConfig
+from verinfer.retokenize import Retokenizer
 from verinfer.sampling.params import SamplingParams
 from verinfer.scores import CROSS_ENTROPY, DEFAULT_SIGMA, REMOTE_FIELDS
 
+PROTOCOLS = ("prompt_logprobs", "echo")
 # min-p compares p / max p with min_p in fp32 over the whole vocabulary; the row's log-softmax differs
 # from the logits by a rounded constant, so a ratio this close to min_p may fall the other way
 MIN_P_TOL = 1e-4
@@ -74,6 +85,23 @@ class PromptLogprobsChoice(BaseModel):
     prompt_logprobs: list[dict[int, TokenLogprob] | None] | None = None
 
 
+class EchoLogprobs(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+
+
+class EchoChoice(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    logprobs: EchoLogprobs | None = None
+
+
+class EchoReply(BaseModel):
+    """A completions reply with echo and logprobs (OpenAI's legacy format)."""
+    model_config = ConfigDict(extra="allow")
+    choices: list[EchoChoice] = Field(min_length=1)
+
+
 class PromptLogprobsReply(BaseModel):
     """A completion reply as the remote reference reads it."""
     model_config = ConfigDict(extra="allow")
@@ -86,9 +114,11 @@ class ReferenceSpec:
     url: str
     model: str
     logprobs: int
+    protocol: str = "prompt_logprobs"
 
     def to_dict(self) -> dict:
-        return {"reference_url": self.url, "reference_model": self.model, "prompt_logprobs": self.logprobs}
+        d = {"reference_url": self.url, "reference_model": self.model, "prompt_logprobs": self.logprobs}
+        return d if self.protocol == "prompt_logprobs" else {**d, "protocol": self.protocol}
 
 
 def exactness(values_K: np.ndarray, params: SamplingParams, k: int) -> str | None:
@@ -125,6 +155,8 @@ class RemoteReference:
     model: str
     config: LlamaConfig
     logprobs: int = 20
+    protocol: str = "prompt_logprobs"  # vLLM's prompt_logprobs | "echo" (OpenAI completions echo + logprobs)
+    token_bytes: object = field(default=None, repr=False)  # retokenize.TokenBytes, needed by "echo"
     concurrency: int = 4
     retries: int = 4
     timeout: float = 600.0
@@ -138,10 +170,17 @@ class RemoteReference:
             raise VerinferError(f"--reference-logprobs must be >= 1, got {self.logprobs}", fix="e.g. 64")
         if self.concurrency < 1:
             raise VerinferError(f"--reference-concurrency must be >= 1, got {self.concurrency}", fix="e.g. 4")
-        self.numerics = ReferenceSpec(self.url, self.model, self.logprobs)
+        if self.protocol not in PROTOCOLS:
+            raise VerinferError(f"unknown reference protocol {self.protocol!r}", fix=f"one of {', '.join(PROTOCOLS)}")
+        if self.protocol == "echo" and self.token_bytes is None:
+            raise VerinferError("the echo protocol maps token texts to ids with the model's tokenizer",
+                                fix="build the reference with RemoteReference.for_model_dir (a model dir with a tokenizer)")
+        self.numerics = ReferenceSpec(self.url, self.model, self.logprobs, self.protocol)
 
     @classmethod
     def for_model_dir(cls, url: str, model: str, model_dir: str | Path, **kw) -> "RemoteReference":
+        if kw.get("protocol") == "echo" and kw.get("token_bytes") is None:
+            kw["token_bytes"] = Retokenizer.for_model(model_dir).token_bytes
         return cls(url, model, LlamaConfig.from_dir(model_dir), **kw)
 
     @property
@@ -164,10 +203,11 @@ class RemoteReference:
 
         ids = list(claim.prompt_token_ids) + list(claim.output_token_ids)
         where = f"{self.url} (claim {claim.id!r}{', ' + claim.source if claim.source else ''})"
+        ask = ({"prompt_logprobs": self.logprobs} if self.protocol == "prompt_logprobs"
+               else {"echo": True, "logprobs": self.logprobs})
         try:
             raw = self.client.completions.with_raw_response.create(
-                model=self.model, prompt=ids, max_tokens=1, temperature=0.0,
-                extra_body={"prompt_logprobs": self.logprobs})
+                model=self.model, prompt=ids, max_tokens=1, temperature=0.0, extra_body=ask)
         except (openai.APIConnectionError, openai.APITimeoutError) as e:
             raise ReferenceServerError(f"cannot reach the reference server after {self.retries} retries "
                                  f"({type(e).__name__}: {e})", where=where,
@@ -175,7 +215,49 @@ class RemoteReference:
                                      "command to resume: finished parts are kept") from None
         except openai.APIStatusError as e:
             raise self._status_error(e, where) from None
+        if self.protocol == "echo":
+            return self._echo_rows(raw.http_response.content, claim, where)
         return self._rows(raw.http_response.content, claim, where)
+
+    def _echo_rows(self, body: bytes, claim: Claim, where: str) -> list[dict[int, float]]:
+        """Rows of an echo reply: the top-k texts mapped to ids, the claimed token's own logprob."""
+        try:
+            reply = EchoReply.model_validate(json.loads(body))
+        except (json.JSONDecodeError, UnicodeDecodeError, ValidationError) as e:
+            raise ReferenceServerError(f"not an echo reply with logprobs ({type(e).__name__}: {str(e)[:200]})",
+                                       where=where, fix="use a completions endpoint that supports echo with logprobs, "
+                                                        "or a vLLM server with --reference-protocol prompt_logprobs") from None
+        lp = reply.choices[0].logprobs
+        P, T = len(claim.prompt_token_ids), len(claim.output_token_ids)
+        if lp is None or len(lp.token_logprobs) < P + T or len(lp.top_logprobs) < P + T:
+            raise ReferenceServerError(f"the echo reply holds logprobs for {0 if lp is None else len(lp.token_logprobs)} "
+                                       f"positions, the prompt has {P + T}", where=where,
+                                       fix="the endpoint must echo the prompt (echo: true) with logprobs")
+        out = []
+        for t, y in enumerate(claim.output_token_ids):
+            top, own = lp.top_logprobs[P + t], lp.token_logprobs[P + t]
+            if top is None or own is None:
+                raise ReferenceServerError(f"no logprobs at output token {t}", where=where,
+                                           fix="the endpoint must return top_logprobs for every echoed position")
+            row = {}
+            for text, v in top.items():
+                i = self._token_id(text)
+                if i is None:
+                    raise ReferenceServerError(f"token text {text!r} at output token {t} is no token of the model",
+                                               where=where, fix="--reference-model must serve the model of --model")
+                row.setdefault(i, v)
+            row[y] = own
+            out.append(row)
+        return out
+
+    def _token_id(self, text: str) -> int | None:
+        if text.startswith("token_id:"):
+            i = int(text.removeprefix("token_id:"))
+            return i if 0 <= i < self.config.vocab_size else None
+        raw = (bytes.fromhex(text.removeprefix("bytes:").replace("\\x", "")) if text.startswith("bytes:")
+               else text.encode("utf-8"))
+        i = self.token_bytes.id_of(raw)
+        return i if i is not None else self.token_bytes.special_id(text)
 
     def _status_error(self, e, where: str) -> ReferenceServerError:
         msg = api_error_message(e)

@@ -168,7 +168,7 @@ def score(claims: Path = O.CLAIMS_ARG, out: Path = O.out("Scores Parquet to writ
           workers: Optional[int] = O.WORKERS, ray_address: Optional[str] = O.RAY_ADDRESS,
           worker_threads: int = O.WORKER_THREADS, reference_url: Optional[str] = O.REFERENCE_URL,
           reference_model: Optional[str] = O.REFERENCE_MODEL, reference_logprobs: int = O.REFERENCE_LOGPROBS,
-          reference_concurrency: int = O.REFERENCE_CONCURRENCY):
+          reference_concurrency: int = O.REFERENCE_CONCURRENCY, reference_protocol: str = O.REFERENCE_PROTOCOL):
     """Replay claims with the trusted model: one Parquet row per token with every score."""
     from verinfer.apps.files import score_file
     from verinfer.models.testbed import DRAFT_DIR
@@ -177,7 +177,7 @@ def score(claims: Path = O.CLAIMS_ARG, out: Path = O.out("Scores Parquet to writ
                    model_names=tuple(model_name or ()), reference_url=reference_url, gaps=gaps, matmul=matmul,
                    workers=workers, ray_address=ray_address, worker_threads=worker_threads,
                    reference_model=reference_model, reference_logprobs=reference_logprobs,
-                   reference_concurrency=reference_concurrency)
+                   reference_concurrency=reference_concurrency, reference_protocol=reference_protocol)
     typer.echo(render.scored(r, reference_url, reference_model, reference_logprobs))
     if r.speculative is not None and r.speculative["violations"]:
         raise typer.Exit(1)

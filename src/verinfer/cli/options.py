@@ -67,7 +67,8 @@ CHOICES = {("*", "noise"): NOISE, ("*", "matmul"): MATMUL, ("generate", "determi
            ("serve", "misconfig"): MISCONFIGS, ("serve", "deterministic"): SERVE_DETERMINISTIC_NAMES,
            ("calibrate", "score_name"): SCORE_NAMES, ("calibrate", "kind"): DETECTOR_NAMES,
            ("build", "budget"): TESTBED_BUDGETS, ("build-draft", "budget"): DRAFT_BUDGETS,
-           ("*", "tokens"): TOKEN_MODES, ("*", "bands"): BAND_NAMES}
+           ("*", "tokens"): TOKEN_MODES, ("*", "bands"): BAND_NAMES,
+           ("score", "reference_protocol"): _names("verinfer.audit.remote_reference", "PROTOCOLS")}
 
 
 def choices_of(command: str | None, param: str) -> Names | None:
@@ -164,6 +165,10 @@ REFERENCE_MODEL = typer.Option(None, help="The model name the reference server s
 REFERENCE_LOGPROBS = typer.Option(20, min=1, help="Prompt logprobs per position (the server's --max-logprobs at least "
                                                   "this); rows are exact where the claim's top-k is below it.")
 REFERENCE_CONCURRENCY = typer.Option(4, min=1, help="Requests in flight to the reference server.")
+REFERENCE_PROTOCOL = typer.Option("prompt_logprobs", help="How the reference server returns logprobs: vLLM's "
+                                                          "prompt_logprobs, or echo (a hosted completions API's echo "
+                                                          "with logprobs, top-k capped; rows beyond it marked "
+                                                          "approximate).")
 
 # -- calibrate ------------------------------------------------------------------------------------
 HONEST_SCORES_ARG = typer.Argument(..., help="Scores Parquet files of honest runs.")
