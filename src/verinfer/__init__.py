@@ -1,3 +1,21 @@
-"""verinfer: make LLM inference checkable and reproducible."""
+"""verinfer: make LLM inference checkable and reproducible.
+
+The Python API (`verinfer.api`: audit_endpoint, audit_vendors, audit_log, score_claims) is
+exported here and loads on first use, so `import verinfer` stays cheap."""
 
 __version__ = "0.1.0"
+
+_API = ("audit_endpoint", "audit_vendors", "audit_log", "score_claims", "ChatEndpoint", "ChatAuditResult",
+        "VendorResult", "Scored")
+
+
+def __getattr__(name: str):
+    if name in _API:  # imported by name: the package root stays below every layer that reads __version__
+        import importlib
+
+        return getattr(importlib.import_module("verinfer.api"), name)
+    raise AttributeError(f"module 'verinfer' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted([*globals(), *_API])

@@ -123,3 +123,51 @@ max_retries = 0
     again = {v["name"]: v for v in json.loads((out / "vendors.json").read_text())["vendors"]}
     assert again["honest"]["verdict"]["flagged"] is False and again["honest"]["n_requests"] == 24, r2.output
     assert (out / "vendors" / "honest" / "claims.jsonl").read_text() == claims
+
+
+def record(base_url: str, model: str, conversations: list, max_tokens: int = 32) -> list[str]:
+    """Chat exchanges as a gateway logs them: the request body and the response body, one per line."""
+    import httpx2 as httpx
+
+    lines = []
+    for msgs in conversations:
+        req = {"model": model, "messages": msgs, "temperature": 0, "max_tokens": max_tokens}
+        resp = httpx.post(base_url + "/chat/completions", json=req, timeout=120).json()
+        lines.append(json.dumps({"request": req, "response": resp}))
+    return lines
+
+
+@pytest.mark.slow
+def test_log_audits_end_to_end(servers, tmp_path):
+    """`verinfer audit-log`: a row per model the log names (the smaller model's replies flagged), the
+    unusable exchanges skipped and counted, the same claims scored by `verinfer score` unchanged."""
+    from verinfer.models.prompts import chat_messages
+
+    conv = chat_messages(24, 7)
+    lines = record(servers["honest"].base_url, "verinfer-testbed-target", conv)
+    lines += record(servers["draft"].base_url, "verinfer-testbed-draft", conv[:12])
+    sampled = json.loads(lines[0])
+    sampled["request"]["temperature"] = 0.7
+    lines += [json.dumps(sampled), json.dumps({"request": {**sampled["request"], "tools": [{"type": "function"}]},
+                                               "response": sampled["response"]})]
+    path = tmp_path / "log.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    out = tmp_path / "audit"
+    args = ["audit-log", str(path), "--out", str(out), "--calib-n", "24", "--honest", "honest-bf16-b8", "--honest",
+            "honest-fp32-b4", "--honest", "honest-bf16-eager-t1", "--bands", "bf16", "--bands", "int4"]
+    r = CliRunner().invoke(app, args)
+    assert r.exit_code == 2 and "sampled" in r.output  # unusable exchanges stop it, saying which and where
+    r = CliRunner().invoke(app, [*args, "--skip-unusable"])
+    assert r.exit_code == 1, r.output  # the smaller model's replies are flagged
+    doc = json.loads((out / "vendors.json").read_text())
+    rows = {v["name"]: v for v in doc["vendors"]}
+    assert not rows["verinfer-testbed-target"]["verdict"]["flagged"] and rows["verinfer-testbed-target"]["n_requests"] == 24
+    assert rows["verinfer-testbed-draft"]["verdict"]["flagged"]
+    assert sorted(k for _, k, _ in doc["skipped"]) == ["sampled", "tool-calls"] and doc["exchanges"] == 36
+    claims = out / "vendors" / "verinfer-testbed-target" / "claims.jsonl"
+    r = CliRunner().invoke(app, ["score", str(claims), "-o", str(tmp_path / "s.parquet")])
+    assert r.exit_code == 0, r.output
+    import pyarrow.parquet as pq
+
+    mine = pq.read_table(out / "vendors" / "verinfer-testbed-target" / "scores.parquet")
+    assert pq.read_table(tmp_path / "s.parquet")["token_id"].equals(mine["token_id"])

@@ -28,6 +28,7 @@ def setup():
     return retok, engine, msgs, done
 
 
+@pytest.mark.slow  # generates and replays on the testbed (~10 s on 2 busy cores)
 def test_recut_restores_the_models_ids(setup):
     retok, engine, msgs, done = setup
     claims, truth = [], []

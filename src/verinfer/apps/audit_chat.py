@@ -34,7 +34,7 @@ import tomllib
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -56,6 +56,7 @@ from verinfer.models.prompts import chat_messages
 from verinfer.numerics import Numerics
 from verinfer.progress import progress_bar
 from verinfer.providers.chat_http import ChatEndpoint, ChatReply, request_chat
+from verinfer.providers.chat_log import ChatLogError, iter_chat_log
 from verinfer.providers.openai_http import EndpointError
 from verinfer.providers.simulated import HONEST, ProviderConfig, provider_generate
 from verinfer.registry import Registry
@@ -230,10 +231,11 @@ def read_vendors(path: str | Path) -> list[ChatEndpoint]:
 
 # --- local runs: calibration and bands --------------------------------------------------------
 def local_chat_claims(band: Band, name: str, cfg: ChatAuditConfig, conversations: list[list[dict]],
-                      retok: Retokenizer, out: Path, show_progress: bool = True) -> Path:
+                      retok: Retokenizer, out: Path, show_progress: bool = True,
+                      max_tokens: list[int] | None = None) -> Path:
     """Claims of a local run (cached at out/<name>.jsonl): the conversations as the band runs them
-    (its system prompt, its template), greedy, then each reply claimed as a vendor's is, from its
-    text, against the plain conversation."""
+    (its system prompt, its template), greedy (each with its max_tokens, cfg.max_tokens by
+    default), then each reply claimed as a vendor's is, from its text, against the plain conversation."""
     path = out / f"{name}.jsonl"
     if path.is_file():
         return path
@@ -241,10 +243,9 @@ def local_chat_claims(band: Band, name: str, cfg: ChatAuditConfig, conversations
     run_msgs = [([{"role": "system", "content": band.system_prompt}] if band.system_prompt else []) + list(m)
                 for m in conversations]
     prompts = [run_retok.prompt_ids(m) for m in run_msgs]
-    params = cfg.params
+    params = [replace(cfg.params, max_tokens=m) for m in (max_tokens or [cfg.max_tokens] * len(prompts))]
     with progress_bar(f"{out.name}: generate {name}", len(prompts), show_progress) as adv:
-        done = provider_generate(band.provider, cfg.model_dir, prompts, [params] * len(prompts), device=cfg.device,
-                                 progress=adv)
+        done = provider_generate(band.provider, cfg.model_dir, prompts, params, device=cfg.device, progress=adv)
     info = model_info(cfg.model_dir)
     claims = []
     for i, (msgs, c) in enumerate(zip(conversations, done)):
@@ -254,7 +255,7 @@ def local_chat_claims(band: Band, name: str, cfg: ChatAuditConfig, conversations
         if not text:
             continue
         claims.append(Claim.from_chat(f"{name}-{i:05d}", info.name, msgs, text, "stop" if stopped else "length",
-                                      params, retok, returned=(list(c.prompt_token_ids), ids), provider=name))
+                                      params[i], retok, returned=(list(c.prompt_token_ids), ids), provider=name))
     out.mkdir(parents=True, exist_ok=True)
     write_claims(path, claims)
     return path
@@ -399,7 +400,8 @@ class ChatAudit:
     """An audit's shared parts: the trusted engine, the tokenizer, the calibrated detector and the
     reference bands (computed once, cached in out_dir), then any number of vendors."""
 
-    def __init__(self, cfg: ChatAuditConfig, show_progress: bool = True):
+    def __init__(self, cfg: ChatAuditConfig, show_progress: bool = True,
+                 conversations: list[list[dict]] | None = None, max_tokens: list[int] | None = None):
         check_writable(cfg.out_dir, "audit directory", directory=True)
         self.cfg, self.show = cfg, show_progress
         self.out = Path(cfg.out_dir)
@@ -407,7 +409,9 @@ class ChatAudit:
         self.info = model_info(cfg.model_dir)
         self.retok = Retokenizer.for_model(cfg.model_dir)
         self.engine = verifier_engine(cfg.model_dir, VERIFIER_NUMERICS.with_(matmul=cfg.matmul), device=cfg.device)
-        self.conversations = chat_messages(cfg.n, cfg.seed, cfg.system_prompt)
+        self.conversations = conversations or chat_messages(cfg.n, cfg.seed, cfg.system_prompt)
+        self.max_tokens = max_tokens  # per conversation (a log's), else cfg.max_tokens
+        self.calibration = None       # (conversations, max_tokens) to calibrate on; None: fresh prompts
         self.timings: dict = {}
 
     def score_file(self, claims_path: Path, out: Path) -> Path:
@@ -416,10 +420,11 @@ class ChatAudit:
                   retokenizer=self.retok)
         return out
 
-    def _local(self, names: dict[str, Band], sub: str, conv: list[list[dict]]) -> dict[str, pa.Table]:
+    def _local(self, names: dict[str, Band], sub: str, conv: list[list[dict]],
+               max_tokens: list[int] | None = None) -> dict[str, pa.Table]:
         out = {}
         for name, band in names.items():
-            path = local_chat_claims(band, name, self.cfg, conv, self.retok, self.out / sub, self.show)
+            path = local_chat_claims(band, name, self.cfg, conv, self.retok, self.out / sub, self.show, max_tokens)
             out[name] = load_score_tables([self.score_file(path, path.with_suffix(".parquet"))])
         return out
 
@@ -430,12 +435,15 @@ class ChatAudit:
         meta = {"model_weights_sha256": self.info.weights_sha256, "max_tokens": self.cfg.max_tokens,
                 "honest": list(self.cfg.honest), "calib_n": self.cfg.calib_n, "seed": self.cfg.seed,
                 "system_prompt": self.cfg.system_prompt, "target_fpr": self.cfg.target_fpr, "matmul": self.cfg.matmul}
+        if self.calibration is not None:
+            meta["calibration_sha256"] = hashlib.sha256(json.dumps(self.calibration).encode()).hexdigest()[:16]
         if path.is_file() and meta_path.is_file() and json.loads(meta_path.read_text()) == meta:
             return ClippedMeanDetector.load(path)
         t0 = time.perf_counter()
-        conv = chat_messages(self.cfg.calib_n, self.cfg.seed + CALIB_SEED_OFFSET, self.cfg.system_prompt)
+        conv, lengths = self.calibration or (chat_messages(self.cfg.calib_n, self.cfg.seed + CALIB_SEED_OFFSET,
+                                                           self.cfg.system_prompt), None)
         tables = self._local({h: Band(HONEST.get(h), HONEST.get(h).description) for h in self.cfg.honest},
-                             "calibration", conv)
+                             "calibration", conv, lengths)
         det = calibrate(pa.concat_tables(tables.values()), list(self.cfg.honest), detector="clipped-mean",
                         target_fpr=self.cfg.target_fpr, seed=self.cfg.seed)
         det.save(path)
@@ -446,7 +454,7 @@ class ChatAudit:
     def bands(self, det) -> dict:
         """Each band run on the vendors' own conversations (a score's level depends on the prompts)."""
         t0 = time.perf_counter()
-        tables = self._local({b: BANDS.get(b) for b in self.cfg.bands}, "bands", self.conversations)
+        tables = self._local({b: BANDS.get(b) for b in self.cfg.bands}, "bands", self.conversations, self.max_tokens)
         out = {name: {**summarize(t, det.clip_, seed=self.cfg.seed), "description": BANDS.get(name).description}
                for name, t in tables.items()}
         self.timings["bands_s"] = time.perf_counter() - t0
@@ -464,13 +472,20 @@ class ChatAudit:
         except (EndpointError, VerinferError) as e:
             row.error = str(e)
             return row
+        return self.judge(row, claims, sent, out, det, bands)
+
+    def judge(self, row: VendorResult, claims: list[Claim], sent: int, out: Path, det: ClippedMeanDetector,
+              bands: dict) -> VendorResult:
+        """Replay a vendor's claims (out/claims.jsonl, rescored when it has grown) and fill its row:
+        the anytime-valid verdict over the claims in order, the fixed-size one beside it, the
+        summary, the nearest band, what deciding cost, and how the claims' tokens were obtained."""
         spath = out / "scores.parquet"
         if spath.is_file() and spath.stat().st_mtime < (out / "claims.jsonl").stat().st_mtime:
             spath.unlink()  # more claims since it was scored
         table = load_score_tables([self.score_file(out / "claims.jsonl", spath)])
-        v = seq.verdict(table)
+        v = SequentialAudit(det, alpha=self.cfg.target_fpr).verdict(table)
         point = summarize(table, det.clip_, seed=self.cfg.seed)
-        row.verdict = v.with_(provider=endpoint.name, fixed_n=det.verdict(table).to_dict()).to_dict()
+        row.verdict = v.with_(provider=row.name, fixed_n=det.verdict(table).to_dict()).to_dict()
         row.n_tokens, row.n_requests = int(table.num_rows), int(sent)
         row.exact_match = float(np.mean(table[EXACT_MATCH].to_numpy(zero_copy_only=False)))
         row.margin, row.cross_entropy, row.mismatch = point["margin"], point["cross_entropy"], point["mismatch"]
@@ -528,14 +543,21 @@ def audit_vendors(vendors: list[ChatEndpoint], cfg: ChatAuditConfig, *, show_pro
         rows.append(audit.vendor(ep, det, bands))
         audit.timings[f"vendor_{ep.name}_s"] = time.perf_counter() - t
     audit.timings["total_s"] = time.perf_counter() - t0
-    doc = {"title": title or f"verinfer audit of {len(vendors)} chat endpoint(s) serving {vendors[0].model}",
-           "model": vendors[0].model, "trusted_model": audit.info.name,
+    return _write_results(audit, det, bands, rows,
+                          title or f"verinfer audit of {len(vendors)} chat endpoint(s) serving {vendors[0].model}",
+                          {"endpoints": [v.public() for v in vendors]})
+
+
+def _write_results(audit: "ChatAudit", det, bands: dict, rows: list[VendorResult], title: str,
+                   source: dict) -> ChatAuditResult:
+    """vendors.json (the dashboard's input), vendors.md and vendors.html in the audit's directory."""
+    cfg = audit.cfg
+    doc = {"title": title, "model": rows[0].served_model if rows else "", "trusted_model": audit.info.name,
            "trusted_weights_sha256": audit.info.weights_sha256,
            "created": datetime.now(timezone.utc).isoformat(timespec="seconds"), "verinfer_version": __version__,
            "target_fpr": cfg.target_fpr, "mode": "greedy", "settings": cfg.settings(),
            "detector": {"summary": det.summary(), "heldout": _heldout(det)},
-           "bands": bands, "vendors": [asdict(r) for r in rows],
-           "endpoints": [v.public() for v in vendors], "timings": audit.timings}
+           "bands": bands, "vendors": [asdict(r) for r in rows], **source, "timings": audit.timings}
     path = atomic_write_json(cfg.out_dir / "vendors.json", doc)
     atomic_write_text(cfg.out_dir / "vendors.md", render_markdown(doc))
     html = None
@@ -566,6 +588,80 @@ def audit_endpoint(base_url: str, model: str, cfg: ChatAuditConfig, *, name: str
         api_key_env = "OPENAI_API_KEY"
     ep = ChatEndpoint(name, base_url, model, api_key_env, dict(extra or {}), concurrency, timeout)
     return audit_vendors([ep], cfg, show_progress=show_progress, title=f"verinfer audit of {model} at {base_url}")
+
+
+def log_claims(log: Path, cfg: ChatAuditConfig, retok: Retokenizer, *, skip_unusable: bool = False,
+               skipped: list | None = None) -> dict[str, list[Claim]]:
+    """The log's exchanges as claims, grouped by the model each reply names (its `model`, else the
+    request's): ids derived from the text (or the ids the log holds, per cfg.tokens). Only greedy
+    exchanges can be replayed without the provider's seed and sampler: temperature > 0 is unusable."""
+    name = model_info(cfg.model_dir).name
+    groups: dict[str, list[Claim]] = {}
+    for ex in iter_chat_log(log, skip_unusable=skip_unusable, skipped=skipped):
+        if ex.sampling.get("temperature", 1.0) != 0:
+            err = ChatLogError(f"sampled at temperature {ex.sampling.get('temperature')}: a sampled reply is "
+                               "replayed only with the provider's seed and sampler", kind="sampled", where=ex.source,
+                               fix="audit greedy (temperature 0) exchanges; sampled ones need `verinfer audit-api` "
+                                   "with seeds")
+            if not skip_unusable:
+                raise err
+            if skipped is not None:
+                skipped.append((ex.source, "sampled", err.what))
+            continue
+        vendor = _dir_name(ex.served_model or ex.model)
+        tokens = cfg.tokens if cfg.tokens != "auto" else (RETURNED if ex.output_token_ids is not None else DERIVED)
+        if tokens == RETURNED and ex.output_token_ids is None:
+            raise VerinferError("the log holds no token ids for this exchange (--tokens returned)", where=ex.source,
+                                fix="derive them from the text (--tokens derived, the default)")
+        n_out = len(ex.output_token_ids) if ex.output_token_ids is not None else (ex.usage or {}).get("completion_tokens")
+        params = replace(cfg.params, max_tokens=max(1, int(ex.sampling.get("max_tokens") or n_out or cfg.max_tokens)))
+        groups.setdefault(vendor, []).append(Claim.from_chat(
+            ex.id, name, list(ex.messages), ex.text, ex.finish_reason, params, retok, tokens=tokens,
+            returned=(None if ex.prompt_token_ids is None else list(ex.prompt_token_ids),
+                      None if ex.output_token_ids is None else list(ex.output_token_ids)),
+            usage=ex.usage, provider=vendor, extra={"source": ex.source}))
+    if not groups:
+        raise VerinferError("the log holds no exchange that can be audited", where=str(log),
+                            fix="see the skipped exchanges above; greedy chat exchanges with text replies are audited")
+    return groups
+
+
+def _dir_name(model: str) -> str:
+    """A vendor name usable as a directory: the model name with other characters as '_'."""
+    out = "".join(ch if ch.isalnum() or ch in "._-" else "_" for ch in model).strip("._") or "model"
+    return out[:64]
+
+
+def audit_log(log: Path, cfg: ChatAuditConfig, *, skip_unusable: bool = False,
+              show_progress: bool = True) -> ChatAuditResult:
+    """Audit a log of chat exchanges: a row per model the replies name, judged like a vendor; the
+    honest calibration and the reference bands run locally on the log's own conversations (each
+    with the reply's length as max_tokens). Skipped exchanges are counted in vendors.json."""
+    t0 = time.perf_counter()
+    check_writable(cfg.out_dir, "audit directory", directory=True)
+    retok = Retokenizer.for_model(cfg.model_dir)
+    skipped: list = []
+    groups = log_claims(log, cfg, retok, skip_unusable=skip_unusable, skipped=skipped)
+    every = [c for cs in groups.values() for c in cs]
+    conv = [c.chat["messages"] for c in every]
+    lengths = [c.sampling.max_tokens for c in every]
+    audit = ChatAudit(cfg, show_progress, conversations=conv, max_tokens=lengths)
+    audit.calibration = (conv[: cfg.calib_n], lengths[: cfg.calib_n])
+    det = audit.detector()
+    bands = audit.bands(det)
+    rows = []
+    for vendor, claims in groups.items():
+        out = audit.out / "vendors" / vendor
+        out.mkdir(parents=True, exist_ok=True)
+        path = out / "claims.jsonl"
+        with exclusive_lock(path):
+            text = "".join(json.dumps(c.to_json(), separators=(",", ":")) + "\n" for c in claims)
+            if not path.is_file() or path.read_text() != text:
+                write_claims(path, claims)
+            rows.append(audit.judge(VendorResult(vendor, str(log), vendor), claims, len(claims), out, det, bands))
+    audit.timings["total_s"] = time.perf_counter() - t0
+    return _write_results(audit, det, bands, rows, f"verinfer audit of the chat log {Path(log).name}",
+                          {"log": str(log), "exchanges": len(every), "skipped": [list(s) for s in skipped]})
 
 
 def _heldout(det) -> dict | None:
@@ -600,5 +696,5 @@ def render_markdown(doc: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-__all__ = ["BANDS", "ChatAuditConfig", "ChatAuditResult", "VendorResult", "audit_endpoint", "audit_vendors",
-           "collect_vendor", "read_vendors"]
+__all__ = ["BANDS", "ChatAuditConfig", "ChatAuditResult", "VendorResult", "audit_endpoint", "audit_log",
+           "audit_vendors", "collect_vendor", "log_claims", "read_vendors"]

@@ -261,12 +261,14 @@ def audit_api(base_url: str = O.BASE_URL, model: str = O.ENDPOINT_MODEL, model_d
     """Audit an OpenAI-compatible endpoint: seeded (or temperature-0) prompts, replay, verdict, report.
     With --chat: a chat endpoint that returns text, at temperature 0 (as `audit-vendors` with one vendor)."""
     if chat:
-        from verinfer.apps.audit_chat import audit_endpoint
+        from verinfer.api import audit_endpoint
 
-        res = audit_endpoint(base_url, model, _chat_config(model_dir, out, n, max_tokens, seed, system_prompt, tokens,
-                                                           calib_n or 64, honest, None, True, 0.01, device, matmul),
-                             api_key_env=api_key_env, extra=extra, concurrency=concurrency, timeout=timeout)
-        return _chat_exit(res)
+        return _chat_exit(audit_endpoint(
+            base_url, model, trusted_model=model_dir, out_dir=out, api_key_env=api_key_env, extra=extra,
+            concurrency=concurrency, timeout=timeout, **_chat_settings(n=n, max_tokens=max_tokens, seed=seed,
+                                                                       system_prompt=system_prompt, tokens=tokens,
+                                                                       calib_n=calib_n or 64, honest=honest,
+                                                                       device=device, matmul=matmul)))
     from verinfer.apps.audit_api import ApiAuditConfig, audit_api as run_audit_api
 
     kw = dict(honest=tuple(honest)) if honest else {}
@@ -289,11 +291,11 @@ def audit_vendors(vendors: Path = O.VENDORS_FILE, model: Optional[str] = O.model
                   device: str = O.device(), matmul: str = O.matmul()):
     """Audit several chat endpoints side by side at temperature 0 (same prompts, one calibrated detector,
     reference bands): a row per vendor in vendors.json / vendors.md / vendors.html. Exit 1 if any is flagged."""
-    from verinfer.apps.audit_chat import audit_vendors as run, read_vendors
+    from verinfer.api import audit_vendors as run
 
-    cfg = _chat_config(model, out, n, max_tokens, seed, system_prompt, tokens, calib_n, honest, bands, sequential,
-                       target_fpr, device, matmul)
-    return _chat_exit(run(read_vendors(vendors), cfg))
+    return _chat_exit(run(vendors, trusted_model=model, out_dir=out, **_chat_settings(
+        n=n, max_tokens=max_tokens, seed=seed, system_prompt=system_prompt, tokens=tokens, calib_n=calib_n,
+        honest=honest, bands=bands, sequential=sequential, target_fpr=target_fpr, device=device, matmul=matmul)))
 
 
 @command(app, "audit-log")
@@ -303,21 +305,16 @@ def audit_log(log: Path = O.LOG_FILE, model: Optional[str] = O.model(), out: Pat
               device: str = O.device(), matmul: str = O.matmul()):
     """Audit a log of past chat exchanges (temperature 0): claims from its text, replay, a verdict per
     served model, reference bands run on the log's own conversations. Exit 1 if any is flagged."""
-    from verinfer.apps.audit_chat import audit_log as run
+    from verinfer.api import audit_log as run
 
-    cfg = _chat_config(model, out, 1, 1, 0, None, tokens, calib_n, honest, bands, False, target_fpr, device,
-                       matmul)
-    return _chat_exit(run(log, cfg, skip_unusable=skip_unusable))
+    return _chat_exit(run(log, trusted_model=model, out_dir=out, skip_unusable=skip_unusable, **_chat_settings(
+        tokens=tokens, calib_n=calib_n, honest=honest, bands=bands, target_fpr=target_fpr, device=device,
+        matmul=matmul)))
 
 
-def _chat_config(model_dir, out, n, max_tokens, seed, system_prompt, tokens, calib_n, honest, bands, sequential,
-                 target_fpr, device, matmul):
-    from verinfer.apps.audit_chat import ChatAuditConfig
-
-    kw = {**({"honest": tuple(honest)} if honest else {}), **({"bands": tuple(bands)} if bands else {})}
-    return ChatAuditConfig(_model_dir(model_dir), out, n=n, max_tokens=max_tokens, seed=seed,
-                           system_prompt=system_prompt, tokens=tokens, calib_n=calib_n, sequential=sequential,
-                           target_fpr=target_fpr, device=device, matmul=matmul, **kw)
+def _chat_settings(**kw) -> dict:
+    """The settings given (empty repeated options mean the defaults)."""
+    return {k: v for k, v in kw.items() if v not in (None, [], ())}
 
 
 def _chat_exit(res) -> None:
