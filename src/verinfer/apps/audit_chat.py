@@ -295,8 +295,9 @@ def nearest_band(point: dict, bands: dict) -> str | None:
 # --- collection -------------------------------------------------------------------------------
 def _collect_manifest(endpoint: ChatEndpoint, cfg: ChatAuditConfig, conversations: list[list[dict]]) -> dict:
     h = hashlib.sha256(json.dumps(conversations).encode()).hexdigest()[:16]
-    return {**endpoint.public(), "max_tokens": cfg.max_tokens, "temperature": 0.0, "tokens": cfg.tokens,
-            "conversations_sha256": h}
+    # the vendor by name, served model and request fields (its URL and key may change between runs)
+    return {"name": endpoint.name, "model": endpoint.model, "extra": endpoint.extra, "max_tokens": cfg.max_tokens,
+            "temperature": 0.0, "tokens": cfg.tokens, "conversations_sha256": h}
 
 
 def reply_claim(i: int, msgs: list[dict], reply: ChatReply, endpoint: ChatEndpoint, cfg: ChatAuditConfig,
