@@ -137,7 +137,8 @@ def chat(client, model: str, content: str, max_tokens: int = 32) -> dict:
                                        max_tokens=max_tokens, extra_body={"return_token_ids": True})
     c = r.choices[0]
     return {"text": c.message.content, "token_ids": (c.model_extra or {}).get("token_ids"),
-            "prompt_token_ids": (r.model_extra or {}).get("prompt_token_ids"), "finish_reason": c.finish_reason,
+            "prompt_token_ids": (r.model_extra or {}).get("prompt_token_ids"),
+            "prompt_text": (r.model_extra or {}).get("prompt_text"), "finish_reason": c.finish_reason,
             "choice_extra_fields": sorted(c.model_extra or {}), "response_extra_fields": sorted(r.model_extra or {})}
 
 
