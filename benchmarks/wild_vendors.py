@@ -154,6 +154,7 @@ def smoke_vendor(name: str, model_dir: Path, work_dir: Path) -> dict:
             replies = list(pool.map(lambda p: chat(client, v["model"], p), SMOKE_PROMPTS))
     return {"vendor": v, "startup_s": round(startup_s, 1), "first": first,
             "repeat_identical": first["token_ids"] == second["token_ids"] and first["text"] == second["text"],
+            "alone_equals_concurrent": first["token_ids"] == replies[0]["token_ids"],   # same prompt, in a batch
             "replies": replies}
 
 
@@ -184,8 +185,8 @@ def main() -> None:
                 r["identical_to_honest"] = [a["token_ids"] == b["token_ids"] and a["text"] == b["text"]
                                             for a, b in zip(r["replies"], honest)]
     args.out.write_text(json.dumps(found, indent=1))
-    print(json.dumps({n: {k: r.get(k) for k in ("startup_s", "repeat_identical", "identical_to_honest", "error")}
-                      for n, r in found["vendors"].items()}, indent=1))
+    keys = ("startup_s", "repeat_identical", "alone_equals_concurrent", "identical_to_honest", "error")
+    print(json.dumps({n: {k: r.get(k) for k in keys} for n, r in found["vendors"].items()}, indent=1))
 
 
 if __name__ == "__main__":
