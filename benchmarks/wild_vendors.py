@@ -169,7 +169,8 @@ def main() -> None:
     if not args.smoke:
         ap.error("nothing to do: pass --smoke")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    found: dict = {"model": str(args.model), "claimed_name": CLAIMED_NAME, "prompts": list(SMOKE_PROMPTS), "vendors": {}}
+    found: dict = {"model": str(args.model), "claimed_name": CLAIMED_NAME, "prompts": list(SMOKE_PROMPTS),
+                   "vendors": {}}
     for name in args.vendors:          # one server at a time
         try:
             found["vendors"][name] = smoke_vendor(name, args.model, args.work)
