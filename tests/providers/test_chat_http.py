@@ -59,3 +59,46 @@ def test_a_usable_reply_keeps_text_finish_usage_and_returned_ids():
 def test_unusable_replies_are_refused_with_the_reason(body, message):
     with pytest.raises(EndpointError, match=message):
         parse_chat_reply(body, "v", "request 3")
+
+
+def test_429_and_503_are_retried_after_the_servers_retry_after():
+    """A vendor that answers 429 (Retry-After: 1) and then 503 once is retried with backoff; the
+    reply that follows is used. A vendor that keeps failing is an EndpointError naming it."""
+    import threading
+    import time
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from verinfer.providers.chat_http import request_chat
+
+    answers = [(429, {"Retry-After": "1"}), (503, {}), (200, {})]
+    seen = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *a):
+            pass
+
+        def do_POST(self):
+            self.rfile.read(int(self.headers["Content-Length"]))
+            seen.append(time.monotonic())
+            code, headers = answers.pop(0) if answers else (500, {})
+            body = reply() if code == 200 else json.dumps({"error": {"message": "busy"}}).encode()
+            self.send_response(code)
+            for k, v in headers.items():
+                self.send_header(k, v)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        ep = ChatEndpoint("busy", f"http://127.0.0.1:{server.server_address[1]}/v1", "m", max_retries=3)
+        r = request_chat(ep.client(), ep, MSGS, GREEDY)
+        assert r.text == "Hello" and len(seen) == 3
+        assert seen[1] - seen[0] >= 0.9  # waited as the server asked
+        with pytest.raises(EndpointError, match="HTTP 500") as e:
+            request_chat(ChatEndpoint("busy", ep.base_url, "m", max_retries=1).client(), ep, MSGS, GREEDY)
+        assert e.value.where == "busy"
+    finally:
+        server.shutdown()
