@@ -264,3 +264,9 @@ def test_lines_are_counted_as_bytes_with_blank_lines_and_non_ascii(tmp_path):
     with pytest.raises(ChatLogError) as e:
         read_chat_log(p)
     assert e.value.where == f"{p}:3" and e.value.kind == "role"
+
+
+def test_byte_order_mark_and_crlf_line_ends(tmp_path):
+    p = tmp_path / "win.jsonl"
+    p.write_bytes(b"\xef\xbb\xbf" + line().encode() + b"\r\n\r\n" + line(resp={"id": "r2"}).encode() + b"\r\n")
+    assert [(x.id, x.source) for x in read_chat_log(p)] == [("r1", f"{p}:1"), ("r2", f"{p}:3")]

@@ -16,7 +16,8 @@ The response may be wrapped as the OpenAI Batch API writes it ({"status_code": 2
 and the request likewise ({"body": {...}}: a Batch input line, joined to its output by custom_id).
 Text content parts are joined; a message's other fields (`name`, ...) are dropped. `token_ids` /
 `prompt_token_ids` are what vLLM returns with `return_token_ids`. Lines are read as bytes and
-decoded one by one (a text reader decodes ahead and names the wrong line); blank lines are skipped.
+decoded one by one (a text reader decodes ahead and names the wrong line); blank lines are skipped,
+CRLF line ends and a leading byte-order mark are fine.
 
 Each usable exchange becomes a `ChatExchange`. Its `id` is the response id, except where an earlier
 exchange of the file already has that id: then, and for a response without an id, it is
@@ -425,6 +426,8 @@ def iter_chat_log(path: str | Path, *, skip_unusable: bool = False,
     dropped: Counter[str] = Counter()
     with open(p, "rb") as f:  # decoded line by line: a text reader decodes ahead and names the wrong line
         for lineno, raw in enumerate(f, 1):
+            if lineno == 1:
+                raw = raw.removeprefix(b"\xef\xbb\xbf")  # a byte-order mark, as Windows tools write
             if not raw.strip():
                 continue
             where = f"{p}:{lineno}"
