@@ -1,53 +1,131 @@
-"""Logs of past chat exchanges as claims' raw material: the OpenAI chat-completions request and
-response JSON that clients and gateways log, one exchange per line (JSONL).
+"""Logs of past chat exchanges as the raw material of claims: the OpenAI chat-completions request
+and response JSON that clients and gateways log, one exchange per line (JSONL). This module
+parses and validates; tokenizing the exchanges into claims is the caller's (apps.audit_chat).
 
-    {"request":  {"model", "messages": [{"role", "content"}], "temperature", "top_p", "seed",
-                  "max_tokens" | "max_completion_tokens", ...},
-     "response": {"id", "model", "choices": [{"message": {"content"}, "finish_reason",
-                  "token_ids"?}], "usage", "prompt_token_ids"?}}
+    {"request":  {"model": str, "messages": [{"role": "system" | "developer" | "user" | "assistant",
+                                              "content": str | [{"type": "text", "text": str}]}],
+                  "temperature"?, "top_p"?, "top_k"?, "min_p"?, "seed"?,
+                  "max_completion_tokens"? | "max_tokens"?, ...any other field (kept in sampling.extra)},
+     "response": {"id"?: str, "object"?: "chat.completion", "model"?: str,
+                  "choices": [{"message": {"content": str, "reasoning_content"? | "reasoning"?: str},
+                               "finish_reason": "stop" | "length",
+                               "token_ids"?: [int], "prompt_token_ids"?: [int]}],
+                  "usage"?: {...}, "prompt_token_ids"?: [int]}}
 
-The response may be wrapped as the OpenAI Batch API writes it ({"status_code", "body": {...}}),
-and the request likewise ({"body": {...}}); text content parts ([{"type": "text", "text"}]) are
-joined. Each usable exchange becomes a `ChatExchange`; the others are refused with a ChatLogError
-naming file:line, the reason (`kind`, one of UNUSABLE_KINDS) and what to do, or, with
-skip_unusable, counted in `skipped` as (file:line, kind, message).
+The response may be wrapped as the OpenAI Batch API writes it ({"status_code": 200, "body": {...}}),
+and the request likewise ({"body": {...}}: a Batch input line, joined to its output by custom_id).
+Text content parts are joined; a message's other fields (`name`, ...) are dropped. `token_ids` /
+`prompt_token_ids` are what vLLM returns with `return_token_ids`. Lines are read as bytes and
+decoded one by one (a text reader decodes ahead and names the wrong line); blank lines are skipped,
+CRLF line ends and a leading byte-order mark are fine.
+
+Each usable exchange becomes a `ChatExchange`. Its `id` is the response id, except where an earlier
+exchange of the file already has that id: then, and for a response without an id, it is
+"log-<line>" (log-000007; log-000007-2 in the odd case that a response id already reads so). The
+first holder keeps its id, so appending to a log never renames an exchange read before. `model` is
+the request's (the response's where the request names none), `served_model` the response's.
+`sampling` holds what the request asked, with OpenAI's defaults (temperature 1.0, top_p 1.0) and
+None where the request left a field out; max_tokens is max_completion_tokens, else max_tokens.
+Everything else the request holds (but messages, model, stream) is in `sampling["extra"]`: among
+it TEMPLATE_FIELDS (chat_template_kwargs, ...), which change the prompt the provider rendered; the
+caller decides what it can rebuild. `reasoning` is the reply's reasoning block (`reasoning_content`:
+vLLM, DeepSeek; `reasoning`: OpenRouter), kept because token-DiFR audits every token the model
+generated, the reasoning block included; `text` is the reply without it.
+
+An exchange that cannot be audited is refused with a ChatLogError naming file:line, what is wrong
+and what to do; its `kind` is one of UNUSABLE_KINDS, which says why such an exchange cannot be
+audited. With skip_unusable=True it is appended to `skipped` as (file:line, kind, message) and
+reading goes on. Kinds of the file itself (FILE_KINDS): no such file, and no usable exchange.
+
+    not-json         not UTF-8 JSON; a cut-off last line says the log was truncated while written
+    shape            no request or response, no messages or choices, a field of the wrong type
+                     (a Batch API output line alone has no request: join its input line)
+    error-response   HTTP status >= 400 or an `error` object: no reply was made
+    streaming        stream=true or chat.completion.chunk: chunks are not one reply; log the
+                     assembled response
+    several-choices  n > 1: how the provider derives each choice's randomness from the one seed is
+                     its own, and a claim is one reply to one prompt
+    tool-calls       tools offered, a tool call replied, tool messages: the provider templates tool
+                     schemas and calls into the prompt its own, unpublished way
+    non-text         image, audio or file parts: the encoders' tokens are the provider's, not text
+                     the auditor can re-tokenize
+    constrained      response_format json_object/json_schema, structured outputs, guided decoding,
+                     grammars, logit_bias, allowed/bad words, min_tokens: the logits were masked or
+                     shifted, so the reply is not the model's distribution
+    penalty          presence/frequency/repetition penalties shift the logits by the reply's own
+                     history; the reference replay does not
+    no-text          content null (a refusal, a tool call) or empty and cut at max_tokens: nothing
+                     to audit (an empty reply that stopped is kept: its end token is audited)
+    finish-reason    content_filter, tool_calls, null: the provider, not the model, ended the reply
+    stop-string      finish_reason stop from a `stop` string: the model's own end is unknown, and the
+                     replay would score an end token the model never emitted (vLLM's stop_reason
+                     null marks the model's own end; without it, a request with `stop` is refused)
+    role             a role other than system, developer, user, assistant: no template renders it
+    sampled          temperature > 0: raised by apps.audit_chat (greedy audits), kept by this reader
 """
 
 from __future__ import annotations
 
 import json
+import math
+from collections import Counter
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, StrictInt, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
 
 from verinfer.errors import VerinferError
 
 UNUSABLE_KINDS = {
-    "not-json": "the line is not JSON (a cut-off last line: the log was truncated)",
-    "shape": "the line is not an object with a request and a response",
-    "error-response": "the request failed (an error response): there is no reply to audit",
-    "streaming": "a streamed response: log the assembled reply, not its chunks",
-    "several-choices": "n > 1 or several choices: one reply per exchange is audited",
-    "tool-calls": "tools or tool calls: the provider templates tool schemas into the prompt in a way the "
-                  "auditor cannot reproduce",
-    "non-text": "images, audio or files in the messages: only text is re-tokenized",
-    "constrained": "constrained decoding (response_format, logit_bias, guided decoding) changes the distribution",
-    "no-text": "the reply has no text",
-    "finish-reason": "the reply was not ended by the model or by max_tokens (a content filter, a tool call)",
-    "role": "a message role other than system, user, assistant (or developer)",
-    "sampled": "sampled at temperature > 0: replayed only with the provider's seed and sampler (audit-log "
-               "audits greedy exchanges)",
+    "not-json": "the line is not UTF-8 JSON (a cut-off last line: the log was truncated while written)",
+    "shape": "not an exchange: a line needs a request (model, messages) and a chat.completion response "
+             "(choices); a field of the wrong type",
+    "error-response": "the request failed (HTTP status >= 400 or an `error` object): there is no reply to audit",
+    "streaming": "a streamed exchange (stream=true, chat.completion.chunk): its chunks are not one reply; log "
+                 "the assembled response",
+    "several-choices": "n > 1 or several choices: how the provider derives each choice's randomness from the one "
+                       "seed is its own, and a claim is one reply to one prompt",
+    "tool-calls": "tools, tool calls or tool messages: the provider templates tool schemas and calls into the "
+                  "prompt in its own, unpublished way, so the prompt the model saw cannot be rebuilt",
+    "non-text": "images, audio or files in the messages or the reply: only text can be re-tokenized, and the "
+                "encoder's tokens are the provider's",
+    "constrained": "constrained decoding (response_format json_object/json_schema, structured outputs, guided "
+                   "decoding, grammars, logit_bias, allowed/bad words, min_tokens) masks or shifts the "
+                   "logits: the reply is not the model's distribution",
+    "penalty": "presence, frequency or repetition penalties shift every logit by the reply's own history; "
+               "the reference replay does not apply them",
+    "no-text": "the reply has no text (content null, or empty and cut at max_tokens): nothing to audit",
+    "finish-reason": "the reply was ended neither by the model (stop) nor by max_tokens (length): a content "
+                     "filter, a tool call, or no reason, so its end cannot be scored",
+    "stop-string": "the reply was cut by a stop string of the request, not by the model's end token: where "
+                   "the model stopped is unknown",
+    "role": "a message role other than system, developer, user, assistant: the chat template cannot render it",
+    "sampled": "sampled at temperature > 0: replayed only with the provider's seed and sampler (refused by "
+               "apps.audit_chat, which audits greedy exchanges; this reader keeps them)",
+}
+FILE_KINDS = {
+    "no-file": "the chat log does not exist",
+    "no-exchange": "the chat log holds no exchange that can be audited",
 }
 ROLES = ("system", "developer", "user", "assistant")
-CONSTRAINED = ("response_format", "logit_bias", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
-               "structured_outputs")
-TOOLS = ("tools", "functions", "tool_choice", "function_call")
+TOOL_FIELDS = ("tools", "functions", "tool_choice", "function_call")  # tool_choice / function_call "none" is no tool
+# request fields that constrain decoding when set (any value but null, false, {}, [], and
+# response_format {"type": "text"}); min_tokens suppresses the end tokens until it is reached
+CONSTRAINED_FIELDS = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+                      "guided_grammar", "json_schema", "regex", "ebnf", "grammar", "logit_bias",
+                      "allowed_token_ids", "bad_words", "logits_processors", "min_tokens")
+PENALTIES = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0}  # field: neutral
+# request fields that change the prompt the provider renders: kept in sampling["extra"] for the caller
+TEMPLATE_FIELDS = ("chat_template", "chat_template_kwargs", "add_generation_prompt", "continue_final_message",
+                   "echo", "add_special_tokens", "documents")
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "max_completion_tokens")
+SKIP = "or pass skip_unusable (--skip-unusable) to skip such exchanges"
 
 
 class ChatLogError(VerinferError):
-    """An exchange of a chat log that cannot be audited; `kind` says why (UNUSABLE_KINDS)."""
+    """A chat log, or one of its exchanges, that cannot be audited; `kind` says why (a key of
+    UNUSABLE_KINDS, or FILE_KINDS for the file itself)."""
 
     def __init__(self, what: str, *, kind: str, where: str | None = None, fix: str | None = None):
         super().__init__(what, where=where, fix=fix)
@@ -56,6 +134,8 @@ class ChatLogError(VerinferError):
 
 @dataclass(frozen=True)
 class ChatExchange:
+    """One usable exchange of a chat log (see the module docstring for each field's origin)."""
+
     id: str
     model: str
     messages: tuple[dict, ...]
@@ -70,162 +150,314 @@ class ChatExchange:
     reasoning: str | None = None
 
 
+TokenIds = list[StrictInt]
+
+
+class _Request(BaseModel):
+    """The request fields read here; the others pass through to sampling["extra"]."""
+
+    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
+    model: str | None = None
+    messages: list = Field(min_length=1)
+    n: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0)
+    top_p: float | None = Field(None, ge=0, le=1)
+    top_k: int | None = None
+    min_p: float | None = Field(None, ge=0, le=1)
+    seed: int | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+
+
+class _Message(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    content: str | list | None = None
+    tool_calls: list | None = None
+    function_call: dict | None = None
+    refusal: str | None = None
+    audio: dict | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
+
+
 class _Choice(BaseModel):
     model_config = ConfigDict(extra="allow")
-    message: dict | None = None
+    message: _Message | None = None
     finish_reason: str | None = None
+    stop_reason: str | int | None = None  # vLLM: the stop string or stop token that ended the reply
     token_ids: list[StrictInt] | None = None
     prompt_token_ids: list[StrictInt] | None = None
 
 
 class _Response(BaseModel):
     model_config = ConfigDict(extra="allow")
-    id: str | None = None
+    id: str | StrictInt | None = None
     object: str | None = None
     model: str | None = None
-    choices: list[_Choice] = []
+    choices: list[_Choice] = Field(min_length=1)
     usage: dict | None = None
     prompt_token_ids: list[StrictInt] | None = None
-    error: dict | str | None = None
 
 
-def _text(content, where: str) -> str:
+def _refuse(kind: str, what: str, where: str, fix: str) -> ChatLogError:
+    return ChatLogError(what, kind=kind, where=where, fix=fix)
+
+
+def _shape(e: ValidationError, part: str, where: str, fix: str) -> ChatLogError:
+    """The first validation error of the request or response, as the field's dotted path."""
+    err = e.errors()[0]
+    fld = ".".join(str(x) for x in err["loc"]) or part
+    got = "" if err["type"] == "missing" else f" (got {json.dumps(err.get('input'), default=str)[:80]})"
+    return _refuse("shape", f"{part} `{fld}`: {err['msg']}{got}", where, fix)
+
+
+def _unwrap(part: str, obj: object, where: str) -> dict:
+    """The request or response body, unwrapped from the Batch API's {"status_code", "body"}."""
+    if isinstance(obj, list) and part == "response":
+        raise _refuse("streaming", "the response is a list (streamed chunks?), not one chat.completion", where,
+                      f"log the assembled response (one chat.completion object), {SKIP}")
+    if not isinstance(obj, dict):
+        raise _refuse("shape", f"`{part}` is {type(obj).__name__}, not a JSON object", where,
+                      'one {"request": {...}, "response": {...}} per line')
+    status = obj.get("status_code")
+    if status is not None and (not isinstance(status, int) or isinstance(status, bool)):
+        raise _refuse("shape", f"`{part}.status_code` is {status!r}, not an HTTP status", where,
+                      "log the Batch API's output as written")
+    if isinstance(status, int) and status >= 400:
+        body = obj.get("body")
+        err = body.get("error") if isinstance(body, dict) else None
+        said = (err.get("message") if isinstance(err, dict) else err) or ""
+        raise _refuse("error-response", f"the request failed with HTTP {status}" + (f": {str(said)[:160]}" if said
+                      else ""), where, f"drop failed exchanges, {SKIP}")
+    if "body" in obj:
+        if not isinstance(obj["body"], dict):
+            raise _refuse("shape", f"`{part}.body` is {type(obj['body']).__name__}, not a JSON object", where,
+                          "log the Batch API's request and response bodies as written")
+        return obj["body"]
+    return obj
+
+
+def _text(content: object, what: str, where: str) -> str:
+    """Message content as text: a string, or text parts joined; any other part is non-text."""
     if isinstance(content, str):
         return content
     if isinstance(content, list):
         parts = []
         for part in content:
-            kind = part.get("type") if isinstance(part, dict) else None
-            if kind != "text":
-                raise ChatLogError(f"a message holds a {kind or type(part).__name__!s} part", kind="non-text",
-                                   where=where, fix="audit text-only conversations")
-            parts.append(str(part.get("text", "")))
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            if kind != "text" or not isinstance(part.get("text"), str):
+                shown = kind if kind != "text" else "text part without a `text` string"
+                raise _refuse("non-text", f"{what} holds a {shown} part", where,
+                              f"audit text-only conversations, {SKIP}")
+            parts.append(part["text"])
         return "".join(parts)
-    raise ChatLogError(f"a message's content is {type(content).__name__}, not text", kind="non-text", where=where,
-                       fix="audit text-only conversations")
+    raise _refuse("shape", f"{what} content is {type(content).__name__}, not text", where,
+                  "message content is a string or a list of text parts")
 
 
-def _unwrap(obj, where: str) -> dict:
-    if isinstance(obj, dict) and "body" in obj and isinstance(obj["body"], dict):
-        if int(obj.get("status_code", 200)) >= 400:
-            raise ChatLogError(f"the request failed with HTTP {obj.get('status_code')}", kind="error-response",
-                               where=where, fix="drop failed exchanges (or use --skip-unusable)")
-        return obj["body"]
-    if not isinstance(obj, dict):
-        raise ChatLogError("request and response must be JSON objects", kind="shape", where=where,
-                           fix='one {"request": {...}, "response": {...}} per line')
-    return obj
+def _set(v: object) -> bool:
+    """A request field that takes effect: anything but null, false, and empty containers."""
+    return v is not None and v is not False and v != {} and v != [] and v != ""
 
 
-def parse_exchange(obj, where: str, lineno: int) -> ChatExchange:
-    """One logged exchange, validated (a ChatLogError with its kind otherwise)."""
+def _check_request(req: dict, where: str) -> None:
+    """Refuse what the request alone makes unauditable: tools, constraints, penalties."""
+    tools = [k for k in TOOL_FIELDS if _set(req.get(k)) and req[k] != "none"]
+    if tools:
+        raise _refuse("tool-calls", f"the request offers tools ({', '.join(tools)})", where,
+                      f"audit exchanges without tools, {SKIP}")
+    fmt = req.get("response_format")
+    bound = [k for k in CONSTRAINED_FIELDS if _set(req.get(k))
+             and not (k == "response_format" and isinstance(fmt, dict) and fmt.get("type") == "text")
+             and not (k == "min_tokens" and req[k] == 0)]
+    if bound:
+        shown = ", ".join(f"{k}={json.dumps(req[k], default=str)[:40]}" for k in bound)
+        raise _refuse("constrained", f"constrained decoding ({shown})", where,
+                      f"audit unconstrained exchanges, {SKIP}")
+    for k, neutral in PENALTIES.items():
+        v = req.get(k)
+        if v is None:
+            continue
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            raise _refuse("shape", f"request `{k}` is {v!r}, not a number", where, "log the request as sent")
+        if v != neutral:
+            raise _refuse("penalty", f"request `{k}` is {v} (neutral: {neutral:g})", where,
+                          f"audit exchanges without penalties, {SKIP}")
+
+
+def _messages(raw: list, where: str) -> tuple[dict, ...]:
+    out = []
+    for i, m in enumerate(raw):
+        what = f"messages[{i}]"
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise _refuse("shape", f"{what} is not a {{'role', 'content'}} object (got {str(m)[:60]!r})", where,
+                          "log the chat-completions request body")
+        role = m["role"]
+        if role in ("tool", "function"):
+            raise _refuse("tool-calls", f"{what} has role {role!r} (a tool's result)", where,
+                          f"audit exchanges without tools, {SKIP}")
+        if role not in ROLES:
+            raise _refuse("role", f"{what} has role {role!r}, not one of {', '.join(ROLES)}", where,
+                          f"audit conversations of {', '.join(ROLES)} messages, {SKIP}")
+        if _set(m.get("tool_calls")) or _set(m.get("function_call")):
+            raise _refuse("tool-calls", f"{what} ({role}) holds tool calls", where,
+                          f"audit exchanges without tools, {SKIP}")
+        if m.get("content") is None:
+            raise _refuse("shape", f"{what} ({role}) has no content", where,
+                          "message content is a string or a list of text parts")
+        out.append({"role": role, "content": _text(m["content"], what, where)})
+    return tuple(out)
+
+
+def parse_exchange(obj: object, where: str, lineno: int) -> ChatExchange:
+    """One decoded log line as a ChatExchange, or a ChatLogError with its kind. The id is the
+    response's (or log-<lineno> without one); `iter_chat_log` makes ids unique in the file."""
     if not isinstance(obj, dict) or "request" not in obj or "response" not in obj:
-        raise ChatLogError("not an exchange: a line needs `request` and `response`", kind="shape", where=where,
-                           fix='one {"request": {...}, "response": {...}} per line (OpenAI chat-completions JSON)')
-    req, raw = _unwrap(obj["request"], where), _unwrap(obj["response"], where)
-    if req.get("stream") or raw.get("object") == "chat.completion.chunk":
-        raise ChatLogError("a streamed exchange", kind="streaming", where=where,
-                           fix="log the assembled response (one chat.completion object), not its chunks")
+        has = sorted(obj)[:6] if isinstance(obj, dict) else type(obj).__name__
+        batch = isinstance(obj, dict) and "custom_id" in obj
+        raise _refuse("shape", f"not an exchange: a line needs `request` and `response` (got {has})", where,
+                      'a Batch API output line has no request: join it with its input line by custom_id, as '
+                      '{"request": <input line>, "response": <output line\'s response>}' if batch else
+                      'one {"request": {...}, "response": {...}} per line (OpenAI chat-completions JSON)')
+    if _set(obj.get("error")):  # a Batch API output line that failed
+        raise _refuse("error-response", f"the exchange failed: {json.dumps(obj['error'], default=str)[:160]}", where,
+                      f"drop failed exchanges, {SKIP}")
+    req, raw = _unwrap("request", obj["request"], where), _unwrap("response", obj["response"], where)
+    if _set(raw.get("error")):
+        err = raw["error"]
+        said = err.get("message") if isinstance(err, dict) else err
+        raise _refuse("error-response", f"an error response: {str(said)[:160]}", where,
+                      f"drop failed exchanges, {SKIP}")
+    chunks = raw.get("object") == "chat.completion.chunk" or any(
+        isinstance(c, dict) and "delta" in c and "message" not in c for c in raw.get("choices") or [])
+    if req.get("stream") is True or chunks:
+        raise _refuse("streaming", "a streamed exchange" + (" (chat.completion.chunk)" if chunks else
+                      " (stream=true)"), where,
+                      f"log the assembled response (one chat.completion object), not its chunks, {SKIP}")
+    n_req = req.get("n") if isinstance(req.get("n"), int) and not isinstance(req.get("n"), bool) else 1
+    n_choices = len(raw["choices"]) if isinstance(raw.get("choices"), list) else 1
+    if n_req > 1 or n_choices > 1:
+        raise _refuse("several-choices", f"{max(n_req, n_choices)} choices (request n = {req.get('n')}, "
+                      f"{n_choices} in the response)", where, f"log exchanges with n = 1, {SKIP}")
+    _check_request(req, where)
+    try:
+        rq = _Request.model_validate(req)
+    except ValidationError as e:
+        raise _shape(e, "request", where, "log the chat-completions request body as sent") from None
     try:
         resp = _Response.model_validate(raw)
     except ValidationError as e:
-        err = e.errors()[0]
-        raise ChatLogError(f"response `{'.'.join(map(str, err['loc']))}` {err['msg']}", kind="shape",
-                           where=where, fix="log the chat.completion JSON the endpoint returned") from None
-    if resp.error is not None:
-        raise ChatLogError("an error response", kind="error-response", where=where,
-                           fix="drop failed exchanges (or use --skip-unusable)")
-    if (req.get("n") or 1) > 1 or len(resp.choices) > 1:
-        raise ChatLogError(f"{max(req.get('n') or 1, len(resp.choices))} choices", kind="several-choices",
-                           where=where, fix="log exchanges with n = 1")
-    if any(req.get(k) for k in TOOLS):
-        raise ChatLogError("the request offers tools", kind="tool-calls", where=where,
-                           fix="audit exchanges without tools")
-    bad = [k for k in CONSTRAINED if req.get(k)]
-    if bad:
-        raise ChatLogError(f"constrained decoding ({', '.join(bad)})", kind="constrained", where=where,
-                           fix="audit unconstrained exchanges")
-    messages = req.get("messages")
-    if not isinstance(messages, list) or not messages or not isinstance(req.get("model"), str):
-        raise ChatLogError("the request needs `model` and a non-empty `messages` list", kind="shape", where=where,
-                           fix="log the chat-completions request body")
-    msgs = []
-    for m in messages:
-        if not isinstance(m, dict) or m.get("role") not in ROLES:
-            role = m.get("role") if isinstance(m, dict) else m
-            kind = "tool-calls" if role in ("tool", "function") else "role"
-            raise ChatLogError(f"a message with role {role!r}", kind=kind, where=where,
-                               fix="audit conversations of system, user and assistant messages")
-        if m.get("tool_calls") or m.get("function_call"):
-            raise ChatLogError("an assistant message with tool calls", kind="tool-calls", where=where,
-                               fix="audit exchanges without tools")
-        msgs.append({"role": m["role"], "content": _text(m.get("content"), where)})
-    if not resp.choices:
-        raise ChatLogError("the response has no choices", kind="shape", where=where,
-                           fix="log the chat.completion JSON the endpoint returned")
+        raise _shape(e, "response", where, "log the chat.completion JSON the endpoint returned") from None
+    messages = _messages(rq.messages, where)
     choice = resp.choices[0]
-    msg = choice.message or {}
-    if msg.get("tool_calls") or msg.get("function_call") or choice.finish_reason in ("tool_calls", "function_call"):
-        raise ChatLogError("the reply is a tool call", kind="tool-calls", where=where,
-                           fix="audit exchanges without tools")
-    content = msg.get("content")
-    if content is None or content == "":
-        raise ChatLogError("the reply has no text", kind="no-text", where=where, fix="drop it")
+    msg = choice.message
+    if msg is None:
+        raise _refuse("shape", "response `choices.0.message` is missing", where,
+                      "log the chat.completion JSON the endpoint returned")
+    if _set(msg.tool_calls) or _set(msg.function_call) or choice.finish_reason in ("tool_calls", "function_call"):
+        raise _refuse("tool-calls", "the reply is a tool call, not text", where,
+                      f"audit exchanges without tools, {SKIP}")
+    if msg.audio is not None:
+        raise _refuse("non-text", "the reply is audio", where, f"audit text-only replies, {SKIP}")
+    if msg.content is None:
+        said = f" (refusal: {msg.refusal[:80]!r})" if msg.refusal else ""
+        raise _refuse("no-text", f"the reply has no text (message.content is null){said}", where,
+                      f"nothing to audit: drop it, {SKIP}")
+    text = _text(msg.content, "the reply", where)
     if choice.finish_reason not in ("stop", "length"):
-        raise ChatLogError(f"finish_reason {choice.finish_reason!r}", kind="finish-reason", where=where,
-                           fix="audit replies ended by the model (stop) or by max_tokens (length)")
-    sampling = {"temperature": float(req.get("temperature", 1.0)), "top_p": float(req.get("top_p", 1.0)),
-                "top_k": req.get("top_k"), "min_p": req.get("min_p"), "seed": req.get("seed"),
-                "max_tokens": req.get("max_completion_tokens", req.get("max_tokens")),
-                "extra": {k: v for k, v in req.items()
-                          if k not in ("model", "messages", "stream", "temperature", "top_p", "top_k", "min_p",
-                                       "seed", "max_tokens", "max_completion_tokens", "n")}}
+        raise _refuse("finish-reason", f"finish_reason {choice.finish_reason!r}, not 'stop' or 'length'", where,
+                      f"audit replies ended by the model (stop) or by max_tokens (length), {SKIP}")
+    if text == "" and choice.finish_reason == "length":
+        raise _refuse("no-text", "the reply is empty and was cut at max_tokens (its tokens went elsewhere, e.g. "
+                      "hidden reasoning)", where, f"nothing to audit: drop it, {SKIP}")
+    stops = req.get("stop")
+    if choice.finish_reason == "stop" and (isinstance(choice.stop_reason, str) or (
+            _set(stops) and "stop_reason" not in raw["choices"][0])):
+        said = (f"the stop string {choice.stop_reason!r}" if isinstance(choice.stop_reason, str)
+                else f"the request's stop strings {json.dumps(stops)[:60]} (the response does not say which)")
+        raise _refuse("stop-string", f"the reply may have been cut by {said}", where,
+                      "audit exchanges without `stop` (vLLM's stop_reason null marks the model's own end), "
+                      f"{SKIP}")
+    model = rq.model or resp.model
+    if not model:
+        raise _refuse("shape", "neither the request nor the response names the model", where,
+                      "log the chat-completions request body (it has `model`)")
     prompt = choice.prompt_token_ids if choice.prompt_token_ids is not None else resp.prompt_token_ids
-    return ChatExchange(resp.id or f"log-{lineno:06d}", req["model"], tuple(msgs), _text(content, where),
-                        choice.finish_reason, sampling, resp.usage, resp.model,
-                        None if choice.token_ids is None else tuple(choice.token_ids),
+    sampling = {"temperature": 1.0 if rq.temperature is None else float(rq.temperature),
+                "top_p": 1.0 if rq.top_p is None else float(rq.top_p), "top_k": rq.top_k,
+                "min_p": None if rq.min_p is None else float(rq.min_p), "seed": rq.seed,
+                "max_tokens": rq.max_completion_tokens if rq.max_completion_tokens is not None else rq.max_tokens,
+                "extra": {k: v for k, v in req.items() if k not in ("messages", "model", "stream", *SAMPLING_FIELDS)}}
+    rid = "" if resp.id is None else str(resp.id)
+    return ChatExchange(rid or f"log-{lineno:06d}", model, messages, text, choice.finish_reason, sampling,
+                        resp.usage, resp.model, None if choice.token_ids is None else tuple(choice.token_ids),
                         None if prompt is None else tuple(prompt), where,
-                        msg.get("reasoning_content") or msg.get("reasoning"))
+                        msg.reasoning_content if msg.reasoning_content is not None else msg.reasoning)
 
 
-def iter_chat_log(path: str | Path, *, skip_unusable: bool = False, skipped: list | None = None) -> Iterator[ChatExchange]:
-    """The log's usable exchanges in order (ids unique: a repeated response id becomes log-<line>).
-    An unusable one raises its ChatLogError, or with skip_unusable is appended to `skipped` as
-    (file:line, kind, message)."""
+def _decode(raw: bytes, where: str) -> object:
+    try:
+        line = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise _refuse("not-json", f"not UTF-8 text ({e.reason} at byte {e.start} of the line)", where,
+                      "chat logs are UTF-8 JSONL") from None
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError as e:
+        cut = not raw.endswith(b"\n")
+        raise _refuse("not-json", f"not valid JSON ({e.msg} at column {e.colno})"
+                      + ("; the file looks truncated (its last line is cut off)" if cut else ""), where,
+                      "the log was cut while written: drop the last line, or log again" if cut
+                      else f"fix or drop the line, {SKIP}") from None
+    except RecursionError:
+        raise _refuse("not-json", "JSON nested too deeply to read", where, f"fix or drop the line, {SKIP}") from None
+
+
+def iter_chat_log(path: str | Path, *, skip_unusable: bool = False,
+                  skipped: list | None = None) -> Iterator[ChatExchange]:
+    """The log's usable exchanges in file order, ids unique (see the module docstring). An unusable
+    exchange raises its ChatLogError; with skip_unusable it is appended to `skipped` as
+    (file:line, kind, message) and reading goes on. A log with no usable exchange raises."""
     p = Path(path)
     if not p.is_file():
-        raise VerinferError("no such chat log", where=str(p), fix="pass a JSONL file of chat exchanges")
+        raise ChatLogError("no such chat log", kind="no-file", where=str(p),
+                           fix="pass a JSONL file of chat exchanges, one {\"request\", \"response\"} per line")
     seen: set[str] = set()
-    n = 0
-    with open(p, "rb") as f:
+    dropped: Counter[str] = Counter()
+    with open(p, "rb") as f:  # decoded line by line: a text reader decodes ahead and names the wrong line
         for lineno, raw in enumerate(f, 1):
+            if lineno == 1:
+                raw = raw.removeprefix(b"\xef\xbb\xbf")  # a byte-order mark, as Windows tools write
+            if not raw.strip():
+                continue
             where = f"{p}:{lineno}"
             try:
-                if not raw.strip():
-                    continue
-                try:
-                    obj = json.loads(raw.decode("utf-8"))
-                except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
-                    cut = not raw.endswith(b"\n")
-                    raise ChatLogError(f"not valid JSON ({getattr(e, 'msg', type(e).__name__)})", kind="not-json",
-                                       where=where, fix="the log looks truncated (last line cut off)" if cut
-                                       else "fix or drop the line") from None
-                ex = parse_exchange(obj, where, lineno)
+                ex = parse_exchange(_decode(raw, where), where, lineno)
             except ChatLogError as e:
                 if not skip_unusable:
                     raise
+                dropped[e.kind] += 1
                 if skipped is not None:
                     skipped.append((where, e.kind, e.what))
                 continue
-            if ex.id in seen:
-                ex = ChatExchange(f"log-{lineno:06d}", *[getattr(ex, k) for k in list(ex.__dataclass_fields__)[1:]])
+            if ex.id in seen:  # a repeated response id: the line's own (a response id may be log-<n> too)
+                new, k = f"log-{lineno:06d}", 1
+                while new in seen:
+                    k += 1
+                    new = f"log-{lineno:06d}-{k}"
+                ex = replace(ex, id=new)
             seen.add(ex.id)
-            n += 1
             yield ex
-    if n == 0:
-        raise ChatLogError("the log holds no exchange that can be audited", kind="shape", where=str(p),
-                           fix="see the reasons above (--skip-unusable lists them)")
+    if not seen:
+        why = ", ".join(f"{n} {k}" for k, n in dropped.most_common())
+        raise ChatLogError("the chat log holds no exchange that can be audited"
+                           + (f" ({sum(dropped.values())} skipped: {why})" if dropped else " (it is empty)"),
+                           kind="no-exchange", where=str(p),
+                           fix="audit a log of text chat exchanges ended by stop or length (UNUSABLE_KINDS says "
+                               "why each skipped kind cannot be audited)" if dropped else
+                               "pass a JSONL file of chat exchanges, one {\"request\", \"response\"} per line")
 
 
 def read_chat_log(path: str | Path, **kw) -> list[ChatExchange]:
+    """Every usable exchange of a chat log (`iter_chat_log`; keywords skip_unusable, skipped)."""
     return list(iter_chat_log(path, **kw))
