@@ -53,6 +53,24 @@ def test_vendors_file_errors_name_the_vendor_and_field(tmp_path, text, message):
         read_vendors(write(tmp_path, text))
 
 
+def test_exchanges_a_greedy_replay_cannot_use(tmp_path):
+    """Kept by the log reader, refused by the greedy audit: sampled, reasoning, another template."""
+    from verinfer.apps.audit_chat import unusable_for_replay
+    from verinfer.providers.chat_log import read_chat_log
+
+    req = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "temperature": 0}
+    resp = {"id": "r", "choices": [{"message": {"content": "Hello"}, "finish_reason": "stop"}]}
+    lines = [{"request": req, "response": resp},
+             {"request": {**req, "temperature": 0.7}, "response": {**resp, "id": "r2"}},
+             {"request": req, "response": {"id": "r3", "choices": [{"message": {"content": "Hi", "reasoning_content":
+                                                                                 "think"}, "finish_reason": "stop"}]}},
+             {"request": {**req, "chat_template_kwargs": {"enable_thinking": False}}, "response": {**resp, "id": "r4"}}]
+    p = tmp_path / "log.jsonl"
+    p.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    kinds = [getattr(unusable_for_replay(ex), "kind", None) for ex in read_chat_log(p)]
+    assert kinds == [None, "sampled", "reasoning", "template-fields"]
+
+
 # --- real servers (slow) -----------------------------------------------------------------------
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
@@ -117,8 +135,9 @@ max_retries = 0
     claims = (out / "vendors" / "honest" / "claims.jsonl").read_text()
     first = json.loads(claims.splitlines()[0])
     assert first["chat"]["tokens"] == "derived" and first["chat"]["messages"][0]["role"] == "user"
-    # rerun: every reply is on disk, nothing is requested again, the same verdicts
-    servers["honest"].stop()
+    # rerun with the honest vendor moved to a dead address: every reply is on disk, nothing is
+    # requested again, the same verdicts
+    cfg.write_text(cfg.read_text().replace(servers["honest"].base_url, "http://127.0.0.1:9/v1"))
     r2 = CliRunner().invoke(app, ["audit-vendors", str(cfg), "--out", str(out), *ARGS])
     again = {v["name"]: v for v in json.loads((out / "vendors.json").read_text())["vendors"]}
     assert again["honest"]["verdict"]["flagged"] is False and again["honest"]["n_requests"] == 24, r2.output

@@ -179,7 +179,8 @@ CASES = [(kind, i) for kind, lines in BAD.items() for i in range(len(lines))]
 
 
 def test_every_kind_is_tested_and_explained():
-    assert set(BAD) == set(UNUSABLE_KINDS) - {"sampled"}  # "sampled" is apps.audit_chat's: this reader keeps them
+    # sampled, reasoning and template-fields are apps.audit_chat's (tests/apps/test_audit_chat.py): kept here
+    assert set(BAD) == set(UNUSABLE_KINDS) - {"sampled", "reasoning", "template-fields"}
     assert set(FILE_KINDS) == {"no-file", "no-exchange"}
     assert all(len(v) > 40 for v in UNUSABLE_KINDS.values())
     doc = chat_log.__doc__

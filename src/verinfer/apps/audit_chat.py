@@ -56,7 +56,7 @@ from verinfer.models.prompts import chat_messages
 from verinfer.numerics import Numerics
 from verinfer.progress import progress_bar
 from verinfer.providers.chat_http import ChatEndpoint, ChatReply, request_chat
-from verinfer.providers.chat_log import ChatLogError, iter_chat_log
+from verinfer.providers.chat_log import TEMPLATE_FIELDS, ChatLogError, iter_chat_log
 from verinfer.providers.openai_http import EndpointError
 from verinfer.providers.simulated import HONEST, ProviderConfig, provider_generate
 from verinfer.registry import Registry
@@ -599,15 +599,12 @@ def log_claims(log: Path, cfg: ChatAuditConfig, retok: Retokenizer, *, skip_unus
     name = model_info(cfg.model_dir).name
     groups: dict[str, list[Claim]] = {}
     for ex in iter_chat_log(log, skip_unusable=skip_unusable, skipped=skipped):
-        if ex.sampling.get("temperature", 1.0) != 0:
-            err = ChatLogError(f"sampled at temperature {ex.sampling.get('temperature')}: a sampled reply is "
-                               "replayed only with the provider's seed and sampler", kind="sampled", where=ex.source,
-                               fix="audit greedy (temperature 0) exchanges; sampled ones need `verinfer audit-api` "
-                                   "with seeds")
+        err = unusable_for_replay(ex)
+        if err is not None:
             if not skip_unusable:
                 raise err
             if skipped is not None:
-                skipped.append((ex.source, "sampled", err.what))
+                skipped.append((ex.source, err.kind, err.what))
             continue
         vendor = _dir_name(ex.served_model or ex.model)
         tokens = cfg.tokens if cfg.tokens != "auto" else (RETURNED if ex.output_token_ids is not None else DERIVED)
@@ -625,6 +622,26 @@ def log_claims(log: Path, cfg: ChatAuditConfig, retok: Retokenizer, *, skip_unus
         raise VerinferError("the log holds no exchange that can be audited", where=str(log),
                             fix="see the skipped exchanges above; greedy chat exchanges with text replies are audited")
     return groups
+
+
+def unusable_for_replay(ex) -> ChatLogError | None:
+    """Why a logged exchange cannot be replayed by a greedy audit (None if it can): sampled at
+    temperature > 0, a reasoning block, or a request that changed the chat template."""
+    t = ex.sampling.get("temperature", 1.0)
+    if t != 0:
+        return ChatLogError(f"sampled at temperature {t}: a sampled reply is replayed only with the provider's seed "
+                            "and sampler", kind="sampled", where=ex.source,
+                            fix="audit greedy (temperature 0) exchanges; sampled ones need `verinfer audit-api` "
+                                "with seeds")
+    if ex.reasoning:
+        return ChatLogError("the reply has a reasoning block: the model generated it before the text, in a form its "
+                            "template decides", kind="reasoning", where=ex.source,
+                            fix="audit exchanges without reasoning (or pass --skip-unusable)")
+    changed = [k for k in TEMPLATE_FIELDS if k in ex.sampling.get("extra", {})]
+    if changed:
+        return ChatLogError(f"the request changed the chat template ({', '.join(changed)})", kind="template-fields",
+                            where=ex.source, fix="audit exchanges that use the model's own chat template")
+    return None
 
 
 def _dir_name(model: str) -> str:

@@ -62,6 +62,10 @@ reading goes on. Kinds of the file itself (FILE_KINDS): no such file, and no usa
                      null marks the model's own end; without it, a request with `stop` is refused)
     role             a role other than system, developer, user, assistant: no template renders it
     sampled          temperature > 0: raised by apps.audit_chat (greedy audits), kept by this reader
+    reasoning        a reply with a reasoning block: the model generated it before the text, in a form
+                     its template decides (raised by apps.audit_chat, kept by this reader)
+    template-fields  the request changed the chat template (chat_template, chat_template_kwargs, ...):
+                     the auditor re-derives the prompt with the model's own (raised by apps.audit_chat)
 """
 
 from __future__ import annotations
@@ -103,6 +107,10 @@ UNUSABLE_KINDS = {
     "role": "a message role other than system, developer, user, assistant: the chat template cannot render it",
     "sampled": "sampled at temperature > 0: replayed only with the provider's seed and sampler (refused by "
                "apps.audit_chat, which audits greedy exchanges; this reader keeps them)",
+    "reasoning": "a reply with a reasoning block, generated before the text in a form the model's template "
+                 "decides (refused by apps.audit_chat; this reader keeps it in `reasoning`)",
+    "template-fields": "the request changed the chat template (chat_template, chat_template_kwargs, ...): the "
+                       "prompt the provider built is not the model's own (refused by apps.audit_chat)",
 }
 FILE_KINDS = {
     "no-file": "the chat log does not exist",
