@@ -230,6 +230,11 @@ def main() -> None:
 
         args.model_dir = str(resolve_model("smollm2-135m-instruct"))
     t0 = time.perf_counter()
+    from verinfer.apps.audit_chat import ChatAudit
+
+    prep = ChatAudit(config(args), show_progress=not args.quiet)  # calibration and bands before any server runs
+    prep.bands(prep.detector())
+    del prep
     times = collect(args)
     res = audit_all(args)
     from verinfer.detect.clipped_mean import ClippedMeanDetector
