@@ -160,3 +160,34 @@ def test_remote_reference_is_a_real_vllm_server(tmp_path):
     assert (r_match == l_match).mean() >= 0.98
     print(f"remote reference on real vLLM: {remote.num_rows} tokens, {exact.mean():.4f} exact rows, exact match "
           f"{r_match.mean():.4f} (local replay {l_match.mean():.4f})")
+
+
+def test_chat_audit_of_a_real_vllm_chat_endpoint(tmp_path):
+    """vLLM's /v1/chat/completions (text replies, temperature 0) audited by `verinfer audit-api --chat`:
+    the claims are derived from the text alone (vLLM's ids kept beside them only), the replay re-cuts
+    them to vLLM's own ids, the honest server passes; the reference bands run on local vLLM
+    (--band-engine vllm), and vLLM's bf16 band is the nearest."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from verinfer.cli.main import app
+    from verinfer.retokenize import PLAIN_CHAT_TEMPLATE
+
+    template = tmp_path / "plain.jinja"  # the testbed has no chat template: vLLM and verinfer use the plain one
+    template.write_text(PLAIN_CHAT_TEMPLATE)
+    with vllm_server(tmp_path, TARGET_DIR, "testbed", "--chat-template", str(template)) as url:
+        r = CliRunner().invoke(app, ["audit-api", "--chat", "--base-url", url, "--model", "testbed",
+                                     "--extra", '{"return_token_ids": true}', "--out", str(tmp_path / "audit"),
+                                     "--n", "16", "--max-tokens", "32", "--calib-n", "24",
+                                     "--honest", "honest-bf16-b8", "--honest", "honest-fp32-b4",
+                                     "--honest", "honest-bf16-eager-t1", "--bands", "bf16", "--bands", "int4",
+                                     "--band-engine", "vllm"])
+    assert r.exit_code == 0, r.output
+    doc = json.loads((tmp_path / "audit" / "vendors.json").read_text())
+    row = doc["vendors"][0]
+    assert not row["verdict"]["flagged"] and row["n_requests"] == 16 and row["exact_match"] >= 0.97, row
+    assert row["retokenized"] == 1.0 and row["nearest_band"] == "bf16"
+    claims = [json.loads(x) for x in (tmp_path / "audit" / "vendors" / "endpoint" / "claims.jsonl").read_text().splitlines()]
+    assert all(c["chat"]["tokens"] == "derived" and "returned_output_token_ids" in c["chat"] for c in claims)
+    assert (tmp_path / "audit" / "bands-vllm" / "int4.jsonl").is_file()

@@ -66,6 +66,7 @@ from verinfer.scores import CLAIM_ID, EXACT_MATCH, TOKEN_ID, divergence, load_sc
 
 CALIB_SEED_OFFSET = 1_000_003     # calibration and band prompts: another sample of the same distribution
 TOKEN_MODES = ("derived", "returned", "auto")
+BAND_ENGINES = ("verinfer", "vllm")  # who runs the reference bands: verinfer's engine, or local vLLM (DiFR's way)
 BAND_SYSTEM_PROMPT = "You are a helpful assistant. Keep your answers short and follow the instructions."
 
 
@@ -79,16 +80,17 @@ class Band:
     description: str
     system_prompt: str | None = None
     chat_template: str | None = None
+    vllm_run: str = "honest"          # the same configuration on real vLLM (providers.vllm.VLLM_RUNS)
 
 
 BANDS: Registry[Band] = Registry("reference band", {
     "bf16": Band(HONEST.get("honest-bf16-b8"), "honest: bf16, batches of 8"),
     "fp8-kv": Band(ProviderConfig("fp8-kv", Numerics(dtype="bf16", kv_cache="fp8_e4m3"), honest=False),
-                   "fp8 e4m3 KV cache"),
+                   "fp8 e4m3 KV cache", vllm_run="fp8-kv"),
     "int8": Band(ProviderConfig("int8", Numerics(dtype="bf16", weight_bits=8), honest=False),
-                 "8-bit weights (RTN, group 32)"),
+                 "8-bit weights (RTN, group 32)", vllm_run="int8"),
     "int4": Band(ProviderConfig("int4", Numerics(dtype="bf16", weight_bits=4), honest=False),
-                 "4-bit weights (RTN, group 32)"),
+                 "4-bit weights (RTN, group 32)", vllm_run="int4"),
     "system-prompt": Band(HONEST.get("honest-bf16-b8"), "an extra system prompt", system_prompt=BAND_SYSTEM_PROMPT),
     "template": Band(HONEST.get("honest-bf16-b8"), "another chat template (plain 'role: content')",
                      chat_template=PLAIN_CHAT_TEMPLATE),
@@ -111,6 +113,7 @@ class ChatAuditConfig:
     honest: tuple[str, ...] = tuple(HONEST)
     calib_n: int = 64                 # prompts per honest calibration run and per band
     bands: tuple[str, ...] = tuple(BANDS)
+    band_engine: str = "verinfer"     # "vllm": the bands run on local vLLM (the [vllm] extra), as the DiFR authors did
     device: str = "cpu"
     matmul: str = "native"
 
@@ -120,6 +123,8 @@ class ChatAuditConfig:
                                 f"{self.calib_n}")
         if self.tokens not in TOKEN_MODES:
             raise VerinferError(f"tokens must be one of {', '.join(TOKEN_MODES)}, got {self.tokens!r}")
+        if self.band_engine not in BAND_ENGINES:
+            raise VerinferError(f"band_engine must be one of {', '.join(BAND_ENGINES)}, got {self.band_engine!r}")
         for name in self.honest:
             HONEST.get(name)
         for name in self.bands:
@@ -232,10 +237,11 @@ def read_vendors(path: str | Path) -> list[ChatEndpoint]:
 # --- local runs: calibration and bands --------------------------------------------------------
 def local_chat_claims(band: Band, name: str, cfg: ChatAuditConfig, conversations: list[list[dict]],
                       retok: Retokenizer, out: Path, show_progress: bool = True,
-                      max_tokens: list[int] | None = None) -> Path:
+                      max_tokens: list[int] | None = None, engine: str = "verinfer") -> Path:
     """Claims of a local run (cached at out/<name>.jsonl): the conversations as the band runs them
     (its system prompt, its template), greedy (each with its max_tokens, cfg.max_tokens by
-    default), then each reply claimed as a vendor's is, from its text, against the plain conversation."""
+    default; on verinfer's engine, or engine "vllm": on local vLLM), then each reply claimed as a
+    vendor's is, from its text, against the plain conversation."""
     path = out / f"{name}.jsonl"
     if path.is_file():
         return path
@@ -245,17 +251,24 @@ def local_chat_claims(band: Band, name: str, cfg: ChatAuditConfig, conversations
     prompts = [run_retok.prompt_ids(m) for m in run_msgs]
     params = [replace(cfg.params, max_tokens=m) for m in (max_tokens or [cfg.max_tokens] * len(prompts))]
     with progress_bar(f"{out.name}: generate {name}", len(prompts), show_progress) as adv:
-        done = provider_generate(band.provider, cfg.model_dir, prompts, params, device=cfg.device, progress=adv)
+        if engine == "vllm":
+            from verinfer.providers.vllm import VllmRun, generate_greedy
+
+            out.mkdir(parents=True, exist_ok=True)
+            done = generate_greedy(cfg.model_dir, VllmRun.named(band.vllm_run), prompts, [p.max_tokens for p in params],
+                                   out, progress=adv)
+        else:
+            done = [(list(c.output_token_ids), c.finish_reason) for c in
+                    provider_generate(band.provider, cfg.model_dir, prompts, params, device=cfg.device, progress=adv)]
     info = model_info(cfg.model_dir)
     claims = []
-    for i, (msgs, c) in enumerate(zip(conversations, done)):
-        ids = list(c.output_token_ids)
-        stopped = c.finish_reason == "stop"
+    for i, (msgs, (ids, finish)) in enumerate(zip(conversations, done)):
+        stopped = finish == "stop"
         text = retok.tokenizer.decode(ids[:-1] if stopped else ids, skip_special_tokens=True)
         if not text:
             continue
         claims.append(Claim.from_chat(f"{name}-{i:05d}", info.name, msgs, text, "stop" if stopped else "length",
-                                      params[i], retok, returned=(list(c.prompt_token_ids), ids), provider=name))
+                                      params[i], retok, returned=(prompts[i], ids), provider=name))
     out.mkdir(parents=True, exist_ok=True)
     write_claims(path, claims)
     return path
@@ -422,10 +435,11 @@ class ChatAudit:
         return out
 
     def _local(self, names: dict[str, Band], sub: str, conv: list[list[dict]],
-               max_tokens: list[int] | None = None) -> dict[str, pa.Table]:
+               max_tokens: list[int] | None = None, engine: str = "verinfer") -> dict[str, pa.Table]:
         out = {}
         for name, band in names.items():
-            path = local_chat_claims(band, name, self.cfg, conv, self.retok, self.out / sub, self.show, max_tokens)
+            path = local_chat_claims(band, name, self.cfg, conv, self.retok, self.out / sub, self.show, max_tokens,
+                                     engine)
             out[name] = load_score_tables([self.score_file(path, path.with_suffix(".parquet"))])
         return out
 
@@ -455,7 +469,9 @@ class ChatAudit:
     def bands(self, det) -> dict:
         """Each band run on the vendors' own conversations (a score's level depends on the prompts)."""
         t0 = time.perf_counter()
-        tables = self._local({b: BANDS.get(b) for b in self.cfg.bands}, "bands", self.conversations, self.max_tokens)
+        sub = "bands" if self.cfg.band_engine == "verinfer" else f"bands-{self.cfg.band_engine}"
+        tables = self._local({b: BANDS.get(b) for b in self.cfg.bands}, sub, self.conversations, self.max_tokens,
+                             self.cfg.band_engine)
         out = {name: {**summarize(t, det.clip_, seed=self.cfg.seed), "description": BANDS.get(name).description}
                for name, t in tables.items()}
         self.timings["bands_s"] = time.perf_counter() - t0

@@ -257,7 +257,7 @@ def audit_api(base_url: str = O.BASE_URL, model: str = O.ENDPOINT_MODEL, model_d
               threads: Optional[int] = O.AUDITOR_THREADS, matmul: str = O.matmul(),
               sequential: bool = O.API_SEQUENTIAL, chat: bool = O.CHAT, system_prompt: Optional[str] = O.SYSTEM_PROMPT,
               tokens: str = O.TOKENS, api_key_env: Optional[str] = O.API_KEY_ENV, extra: Optional[str] = O.EXTRA,
-              concurrency: int = O.CONCURRENCY):
+              concurrency: int = O.CONCURRENCY, bands: List[str] = O.BANDS, band_engine: str = O.BAND_ENGINE):
     """Audit an OpenAI-compatible endpoint: seeded (or temperature-0) prompts, replay, verdict, report.
     With --chat: a chat endpoint that returns text, at temperature 0 (as `audit-vendors` with one vendor)."""
     if chat:
@@ -268,6 +268,7 @@ def audit_api(base_url: str = O.BASE_URL, model: str = O.ENDPOINT_MODEL, model_d
             concurrency=concurrency, timeout=timeout, **_chat_settings(n=n, max_tokens=max_tokens, seed=seed,
                                                                        system_prompt=system_prompt, tokens=tokens,
                                                                        calib_n=calib_n or 64, honest=honest,
+                                                                       bands=bands, band_engine=band_engine,
                                                                        device=device, matmul=matmul)))
     from verinfer.apps.audit_api import ApiAuditConfig, audit_api as run_audit_api
 
@@ -287,29 +288,31 @@ def audit_vendors(vendors: Path = O.VENDORS_FILE, model: Optional[str] = O.model
                   n: int = O.CHAT_N, max_tokens: int = O.API_MAX_TOKENS, seed: int = O.seed(),
                   system_prompt: Optional[str] = O.SYSTEM_PROMPT, tokens: str = O.TOKENS,
                   calib_n: int = O.CHAT_CALIB_N, honest: List[str] = O.CHAT_HONEST, bands: List[str] = O.BANDS,
-                  sequential: bool = O.CHAT_SEQUENTIAL, target_fpr: float = O.TARGET_FPR_CHAT,
-                  device: str = O.device(), matmul: str = O.matmul()):
+                  band_engine: str = O.BAND_ENGINE, sequential: bool = O.CHAT_SEQUENTIAL,
+                  target_fpr: float = O.TARGET_FPR_CHAT, device: str = O.device(), matmul: str = O.matmul()):
     """Audit several chat endpoints side by side at temperature 0 (same prompts, one calibrated detector,
     reference bands): a row per vendor in vendors.json / vendors.md / vendors.html. Exit 1 if any is flagged."""
     from verinfer.api import audit_vendors as run
 
     return _chat_exit(run(vendors, trusted_model=model, out_dir=out, **_chat_settings(
         n=n, max_tokens=max_tokens, seed=seed, system_prompt=system_prompt, tokens=tokens, calib_n=calib_n,
-        honest=honest, bands=bands, sequential=sequential, target_fpr=target_fpr, device=device, matmul=matmul)))
+        honest=honest, bands=bands, band_engine=band_engine, sequential=sequential, target_fpr=target_fpr,
+        device=device, matmul=matmul)))
 
 
 @command(app, "audit-log")
 def audit_log(log: Path = O.LOG_FILE, model: Optional[str] = O.model(), out: Path = O.CHAT_OUT,
               calib_n: int = O.CHAT_CALIB_N, honest: List[str] = O.CHAT_HONEST, bands: List[str] = O.BANDS,
-              tokens: str = O.TOKENS, skip_unusable: bool = O.SKIP_UNUSABLE, target_fpr: float = O.TARGET_FPR_CHAT,
+              band_engine: str = O.BAND_ENGINE, tokens: str = O.TOKENS, skip_unusable: bool = O.SKIP_UNUSABLE,
+              target_fpr: float = O.TARGET_FPR_CHAT,
               device: str = O.device(), matmul: str = O.matmul()):
     """Audit a log of past chat exchanges (temperature 0): claims from its text, replay, a verdict per
     served model, reference bands run on the log's own conversations. Exit 1 if any is flagged."""
     from verinfer.api import audit_log as run
 
     return _chat_exit(run(log, trusted_model=model, out_dir=out, skip_unusable=skip_unusable, **_chat_settings(
-        tokens=tokens, calib_n=calib_n, honest=honest, bands=bands, target_fpr=target_fpr, device=device,
-        matmul=matmul)))
+        tokens=tokens, calib_n=calib_n, honest=honest, bands=bands, band_engine=band_engine, target_fpr=target_fpr,
+        device=device, matmul=matmul)))
 
 
 def _chat_settings(**kw) -> dict:

@@ -68,6 +68,7 @@ CHOICES = {("*", "noise"): NOISE, ("*", "matmul"): MATMUL, ("generate", "determi
            ("calibrate", "score_name"): SCORE_NAMES, ("calibrate", "kind"): DETECTOR_NAMES,
            ("build", "budget"): TESTBED_BUDGETS, ("build-draft", "budget"): DRAFT_BUDGETS,
            ("*", "tokens"): TOKEN_MODES, ("*", "bands"): BAND_NAMES,
+           ("*", "band_engine"): _names("verinfer.apps.audit_chat", "BAND_ENGINES"),
            ("score", "reference_protocol"): _names("verinfer.audit.remote_reference", "PROTOCOLS")}
 
 
@@ -262,6 +263,8 @@ TOKENS = typer.Option("derived", help="Claim token ids: derived from the text (d
 CHAT_CALIB_N = typer.Option(64, help="Prompts per honest calibration run and per reference band.")
 CHAT_HONEST = typer.Option(None, help="Honest configurations to calibrate on (default: all).")
 BANDS = typer.Option(None, help="Reference bands to run (default: all).")
+BAND_ENGINE = typer.Option("verinfer", help="Who runs the reference bands: verinfer's engine, or local vLLM (the "
+                                            "[vllm] extra), as the DiFR authors did.")
 CHAT_SEQUENTIAL = typer.Option(True, help="Stop a vendor's requests as soon as it is flagged (anytime-valid "
                                           "e-process over claims).")
 TARGET_FPR_CHAT = typer.Option(0.01, help="False-positive rate of each verdict.")

@@ -43,7 +43,8 @@ from verinfer.sampling.params import SamplingParams, misconfigured
 
 # run name -> what it changes in VllmRun (the provider's settings; "honest": nothing)
 VLLM_RUNS: Registry[dict] = Registry("vLLM run", {
-    "honest": {}, "honest-b1": dict(max_num_seqs=1), "int4": dict(weight_bits=4), "fp8-kv": dict(kv_cache_dtype="fp8"),
+    "honest": {}, "honest-b1": dict(max_num_seqs=1), "int4": dict(weight_bits=4), "int8": dict(weight_bits=8),
+    "fp8-kv": dict(kv_cache_dtype="fp8"),
     "temp-1.1": dict(temperature=1.1), "wrong-seed": dict(seed_offset=1)})
 
 
@@ -163,6 +164,37 @@ def generate_claims(llm, model_dir: str | Path, prompts: list[list[int]], advert
             claims.append(Claim(f"vllm-{run.name}-{i:05d}", info.name, list(o.prompt_token_ids), out_ids, p,
                                 provider=f"vllm-{run.name}", extra={"finish_reason": o.outputs[0].finish_reason}))
     return VllmGeneration(claims, seconds, sum(len(c.output_token_ids) for c in claims))
+
+
+def generate_greedy(model_dir: str | Path, run: VllmRun, prompts: list[list[int]], max_tokens: list[int],
+                    work_dir: str | Path, progress=None) -> list[tuple[list[int], str]]:
+    """(output ids, finish reason) of real vLLM run `run` for each token-id prompt at temperature 0,
+    in one batched llm.generate call; the LLM is released before returning (call under
+    `if __name__ == "__main__":`). A stopped output's ids end with the end token."""
+    import gc
+    import tempfile
+
+    from vllm import SamplingParams as VSP
+    from vllm.inputs import TokensPrompt
+
+    eos = model_info(model_dir).eos_token_id
+    with tempfile.TemporaryDirectory(dir=work_dir) as tmp:
+        llm = make_llm(model_dir, run, tmp)
+        try:
+            outs = llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts],
+                                [VSP(temperature=0.0, max_tokens=m) for m in max_tokens], use_tqdm=False)
+        finally:
+            del llm
+            gc.collect()
+    res = []
+    for o in outs:
+        ids, finish = list(o.outputs[0].token_ids), o.outputs[0].finish_reason
+        if finish == "stop" and ids[-1:] != [eos]:
+            ids.append(eos)
+        res.append((ids, "stop" if finish == "stop" else "length"))
+    if progress:
+        progress(len(prompts))
+    return res
 
 
 @contextlib.contextmanager
