@@ -155,21 +155,25 @@ def tokens_to_auc(args, det) -> dict:
 
     difr = token_difr_scores(args)
     honest_v = np.concatenate([divergence(scores_of(n), "margin") for n in HONEST_VENDORS])
-    honest_d = np.concatenate([difr[n] for n in HONEST_VENDORS])
+    honest_d = {c: np.concatenate([difr[n][c] for n in HONEST_VENDORS]) for c in ("mismatch", "margin")}
     out = {}
     for name in args.vendors:
         if name in HONEST_VENDORS:
             continue
-        v = auc_vs_tokens(honest_v, divergence(scores_of(name), "margin"), BATCH_SIZES, rng=np.random.default_rng(0))
-        d = auc_vs_tokens(honest_d, difr[name], BATCH_SIZES, rng=np.random.default_rng(0))
+        rng = np.random.default_rng(0)
+        v = auc_vs_tokens(honest_v, divergence(scores_of(name), "margin"), BATCH_SIZES, rng=rng)
+        d = auc_vs_tokens(honest_d["mismatch"], difr[name]["mismatch"], BATCH_SIZES, rng=rng)
+        dm = auc_vs_tokens(honest_d["margin"], difr[name]["margin"], BATCH_SIZES, rng=rng)
         out[name] = {"verinfer": tokens_to_detect(v), "token_difr": tokens_to_detect(d),
-                     "auc_verinfer": {str(k): a for k, a in v.items()}, "auc_token_difr": {str(k): a for k, a in d.items()}}
+                     "token_difr_margin": tokens_to_detect(dm),
+                     "auc_verinfer": {str(k): a for k, a in v.items()}, "auc_token_difr": {str(k): a for k, a in d.items()},
+                     "auc_token_difr_margin": {str(k): a for k, a in dm.items()}}
     return out
 
 
-def token_difr_scores(args) -> dict[str, np.ndarray]:
-    """token-difr's per-token statistic (higher = more divergent) for each vendor's replies,
-    re-tokenized by token-difr's own path (cached as Parquet per vendor)."""
+def token_difr_scores(args) -> dict[str, dict[str, np.ndarray]]:
+    """token-difr's per-token statistic (mismatch = 1 - its exact match, its headline; and its
+    margin) for each vendor's replies, re-tokenized by token-difr's own path (cached per vendor)."""
     import pyarrow.parquet as pq
 
     from benchmarks.token_difr_peer import STATISTIC, score_claims_file
@@ -180,7 +184,9 @@ def token_difr_scores(args) -> dict[str, np.ndarray]:
         if not path.is_file():
             path.parent.mkdir(parents=True, exist_ok=True)
             score_claims_file(CACHE / "audit" / "vendors" / name / "claims.jsonl", args.model_dir, path)
-        out[name] = pq.read_table(path)[STATISTIC].to_numpy().astype(np.float64)
+        t = pq.read_table(path)
+        out[name] = {"mismatch": t[STATISTIC].to_numpy().astype(np.float64),
+                     "margin": t["margin"].to_numpy().astype(np.float64)}
     return out
 
 
@@ -196,12 +202,13 @@ def render_markdown(r: dict) -> str:
                      f"| {d['exact_match']:.4f} | {d['n_tokens']} | {d['n_requests']} | {v['tokens_to_decide'] or '-'} "
                      f"| {v['requests_to_decide'] or '-'} | {d['resegmented']:.3f} |")
     lines += ["", "Tokens to tell each misconfiguration from the honest vendors at AUC@1%FPR >= 0.99 (DiFR 5.2 "
-              "protocol; token-level batches):", "", "| misconfiguration | verinfer | token-difr | ratio |",
-              "|---|---|---|---|"]
+              "protocol; token-level batches):", "", "| misconfiguration | verinfer (clipped margin) | token-difr (exact match, its headline) | ratio | "
+              "token-difr's margin |", "|---|---|---|---|---|"]
     for name, t in r["tokens_to_auc99"].items():
         ratio = (f"{t['verinfer'] / t['token_difr']:.2f}" if t["verinfer"] and t["token_difr"] else "-")
-        lines.append(f"| {name} | {t['verinfer'] or '> ' + str(max(BATCH_SIZES))} | "
-                     f"{t['token_difr'] or '> ' + str(max(BATCH_SIZES))} | {ratio} |")
+        more = "> " + str(max(BATCH_SIZES))
+        lines.append(f"| {name} | {t['verinfer'] or more} | {t['token_difr'] or more} | {ratio} | "
+                     f"{t['token_difr_margin'] or more} |")
     rt = r["retokenization"]
     lines += ["", f"Re-tokenization: {rt['honest_claims_differing']} of {rt['honest_claims']} honest replies "
               f"({rt['fraction_differing']:.1%}) re-encode to other ids than vLLM emitted ({rt['differing_mid_reply']} "
