@@ -30,12 +30,14 @@ requests stop once it flags (the false-positive rate stays at most target_fpr wh
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 import json
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
 
 from verinfer.apps.pipeline import VERIFIER_NUMERICS, reference_engines, score, verifier_engine
 from verinfer.audit.replay import score_chunk
@@ -371,8 +373,9 @@ def audit_api(cfg: ApiAuditConfig, *, show_progress: bool = True) -> ApiAuditRes
     det, ctimes, stop = None, {}, None
     if cfg.sequential:  # calibrate first: each answer is judged as it arrives
         det, ctimes = calibrated_detector(cfg, mode, info, engine, score_fn, show_progress)
-        stop = StreamingAudit(SequentialAudit(det, alpha=cfg.target_fpr), engine,
-                              reference_engines(cfg.model_dir, engine, cfg.device))
+        refs = reference_engines(cfg.model_dir, engine, cfg.device)
+        stop = StreamingAudit(SequentialAudit(det, alpha=cfg.target_fpr),
+                              lambda new: score_chunk(new, engine, gaps=True, references=refs))
     t_calib = time.perf_counter()
     with progress_bar(f"audit-api: requests to {cfg.base_url}", len(prompts), show_progress) as adv:
         claims_path, claims = collect_claims(client, cfg, mode, prompts, info.name, adv, stop=stop)
@@ -408,19 +411,18 @@ def audit_api(cfg: ApiAuditConfig, *, show_progress: bool = True) -> ApiAuditRes
 
 
 class StreamingAudit:
-    """The stop rule of `collect_claims` for --sequential: replays each new claim (with the gap
-    columns and their honest-reference envelope), extends the evidence stream and says whether the
-    e-process has reached 1/alpha."""
+    """The stop rule of a collection (`collect_claims` here, `audit_chat.collect_vendor`): replays
+    each new claim with `score(claims) -> score table`, extends the evidence stream and says whether
+    the e-process has reached 1/alpha (anytime-valid)."""
 
-    def __init__(self, audit: SequentialAudit, engine, references: dict):
-        self.audit, self.engine, self.references = audit, engine, references
+    def __init__(self, audit: SequentialAudit, score: Callable[[list[Claim]], pa.Table]):
+        self.audit, self.score = audit, score
         self.seen, self.evidence, self.claims, self.n_claims = 0, [], [], 0
 
     def __call__(self, claims: list[Claim]) -> bool:
         new = claims[self.seen :]
         if new:
-            t = score_chunk(new, self.engine, gaps=True, references=self.references)
-            x, labels = self.audit.detector.sequential_evidence(t)
+            x, labels = self.audit.detector.sequential_evidence(self.score(new))
             labels = np.zeros(len(x), dtype=np.int64) if labels is None else labels
             self.evidence.append(x)
             self.claims.append(labels + self.n_claims)       # labels unique across chunks

@@ -43,6 +43,7 @@ import pyarrow as pa
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from verinfer import __version__
+from verinfer.apps.audit_api import StreamingAudit
 from verinfer.apps.pipeline import VERIFIER_NUMERICS, score, verifier_engine
 from verinfer.audit.replay import score_chunk
 from verinfer.claims import Claim, read_claims, write_claims
@@ -387,28 +388,6 @@ def collect_vendor(endpoint: ChatEndpoint, cfg: ChatAuditConfig, conversations: 
     return claims, sent
 
 
-class StreamingChatAudit:
-    """The stop rule of `collect_vendor`: replays each new claim, extends the e-process and says
-    whether it has reached 1/alpha (the vendor is flagged; anytime-valid)."""
-
-    def __init__(self, audit: SequentialAudit, engine, retok: Retokenizer):
-        self.audit, self.engine, self.retok = audit, engine, retok
-        self.seen, self.evidence, self.labels, self.n_claims = 0, [], [], 0
-
-    def __call__(self, claims: list[Claim]) -> bool:
-        new = claims[self.seen:]
-        if new:
-            t = score_chunk(new, self.engine, retokenizer=self.retok)
-            x, labels = self.audit.detector.sequential_evidence(t)
-            self.evidence.append(x)
-            self.labels.append(labels + self.n_claims)
-            self.n_claims += int(labels.max(initial=-1)) + 1
-            self.seen = len(claims)
-        if not self.evidence:
-            return False
-        return self.audit.stopping_time(np.concatenate(self.evidence), np.concatenate(self.labels)) is not None
-
-
 # --- the audit --------------------------------------------------------------------------------
 class ChatAudit:
     """An audit's shared parts: the trusted engine, the tokenizer, the calibrated detector and the
@@ -482,7 +461,8 @@ class ChatAudit:
         row = VendorResult(endpoint.name, endpoint.base_url, endpoint.model)
         out = self.out / "vendors" / endpoint.name
         seq = SequentialAudit(det, alpha=self.cfg.target_fpr)
-        stop = StreamingChatAudit(seq, self.engine, self.retok) if self.cfg.sequential else None
+        stop = (StreamingAudit(seq, lambda new: score_chunk(new, self.engine, retokenizer=self.retok))
+                if self.cfg.sequential else None)
         try:
             with progress_bar(f"{endpoint.name}: requests", len(self.conversations), self.show) as adv:
                 claims, sent = collect_vendor(endpoint, self.cfg, self.conversations, self.retok, out, adv, stop)
