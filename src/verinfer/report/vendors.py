@@ -45,6 +45,7 @@ STATUS_MARKER = {OK: "o", FLAGGED: "s", ERROR: "X"}
 BAND_COLORS = ("tab:blue", "tab:orange", "tab:purple", "tab:brown", "tab:pink", "tab:olive", "tab:cyan")
 FIG_SIZE = (12.8, 4.6)  # inches: 1280 x 460 px at DPI, three panels side by side, legend below
 PNG_SUFFIX = "_bands.png"
+MAX_TICK = 24  # characters of a vendor name under its point (the table has it whole)
 
 
 # -- the input contract (vendors.json) ----------------------------------------------------------
@@ -166,11 +167,24 @@ def _loc(loc: tuple, data) -> str:
     return out or "(the document)"
 
 
+def _plain(x):
+    """The results as JSON would give them back: numpy scalars as Python numbers, tuples as lists
+    (the audit passes its dict in memory; strict validation would refuse an np.int64 token count)."""
+    if isinstance(x, Mapping):
+        return {k: _plain(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_plain(v) for v in x]
+    if type(x).__module__ == "numpy" and hasattr(x, "item"):
+        return x.item()
+    return x
+
+
 def validate_vendors(results, where: str | Path | None = None) -> VendorsDoc:
     """The audit's results (vendors.json as a dict) checked against the contract; a malformed one
     raises VerinferError naming each wrong field (up to 5) and the value found."""
     if isinstance(results, VendorsDoc):
         return results
+    results = _plain(results)
     try:
         return VendorsDoc.model_validate(results)
     except ValidationError as e:
@@ -251,8 +265,10 @@ class VendorBandsPlot:
                 ax.annotate("error" if v.error else "no data", (x, 0), xycoords=("data", "axes fraction"),
                             xytext=(0, 4), textcoords="offset points", ha="center", va="bottom",
                             fontsize=LEGEND_SIZE, color=STATUS_COLOR[ERROR], style="italic")
-        ax.set_xticks(range(len(doc.vendors)), [_label(v.name) for v in doc.vendors],
-                      rotation=30 if len(doc.vendors) > 3 else 0, ha="right" if len(doc.vendors) > 3 else "center")
+        names = [v.name if len(v.name) <= MAX_TICK else v.name[: MAX_TICK - 1] + "\u2026" for v in doc.vendors]
+        slanted = len(names) > 3 or max(map(len, names)) > 10  # side by side they would overlap
+        ax.set_xticks(range(len(names)), [_label(n) for n in names], rotation=30 if slanted else 0,
+                      ha="right" if slanted else "center", rotation_mode="anchor")
         for tick, v in zip(ax.get_xticklabels(), doc.vendors):
             tick.set_color(STATUS_COLOR[v.status])
         ax.set_xlim(-0.6, len(doc.vendors) - 0.4)
