@@ -191,7 +191,8 @@ def validate_vendors(results, where: str | Path | None = None) -> VendorsDoc:
         errs = e.errors(include_url=False)
         lines = []
         for err in errs[:5]:
-            got = "" if err["type"] == "missing" or err["loc"] == () else f" (got {json.dumps(err['input'], default=str)[:60]})"
+            shown = err["type"] != "missing" and not isinstance(err["input"], (Mapping, list))  # a value, not a record
+            got = f" (got {json.dumps(err['input'], default=str)[:60]})" if shown else ""
             lines.append(f"{_loc(err['loc'], results)}: {err['msg'].removeprefix('Value error, ')}{got}")
         more = f"; and {len(errs) - 5} more" if len(errs) > 5 else ""
         raise VerinferError("malformed vendors results: " + "; ".join(lines) + more,
