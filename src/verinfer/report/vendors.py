@@ -291,7 +291,7 @@ def vendors_figure(results) -> Figure:
     for ax, (score, label) in zip(axes, SCORES):
         VendorBandsPlot(ax).plot(doc, score, label, title=label)
     handles = [Line2D([], [], ls="", marker=STATUS_MARKER[s], color=STATUS_COLOR[s], label=f"vendor: {s}")
-               for s in (OK, FLAGGED, ERROR)]
+               for s in (OK, FLAGGED, ERROR) if any(v.status == s for v in doc.vendors)]
     handles += [Patch(facecolor=BAND_COLORS[i % len(BAND_COLORS)], alpha=0.35,
                       label=_label(f"band: {name}" + (f" ({b.description})" if b.description else "")))
                 for i, (name, b) in enumerate(doc.bands.items())]
