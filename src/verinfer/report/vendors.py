@@ -214,7 +214,7 @@ def load_vendors(path: str | Path) -> VendorsDoc:
 
 
 # -- the figure ----------------------------------------------------------------------------------
-SCORES = (("margin", "mean clipped margin"), ("cross_entropy", "mean cross-entropy"),
+PANELS = (("margin", "mean clipped margin"), ("cross_entropy", "mean cross-entropy"),
           ("mismatch", "mismatch rate (1 - exact match)"))
 
 
@@ -287,8 +287,8 @@ def vendors_figure(results) -> Figure:
     legend below the panels. FIG_SIZE at DPI (1280 px wide: the page shows it unscaled)."""
     doc = validate_vendors(results)
     fig = Figure(figsize=FIG_SIZE, dpi=DPI, layout="constrained")
-    axes = fig.subplots(1, len(SCORES))
-    for ax, (score, label) in zip(axes, SCORES):
+    axes = fig.subplots(1, len(PANELS))
+    for ax, (score, label) in zip(axes, PANELS):
         VendorBandsPlot(ax).plot(doc, score, label, title=label)
     handles = [Line2D([], [], ls="", marker=STATUS_MARKER[s], color=STATUS_COLOR[s], label=f"vendor: {s}")
                for s in (OK, FLAGGED, ERROR) if any(v.status == s for v in doc.vendors)]
