@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.compute as pc
 
 from benchmarks.markdown import write_markdown
@@ -43,6 +44,7 @@ CACHE = ROOT / ".cache" / "audit_wild"
 HONEST_VENDORS = ("honest", "honest-b1")
 FPR_BATCH_CLAIMS = 8   # claims per honest batch of the false-positive-rate check (~400 tokens)
 BATCH_SIZES = (10, 30, 100, 300, 1000, 3000)
+AUC_CLAIMS = 48        # the first claims of each vendor both tools score for the tokens-to-AUC comparison
 
 
 def vendor_endpoint(row: dict, name: str, concurrency: int):
@@ -138,7 +140,7 @@ def retokenization(args, det) -> dict:
             ids = table["claim_id"].to_pylist()
             order = list(dict.fromkeys(ids))
             for k in range(0, len(order) - FPR_BATCH_CLAIMS + 1, FPR_BATCH_CLAIMS):
-                batch = table.filter(pc.is_in(table["claim_id"], value_set=__import__("pyarrow").array(order[k:k + FPR_BATCH_CLAIMS])))
+                batch = table.filter(pc.is_in(table["claim_id"], value_set=pa.array(order[k:k + FPR_BATCH_CLAIMS])))
                 flagged[key].append(bool(det.verdict(batch).flagged))
     out["fraction_differing"] = out["honest_claims_differing"] / max(out["honest_claims"], 1)
     out["fpr_true_ids"] = float(np.mean(flagged["true_ids"]))
@@ -155,14 +157,20 @@ def tokens_to_auc(args, det) -> dict:
     from verinfer.scores import divergence
 
     difr = token_difr_scores(args)
-    honest_v = np.concatenate([divergence(scores_of(n), "margin") for n in HONEST_VENDORS])
+
+    def margins(name):  # verinfer's margins on the same first AUC_CLAIMS claims
+        t = scores_of(name)
+        first = list(dict.fromkeys(t["claim_id"].to_pylist()))[:AUC_CLAIMS]
+        return divergence(t.filter(pc.is_in(t["claim_id"], value_set=pa.array(first))), "margin")
+
+    honest_v = np.concatenate([margins(n) for n in HONEST_VENDORS])
     honest_d = {c: np.concatenate([difr[n][c] for n in HONEST_VENDORS]) for c in ("mismatch", "margin")}
     out = {}
     for name in args.vendors:
         if name in HONEST_VENDORS:
             continue
         rng = np.random.default_rng(0)
-        v = auc_vs_tokens(honest_v, divergence(scores_of(name), "margin"), BATCH_SIZES, rng=rng)
+        v = auc_vs_tokens(honest_v, margins(name), BATCH_SIZES, rng=rng)
         d = auc_vs_tokens(honest_d["mismatch"], difr[name]["mismatch"], BATCH_SIZES, rng=rng)
         dm = auc_vs_tokens(honest_d["margin"], difr[name]["margin"], BATCH_SIZES, rng=rng)
         out[name] = {"verinfer": tokens_to_detect(v), "token_difr": tokens_to_detect(d),
@@ -184,7 +192,10 @@ def token_difr_scores(args) -> dict[str, dict[str, np.ndarray]]:
         path = CACHE / "token_difr" / f"{name}.parquet"
         if not path.is_file():
             path.parent.mkdir(parents=True, exist_ok=True)
-            score_claims_file(CACHE / "audit" / "vendors" / name / "claims.jsonl", args.model_dir, path)
+            lines = (CACHE / "audit" / "vendors" / name / "claims.jsonl").read_text().splitlines()[:AUC_CLAIMS]
+            sub = path.with_suffix(".jsonl")
+            sub.write_text("\n".join(lines) + "\n")
+            score_claims_file(sub, args.model_dir, path)
         t = pq.read_table(path)
         out[name] = {"mismatch": t[STATISTIC].to_numpy().astype(np.float64),
                      "margin": t["margin"].to_numpy().astype(np.float64)}
@@ -202,8 +213,8 @@ def render_markdown(r: dict) -> str:
         lines.append(f"| {name} | {'honest' if v['honest'] else 'misconfigured'} | {v['flagged']} | {v['nearest_band']} "
                      f"| {d['exact_match']:.4f} | {d['n_tokens']} | {d['n_requests']} | {v['tokens_to_decide'] or '-'} "
                      f"| {v['requests_to_decide'] or '-'} | {d['resegmented']:.3f} |")
-    lines += ["", "Tokens to tell each misconfiguration from the honest vendors at AUC@1%FPR >= 0.99 (DiFR 5.2 "
-              "protocol; token-level batches):", "", "| misconfiguration | verinfer (clipped margin) | token-difr (exact match, its headline) | ratio | "
+    lines += ["", f"Tokens to tell each misconfiguration from the honest vendors at AUC@1%FPR >= 0.99 (DiFR 5.2 "
+              f"protocol, token-level batches; each vendor's first {AUC_CLAIMS} replies, scored by both tools):", "", "| misconfiguration | verinfer (clipped margin) | token-difr (exact match, its headline) | ratio | "
               "token-difr's margin |", "|---|---|---|---|---|"]
     for name, t in r["tokens_to_auc99"].items():
         ratio = (f"{t['verinfer'] / t['token_difr']:.2f}" if t["verinfer"] and t["token_difr"] else "-")
