@@ -284,7 +284,7 @@ def main() -> None:
         import shutil
 
         shutil.copy(res.html, RESULTS.with_suffix(".html"))
-        png = res.html.with_suffix(".png")
+        png = res.html.with_name(res.html.stem + "_bands.png")
         if png.is_file():
             shutil.copy(png, RESULTS.with_name("audit_wild_bands.png"))
     print(RESULTS.with_suffix(".md").read_text())
