@@ -9,10 +9,8 @@ from __future__ import annotations
 
 import html
 import json
-import os
 import re
 import shutil
-import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -23,14 +21,8 @@ import pytest
 from verinfer.detect.clipped_mean import ClippedMeanDetector
 from verinfer.report.html import ReportContext, compute_auc_curves, write_report
 
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-if CHROMIUM is None:
-    if os.environ.get("VERINFER_REQUIRE_CHROMIUM") == "1":
-        raise RuntimeError("VERINFER_REQUIRE_CHROMIUM=1 but no chromium on PATH: apt-get install -y chromium")
-    pytest.skip("chromium not installed (apt-get install -y chromium)", allow_module_level=True)
+from tests.report.chromium import ARTIFACTS, WINDOW, run_chromium as _chromium
 
-ARTIFACTS = Path(__file__).resolve().parents[2] / "runs" / "ci"
-WINDOW = (1400, 900)  # a laptop screen: the summary must be on it without scrolling
 BROKEN = '<img alt="probe: a broken image" src="data:image/png;base64,AAAA">'
 PROBE = """<script>
 window.addEventListener("load", () => {
@@ -50,12 +42,6 @@ window.addEventListener("load", () => {
 });
 </script>
 """
-
-
-def _chromium(*args: str, profile: Path) -> subprocess.CompletedProcess:
-    cmd = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--hide-scrollbars",
-           f"--user-data-dir={profile}", *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=True)
 
 
 def _table(rng) -> pa.Table:

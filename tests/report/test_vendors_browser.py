@@ -9,26 +9,13 @@ from __future__ import annotations
 
 import html
 import json
-import os
 import re
 import shutil
-import subprocess
-from pathlib import Path
 
-import pytest
-
+from tests.report.chromium import ARTIFACTS, WINDOW, run_chromium as _chromium
+from tests.report.test_vendors import vendors_doc
 from verinfer.report.vendors import render_vendors_html
 
-from tests.report.test_vendors import vendors_doc
-
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-if CHROMIUM is None:
-    if os.environ.get("VERINFER_REQUIRE_CHROMIUM") == "1":
-        raise RuntimeError("VERINFER_REQUIRE_CHROMIUM=1 but no chromium on PATH: apt-get install -y chromium")
-    pytest.skip("chromium not installed (apt-get install -y chromium)", allow_module_level=True)
-
-ARTIFACTS = Path(__file__).resolve().parents[2] / "runs" / "ci"
-WINDOW = (1400, 900)  # a laptop screen: the summary must be on it without scrolling
 PROBE = """<script>
 window.addEventListener("load", () => {
   const imgs = [...document.images];
@@ -49,12 +36,6 @@ window.addEventListener("load", () => {
 });
 </script>
 """
-
-
-def _chromium(*args: str, profile: Path) -> subprocess.CompletedProcess:
-    cmd = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--hide-scrollbars",
-           f"--user-data-dir={profile}", *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=True)
 
 
 def test_vendors_page_shows_every_vendor_row_and_the_figure(tmp_path):
