@@ -149,7 +149,7 @@ def test_sampling_seed_2_pow_70_is_a_claim_error_with_line_and_field():
     from verinfer.claims import parse_claim
 
     obj = {"id": 1, "model": "m", "prompt_token_ids": [1], "output_token_ids": [2],
-           "sampling": {"temperature": 1.0, "seed": 2**70}}
+           "sampling": {"temperature": 1.0, "top_k": -1, "top_p": 1.0, "min_p": 0.0, "noise": "vllm-cpu", "seed": 2**70}}
     with pytest.raises(ClaimError) as e:
         parse_claim(obj, "c.jsonl:7")
     assert "c.jsonl:7" in e.value.message and "sampling.seed" in e.value.message

@@ -9,6 +9,11 @@
      "chat": {"messages": [{"role", "content"}], "text": str, "finish_reason": "stop" | "length",
               "tokens": "returned" | "derived", "usage": {...} | null} (optional; a chat reply)}
 
+`sampling.temperature` is required; at temperature > 0 every other `sampling` field is too (a
+missing one is an error naming it, never a default); at temperature 0 (greedy) the filters, seed
+and noise change nothing and may be absent. A line is at most MAX_LINE_BYTES (16 MiB):
+a longer one is refused with its line number before it is read whole or parsed.
+
 Token ids are what is scored. A chat reply (`chat`) keeps the messages and the text it was made
 from and says how its ids were obtained: returned by the endpoint, or derived from the text with
 the model's chat template and tokenizer (`verinfer.retokenize`; the replay then re-cuts a derived
@@ -21,6 +26,7 @@ In memory a claim is the plain `Claim` dataclass (sampling as the engine's Sampl
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Iterable, Iterator, Literal
@@ -34,22 +40,35 @@ from verinfer.sampling.noise import NOISE_BACKENDS
 from verinfer.sampling.params import SamplingParamError, SamplingParams, check_sampling
 
 TokenIds = list[StrictInt]
+MAX_LINE_BYTES = 16 << 20  # the longest claims line read (a 32k-token claim with fingerprints is < 1 MiB)
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # \ud800-\udfff: a JSON escape of a UTF-16 surrogate
+
+
+GREEDY_DEFAULTS = {"top_k": -1, "top_p": 1.0, "min_p": 0.0, "noise": "vllm-cpu"}
 
 
 class SamplingRecord(BaseModel):
     """The sampling settings the provider claims; finite numbers only (NaN / inf are refused).
-    The ranges are sampling.params.check_sampling's, the one validation SamplingParams runs too."""
+    The ranges are sampling.params.check_sampling's, the one validation SamplingParams runs too.
+    `temperature` is always required; at temperature > 0 so are top_k, top_p, min_p, noise and seed
+    (a missing one names itself); at temperature 0 (greedy) they change nothing and may be absent."""
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
-    temperature: float = 1.0
-    top_k: StrictInt = -1
-    top_p: float = 1.0
-    min_p: float = 0.0
+    temperature: float
+    top_k: StrictInt | None = None  # None: absent, allowed only at temperature 0 (`_in_range`)
+    top_p: float | None = None
+    min_p: float | None = None
     seed: StrictInt | None = None
-    noise: str = "vllm-cpu"
+    noise: str | None = None
 
     @model_validator(mode="after")
     def _in_range(self) -> "SamplingRecord":
+        missing = [k for k, v in GREEDY_DEFAULTS.items() if getattr(self, k) is None]
+        if missing and self.temperature > 0:
+            raise ValueError(f"`sampling.{missing[0]}` is missing: at temperature > 0 it changes what is sampled, so "
+                             "the claim must state it (no default is assumed)")
+        for k in missing:  # greedy: the filters keep the argmax and no noise is drawn
+            setattr(self, k, GREEDY_DEFAULTS[k])
         try:
             check_sampling(temperature=self.temperature, top_p=self.top_p, min_p=self.min_p, seed=self.seed,
                            noise=self.noise)
@@ -227,10 +246,14 @@ def iter_claims(path: str | Path) -> Iterator[Claim]:
     with open(p, "rb") as f:  # decoded line by line: a text reader decodes ahead and names the wrong line
         lineno = 0
         while True:
-            raw = f.readline()
+            raw = f.readline(MAX_LINE_BYTES + 1)
             if not raw:
                 break
             lineno += 1
+            if len(raw) > MAX_LINE_BYTES:
+                raise ClaimError(f"the line is longer than {MAX_LINE_BYTES >> 20} MiB (a claim is far smaller)",
+                                 where=f"{p}:{lineno}", fix="split the file into one claim per line; a line this "
+                                                            "long is not a claim verinfer can audit") from None
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as e:
@@ -239,18 +262,37 @@ def iter_claims(path: str | Path) -> Iterator[Claim]:
             if not line.strip():
                 continue
             where = f"{p}:{lineno}"
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                hint = "the file looks truncated (last line cut off)" if not line.endswith("\n") else "fix or drop the line"
-                raise ClaimError(f"not valid JSON ({e.msg} at column {e.colno})", where=where, fix=hint) from None
-            c = parse_claim(obj, where)
+            c = parse_claim(decode_line(line, raw, where), where)
             if c.id in seen:
                 raise ClaimError(f"duplicate claim id {c.id!r} (first at line {seen[c.id]})", where=where)
             seen[c.id] = lineno
             yield c
     if not seen:
         raise ClaimError("the claims file holds no claims", where=str(p))
+
+
+def decode_line(line: str, raw: bytes, where: str) -> object:
+    """One JSON line, or a ClaimError naming it: invalid JSON, a number too long to read (Python
+    refuses integers over 4300 digits), nesting too deep to read, or a lone UTF-16 surrogate (a
+    string that is not text)."""
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as e:
+        hint = "the file looks truncated (last line cut off)" if not line.endswith("\n") else "fix or drop the line"
+        raise ClaimError(f"not valid JSON ({e.msg} at column {e.colno})", where=where, fix=hint) from None
+    except ValueError as e:  # int(text) past sys.get_int_max_str_digits()
+        raise ClaimError(f"a number in the line cannot be read ({e})", where=where,
+                         fix="token ids and seeds are integers below 2**63") from None
+    except RecursionError:
+        raise ClaimError("the line is nested too deeply to read", where=where,
+                         fix="a claim is a flat JSON object (see docs/architecture.md, section Claims)") from None
+    if _SURROGATE_ESCAPE.search(raw):
+        try:
+            json.dumps(obj, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            raise ClaimError("a string holds a lone UTF-16 surrogate (an escape such as \\ud800 without its pair): "
+                             "it is not text", where=where, fix="write the text as UTF-8 (or as a surrogate pair)") from None
+    return obj
 
 
 def read_claims(path: str | Path) -> list[Claim]:
@@ -265,7 +307,7 @@ def check_claims_fit(claims: Iterable[Claim], path: str | Path, *, model_name: s
     ModelInfo.aliases, and those the user vouches for with --model-name)."""
     accepted = tuple(dict.fromkeys([model_name, *aliases]))
     for i, c in enumerate(claims):
-        where = f"{path}: claim {c.id!r}"
+        where = f"{c.source or path}: claim {c.id!r}"
         if c.model not in accepted:
             names = ", ".join(repr(a) for a in accepted)
             raise ClaimError(f"claim is for model {c.model!r} but the verifier loaded {model_name!r}, which answers "

@@ -11,8 +11,11 @@ Every writer in verinfer goes through this module:
 - `ResumableParts`: a job's finished pieces in `<out>.parts/` next to a manifest of what the job is
   (inputs' hashes, settings). A rerun with the same manifest skips finished parts; with another
   manifest it starts over (or refuses, `on_mismatch="error"`). Held under `exclusive_lock(out)`.
-- `check_writable(path, what, directory=False)`: fail before any compute when an output file (or
-  directory) cannot be written.
+- `check_writable(path, what, directory=False, inputs=())`: fail before any compute when an output
+  file (or directory) cannot be written, exists and is not a regular file (a device, FIFO or socket:
+  os.replace would swap it for a file), or is one of the command's inputs (same inode).
+- `output(path, what, inputs=(), directory=False)`: check_writable, then hold the output's lock
+  while the command writes it (every writer of a named output goes through it or ResumableParts).
 
 The progress display of long jobs is verinfer.progress.
 """
@@ -25,6 +28,7 @@ import itertools
 import json
 import os
 import shutil
+import stat
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
@@ -89,6 +93,7 @@ def atomic_write(path: str | Path, write_fn: Callable[[Path], None]) -> Path:
     """Write `path` through a temp file in its directory, then os.replace it into place. The file
     gets the mode a plain open() would give it (0o666 less the umask; mkstemp makes it 0600)."""
     p = Path(path)
+    refuse_special(p, "output")
     p.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=f".{p.name}.", suffix=".tmp")
     os.close(fd)
@@ -97,6 +102,7 @@ def atomic_write(path: str | Path, write_fn: Callable[[Path], None]) -> Path:
         os.chmod(tmp, 0o666 & ~_umask())
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
+        refuse_special(p, "output")  # created while we wrote: still never replaced
         os.replace(tmp, p)
     except BaseException:
         if os.path.exists(tmp):
@@ -130,15 +136,53 @@ def atomic_save_safetensors(tensors: dict, path: str | Path, metadata: dict[str,
     return atomic_write(path, lambda tmp: save_file(tensors, str(tmp), metadata=metadata))
 
 
-def check_writable(path: str | Path, what: str = "output", *, directory: bool = False) -> Path:
+def refuse_special(path: str | Path, what: str = "output") -> None:
+    """A VerinferError when `path` exists and is not a regular file (or a link to one): a device
+    node, FIFO or socket that os.replace would swap for a regular file (`-o /dev/null`)."""
+    p = Path(path)
+    try:
+        st = os.stat(p)
+    except (FileNotFoundError, NotADirectoryError):
+        return
+    if stat.S_ISDIR(st.st_mode):
+        raise VerinferError(f"the {what} path is a directory", where=str(p), fix="name a file in it, or another path")
+    if not stat.S_ISREG(st.st_mode):
+        kind = ("a character device" if stat.S_ISCHR(st.st_mode) else "a block device" if stat.S_ISBLK(st.st_mode)
+                else "a FIFO" if stat.S_ISFIFO(st.st_mode) else "a socket" if stat.S_ISSOCK(st.st_mode)
+                else "not a regular file")
+        raise VerinferError(f"the {what} path exists and is {kind}: verinfer writes outputs by replacing the file, "
+                            "which would replace it", where=str(p), fix="name a new file path (or a regular file)")
+
+
+def refuse_inputs(path: str | Path, inputs: Iterable[str | Path], what: str = "output") -> None:
+    """A VerinferError when the output `path` is one of `inputs` (the same file, by inode: a link
+    or another spelling of the path counts): writing it would destroy the input before it is read."""
+    p = Path(path)
+    if not p.exists():
+        return
+    for i in inputs:
+        try:
+            same = os.path.samefile(p, i)
+        except OSError:
+            continue
+        if same:
+            raise VerinferError(f"the {what} is also an input of this command ({i}): writing it would destroy the "
+                                "input", where=str(p), fix="write the output to another path")
+
+
+def check_writable(path: str | Path, what: str = "output", *, directory: bool = False,
+                   inputs: Iterable[str | Path] = ()) -> Path:
     """Refuse, before any compute, an output path that is a directory (a file when `directory`:
-    an output directory), lies under a file, or whose directory cannot be created or written."""
+    an output directory), exists and is not a regular file (`refuse_special`), is one of the
+    command's `inputs` (`refuse_inputs`), lies under a file, or whose directory cannot be created
+    or written."""
     p = Path(path)
     if directory and p.exists() and not p.is_dir():
         raise VerinferError(f"the {what} path is a file, not a directory", where=str(p),
                             fix="name a directory (it is created if missing)")
-    if not directory and p.is_dir():
-        raise VerinferError(f"the {what} path is a directory", where=str(p), fix="name a file in it, or another path")
+    if not directory:
+        refuse_special(p, what)
+        refuse_inputs(p, inputs, what)
     for a in ((p,) if directory else ()) + (p.parent, *p.parent.parents):
         if a.exists():
             if not a.is_dir():
@@ -155,6 +199,17 @@ def check_writable(path: str | Path, what: str = "output", *, directory: bool = 
     if not directory and p.exists() and not os.access(p, os.W_OK):
         raise VerinferError(f"cannot overwrite the {what}", where=str(p), fix="check its permissions")
     return p
+
+
+@contextmanager
+def output(path: str | Path, what: str = "output", *, inputs: Iterable[str | Path] = (),
+           directory: bool = False) -> Iterator[Path]:
+    """`check_writable`, then `exclusive_lock(path)` held while the body writes the output: a second
+    command writing the same output at the same time is refused (OutputBusyError) instead of the
+    last writer silently winning."""
+    p = check_writable(path, what, directory=directory, inputs=inputs)
+    with exclusive_lock(p):
+        yield p
 
 
 @contextmanager

@@ -283,19 +283,31 @@ def common_provenance(paths: list[str | Path], strict: bool = True) -> Provenanc
     return out
 
 
-def check_provenance(want: Provenance | None, source: str | Path, paths: list[str | Path]) -> list[str]:
+ALLOW_UNRECORDED = "--allow-unrecorded-provenance"
+
+
+def check_provenance(want: Provenance | None, source: str | Path, paths: list[str | Path],
+                     allow_unrecorded: bool = False) -> list[str]:
     """Refuse scores replayed with another model or settings than `want` (the provenance of the
     honest calibration scores of the detector file `source`): a VerinferError naming both and every
-    differing field; warnings for what cannot be checked (no provenance recorded on either side)."""
+    differing field. Provenance missing on either side (deleted from a detector, stripped from a
+    Parquet file, or written by an older verinfer) is refused too, unless `allow_unrecorded`: then
+    it is returned as notes, which the verdicts carry."""
+    def unrecorded(where, what: str) -> list[str]:
+        if not allow_unrecorded:
+            raise VerinferError(f"{what}: verinfer cannot check that the scores and the detector come from the same "
+                                "model and settings", where=str(where),
+                                fix=f"rescore the claims and recalibrate with this verinfer, or pass {ALLOW_UNRECORDED} "
+                                    "to audit anyway (each verdict then says the model was not checked)")
+        return [f"{where}: {what}: model and settings not checked ({ALLOW_UNRECORDED})"]
+
     if want is None:
-        return [f"{source}: the detector records no provenance (calibrated by an older verinfer or in code): "
-                "the model and settings of the scores are not checked"]
+        return unrecorded(source, "the detector records no provenance")
     notes = []
     for p in paths:
         have = scores_provenance(p)
         if have is None:
-            notes.append(f"{p}: the scores record no provenance (an older `verinfer score`): not checked against "
-                         f"the detector's model {want.model}")
+            notes += unrecorded(p, "the scores record no provenance")
             continue
         diff = mismatch(want, have)
         if diff:
@@ -344,12 +356,54 @@ def write_scores(out: str | Path, tables: pa.Table | Iterable[pa.Table], schema_
 
 # -- reading --------------------------------------------------------------------------------------
 def read_scores(path: str | Path) -> pa.Table:
-    """One scores file, checked to be Parquet with the key and Token-DiFR columns."""
+    """One scores file, checked to be Parquet with the key and Token-DiFR columns and validated
+    (`validate_scores`)."""
     t = _read(path, pq.read_table)
     missing = [c for c in REQUIRED if c not in t.column_names]
     if missing:
         raise VerinferError(f"missing score columns {missing}", where=str(path), fix="rerun `verinfer score`")
+    validate_scores(t, str(path))
     return t
+
+
+# The values each score column can hold (`verinfer score` writes nothing else): (low, high, nulls allowed).
+# NaN is never a score (fp_l2's unlogged positions are null).
+COLUMN_RANGES = {MARGIN: (0.0, np.inf, False), CROSS_ENTROPY: (0.0, np.inf, False),
+                 LIKELIHOOD: (-np.inf, 0.0, True), FP_L2: (0.0, np.inf, True),
+                 POSITION: (0, None, False), TOKEN_ID: (0, None, False), REPLAY_TOKEN_ID: (-1, None, True)}
+
+
+def validate_scores(t: pa.Table, where: str) -> None:
+    """A VerinferError naming the file, column and first bad row when a scores table cannot be what
+    `verinfer score` wrote: no rows; a value outside its column's range (COLUMN_RANGES: a margin
+    below 0, a NaN, ...); a null exact_match, claim or provider; or a (provider, claim, position)
+    twice (its token would count twice)."""
+    fix = "rescore the claims with `verinfer score` (the file was edited, or not written by verinfer)"
+    if t.num_rows == 0:
+        raise VerinferError("the scores file holds no scored tokens", where=where, fix="score at least one claim")
+    for name in (CLAIM_ID, PROVIDER, EXACT_MATCH):
+        if t[name].null_count:
+            raise VerinferError(f"column {name} holds {t[name].null_count} nulls", where=where, fix=fix)
+    for name, (low, high, nulls) in COLUMN_RANGES.items():
+        if name not in t.column_names:
+            continue
+        col = t[name]
+        if not (pa.types.is_integer(col.type) or pa.types.is_floating(col.type)):
+            raise VerinferError(f"column {name}: {col.type}, not a number", where=where, fix=fix)
+        if col.null_count and not nulls:
+            raise VerinferError(f"column {name} holds {col.null_count} nulls", where=where, fix=fix)
+        v = np.asarray(col.to_numpy(zero_copy_only=False) if not col.null_count else col.fill_null(low).to_numpy(),
+                       dtype=np.float64)
+        bad = np.isnan(v) | (v < low) | ((v > high) if high is not None else False)
+        if bad.any():
+            i = int(np.flatnonzero(bad)[0])
+            raise VerinferError(f"column {name} holds {v[i]!r} at row {i} ({int(bad.sum())} such rows): a {name} lies "
+                                f"in [{low}, {'inf' if high is None else high}]", where=where, fix=fix)
+    if POSITION in t.column_names:
+        keys = t.select([PROVIDER, CLAIM_ID, POSITION])
+        if keys.group_by(keys.column_names).aggregate([]).num_rows != t.num_rows:
+            raise VerinferError("a (provider, claim, position) appears on more than one row: its token would count "
+                                "twice", where=where, fix=fix)
 
 
 def _read(path: str | Path, read):

@@ -297,7 +297,7 @@ def test_report_and_audit_read_scores_with_and_without_gaps_together(scored, tmp
     odd = tmp_path / "odd.parquet"  # a column of another type: an error naming the file
     pq.write_table(pq.read_table(plain).set_column(5, "margin", pa.array(["x"] * pq.read_metadata(plain).num_rows)), odd)
     r = run("report", plain, odd, "--out", tmp_path / "report2")
-    assert r.exit_code == 2 and str(odd) in r.output and "margin: double vs string" in r.output
+    assert r.exit_code == 2 and str(odd) in r.output and "column margin: string, not a number" in r.output
 
 
 def test_report_names_the_model_given_and_says_not_recorded_otherwise(scored, tmp_path):

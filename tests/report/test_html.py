@@ -10,7 +10,7 @@ import pytest
 from verinfer import __version__
 from verinfer.scores import SCORES, likelihood_score
 from verinfer.detect.verdict import Verdict
-from verinfer.report.html import ReportContext, compute_auc_curves, write_report
+from verinfer.report.html import ReportContext, _slug, compute_auc_curves, write_report
 from verinfer.report.plots import DPI, FIG_SIZE, LEGEND_SIZE, AucVsTokensPlot, ScoreHistogramPlot
 
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -126,8 +126,9 @@ def test_write_report(table, tmp_path):
     for s in ("Verdict details", "FLAGGED", "AUC at 1% FPR", "int4", "temp-1.1", "cross_entropy"):
         assert s in text
     pngs = sorted(p.name for p in out.parent.glob("*.png"))
-    assert pngs == ["auc_int4.png", "auc_overview.png", "auc_temp-1.1.png", "hist_int4_cross_entropy.png",
-                    "hist_int4_margin.png", "hist_temp-1.1_cross_entropy.png", "hist_temp-1.1_margin.png"]
+    i4, t11 = _slug("int4"), _slug("temp-1.1")
+    assert pngs == sorted([f"auc_{i4}.png", "auc_overview.png", f"auc_{t11}.png", f"hist_{i4}_cross_entropy.png",
+                           f"hist_{i4}_margin.png", f"hist_{t11}_cross_entropy.png", f"hist_{t11}_margin.png"])
     page = _Page(text)
     # self-contained: every PNG is embedded in the page (and also written next to it)
     assert sorted(i["data-file"] for i in page.imgs) == pngs
@@ -225,7 +226,8 @@ def test_write_report_computes_curves_when_missing(table, tmp_path):
     small = table.filter(pc.is_in(table["provider"], value_set=pa.array(["honest-a", "int4"])))
     out = write_report(small, tmp_path, ["honest-a"], None, None, batch_sizes=(1, 100))
     text = out.read_text()
-    assert "Verdict details" not in text and "auc_int4.png" in text and (tmp_path / "hist_int4_margin.png").is_file()
+    i4 = _slug("int4")
+    assert "Verdict details" not in text and f"auc_{i4}.png" in text and (tmp_path / f"hist_{i4}_margin.png").is_file()
 
 
 def test_plot_classes_own_an_axes_and_label_what_they_draw():

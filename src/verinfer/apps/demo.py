@@ -13,7 +13,7 @@ from pathlib import Path
 from verinfer.apps.pipeline import audit, generate, score, verifier_engine
 from verinfer.detect.calibrate import calibrate, split_claims
 from verinfer.detect.verdict import Verdict
-from verinfer.io import atomic_write_json, atomic_write_text, check_manifest
+from verinfer.io import atomic_write_json, atomic_write_text, check_manifest, output
 from verinfer.models.load import model_info
 from verinfer.models.testbed import TARGET_DIR
 from verinfer.providers.simulated import DEFAULT_SPEC, HONEST, PROVIDERS
@@ -33,9 +33,13 @@ def demo(out_dir: str | Path = "runs/demo", *, model_dir: str | Path | None = No
     """Generate honest and misconfigured claims on the testbed (or `model_dir`), score, calibrate,
     audit, report. Resumes the finished claims and scores in `out_dir` when they were made with the
     same model, n, max_tokens and seed (out_dir/demo.json); other settings are refused."""
+    with output(out_dir, "demo directory", directory=True):
+        return _demo(Path(out_dir), Path(model_dir or TARGET_DIR), n=n, max_tokens=max_tokens, seed=seed,
+                     audit_tokens=audit_tokens, show_progress=show_progress)
+
+
+def _demo(out: Path, model_dir: Path, *, n, max_tokens, seed, audit_tokens, show_progress) -> DemoResult:
     t0 = time.perf_counter()
-    model_dir = Path(model_dir or TARGET_DIR)
-    out = Path(out_dir)
     info = model_info(model_dir)
     manifest = dict(model=info.name, weights_sha256=info.weights_sha256, n=n, max_tokens=max_tokens, seed=seed)
     mpath = out / "demo.json"

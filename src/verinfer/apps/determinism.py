@@ -8,7 +8,7 @@ from verinfer.determinism.scheduler import POLICIES, Scheduler, make_engines
 from verinfer.determinism.tau import calibrate, calibration_requests, read_tau, write_tau
 from verinfer.engine.engine import Request
 from verinfer.claims import Claim, write_claims
-from verinfer.io import check_writable
+from verinfer.io import output
 from verinfer.progress import progress_bar
 from verinfer.models.load import model_info
 from verinfer.models.prompts import split_prompts
@@ -19,13 +19,13 @@ DEFAULT_TAU_FILE = Path("runs/margingate_tau.json")
 
 def run_calibrate(model_dir, out=DEFAULT_TAU_FILE, n: int = 16, max_batch: int = 16, seed: int = 0,
                   device: str = "cpu", show_progress: bool = True) -> dict:
-    check_writable(out, "tau file")
-    with progress_bar("determinism calibrate (reference, eps_pert, tau sweep)", calibration_requests(n),
-                      show_progress) as adv:
-        rec = calibrate(model_dir, n=n, max_batch=max_batch, seed=seed, device=device, progress=adv)
-    if rec["tau"] is None:
-        raise ValueError("no swept tau reached sequence determinism 1.0 on the calibration prompts")
-    write_tau(out, rec)
+    with output(out, "tau file"):  # merged by model: read, then written, under the lock
+        with progress_bar("determinism calibrate (reference, eps_pert, tau sweep)", calibration_requests(n),
+                          show_progress) as adv:
+            rec = calibrate(model_dir, n=n, max_batch=max_batch, seed=seed, device=device, progress=adv)
+        if rec["tau"] is None:
+            raise ValueError("no swept tau reached sequence determinism 1.0 on the calibration prompts")
+        write_tau(out, rec)
     return rec
 
 
@@ -35,7 +35,13 @@ def generate(model_dir, out, *, policy: str = "margingate", n: int = 8, max_toke
     """Greedy generation with a determinism policy; every `protect_every`-th request is protected
     (the others share the batch on the bf16 path). Writes the claims (claims.write_claims), each
     with the extra field `deterministic`: the policy for a protected request, else null."""
-    check_writable(out, "completions file")
+    with output(out, "completions file", inputs=[tau_file]):
+        return _generate(model_dir, out, policy=policy, n=n, max_tokens=max_tokens, seed=seed, max_batch=max_batch,
+                         tau=tau, tau_file=tau_file, protect_every=protect_every, window=window, device=device)
+
+
+def _generate(model_dir, out, *, policy, n, max_tokens, seed, max_batch, tau, tau_file, protect_every, window,
+              device) -> list[Claim]:
     POLICIES.get(policy)  # an unknown policy fails before the model loads, naming the policies
     info = model_info(model_dir)
     if policy in ("margingate", "gated_llm42") and tau is None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import json
 import warnings
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -19,8 +20,8 @@ from verinfer.detect import Detector, load_detector
 from verinfer.detect.calibrate import calibrate
 from verinfer.detect.verdict import Verdict, combine_verdicts
 from verinfer.errors import VerinferError
-from verinfer.io import atomic_write_text, check_writable
-from verinfer.scores import check_provenance, common_provenance, load_score_tables
+from verinfer.io import atomic_write_text, output
+from verinfer.scores import ALLOW_UNRECORDED, check_provenance, common_provenance, load_score_tables
 
 
 @dataclass(frozen=True)
@@ -70,15 +71,15 @@ def calibrate_files(scores: list[Path], out: Path, *, detector: str = "clipped-m
     """Fit a detector on honest scores files (each file one honest configuration of its null; files
     replayed with other models or settings refused, naming both), measure its held-out FPR, save it
     to `out`. warnings: what the fit warned about (e.g. few honest configurations)."""
-    check_writable(out, "detector file")
-    common_provenance(scores)
-    table = load_score_tables(scores)
-    honest = sorted(set(table["provider"].to_pylist()))
-    with warnings.catch_warnings(record=True) as caught:  # the GLRT's few-honest-groups warning
-        warnings.simplefilter("always")
-        det = calibrate(table, honest, detector=detector, seed=seed, target_fpr=target_fpr,
-                        fpr_batch_tokens=fpr_batch_tokens, **options)
-    det.save(out)
+    with output(out, "detector file", inputs=scores):
+        common_provenance(scores)
+        table = load_score_tables(scores)
+        honest = sorted(set(table["provider"].to_pylist()))
+        with warnings.catch_warnings(record=True) as caught:  # the GLRT's few-honest-groups warning
+            warnings.simplefilter("always")
+            det = calibrate(table, honest, detector=detector, seed=seed, target_fpr=target_fpr,
+                            fpr_batch_tokens=fpr_batch_tokens, **options)
+        det.save(out)
     return CalibrationOutcome(det, honest, [str(w.message) for w in caught])
 
 
@@ -95,13 +96,21 @@ class AuditOutcome:
 def audit_files(inputs: list[Path], detector_paths: list[Path], *, model_dir: Path | None = None,
                 model_names: tuple[str, ...] = (), provider: str | None = None, merge: bool = False,
                 max_tokens: int | None = None, sequential: bool = False,
-                json_out: Path | None = None) -> AuditOutcome:
+                json_out: Path | None = None, allow_unrecorded_provenance: bool = False) -> AuditOutcome:
     """Verdicts per provider of scores files (claims JSONL inputs are scored first, next to them,
     as `<name>.scores.parquet`, with `model_dir`), under every detector (combined when several);
     scores replayed with another model or settings than a detector's calibration are refused.
-    json_out: also write the verdicts there."""
-    if json_out:
-        check_writable(json_out, "verdicts JSON")
+    json_out: also write the verdicts there. allow_unrecorded_provenance: audit scores or detectors
+    that record no provenance (refused otherwise); each verdict then reports `provenance`: unchecked."""
+    held = output(json_out, "verdicts JSON", inputs=[*inputs, *detector_paths]) if json_out else nullcontext()
+    with held:
+        return _audit_files(inputs, detector_paths, model_dir=model_dir, model_names=model_names, provider=provider,
+                            merge=merge, max_tokens=max_tokens, sequential=sequential, json_out=json_out,
+                            allow_unrecorded=allow_unrecorded_provenance)
+
+
+def _audit_files(inputs, detector_paths, *, model_dir, model_names, provider, merge, max_tokens, sequential,
+                 json_out, allow_unrecorded) -> AuditOutcome:
     dets = [load_detector(d) for d in detector_paths]
     gaps = any(d.requires_gaps for d in dets)
     paths = []
@@ -111,11 +120,13 @@ def audit_files(inputs: list[Path], detector_paths: list[Path], *, model_dir: Pa
         else:
             paths.append(p)
     notes = [n for det_path, det in zip(detector_paths, dets)
-             for n in check_provenance(getattr(det, "provenance_", None), det_path, paths)]
+             for n in check_provenance(getattr(det, "provenance_", None), det_path, paths, allow_unrecorded)]
     table = load_score_tables(paths, labels=[p.stem for p in inputs], provider=provider, merge=merge)
     providers = sorted(set(table["provider"].to_pylist()))
     verdicts = combine_verdicts([audit(table, det, providers, max_tokens=max_tokens, sequential=sequential)
                                  for det in dets])
+    if notes:  # audited without provenance, as the user asked: every verdict says so
+        verdicts = [v.with_(provenance=f"unchecked ({ALLOW_UNRECORDED})") for v in verdicts]
     if json_out:
         atomic_write_text(json_out, json.dumps([v.to_dict() for v in verdicts], indent=1, default=float))
     return AuditOutcome(verdicts, notes)
@@ -127,11 +138,11 @@ def report_files(scores: list[Path], out: Path, *, honest: list[str] | None = No
     provider against the honest ones (default: the providers whose names start with 'honest')."""
     from verinfer.report.html import ReportContext, compute_auc_curves, write_report  # matplotlib: only here
 
-    check_writable(out, "report directory", directory=True)
-    table = load_score_tables(scores)
-    names = sorted(set(table["provider"].to_pylist()))
-    hon = honest or [n for n in names if n.startswith("honest")]
-    if not hon:
-        raise VerinferError("no honest provider among the scores", fix="pass --honest NAME")
-    context = ReportContext.for_model(model_dir) if model_dir is not None else ReportContext()
-    return write_report(table, out, hon, None, compute_auc_curves(table, hon), context=context)
+    with output(out, "report directory", directory=True):
+        table = load_score_tables(scores)
+        names = sorted(set(table["provider"].to_pylist()))
+        hon = honest or [n for n in names if n.startswith("honest")]
+        if not hon:
+            raise VerinferError("no honest provider among the scores", fix="pass --honest NAME")
+        context = ReportContext.for_model(model_dir) if model_dir is not None else ReportContext()
+        return write_report(table, out, hon, None, compute_auc_curves(table, hon), context=context)

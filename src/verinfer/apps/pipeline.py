@@ -14,7 +14,7 @@ from verinfer.claims import Claim, check_claims_fit, iter_claims, write_claims
 from verinfer.detect import Detector
 from verinfer.detect.sequential import SequentialAudit
 from verinfer.detect.verdict import Verdict
-from verinfer.io import check_writable, sha256_and_lines
+from verinfer.io import check_writable, output, sha256_and_lines
 from verinfer.models.prompts import prompts_for
 from verinfer.progress import progress_bar
 from verinfer.providers import vllm
@@ -34,15 +34,15 @@ VERIFIER_NUMERICS = Numerics(dtype="bf16", attn="sdpa")
 def generate(provider: str, model_dir: str | Path, out: str | Path, *, n: int = 32, max_tokens: int = 64,
              seed: int = 0, spec: dict | None = None, device: str = "cpu", show_progress: bool = True,
              fingerprint=None) -> list[Claim]:
-    check_writable(out, "claims file")
-    cfg = get_provider(provider)
-    spec = {**DEFAULT_SPEC, **(spec or {})}
-    advertised = SamplingParams(seed=0, max_tokens=max_tokens, **spec)
-    prompts = prompts_for(model_dir, n, seed)
-    with progress_bar(f"generate {provider}", len(prompts), show_progress) as adv:
-        claims = run_provider(cfg, model_dir, prompts, advertised, base_seed=seed, device=device, progress=adv,
-                              fingerprint=fingerprint)
-    write_claims(out, claims)
+    with output(out, "claims file"):
+        cfg = get_provider(provider)
+        spec = {**DEFAULT_SPEC, **(spec or {})}
+        advertised = SamplingParams(seed=0, max_tokens=max_tokens, **spec)
+        prompts = prompts_for(model_dir, n, seed)
+        with progress_bar(f"generate {provider}", len(prompts), show_progress) as adv:
+            claims = run_provider(cfg, model_dir, prompts, advertised, base_seed=seed, device=device, progress=adv,
+                                  fingerprint=fingerprint)
+        write_claims(out, claims)
     return claims
 
 
@@ -50,7 +50,12 @@ def generate_with_vllm(provider: str, model_dir: str | Path, out: str | Path, *,
              seed: int = 0, spec: dict | None = None, work_dir: str | Path | None = None) -> "vllm.VllmGeneration":
     """`verinfer generate --engine vllm`: claims from real vLLM on the audit prompts (same prompts
     and per-request seeds as the simulated providers)."""
-    check_writable(out, "claims file")
+    with output(out, "claims file"):
+        return _generate_with_vllm(provider, model_dir, out, n=n, max_tokens=max_tokens, seed=seed, spec=spec,
+                                   work_dir=work_dir)
+
+
+def _generate_with_vllm(provider, model_dir, out, *, n, max_tokens, seed, spec, work_dir) -> "vllm.VllmGeneration":
     spec = {**DEFAULT_SPEC, **(spec or {})}
     if spec.get("noise", "vllm-cpu") != "vllm-cpu":
         raise ValueError(f"vLLM on CPU samples with the vllm-cpu noise backend, not {spec['noise']!r}")
@@ -94,7 +99,7 @@ def score(claims_path: str | Path, model_dir: str | Path, out: str | Path, *, en
     claims when the caller has started reading it (`score_file` peeks at the first claim).
     Claims derived from chat text are re-cut where the reference segments the text differently
     (`audit.replay.recut_claims`), with `retokenizer` or the model's own tokenizer."""
-    check_writable(out, "scores file")
+    check_writable(out, "scores file", inputs=[claims_path])  # locked while written: ResumableParts
     info = model_info(model_dir)
     if reference_url is not None:
         if engine is not None or workers is not None or ray_address is not None:

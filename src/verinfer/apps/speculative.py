@@ -8,7 +8,7 @@ from typing import Iterable
 
 from verinfer.claims import Claim, check_claims_fit, read_claims, write_claims
 from verinfer.errors import ClaimError
-from verinfer.io import check_writable
+from verinfer.io import output
 from verinfer.progress import progress_bar
 from verinfer.models.llama import LlamaLM
 from verinfer.models.load import model_info
@@ -29,7 +29,14 @@ def generate_claims_file(model_dir, draft_dir, out, *, rule: str = "kl", thresho
                          show_progress: bool = True) -> list[Claim]:
     """Speculative generation on the audit prompts (models/corpus.eval_prompts) -> claims JSONL
     with a `spec` field. `claimed` defaults to the rule actually run (an honest label)."""
-    check_writable(out, "claims file")
+    with output(out, "claims file"):
+        return _generate_claims_file(model_dir, draft_dir, out, rule=rule, threshold=threshold, gamma=gamma, n=n,
+                                     max_tokens=max_tokens, seed=seed, temperature=temperature, judge_path=judge_path,
+                                     device=device, claimed=claimed, show_progress=show_progress)
+
+
+def _generate_claims_file(model_dir, draft_dir, out, *, rule, threshold, gamma, n, max_tokens, seed, temperature,
+                          judge_path, device, claimed, show_progress) -> list[Claim]:
     judge = None
     if rule == "autojudge":
         if judge_path is None:
@@ -58,7 +65,11 @@ def score_file(claims_path, model_dir, draft_dir, out, device: str = "cpu", mode
     accept_nll, per-claim violations). model_names: names the user vouches the target is claimed
     under, besides its own aliases. claims: the file's claims when the caller has started reading
     it (else the file is read here)."""
-    check_writable(out, "scores file")
+    with output(out, "scores file", inputs=[claims_path]):
+        return _score_file(claims_path, model_dir, draft_dir, out, device, model_names, show_progress, claims)
+
+
+def _score_file(claims_path, model_dir, draft_dir, out, device, model_names, show_progress, claims) -> dict:
     claims = list(claims) if claims is not None else read_claims(claims_path)
     missing = [c.source for c in claims if "spec" not in c.extra]
     if missing:
@@ -96,14 +107,14 @@ def train_autojudge(model_dir, draft_dir, out, *, n: int = 64, seed: int = 1, ma
     from verinfer.models.nextline import newline_token_ids
     from verinfer.speculative.autojudge import mine, train_judge
 
-    check_writable(out, "judge file")
-    tok = load_tokenizer(model_dir)
-    prompts = [tok.encode(q, add_special_tokens=False) for q, _ in train_problems(n, seed)]
-    target = LlamaLM.from_pretrained(model_dir, device=device)
-    draft = LlamaLM.from_pretrained(draft_dir, device=device)
-    stop = tuple(sorted(newline_token_ids(tok)))
-    with progress_bar("mine AutoJudge labels", len(prompts), show_progress) as adv:
-        mined = mine(target, draft, tok, prompts, max_tokens, stop, progress=lambda k: adv(1))
-    train_judge(mined, C=C, seed=seed).to_json(out)
+    with output(out, "judge file"):
+        tok = load_tokenizer(model_dir)
+        prompts = [tok.encode(q, add_special_tokens=False) for q, _ in train_problems(n, seed)]
+        target = LlamaLM.from_pretrained(model_dir, device=device)
+        draft = LlamaLM.from_pretrained(draft_dir, device=device)
+        stop = tuple(sorted(newline_token_ids(tok)))
+        with progress_bar("mine AutoJudge labels", len(prompts), show_progress) as adv:
+            mined = mine(target, draft, tok, prompts, max_tokens, stop, progress=lambda k: adv(1))
+        train_judge(mined, C=C, seed=seed).to_json(out)
     return {"problems": mined.problems, "mismatches": int(mined.labels_N.numel()),
             "important_fraction": float(mined.labels_N.float().mean()), "out": str(out)}

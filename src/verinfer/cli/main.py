@@ -1,6 +1,6 @@
 """The `verinfer` command: each command parses its options (cli/options.py), calls one function of
 apps/ (or of the package that does the work) and renders what it returns (cli/render.py); the one
-error handler turns bad input into exit 2 and Ctrl-C into 130.
+error handler (`_exit_codes`) turns bad input into exit 2, a bug into 3 and Ctrl-C into 130.
 
 Each command imports the package code it runs when it runs, so `verinfer --help` and a command
 that needs only a few packages do not pay for torch, scipy, scikit-learn and matplotlib all at
@@ -13,14 +13,21 @@ here by hand)."""
 
 from __future__ import annotations
 
+import errno
 import functools
 import json
+import os
+import sys
+import tempfile
+import traceback
 from pathlib import Path
 from typing import List, Optional
 
+import click
 import typer
 import typer.core
 
+from verinfer import __version__
 from verinfer.errors import VerinferError
 
 from verinfer.cli import options as O, render
@@ -66,8 +73,9 @@ class Group(typer.core.TyperGroup):
 app = typer.Typer(cls=Group, add_completion=False, no_args_is_help=True,
                   help="Make LLM inference checkable: audit providers with DiFR on a shipped testbed or your own "
                        "model. Exit codes: 0 ok; 1 flagged (audit, audit-api, or a speculative claim that violates "
-                       "standard speculative sampling in score); 2 error (bad input: what, where and the fix on "
-                       "stderr).")
+                       "standard speculative sampling in score); 2 error (bad input or environment: what, where and "
+                       "the fix on stderr); 3 internal error (a bug: the traceback is saved to a file); 130 "
+                       "interrupted.")
 testbed_app = typer.Typer(cls=Group, no_args_is_help=True,
                           help="The shipped testbed models (tokenizer, target, draft).")
 app.add_typer(testbed_app, name="testbed")
@@ -81,34 +89,82 @@ speculative_app = typer.Typer(cls=Group, no_args_is_help=True,
 app.add_typer(speculative_app, name="speculative")
 
 
-def _fail(e: Exception) -> None:
-    typer.secho(f"error: {e.message if isinstance(e, VerinferError) else e}", fg="red", err=True)
-    raise typer.Exit(2)
+EXIT_OK, EXIT_FLAGGED, EXIT_ERROR, EXIT_INTERNAL, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
+
+
+def _fail(message: str, code: int = EXIT_ERROR) -> None:
+    typer.secho(f"error: {message}", fg="red", err=True)
+    raise typer.Exit(code)
 
 
 INTERRUPTED = ("interrupted (Ctrl-C): finished work is kept (score's <out>.parts/, demo steps, audit-api replies, "
                "testbed build checkpoints)\n  -> run the same command again to resume where it stopped")
+KEPT = "finished work is kept (rerun the same command to resume)"
 
 
-def _user_errors_exit_2(fn):
-    """The one error handler: a VerinferError or ValueError (bad input, with what / where / fix)
-    is printed without a traceback and exits with 2 (1 means "flagged"); Ctrl-C says what is kept
-    and how to resume, and exits with 130 (the shell's code for SIGINT)."""
+def os_error_message(e: OSError) -> str:
+    """What an OSError means to the user: the file, what went wrong, and what to do."""
+    where = " -> ".join(str(f) for f in (e.filename, e.filename2) if f is not None) or None
+    fixes = {errno.ENOSPC: f"the disk is full: free space and rerun ({KEPT})",
+             errno.EDQUOT: f"the disk quota is exceeded: free space and rerun ({KEPT})",
+             errno.ENAMETOOLONG: "a file name is too long: use shorter names (provider names become file names)",
+             errno.ENOENT: "check the path", errno.EACCES: "check the permissions",
+             errno.EROFS: "write to a writable file system"}
+    fix = fixes.get(e.errno, "check the file and the machine, then rerun")
+    return VerinferError(f"{e.strerror or type(e).__name__} (operating system error)", where=where, fix=fix).message
+
+
+def save_traceback(e: BaseException) -> str | None:
+    """The traceback of an unexpected error, written to a temp file; its path (None if it cannot be written)."""
+    try:
+        fd, path = tempfile.mkstemp(prefix="verinfer-crash-", suffix=".txt")
+        with os.fdopen(fd, "w") as f:
+            f.write(f"verinfer {__version__}, python {sys.version.split()[0]}\nargv: {sys.argv!r}\n\n")
+            traceback.print_exception(type(e), e, e.__traceback__, file=f)
+        return path
+    except OSError:
+        return None
+
+
+def internal_error_message(e: BaseException) -> str:
+    path = save_traceback(e)
+    saved = f"traceback saved to {path}" if path else "the traceback could not be saved"
+    return (f"internal error ({type(e).__name__}: {str(e)[:300]}): a bug in verinfer, not a verdict; {saved}\n"
+            f"  -> report it with that file; {KEPT}")
+
+
+def _exit_codes(fn):
+    """The one exit-code policy of every command: 0 ok, 1 flagged (the command returns it), 2 bad
+    input or environment (a VerinferError or ValueError with what / where / fix; an OSError such as
+    a missing file or a full disk; input nested too deeply; out of memory), 3 an unexpected internal
+    error (one line, the traceback saved to a file; never 1, which scripts read as "flagged"), 130
+    Ctrl-C (what is kept, how to resume)."""
     @functools.wraps(fn)
     def run(*args, **kwargs):
         try:
             return fn(*args, **kwargs)
+        except (typer.Exit, typer.Abort, click.exceptions.Exit, click.exceptions.ClickException, click.exceptions.Abort):
+            raise
         except (VerinferError, ValueError) as e:
-            _fail(e)
+            _fail(e.message if isinstance(e, VerinferError) else str(e))
+        except OSError as e:
+            _fail(os_error_message(e))
+        except RecursionError:
+            _fail("the input is nested too deeply to read (a JSON value thousands of levels deep)\n"
+                  "  -> check the input file: it is not what verinfer writes or reads")
+        except MemoryError:
+            _fail(f"out of memory\n  -> free memory or give the command less at once; {KEPT}")
         except KeyboardInterrupt:
             typer.secho(INTERRUPTED, fg="yellow", err=True)
-            raise typer.Exit(130) from None
+            raise typer.Exit(EXIT_INTERRUPTED) from None
+        except Exception as e:
+            _fail(internal_error_message(e), EXIT_INTERNAL)
     return run
 
 
 def command(group: typer.Typer, *args, **kwargs):
     """group.command(...) with the error handler (and plain flags in help)."""
-    return lambda fn: group.command(*args, cls=Command, **kwargs)(_user_errors_exit_2(fn))
+    return lambda fn: group.command(*args, cls=Command, **kwargs)(_exit_codes(fn))
 
 
 def _default_model() -> Path:
@@ -202,13 +258,15 @@ def calibrate(scores: List[Path] = O.HONEST_SCORES_ARG, out: Path = O.out("Detec
 def audit(inputs: List[Path] = O.AUDIT_INPUTS_ARG, detector: List[Path] = O.DETECTORS,
           model: Optional[str] = O.AUDIT_MODEL, model_name: List[str] = O.model_names(),
           json_out: Optional[Path] = O.JSON_OUT, max_tokens: Optional[int] = O.AUDIT_MAX_TOKENS,
-          provider: Optional[str] = O.AUDIT_PROVIDER, merge: bool = O.MERGE, sequential: bool = O.SEQUENTIAL):
+          provider: Optional[str] = O.AUDIT_PROVIDER, merge: bool = O.MERGE, sequential: bool = O.SEQUENTIAL,
+          allow_unrecorded_provenance: bool = O.ALLOW_UNRECORDED_PROVENANCE):
     """Verdict per provider: flagged or not, tokens used, tail probability under the honest null."""
     from verinfer.apps.files import audit_files
 
     model_dir = _model_dir(model) if any(p.suffix == ".jsonl" for p in inputs) else None
     res = audit_files(inputs, detector, model_dir=model_dir, model_names=tuple(model_name or ()), provider=provider,
-                      merge=merge, max_tokens=max_tokens, sequential=sequential, json_out=json_out)
+                      merge=merge, max_tokens=max_tokens, sequential=sequential, json_out=json_out,
+                      allow_unrecorded_provenance=allow_unrecorded_provenance)
     for note in res.notes:
         typer.secho(f"warning: {note}", fg="yellow", err=True)
     render.verdicts(res.verdicts)

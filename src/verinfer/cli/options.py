@@ -195,6 +195,9 @@ JSON_OUT = typer.Option(None, "--json", help="Also write verdicts as JSON.")
 AUDIT_MAX_TOKENS = typer.Option(None, help="Use at most this many tokens per provider.")
 AUDIT_PROVIDER = typer.Option(None, help="Provider of claims that name none (default: each file's stem).")
 MERGE = typer.Option(False, help="Pool a provider found in several files into one row (default: one row per file).")
+ALLOW_UNRECORDED_PROVENANCE = typer.Option(False, help="Audit scores or a detector that record no provenance "
+                                                      "(refused otherwise: the model and settings cannot be "
+                                                      "checked); every verdict then says 'provenance: unchecked'.")
 SEQUENTIAL = typer.Option(False, help="Anytime-valid audit (glrt detector): read each provider's tokens in order and "
                                       "flag once the e-value reaches 1/FPR; reports the tokens at which it decided.")
 

@@ -123,6 +123,10 @@ def verdicts(rows: list[Verdict]) -> None:
     for v in rows:  # what an ok verdict established (the power against a stated deviation)
         if not v.flagged and v.get("power"):
             console.print(f"{escape(v.provider)}: {escape(v.decision)}", soft_wrap=True)
+    for v in rows:
+        if v.get("provenance"):
+            console.print(f"[yellow]{escape(v.provider)}: provenance {escape(str(v.get('provenance')))}: the scores' "
+                          "model and settings were not checked against the detector's[/yellow]", soft_wrap=True)
 
 
 def more_tokens(v: Verdict) -> str:

@@ -178,10 +178,13 @@ class Detector(abc.ABC):
     _cache: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self):
-        if not 0.0 < self.target_fpr < 1.0:
-            raise ValueError(f"target_fpr must be in (0, 1), got {self.target_fpr}")
-        if self.n_null_batches < 10:
-            raise ValueError(f"n_null_batches must be >= 10, got {self.n_null_batches}")
+        if isinstance(self.target_fpr, bool) or not isinstance(self.target_fpr, (int, float)) \
+                or not 0.0 < self.target_fpr < 1.0:
+            raise ValueError(f"target_fpr must be a number in (0, 1), got {self.target_fpr!r}")
+        for name, low in (("n_null_batches", 10), ("random_state", 0)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or not low <= v < 2**63:
+                raise ValueError(f"{name} must be an integer in [{low}, 2**63), got {v!r}")
 
     def __setattr__(self, name, value):
         if name in self.__dict__ and name in self._config_names():
@@ -305,7 +308,15 @@ class Detector(abc.ABC):
         except (KeyError, TypeError, ValueError) as e:
             raise bad(f"malformed detector ({type(e).__name__}: {e})") from e
         record.load(det, d, where, cls.REFIT)
+        try:
+            det._check_record()
+        except ValueError as e:
+            raise bad(f"inconsistent detector ({e}): it was edited or corrupted") from e
         return det
+
+    def _check_record(self) -> None:
+        """A ValueError when the learned values disagree with the recorded calibration (detectors
+        that can check it override this)."""
 
     @classmethod
     def load(cls, path: str | Path) -> "Detector":

@@ -103,6 +103,14 @@ class _Fitted(BaseModel):
         if bad.any():
             i = int(np.flatnonzero(bad)[0])
             raise ValueError(f"null sample value {i} is {float(s[i])!r}, outside [0, clip_ = {self.clip_}]")
+        if self.clip_ > s.max():  # the fit clips at a quantile of its data, which its winsorized null then reaches
+            raise ValueError(f"clip_ = {self.clip_!r} lies above every null value (largest {float(s.max())!r}): "
+                             "a fit clips at a value of its own calibration data")
+        if self.n_train_ < s.size:
+            raise ValueError(f"n_train_ = {self.n_train_} is fewer than the {s.size} null values")
+        if max(self.design_effects) > self.n_train_:  # Kish: deff <= the longest claim <= the tokens
+            raise ValueError(f"design_effects {self.design_effects} exceed the {self.n_train_} calibration tokens "
+                             "(a design effect is at most the longest claim's length)")
         for name, have, want in (("null_mean_", self.null_mean_, float(s.mean())),
                                  ("null_std_", self.null_std_, float(s.std(ddof=1)) if s.size > 1 else 0.0)):
             if not math.isclose(have, want, rel_tol=1e-9, abs_tol=1e-12):
@@ -488,3 +496,19 @@ class ClippedMeanDetector(Detector):
         self.set_null(s, sizes, n_train=fitted.n_train_, clip=fitted.clip_, mean=fitted.null_mean_,
                       std=fitted.null_std_, design_effects=fitted.design_effects)
         self.claim_sums_ = fitted.claim_sums()
+
+    def _check_record(self) -> None:
+        """Against the recorded calibration (tokens and claims per honest configuration): the
+        calibration tokens add up to n_train_ at least, and no design effect exceeds the longest
+        claim any configuration can hold (its tokens - claims + 1; `design_effect` is at most the
+        longest claim's length, by Cauchy-Schwarz)."""
+        cal = getattr(self, "calibration_", None)
+        if cal is None:
+            return
+        longest = max(cal.tokens[k] - cal.claims.get(k, 1) + 1 for k in cal.tokens)
+        if max(self.design_effects_) > max(1, longest):
+            raise ValueError(f"design_effects {self.design_effects_} exceed the longest claim the recorded "
+                             f"calibration can hold ({longest} tokens)")
+        if self.score_name not in ACTIVATION_SCORES and sum(cal.tokens.values()) != self.n_train_:
+            raise ValueError(f"n_train_ = {self.n_train_} but the recorded calibration has "
+                             f"{sum(cal.tokens.values())} tokens")

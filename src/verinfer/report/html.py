@@ -11,6 +11,7 @@ The page is `templates/report.html.j2` (jinja2); numbers go through `report.form
 from __future__ import annotations
 
 import base64
+import hashlib
 import re
 import zlib
 from collections.abc import Iterable, Mapping
@@ -212,7 +213,11 @@ def _auc_rows(curves: Mapping, batch_sizes: list[int]) -> list[dict]:
 
 # -- figures -------------------------------------------------------------------------------------
 def _slug(name: str) -> str:
-    return re.sub(r"[^A-Za-z0-9_.-]+", "_", name)
+    """A file-name part for a provider name, one per name: its first 40 characters made safe
+    ([A-Za-z0-9_.-]) and 8 hex digits of its sha256 ("a/b", "a_b" and "a b" get different files; a
+    100,000-character name a short one)."""
+    digest = hashlib.sha256(name.encode("utf-8", "surrogatepass")).hexdigest()[:8]
+    return f"{re.sub(r'[^A-Za-z0-9_.-]+', '_', name[:40])}-{digest}"
 
 
 @dataclass(frozen=True)
@@ -272,7 +277,7 @@ def write_report(scores_table, out_dir: str | Path, honest_providers: list[str],
                  verdicts: list[Verdict] | None = None, auc_curves: dict | None = None,
                  batch_sizes: Iterable[int] = BATCH_SIZES, context: ReportContext | None = None) -> Path:
     """Write out_dir/report.html (self-contained) and its PNGs (auc_overview.png,
-    auc_<misconf>.png, hist_<misconf>_<score>.png); return the HTML path. `auc_curves` as returned
+    auc_<misconf>.png, hist_<misconf>_<score>.png, each <misconf> a `_slug` of the provider name); return the HTML path. `auc_curves` as returned
     by `compute_auc_curves` (computed here if None); `context`: what was audited (every field
     "not recorded" if None)."""
     out = Path(out_dir)
