@@ -34,6 +34,7 @@ from typing import AsyncIterator
 from starlette.requests import Request  # module level: FastAPI resolves the handlers' annotations here
 
 from verinfer import retokenize
+from verinfer.errors import VerinferError
 from verinfer.sampling.noise import NOISE_BACKENDS
 from verinfer.sampling.params import SamplingParams
 from verinfer.server.generation import Step, generate_steps
@@ -61,7 +62,8 @@ class ServeConfig:
 
     def __post_init__(self):
         if self.noise not in NOISE_BACKENDS:
-            raise ValueError(f"--noise must be one of {', '.join(NOISE_BACKENDS)}, got {self.noise!r}")
+            raise VerinferError(f"unknown noise backend {self.noise!r}", where="--noise",
+                                fix=f"use one of {', '.join(NOISE_BACKENDS)}")
 
 
 class Slots:
@@ -451,12 +453,23 @@ def create_app(registry: dict[str, ServedModel], cfg: ServeConfig):
     return BodyLimit(app, limits.max_body_bytes)
 
 
+def check_listen(port: int, threads: int | None) -> None:
+    """A VerinferError naming the option for a port outside 0-65535 (0: any free port) or fewer
+    than one torch thread, before any model is loaded."""
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+        raise VerinferError(f"not a TCP port: {port!r}", where="--port", fix="use a port in 1-65535, e.g. --port 8000")
+    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+        raise VerinferError(f"must be at least 1, got {threads!r}", where="--threads",
+                            fix="use 1 or more torch threads, or leave --threads out for torch's choice")
+
+
 def serve(cfg: ServeConfig, host: str = "127.0.0.1", port: int = 8000, threads: int | None = None,
           log_level: str = "info") -> None:
     """Load the models (errors surface before the port opens) and run uvicorn until stopped."""
     import torch
     import uvicorn
 
+    check_listen(port, threads)
     if threads is not None:
         torch.set_num_threads(threads)
     registry = load_registry(cfg.model_dir, misconfig=cfg.misconfig, device=cfg.device,

@@ -10,10 +10,14 @@ never silently answered with something else than it asked for; unknown fields ar
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from verinfer.errors import VerinferError
+
+MIN_BODY_BYTES = 1024  # room for a small request: a model name, a prompt, a few sampling fields
 
 
 @dataclass(frozen=True)
@@ -25,6 +29,35 @@ class Limits:
     max_logprobs: int = 20
     max_concurrent: int = 2              # generations running at once
     max_waiting: int = 64                # generations queued behind them; more get HTTP 503
+
+    def __post_init__(self):
+        for f in fields(self):
+            check_limit(f.name, getattr(self, f.name), f.default)
+
+
+# The smallest value of each limit that still lets a request through, and where it is set: the
+# `verinfer serve` option, or the Limits field for those the command does not expose.
+LIMIT_FLOORS = {
+    "max_body_bytes": (MIN_BODY_BYTES, "--max-body-bytes"),
+    "max_prompts": (1, "Limits.max_prompts"),
+    "max_prompt_chars": (1, "Limits.max_prompt_chars"),
+    "max_tokens": (1, "--max-tokens"),
+    "max_logprobs": (0, "Limits.max_logprobs"),
+    "max_concurrent": (1, "--max-concurrent"),
+    "max_waiting": (0, "--max-waiting"),
+}
+
+
+def check_limit(name: str, value, default: int) -> None:
+    """A VerinferError naming the option when `value` is no integer or below the limit's floor
+    (max_concurrent 0 would queue every request forever, a tiny max_body_bytes refuse them all)."""
+    lowest, where = LIMIT_FLOORS[name]
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise VerinferError(f"must be an integer, got {value!r}", where=where,
+                            fix=f"use a whole number for {where} (default {default})")
+    if value < lowest:
+        raise VerinferError(f"must be at least {lowest}, got {value!r}", where=where,
+                            fix=f"use {lowest} or more for {where} (default {default})")
 
 
 class _Body(BaseModel):
