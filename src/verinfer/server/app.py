@@ -283,11 +283,24 @@ class BodyLimit:
                 await self._reply(send, 413, too_big)
 
 
+def framework_error_message(e) -> str:
+    """What an HTTPException of the framework says (unknown route, wrong method, unreadable body);
+    for a body its JSON parser could not read, why (FastAPI raises it from the parser's error)."""
+    cause = e.__cause__
+    if isinstance(cause, UnicodeDecodeError):
+        return (f"the request body is not UTF-8 text (byte {cause.start}: {cause.reason}); "
+                "send the JSON encoded as UTF-8")
+    if isinstance(cause, RecursionError):
+        return "the request body's JSON is nested too deeply to parse; send a flat object of the request's fields"
+    return str(e.detail)
+
+
 def create_app(registry: dict[str, ServedModel], cfg: ServeConfig):
     from fastapi import FastAPI
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse, Response, StreamingResponse
     from starlette.concurrency import iterate_in_threadpool, run_in_threadpool
+    from starlette.exceptions import HTTPException as StarletteHTTPException
 
     limits = cfg.limits
     app = FastAPI(title="verinfer", description="OpenAI-compatible, auditable inference server")
@@ -308,12 +321,17 @@ def create_app(registry: dict[str, ServedModel], cfg: ServeConfig):
         parts, param = [], None
         for err in errs[:5]:
             loc = [str(x) for x in err.get("loc", ()) if x not in ("body",)]
-            param = param or (loc[0] if loc else None)
+            param = param or (loc[0] if loc else getattr((err.get("ctx") or {}).get("error"), "param", None))
             msg = err.get("msg", "invalid value").removeprefix("Value error, ")
             if err.get("type") == "extra_forbidden":
                 msg = "unknown field (not supported by this server)"
             parts.append(f"{'.'.join(loc) or 'body'}: {msg}")
         return JSONResponse(APIError(400, "invalid request: " + "; ".join(parts), param).body(), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_req: Request, e: StarletteHTTPException):
+        return JSONResponse(APIError(e.status_code, framework_error_message(e)).body(), status_code=e.status_code,
+                            headers=e.headers)
 
     @app.exception_handler(_ClientGone)
     async def _client_gone(_req: Request, _e: _ClientGone):

@@ -10,6 +10,8 @@ never silently answered with something else than it asked for; unknown fields ar
 
 from __future__ import annotations
 
+import re
+from collections.abc import Iterator
 from dataclasses import dataclass, fields
 from typing import Literal, Optional, Union
 
@@ -60,8 +62,56 @@ def check_limit(name: str, value, default: int) -> None:
                             fix=f"use {lowest} or more for {where} (default {default})")
 
 
+class FieldError(ValueError):
+    """A bad value in a request body; `param` is its field's dotted path (None: the body itself),
+    which the error reply names."""
+
+    def __init__(self, param: str | None, message: str):
+        self.param = param
+        super().__init__(f"`{param or 'a field name'}`: {message}")
+
+
+SURROGATE = re.compile("[\ud800-\udfff]")  # a str holds one only from a lone JSON escape: no UTF-8 encodes it
+
+
+def json_strings(value) -> Iterator[tuple[tuple[str, ...], str, bool]]:
+    """Every string of a parsed JSON value, keys before their values: (path of the value or of the
+    object holding the key, the string, is it a key). Iterative: any nesting depth."""
+    stack = [((), value)]
+    while stack:
+        path, v = stack.pop()
+        if isinstance(v, str):
+            yield path, v, False
+        elif isinstance(v, dict):
+            yield from ((path, k, True) for k in v if isinstance(k, str))
+            stack.extend(((*path, str(k)), x) for k, x in reversed(v.items()) if isinstance(x, (str, dict, list)))
+        elif isinstance(v, list):
+            stack.extend(((*path, str(i)), x) for i, x in reversed(list(enumerate(v)))
+                         if isinstance(x, (str, dict, list)))
+
+
+def check_unicode(value) -> None:
+    """A FieldError naming the first string of a request body (a value or a key, at any depth) that
+    holds a lone UTF-16 surrogate, the JSON escape "\\ud800" without its pair: it is not text, so
+    no tokenizer, log or reply can encode it."""
+    for path, text, is_key in json_strings(value):
+        m = SURROGATE.search(text)
+        if m:
+            what = "a key holds" if is_key else "holds"
+            raise FieldError(".".join(path) or None,
+                             f"{what} a lone UTF-16 surrogate \\u{ord(m.group()):04x} at character {m.start()}, "
+                             "which is not Unicode text; send valid UTF-8 (a \\ud800-\\udfff escape must be "
+                             "half of a high-low pair)")
+
+
 class _Body(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _unicode_text(cls, data):
+        check_unicode(data)  # before any field is read: every endpoint, every string, extras included
+        return data
 
     model: str = Field(min_length=1, max_length=256)
     temperature: float = Field(1.0, ge=0.0, le=100.0)
