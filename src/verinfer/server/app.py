@@ -7,7 +7,8 @@ never re-tokenizes text, and every response states the seed and noise backend it
 (`sampling`; a request with temperature > 0 and no seed gets a random one, reported there).
 
 Errors are OpenAI-shaped JSON (`{"error": {"message", "type", "param", "code"}}`): 400 for bad
-parameters (what was wrong and what to send), 404 for a model the server does not serve (names
+parameters (what was wrong and what to send) and for a body that is not text (not UTF-8, a lone
+UTF-16 surrogate in any string, JSON nested deeper than the parser follows), 404 for a model the server does not serve (names
 are looked up in a table, never used as paths), 413 for an oversized body, 503 when more than
 `Limits.max_waiting` generations are queued. Generations run in worker threads, at most
 `Limits.max_concurrent` at once, each request alone with its own cache and noise stream.
