@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 import pyarrow.parquet as pq
 import pytest
@@ -17,10 +18,24 @@ from verinfer.apps.pipeline import VERIFIER_NUMERICS, generate, score, verifier_
 from verinfer.audit.ray_pool import RayReplayPool  # noqa: E402
 from verinfer.audit.replay import score_claims  # noqa: E402
 from verinfer.claims import iter_claims  # noqa: E402
+from verinfer.errors import VerinferError  # noqa: E402
 from verinfer.io import sha256_files  # noqa: E402
 from verinfer.models.testbed import TARGET_DIR  # noqa: E402
 
 CHUNK = 16  # claims per part: 6 parts of 90 claims
+
+
+def test_an_address_that_does_not_answer_is_an_error_within_seconds():
+    """`--ray-address 127.0.0.1:1` used to hang in ray.init (over 300 s): the address is probed first.
+    First in this module: the `runtime` fixture below starts Ray, and a pool joins a running Ray."""
+    if ray.is_initialized():
+        pytest.skip("a Ray runtime is already running in this process: the pool would join it")
+    t0 = time.monotonic()
+    with pytest.raises(VerinferError, match="no Ray cluster answers at 127.0.0.1:1"):
+        with RayReplayPool(str(TARGET_DIR), VERIFIER_NUMERICS, workers=1, address="127.0.0.1:1"):
+            pass
+    assert time.monotonic() - t0 < 30
+    assert not ray.is_initialized()
 
 
 @pytest.fixture(scope="module")

@@ -16,11 +16,15 @@ Actors: `num_cpus=threads` each (and `num_gpus=1` on a CUDA device), restarted u
 `max_restarts` times when their process dies, each task retried up to `max_task_retries` times
 (Ray's actor fault tolerance); at most `2 * workers` parts are in flight, so driver memory stays
 bounded by the parts, not the file.
+
+`--ray-address` is parsed when the pool is made and its host:port probed (a TCP connect, at most
+PROBE_TIMEOUT_S) before `ray.init`, which waits minutes for a cluster that does not answer.
 """
 
 from __future__ import annotations
 
 import os
+import socket
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
@@ -31,6 +35,10 @@ from verinfer.models.llama import LlamaConfig
 from verinfer.numerics import Numerics
 
 RAY_FIX = "install the extra: pip install -e '.[ray]' (Ray >= 2.9)"
+PROBE_TIMEOUT_S = 5.0
+ADDRESS_FIX = ("pass the address `ray start --head` printed on the head node (host:port of its GCS, port 6379 by "
+               "default, or ray://host:10001 for Ray Client), or drop --ray-address to start a local Ray")
+RESOLVED_BY_RAY = ("auto", "local")  # addresses Ray resolves itself (the running cluster's file / a new one)
 
 
 def import_ray():
@@ -40,6 +48,48 @@ def import_ray():
         raise VerinferError(f"`--workers` / `--ray-address` need Ray, which is not installed ({e})",
                             fix=RAY_FIX) from None
     return ray
+
+
+def ray_gcs_endpoint(address: str) -> tuple[str, int] | None:
+    """(host, port) a `--ray-address` names: "host:port", "ray://host:port" (Ray Client) or
+    "[v6 address]:port"; None for "auto" and "local". A VerinferError for anything else."""
+    if address in RESOLVED_BY_RAY:
+        return None
+    hostport = address.removeprefix("ray://")
+    host, _, port = hostport.rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    elif ":" in host:
+        host = ""  # an IPv6 address needs its brackets: [::1]:6379
+    if "://" in hostport or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise VerinferError(f"not a Ray address: {address!r} (expected host:port, e.g. 10.0.0.5:6379)",
+                            where="--ray-address", fix=ADDRESS_FIX)
+    return host, int(port)
+
+
+def connect_failure(e: OSError, timeout_s: float) -> str:
+    """Why a TCP connect failed, in words."""
+    if isinstance(e, socket.timeout):
+        return f"no answer within {timeout_s:g} s"
+    if isinstance(e, socket.gaierror):
+        return f"cannot resolve the host: {e.strerror or e}"
+    return e.strerror or str(e)
+
+
+def probe_ray_address(address: str, timeout_s: float = PROBE_TIMEOUT_S) -> None:
+    """A VerinferError, within about timeout_s, when nothing accepts a TCP connection at the
+    address's host:port (ray.init would wait for it for minutes); the connection is closed at once."""
+    endpoint = ray_gcs_endpoint(address)
+    if endpoint is None:
+        return
+    try:
+        socket.create_connection(endpoint, timeout=timeout_s).close()
+    except OSError as e:
+        raise VerinferError(f"no Ray cluster answers at {address} ({connect_failure(e, timeout_s)})",
+                            where="--ray-address",
+                            fix="start it (`ray start --head` prints the address to pass), or check the host and "
+                                "port (the GCS port, 6379 by default) and that a firewall lets this machine reach "
+                                "it; drop --ray-address to start a local Ray") from None
 
 
 class ReplayWorker:
@@ -86,6 +136,8 @@ class RayReplayPool:
             raise VerinferError(f"--workers must be >= 1, got {self.workers}", fix="e.g. --workers 2")
         if self.threads < 1:
             raise VerinferError(f"threads per worker must be >= 1, got {self.threads}", fix="e.g. --worker-threads 1")
+        if self.address is not None:
+            ray_gcs_endpoint(self.address)  # a malformed address fails here, before Ray is imported
         self.numerics = self.numerics.with_(threads=self.threads)
         self.config = LlamaConfig.from_dir(self.model_dir)
         self._started = False
@@ -94,6 +146,8 @@ class RayReplayPool:
     def __enter__(self) -> "RayReplayPool":
         ray = import_ray()
         if not ray.is_initialized():
+            if self.address:
+                probe_ray_address(self.address)
             kw = dict(address=self.address) if self.address else dict(num_cpus=self.workers * self.threads)
             try:
                 ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False, **kw)

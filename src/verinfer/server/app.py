@@ -7,7 +7,8 @@ never re-tokenizes text, and every response states the seed and noise backend it
 (`sampling`; a request with temperature > 0 and no seed gets a random one, reported there).
 
 Errors are OpenAI-shaped JSON (`{"error": {"message", "type", "param", "code"}}`): 400 for bad
-parameters (what was wrong and what to send), 404 for a model the server does not serve (names
+parameters (what was wrong and what to send) and for a body that is not text (not UTF-8, a lone
+UTF-16 surrogate in any string, JSON nested deeper than the parser follows), 404 for a model the server does not serve (names
 are looked up in a table, never used as paths), 413 for an oversized body, 503 when more than
 `Limits.max_waiting` generations are queued. Generations run in worker threads, at most
 `Limits.max_concurrent` at once, each request alone with its own cache and noise stream.
@@ -34,6 +35,7 @@ from typing import AsyncIterator
 from starlette.requests import Request  # module level: FastAPI resolves the handlers' annotations here
 
 from verinfer import retokenize
+from verinfer.errors import VerinferError
 from verinfer.sampling.noise import NOISE_BACKENDS
 from verinfer.sampling.params import SamplingParams
 from verinfer.server.generation import Step, generate_steps
@@ -61,7 +63,8 @@ class ServeConfig:
 
     def __post_init__(self):
         if self.noise not in NOISE_BACKENDS:
-            raise ValueError(f"--noise must be one of {', '.join(NOISE_BACKENDS)}, got {self.noise!r}")
+            raise VerinferError(f"unknown noise backend {self.noise!r}", where="--noise",
+                                fix=f"use one of {', '.join(NOISE_BACKENDS)}")
 
 
 class Slots:
@@ -281,11 +284,24 @@ class BodyLimit:
                 await self._reply(send, 413, too_big)
 
 
+def framework_error_message(e) -> str:
+    """What an HTTPException of the framework says (unknown route, wrong method, unreadable body);
+    for a body its JSON parser could not read, why (FastAPI raises it from the parser's error)."""
+    cause = e.__cause__
+    if isinstance(cause, UnicodeDecodeError):
+        return (f"the request body is not UTF-8 text (byte {cause.start}: {cause.reason}); "
+                "send the JSON encoded as UTF-8")
+    if isinstance(cause, RecursionError):
+        return "the request body's JSON is nested too deeply to parse; send a flat object of the request's fields"
+    return str(e.detail)
+
+
 def create_app(registry: dict[str, ServedModel], cfg: ServeConfig):
     from fastapi import FastAPI
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse, Response, StreamingResponse
     from starlette.concurrency import iterate_in_threadpool, run_in_threadpool
+    from starlette.exceptions import HTTPException as StarletteHTTPException
 
     limits = cfg.limits
     app = FastAPI(title="verinfer", description="OpenAI-compatible, auditable inference server")
@@ -306,12 +322,17 @@ def create_app(registry: dict[str, ServedModel], cfg: ServeConfig):
         parts, param = [], None
         for err in errs[:5]:
             loc = [str(x) for x in err.get("loc", ()) if x not in ("body",)]
-            param = param or (loc[0] if loc else None)
+            param = param or (loc[0] if loc else getattr((err.get("ctx") or {}).get("error"), "param", None))
             msg = err.get("msg", "invalid value").removeprefix("Value error, ")
             if err.get("type") == "extra_forbidden":
                 msg = "unknown field (not supported by this server)"
             parts.append(f"{'.'.join(loc) or 'body'}: {msg}")
         return JSONResponse(APIError(400, "invalid request: " + "; ".join(parts), param).body(), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_req: Request, e: StarletteHTTPException):
+        return JSONResponse(APIError(e.status_code, framework_error_message(e)).body(), status_code=e.status_code,
+                            headers=e.headers)
 
     @app.exception_handler(_ClientGone)
     async def _client_gone(_req: Request, _e: _ClientGone):
@@ -451,12 +472,23 @@ def create_app(registry: dict[str, ServedModel], cfg: ServeConfig):
     return BodyLimit(app, limits.max_body_bytes)
 
 
+def check_listen(port: int, threads: int | None) -> None:
+    """A VerinferError naming the option for a port outside 0-65535 (0: any free port) or fewer
+    than one torch thread, before any model is loaded."""
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+        raise VerinferError(f"not a TCP port: {port!r}", where="--port", fix="use a port in 1-65535, e.g. --port 8000")
+    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+        raise VerinferError(f"must be at least 1, got {threads!r}", where="--threads",
+                            fix="use 1 or more torch threads, or leave --threads out for torch's choice")
+
+
 def serve(cfg: ServeConfig, host: str = "127.0.0.1", port: int = 8000, threads: int | None = None,
           log_level: str = "info") -> None:
     """Load the models (errors surface before the port opens) and run uvicorn until stopped."""
     import torch
     import uvicorn
 
+    check_listen(port, threads)
     if threads is not None:
         torch.set_num_threads(threads)
     registry = load_registry(cfg.model_dir, misconfig=cfg.misconfig, device=cfg.device,

@@ -10,10 +10,16 @@ never silently answered with something else than it asked for; unknown fields ar
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass, fields
 from typing import Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from verinfer.errors import VerinferError
+
+MIN_BODY_BYTES = 1024  # room for a small request: a model name, a prompt, a few sampling fields
 
 
 @dataclass(frozen=True)
@@ -26,9 +32,86 @@ class Limits:
     max_concurrent: int = 2              # generations running at once
     max_waiting: int = 64                # generations queued behind them; more get HTTP 503
 
+    def __post_init__(self):
+        for f in fields(self):
+            check_limit(f.name, getattr(self, f.name), f.default)
+
+
+# The smallest value of each limit that still lets a request through, and where it is set: the
+# `verinfer serve` option, or the Limits field for those the command does not expose.
+LIMIT_FLOORS = {
+    "max_body_bytes": (MIN_BODY_BYTES, "--max-body-bytes"),
+    "max_prompts": (1, "Limits.max_prompts"),
+    "max_prompt_chars": (1, "Limits.max_prompt_chars"),
+    "max_tokens": (1, "--max-tokens"),
+    "max_logprobs": (0, "Limits.max_logprobs"),
+    "max_concurrent": (1, "--max-concurrent"),
+    "max_waiting": (0, "--max-waiting"),
+}
+
+
+def check_limit(name: str, value, default: int) -> None:
+    """A VerinferError naming the option when `value` is no integer or below the limit's floor
+    (max_concurrent 0 would queue every request forever, a tiny max_body_bytes refuse them all)."""
+    lowest, where = LIMIT_FLOORS[name]
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise VerinferError(f"must be an integer, got {value!r}", where=where,
+                            fix=f"use a whole number for {where} (default {default})")
+    if value < lowest:
+        raise VerinferError(f"must be at least {lowest}, got {value!r}", where=where,
+                            fix=f"use {lowest} or more for {where} (default {default})")
+
+
+class FieldError(ValueError):
+    """A bad value in a request body; `param` is its field's dotted path (None: the body itself),
+    which the error reply names."""
+
+    def __init__(self, param: str | None, message: str):
+        self.param = param
+        super().__init__(f"`{param or 'a field name'}`: {message}")
+
+
+SURROGATE = re.compile("[\ud800-\udfff]")  # a str holds one only from a lone JSON escape: no UTF-8 encodes it
+
+
+def json_strings(value) -> Iterator[tuple[tuple[str, ...], str, bool]]:
+    """Every string of a parsed JSON value, keys before their values: (path of the value or of the
+    object holding the key, the string, is it a key). Iterative: any nesting depth."""
+    stack = [((), value)]
+    while stack:
+        path, v = stack.pop()
+        if isinstance(v, str):
+            yield path, v, False
+        elif isinstance(v, dict):
+            yield from ((path, k, True) for k in v if isinstance(k, str))
+            stack.extend(((*path, str(k)), x) for k, x in reversed(v.items()) if isinstance(x, (str, dict, list)))
+        elif isinstance(v, list):
+            stack.extend(((*path, str(i)), x) for i, x in reversed(list(enumerate(v)))
+                         if isinstance(x, (str, dict, list)))
+
+
+def check_unicode(value) -> None:
+    """A FieldError naming the first string of a request body (a value or a key, at any depth) that
+    holds a lone UTF-16 surrogate, the JSON escape "\\ud800" without its pair: it is not text, so
+    no tokenizer, log or reply can encode it."""
+    for path, text, is_key in json_strings(value):
+        m = SURROGATE.search(text)
+        if m:
+            what = "a key holds" if is_key else "holds"
+            raise FieldError(".".join(path) or None,
+                             f"{what} a lone UTF-16 surrogate \\u{ord(m.group()):04x} at character {m.start()}, "
+                             "which is not Unicode text; send valid UTF-8 (a \\ud800-\\udfff escape must be "
+                             "half of a high-low pair)")
+
 
 class _Body(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _unicode_text(cls, data):
+        check_unicode(data)  # before any field is read: every endpoint, every string, extras included
+        return data
 
     model: str = Field(min_length=1, max_length=256)
     temperature: float = Field(1.0, ge=0.0, le=100.0)
