@@ -3,7 +3,9 @@ computed from the shipped testbed target, as vLLM does (fp32 log-softmax of the 
 k plus the actual token, keyed by token id); scores through it must equal local replay's column by
 column where the claim's filters stay within k, and be marked approximate elsewhere. Error cases:
 a dead server, a model it does not serve, --max-logprobs below k, a reply without prompt_logprobs,
-a malformed reply. Transient 503s are retried; an interrupted run resumes without refetching."""
+a malformed reply. Transient 503s are retried; an interrupted run resumes without refetching.
+Impossible rows (issue 34: unnormalized, degenerate, non-finite, positive logprobs) are refused in
+both protocols before anything is scored."""
 
 from __future__ import annotations
 
@@ -44,6 +46,7 @@ class StubVllm:
     def __init__(self, model="testbed", max_logprobs=K):
         self.engine = verifier_engine(TARGET_DIR)
         self.model, self.max_logprobs, self.mode, self.fail_next, self.requests = model, max_logprobs, None, 0, []
+        self.tamper = None  # (row {token id: logprob}, claimed id) -> the row sent for the first output token
         self.logits: dict[tuple, tuple] = {}
         self.lock = threading.Lock()
         stub = self
@@ -120,6 +123,9 @@ class StubVllm:
             row = {str(int(i)): {"logprob": float(v), "rank": r + 1, "decoded_token": "?"}
                    for r, (i, v) in enumerate(zip(ids_Tk[t], vals_Tk[t]))}
             row.setdefault(str(y), {"logprob": float(lp_TV[t, y]), "rank": int((lp_TV[t] > lp_TV[t, y]).sum()) + 1})
+            if t == 0 and self.tamper is not None:
+                new = self.tamper({int(i): e["logprob"] for i, e in row.items()}, y)
+                row = {str(i): {"logprob": v, "rank": None} for i, v in new.items()}
             rows.append(row)
         return rows
 
@@ -146,6 +152,10 @@ class StubVllm:
         token_lp = [None] * P + [float(lp_TV[t, y]) for t, y in enumerate(ids[P:])] + [-0.5]
         top = [None] * P + [{text(i): float(v) for i, v in zip(ids_Tk[t], vals_Tk[t])}
                             for t in range(len(ids) - P)] + [{"x": -0.5}]
+        if self.tamper is not None:  # the first output token's row: its top k and the claimed token's own
+            y, top_ids = ids[P], [int(i) for i in ids_Tk[0]]
+            new = self.tamper({**{i: float(v) for i, v in zip(top_ids, vals_Tk[0])}, y: token_lp[P]}, y)
+            top[P], token_lp[P] = {text(i): new[i] for i in top_ids}, new[y]
         return {"tokens": [text(i) for i in ids] + ["x"], "token_logprobs": token_lp, "top_logprobs": top,
                 "text_offset": list(range(len(ids) + 1))}
 
@@ -347,3 +357,73 @@ def test_echo_reference_reads_token_texts(claims, stub, local, tmp_path):
     for c in ("replay_token_id", "exact_match"):
         assert np.array_equal(r[c].to_numpy()[g], local[c].to_numpy()[g]), c
     np.testing.assert_allclose(r["margin"].to_numpy()[g], local["margin"].to_numpy()[g], atol=2e-4)
+
+
+def _top(row: dict) -> int:
+    return max(row, key=row.get)
+
+
+IMPOSSIBLE = {  # kind: (the first output row a misbehaving server sends, what the error says)
+    "unnormalized": (lambda r, y: {**r, **{i: -0.05 for i in sorted(r, key=r.get)[-2:]}}, "is not normalized"),
+    "all-equal": (lambda r, y: {i: -10.0 for i in r}, "is degenerate: all"),
+    "claimed-neg-inf": (lambda r, y: {**r, y: float("-inf")}, "logprob -inf for token 5 (the claimed token)"),
+    "nan": (lambda r, y: {**r, next(i for i in r if i != y): float("nan")}, "logprob nan"),
+    "positive": (lambda r, y: {**r, _top(r): 0.5}, "above 0"),
+}
+
+
+@pytest.fixture(scope="module")
+def tiny_stub(tiny_claims):
+    s = StubVllm()
+    s.load(read_claims(tiny_claims))
+    yield s
+    s.close()
+
+
+@pytest.mark.parametrize("protocol", ["prompt_logprobs", "echo"])
+@pytest.mark.parametrize("kind", list(IMPOSSIBLE))
+def test_impossible_rows_are_refused_before_scoring(tiny_claims, tiny_stub, tmp_path, kind, protocol):
+    """A row no model's log-softmax gives (issue 34: these were scored, exit 0, exact match 0.97 /
+    0.34 / 0.22 where local replay says 1.00) is an error naming the claim, its claims file line, the
+    output position and what is wrong; no scores are written."""
+    tamper, what = IMPOSSIBLE[kind]
+    out = tmp_path / "e.parquet"
+    tiny_stub.tamper = tamper
+    try:
+        with pytest.raises(ReferenceServerError) as e:
+            score(tiny_claims, TARGET_DIR, out, reference_url=tiny_stub.url, show_progress=False,
+                  reference_model="testbed", reference_logprobs=K, reference_protocol=protocol)
+    finally:
+        tiny_stub.tamper = None
+    msg = e.value.message
+    assert what in msg and f"{protocol} row of output token 0" in msg, msg
+    assert f"claim 'tiny-0', {tiny_claims}:1" in msg and tiny_stub.url in msg, msg
+    assert "not a faithful model server: score locally" in msg, msg
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("protocol", ["prompt_logprobs", "echo"])
+def test_honest_rows_of_the_same_claims_pass(tiny_claims, tiny_stub, tmp_path, protocol):
+    """The untampered rows of the claims above score: the checks refuse nothing an honest server sends
+    (the module's 24 claims pass them too, in the slow tests above)."""
+    t = remote_score(tiny_claims, tmp_path / "ok.parquet", tiny_stub, reference_protocol=protocol, gaps=False)
+    assert t.num_rows == 6 and t["token_id"].to_pylist() == [5, 6, 7] * 2
+
+
+def test_impossible_row_rule():
+    """Each value finite and <= 0, the probabilities summing to at most 1 (+1e-3), no degenerate
+    row; exact ties of an honest bf16 model's top 2 (6% of the testbed's rows) pass."""
+    from verinfer.audit.remote_reference import impossible_row
+
+    honest = {3: -0.2, 9: -2.0, 4: -3.5}
+    assert impossible_row(honest, 3) is None
+    assert impossible_row({3: -1.5, 9: -1.5, 4: -3.5}, 3) is None            # a tie at the top
+    assert impossible_row({3: -1.0, 9: -1.0}, 3) is None                     # two tied, 0.74 of the mass
+    assert impossible_row({i: -5.0 for i in range(7)}, 3) is None            # 7 tied: rare, possible
+    assert "degenerate" in impossible_row({i: -5.0 for i in range(8)}, 3)
+    assert "degenerate" in impossible_row({3: float(-np.log(2)), 9: float(-np.log(2))}, 3)  # uniform over 2
+    assert "not normalized" in impossible_row({3: -0.1, 9: -0.2}, 3)
+    assert impossible_row({3: 0.0005, 9: -9.0}, 3) is None                   # rounding above 0
+    assert "above 0" in impossible_row({3: 0.01, 9: -9.0}, 3)
+    assert "(the claimed token), which is not finite" in impossible_row({3: float("-inf"), 9: -0.1}, 3)
+    assert "not finite" in impossible_row({3: -0.1, 9: float("inf")}, 3)

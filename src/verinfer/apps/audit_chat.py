@@ -58,7 +58,7 @@ from verinfer.numerics import Numerics
 from verinfer.progress import progress_bar
 from verinfer.providers.chat_http import ChatEndpoint, ChatReply, request_chat
 from verinfer.providers.chat_log import TEMPLATE_FIELDS, ChatLogError, iter_chat_log
-from verinfer.providers.openai_http import EndpointError
+from verinfer.providers.openai_http import EndpointError, check_token_reply
 from verinfer.providers.simulated import HONEST, ProviderConfig, provider_generate
 from verinfer.registry import Registry
 from verinfer.retokenize import DERIVED, PLAIN_CHAT_TEMPLATE, RETURNED, Retokenizer
@@ -315,13 +315,20 @@ def _collect_manifest(endpoint: ChatEndpoint, cfg: ChatAuditConfig, conversation
 
 
 def reply_claim(i: int, msgs: list[dict], reply: ChatReply, endpoint: ChatEndpoint, cfg: ChatAuditConfig,
-                retok: Retokenizer, model_name: str) -> Claim:
+                retok: Retokenizer, model_name: str, *, vocab_size: int) -> Claim:
+    """The claim of reply i. Where its ids are the endpoint's (tokens "returned", or "auto" with ids
+    sent), they are checked against the trusted model's vocab_size and max_tokens first
+    (`openai_http.check_token_reply`): a bad reply is an EndpointError, never a claim."""
     tokens = cfg.tokens
     if tokens == "auto":
         tokens = RETURNED if reply.output_token_ids is not None else DERIVED
     if tokens == RETURNED and reply.output_token_ids is None:
         raise EndpointError(f"request {i}: the endpoint returned no token ids (tokens='returned')",
                             where=endpoint.name, fix="audit with tokens derived from the text (the default)")
+    if tokens == RETURNED:
+        check_token_reply(reply.output_token_ids, reply.finish_reason, vocab_size=vocab_size,
+                          max_tokens=cfg.params.max_tokens, request=f"request {i} of vendor {endpoint.name!r}",
+                          where=endpoint.name, prompt_ids=reply.prompt_token_ids)
     return Claim.from_chat(f"{endpoint.name}-{i:05d}", model_name, msgs, reply.text, reply.finish_reason, cfg.params,
                            retok, tokens=tokens, returned=(reply.prompt_token_ids, reply.output_token_ids),
                            usage=reply.usage, provider=endpoint.name,
@@ -337,7 +344,7 @@ def collect_vendor(endpoint: ChatEndpoint, cfg: ChatAuditConfig, conversations: 
     once on resumed ones): True cancels the requests not yet sent (those in flight are counted)."""
     path, mpath = out / "claims.jsonl", out / "collect.json"
     out.mkdir(parents=True, exist_ok=True)
-    name = model_info(cfg.model_dir).name
+    info = model_info(cfg.model_dir)
     with exclusive_lock(path):
         claims: list[Claim] = []
         if path.is_file():
@@ -368,7 +375,8 @@ def collect_vendor(endpoint: ChatEndpoint, cfg: ChatAuditConfig, conversations: 
                     i, fut = window.popleft()
                     reply = fut.result()
                     sent += 1
-                    claims.append(reply_claim(i, conversations[i], reply, endpoint, cfg, retok, name))
+                    claims.append(reply_claim(i, conversations[i], reply, endpoint, cfg, retok, info.name,
+                                              vocab_size=info.vocab_size))
                     write_claims(path, claims)
                     atomic_write_json(rpath, {"requests_sent": sent})
                     if progress:

@@ -34,6 +34,16 @@ the model's tokenizer (each token's bytes, `retokenize.TokenBytes`; byte-level v
 each token uniquely). Hosted APIs cap k (OpenAI: 5): rows are exact for greedy claims wherever the
 top-1 is strictly above the k-th value, and marked approximate otherwise, as above.
 
+Rows the reference refuses (`impossible_row`), both protocols, before any row is scored: a row
+is the log-softmax of one distribution, so every value is finite (vLLM itself sends -9999.0 where
+the log-softmax is -inf, `clamp_prompt_logprobs`, and JSON has no infinities: NaN, +inf and -inf are
+all refused, the claimed token's too), each value is at most 0 and their probabilities sum to at
+most 1, both within LOGSUMEXP_TOL (fp32 rounding of the server's log-softmax stays far below it), the
+claimed token's logprob is in the row, and the row is not degenerate (all values exactly equal
+over DEGENERATE_MIN or more tokens, or over 2 or more that hold the whole probability). A refused
+row is a ReferenceServerError naming the claim (its claims file line), the output position and what
+is wrong, and no scores are written: such a server is not a faithful model server.
+
 Requests run `concurrency` at a time; the openai client retries refused connections, timeouts,
 429 and 5xx with exponential backoff (`retries`). Parts are the same resumable `<out>.parts/` as
 local replay (`audit.replay.score_claims`, which takes a RemoteReference in place of the Engine).
@@ -65,6 +75,13 @@ PROTOCOLS = ("prompt_logprobs", "echo")
 # min-p compares p / max p with min_p in fp32 over the whole vocabulary; the row's log-softmax differs
 # from the logits by a rounded constant, so a ratio this close to min_p may fall the other way
 MIN_P_TOL = 1e-4
+# a row's probabilities may sum past 1 by the rounding of the server's fp32 log-softmax (~1e-6)
+LOGSUMEXP_TOL = 1e-3
+# honest bf16 logits tie exactly: on the testbed 6.4% of rows tie their top 2 logprobs, 0.4% their
+# top 5 and none of 1000 their top 8; a row of this many equal values is not a model's
+DEGENERATE_MIN = 8
+NOT_FAITHFUL = ("the reference server is not a faithful model server: score locally (`verinfer score` without "
+                "--reference-url), or against a vLLM server of the trusted model")
 START_SERVER = ("start it as `python -m vllm.entrypoints.openai.api_server --model MODEL --served-model-name NAME "
                 "--max-logprobs K --dtype bfloat16`")
 
@@ -76,7 +93,7 @@ class ReferenceServerError(VerinferError):
 class TokenLogprob(BaseModel):
     """One entry of a prompt_logprobs row (vLLM's Logprob: rank and decoded_token may be absent)."""
     model_config = ConfigDict(extra="allow")
-    logprob: float = Field(le=1e-3, allow_inf_nan=True)
+    logprob: float = Field(allow_inf_nan=True)  # checked by `impossible_row`
     rank: int | None = None
 
 
@@ -139,6 +156,28 @@ def exactness(values_K: np.ndarray, params: SamplingParams, k: int) -> str | Non
         ratio = np.exp((v[:cut] - v[0]) / params.temperature)  # p / max p, what min-p compares with min_p
         if np.any(np.abs(ratio - params.min_p) <= MIN_P_TOL * params.min_p):
             return "a token within rounding of the min-p cut"
+    return None
+
+
+def impossible_row(row: dict[int, float], claimed: int | None = None) -> str | None:
+    """Why a row of returned logprobs (token id -> logprob: the top k plus the claimed token's)
+    cannot be a model's log-softmax; None when it can (module docstring)."""
+    def token(i: int) -> str:
+        return f"token {i}" + (" (the claimed token)" if i == claimed else "")
+
+    bad = next((i for i, v in row.items() if not np.isfinite(v)), None)
+    if bad is not None:
+        return f"holds logprob {row[bad]} for {token(bad)}, which is not finite"
+    top = max(row, key=row.get)
+    if row[top] > LOGSUMEXP_TOL:
+        return f"holds logprob {row[top]:.6g} for {token(top)}, above 0"
+    v = np.fromiter(row.values(), float)
+    lse = float(np.logaddexp.reduce(v))
+    if lse > LOGSUMEXP_TOL:
+        return (f"is not normalized: its {len(v)} probabilities sum to {np.exp(lse):.6g} > 1 "
+                f"(logsumexp {lse:.3g} > {LOGSUMEXP_TOL})")
+    if len(v) >= 2 and np.all(v == v[0]) and (len(v) >= DEGENERATE_MIN or lse >= -LOGSUMEXP_TOL):
+        return f"is degenerate: all {len(v)} logprobs equal {v[0]:.6g}"
     return None
 
 
@@ -247,8 +286,17 @@ class RemoteReference:
                                                where=where, fix="--reference-model must serve the model of --model")
                 row.setdefault(i, v)
             row[y] = own
-            out.append(row)
+            out.append(self._checked(row, y, t, P, where))
         return out
+
+    def _checked(self, row: dict[int, float], y: int, t: int, P: int, where: str) -> dict[int, float]:
+        """The row of output token t (claimed token y), or a ReferenceServerError when it is no
+        model's (`impossible_row`)."""
+        why = impossible_row(row, y)
+        if why is not None:
+            raise ReferenceServerError(f"the {self.protocol} row of output token {t} (prompt position {P + t}) {why}; "
+                                       "no model's log-softmax gives that", where=where, fix=NOT_FAITHFUL)
+        return row
 
     def _token_id(self, text: str) -> int | None:
         if text.startswith("token_id:"):
@@ -309,7 +357,7 @@ class RemoteReference:
             if bad:
                 raise ReferenceServerError(f"token id {bad[0]} outside the model's vocabulary of {self.config.vocab_size}",
                                      where=where, fix="--reference-model must serve the model of --model")
-            out.append({i: e.logprob for i, e in row.items()})
+            out.append(self._checked({i: e.logprob for i, e in row.items()}, y, t, P, where))
         return out
 
     # --- scoring ------------------------------------------------------------------------------
