@@ -234,7 +234,7 @@ def test_a_claims_line_over_the_bound_is_refused_before_it_is_parsed(files, tmp_
 def test_report_providers_whose_names_collide_on_disk_get_their_own_pngs(files, tmp_path):
     t = pq.read_table(files["int4"])
     paths = []
-    for k, name in enumerate(("a/b", "a_b", "a b", "x" * 100_000)):
+    for k, name in enumerate(("a/b", "a_b", "a b", "x" * 1000)):  # 1000 > NAME_MAX (255): ENAMETOOLONG before
         prov = pa.array([name] * t.num_rows)
         ids = pa.array([f"{k}-{c}" for c in t["claim_id"].to_pylist()])
         p = tmp_path / f"p{k}.parquet"
