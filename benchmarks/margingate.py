@@ -34,7 +34,8 @@ from verinfer.models.testbed import TARGET_DIR
 from verinfer.numerics.machine import fingerprint_mismatch, machine_fingerprint
 
 OUT = Path(__file__).parent / "results"
-METHODS = ("bf16", "margingate", "llm42", "gated_llm42", "best", "batch_invariant", "layercast")
+METHODS = ("bf16", "margingate_contract", "margingate", "llm42", "gated_llm42", "best", "batch_invariant", "layercast")
+GATED = ("margingate_contract", "margingate", "llm42", "gated_llm42", "best")  # methods with a trigger rate
 LLM42_WINDOWS = (64, 32, 16)  # 64: its README default (--llm42-window-size); 32: its worker's default
 CACHE = OUT / "margingate_cache"
 
@@ -92,6 +93,9 @@ def main():
                     help="llm42 windows to run; `llm42` reports the fastest (strongest baseline)")
     ap.add_argument("--gated-window", type=int, default=16, help="gated_llm42 window")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--frontier", type=float, nargs="*", default=[],
+                    help="margingate_contract taus to run on the held-out workload (interleaved with bf16, one "
+                         "round): trigger rate vs determinism vs overhead")
     ap.add_argument("--rounds", type=int, default=2, help="interleaved timing rounds; times are means")
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     ap.add_argument("--model", default=None,
@@ -123,6 +127,12 @@ def main():
                                                          progress=lambda k: prog.advance(t, k)))
         prog.update(t, completed=1, total=1)
         tau = cal["tau"]
+        t = prog.add_task("calibrate tau of margingate_contract (arithmetic)", total=None)
+        cal_c = cached("calibration_contract", lambda: C.calibrate(
+            model_dir, n=a.n_cal, max_batch=a.batch, eng=eng, policy="margingate_contract",
+            progress=lambda k: prog.advance(t, k)))
+        prog.update(t, completed=1, total=1)
+        tau_c = cal_c["tau"]
         code, _ = split_prompts(model_dir, a.n_heldout, seed=1)
         _, arith = split_prompts(model_dir, a.n_unprotected, seed=2)
         prot = C.make_requests(code, "code", tuple(a.max_tokens), seed=1)
@@ -154,6 +164,8 @@ def main():
             if method == "batch_invariant_fitted":
                 method, det = "batch_invariant", eng_fit.tiled
             window = int(w) if w else a.gated_window
+            if method == "margingate_contract":
+                return Scheduler(fast, det, method, tau=float(w) if w else tau_c, max_batch=batch), None
             return Scheduler(fast, det, method, tau=tau, window=window, max_batch=batch), window
 
         def interleaved(names, batch, label):
@@ -190,7 +202,8 @@ def main():
                 res[n] = dict(method=n, window=r["window"] if method in ("llm42", "gated_llm42") else None,
                               batch=batch, determinism=C.determinism(r["out"], own_ref, pids),
                               flips=C.flip_stats(r["out"], own_ref, pids), **st.rates(), batch_steps=r["steps"],
-                              new_tokens=sum(len(r["out"][i]) for i in pids))
+                              new_tokens=sum(len(r["out"][i]) for i in pids),
+                              **(dict(out=r["out"]) if method == "bf16" else {}))
             return res
 
         # timing: every method advanced step by step in turn (interleaved), in `rounds` repeats;
@@ -214,6 +227,20 @@ def main():
                           seconds=got["batch_invariant_fitted"]["seconds"], bf16_seconds=got["bf16"]["seconds"],
                           same_tokens_as_context_padded=sum(ref_fit[k] == ref_tiled[k] for k in ref_tiled),
                           sequences=len(ref_tiled))
+        frontier = {}
+        if a.frontier:  # margingate_contract at several taus, interleaved with bf16 (one round)
+            names = ("bf16",) + tuple(f"margingate_contract@{x:g}" for x in a.frontier)
+            got = cached(f"frontier_b{a.batch}_" + "_".join(f"{x:g}" for x in a.frontier),
+                         lambda: interleaved(names, a.batch, "frontier"))
+            frontier = {n.partition("@")[2]: dict(tau=float(n.partition("@")[2]), determinism=v["determinism"],
+                                                  trigger_rate=v["trigger_rate"], repair_rate=v["repair_rate"],
+                                                  overhead=v["seconds"] / got["bf16"]["seconds"] - 1.0,
+                                                  overhead_cpu=v["cpu_seconds"] / got["bf16"]["cpu_seconds"] - 1.0)
+                        for n, v in got.items() if n != "bf16"}
+        t = prog.add_task("margins of the bf16 flips", total=None)
+        flip_margins = cached(f"flip_margins_b{a.batch}", lambda: bf16_flip_margins(eng, reqs, rounds[0]["bf16"]["out"],
+                                                                                   ref, pids))
+        prog.update(t, completed=1, total=1)
         scale = {}
         for b in a.scaling:
             names = ("bf16", "margingate", f"llm42@{a.windows[0]}", "best")
@@ -221,6 +248,8 @@ def main():
             for m in names:
                 scale[(m, b)] = got[m]
 
+    for m in main_runs:
+        main_runs[m].pop("out", None)  # bf16's sequences: the flip margins read them (cached), not the results
     bf16_s = main_runs["bf16"]["seconds"]
     llm42_w = min(a.windows, key=lambda w: main_runs[f"llm42@{w}"]["seconds"] + main_runs[f"llm42@{w}"]["cpu_seconds"])
     main_runs["llm42"] = main_runs[f"llm42@{llm42_w}"]
@@ -235,6 +264,15 @@ def main():
                       reference="fixed-shape deterministic path, batch-size-1 answer (computed batched: tested "
                                 "invariant); batch_invariant is compared with the tiled path's own batch-size-1 answer"),
         tau=tau, calibration={k: v for k, v in cal.items() if k != "sweep"}, tau_sweep=cal["sweep"],
+        margingate_contract=dict(
+            tau=tau_c, calibration={k: v for k, v in cal_c.items() if k != "sweep"}, tau_sweep=cal_c["sweep"],
+            verifier="a prefix-only shadow KV cache per protected request, written only by the deterministic path and "
+                     "caught up in one chunked deterministic pass at each trigger; current-column repair; the verified "
+                     "step keeps its bf16 column (paper section 3.2); `margingate` is the live-cache ablation",
+            sparse=bool(main_runs["margingate_contract"]["trigger_rate"] <= 0.5
+                        and main_runs["margingate_contract"]["determinism"] == 1.0),
+            frontier=frontier),
+        flip_margins=flip_margins,
         llm42=dict(window=llm42_w, windows_run=list(a.windows),
                    by_window={w: dict(determinism=main_runs[f"llm42@{w}"]["determinism"],
                                       overhead=main_runs[f"llm42@{w}"]["seconds"] / bf16_s - 1.0,
@@ -259,8 +297,8 @@ def main():
         cpu_seconds={m: main_runs[m]["cpu_seconds"] for m in methods},
         cpu_seconds_rounds={m: main_runs[m]["cpu_seconds_rounds"] for m in methods},
         seconds_rounds={m: main_runs[m]["seconds_rounds"] for m in methods},
-        trigger_rate={m: main_runs[m]["trigger_rate"] for m in ("margingate", "llm42", "gated_llm42", "best")},
-        repair_rate={m: main_runs[m]["repair_rate"] for m in ("margingate", "llm42", "gated_llm42", "best")},
+        trigger_rate={m: main_runs[m]["trigger_rate"] for m in GATED},
+        repair_rate={m: main_runs[m]["repair_rate"] for m in GATED},
         bf16_flips=main_runs["bf16"]["flips"],
         runs=main_runs,
         scaling={f"{m}@{b}": v for (m, b), v in scale.items()},
@@ -282,6 +320,31 @@ def main():
     write_md(res, suffix)
     plots(res, suffix)
     print(json.dumps({k: res[k] for k in ("tau", "determinism", "overhead", "trigger_rate", "repair_rate")}, indent=1))
+
+
+def bf16_flip_margins(eng, reqs, bf16_out: dict, ref: dict, pids) -> dict:
+    """The flips that decide whether sparse verification can be exact: for every protected sequence
+    where bf16 left the reference, at its first divergent step, the reference's top-1 minus top-2
+    logit margin and the reference's gap between its token and the one bf16 emitted (a flip is
+    caught at its step when bf16's own margin there is below tau)."""
+    from verinfer.engine.engine import Request
+    from verinfer.sampling.params import SamplingParams
+
+    by_id, rows = {r.id: r for r in reqs}, []
+    for rid in pids:
+        got, want = bf16_out[rid], ref[rid]
+        j = next((t for t in range(min(len(got), len(want))) if got[t] != want[t]), None)
+        if j is None:
+            continue
+        one = Request(rid, by_id[rid].prompt_token_ids, SamplingParams(temperature=0.0, max_tokens=1))
+        _, lg, _ = eng.det.prefill_extend([one], torch.tensor([want[:j]], dtype=torch.long), extra_slots=0)
+        v = lg[0, -1].float()
+        top = v.topk(2).values
+        rows.append(dict(id=rid, step=j, ref_margin=float(top[0] - top[1]), gap_to_bf16_token=float(v.max() - v[got[j]])))
+    m = sorted(r["ref_margin"] for r in rows)
+    return dict(flips=rows, n=len(rows), ref_margin_max=max(m, default=None),
+                ref_margin_quantiles={q: m[min(len(m) - 1, int(q * len(m)))] for q in (0.5, 0.9)} if m else {},
+                below={t: sum(x < t for x in m) for t in (0.125, 0.25, 0.5, 1.0, 2.0)})
 
 
 def write_md(res, suffix: str = ""):

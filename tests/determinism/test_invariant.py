@@ -107,9 +107,9 @@ def test_fixed_shape_falls_back_to_tiles_for_a_gemm_that_fails_the_check(bf16_mo
     here (where the GEMMs are row-invariant), and the result stays batch-invariant."""
     certified = fixed_shape_model(bf16_model)
     failing = sorted(n for n, W in bf16_model.w.items() if W.dim() == 2 and n != "embed_tokens.weight"
-                     and not kernels._gemm_row_invariant(W.shape[0], W.shape[1], W.dtype, W.device))
+                     and kernels._gemm_min_rows(W.shape[0], W.shape[1], W.dtype, W.device) is None)
     assert certified.kernels.certify()["tiled"] == failing  # CPU-dependent: [] on some, the 4 down_proj (688 in) on others
-    monkeypatch.setattr(kernels, "_gemm_row_invariant", lambda *a, **k: False)
+    monkeypatch.setattr(kernels, "_gemm_min_rows", lambda *a, **k: None)
     tiled = fixed_shape_model(bf16_model)
     assert "lm_head.weight" in tiled.kernels.tiled and len(tiled.kernels.tiled) == 29
     seq = torch.tensor(_prompts(3, seed=12, lo=9, hi=10))
@@ -140,3 +140,40 @@ def test_default_bf16_path_is_not_batch_invariant_with_mixed_lengths(fast_engine
             eng.decode_step(mixed)
         outs[name] = torch.equal(alone.logits_BV[0], mixed.logits_BV[0])
     assert outs == {"fast": False, "det": True}
+
+
+def test_a_gemm_whose_one_row_calls_differ_is_padded_to_two_rows(bf16_model, monkeypatch):
+    """Where only one-row GEMM calls take another kernel (MKL's bf16 gemv for SmolLM2's down_proj on
+    AVX-512 machines), FixedShape pads them to two rows instead of 64-row tiles: a one-row forward
+    gives the bits of the same row in a bigger batch, with every weight padded."""
+    monkeypatch.setattr(kernels, "_gemm_min_rows", lambda *a, **k: 2)
+    padded = fixed_shape_model(bf16_model)
+    assert not padded.kernels.tiled and "lm_head.weight" in padded.kernels.padded
+    calls = []
+    real = kernels.F.linear
+    monkeypatch.setattr(kernels.F, "linear", lambda x, *a: calls.append(x.shape[0]) or real(x, *a))
+    seq = torch.tensor(_prompts(3, seed=13, lo=9, hi=10))
+    pos = torch.arange(9)[None].expand(3, -1)
+    a, _ = padded(seq, pos, padded.new_cache(3, 513))
+    cache = padded.new_cache(1, 513)
+    padded(seq[1:2, :8], pos[:1, :8], cache)
+    calls.clear()
+    c, _ = padded(seq[1:2, 8:], pos[:1, 8:], cache)  # one row, one token: every GEMM called with 2 rows
+    assert calls and set(calls) == {2}
+    assert torch.equal(a[1, -1], c[0, -1])
+
+
+def test_gemm_min_rows_finds_the_one_row_kernel(monkeypatch):
+    """The probe itself: a GEMM whose one-row calls round differently is certified from two rows."""
+    real = kernels.F.linear
+
+    def one_row_differs(x, W, b=None):
+        y = real(x, W, b)
+        return y + (1e-2 if x.shape[0] == 1 else 0.0)
+
+    monkeypatch.setattr(kernels.F, "linear", one_row_differs)
+    kernels._CERTIFIED.clear()
+    try:
+        assert kernels._gemm_min_rows(24, 40, torch.bfloat16, "cpu") == 2
+    finally:
+        kernels._CERTIFIED.clear()

@@ -107,3 +107,44 @@ def test_server_deterministic_best_gives_the_reference_tokens(fast_engine, det_e
     assert plain.engine.model.kernels.name == "native" and served.engine.model.kernels.name == "fixed_shape"
     with pytest.raises(Exception, match="deterministic"):
         load_registry(TARGET_DIR, deterministic="margingate")
+
+
+def test_margingate_contract_verifier_gives_the_references_logits_for_each_prefix(fast_engine, det_engine,
+                                                                                  monkeypatch):
+    """The paper's contract (section 3.2): at every trigger, the contract verifier's logits are the
+    deterministic path's logits for the row's token prefix alone, bit for bit, whatever the batch
+    around it (two batch sizes, other rows co-batched); the live-cache ablation's are not."""
+    from verinfer.determinism import margingate as mg
+
+    reqs = _workload(n=6, seed=4)
+    protected = {r.id for r in reqs[::2]}
+    prompts = {r.id: r.prompt_token_ids for r in reqs}
+    seen = []
+    real = mg.catch_up
+
+    def record(det, batch, trig, shadows):
+        v_NV = real(det, batch, trig, shadows)
+        seen.extend((batch.requests[b].id, mg.sequence_of(batch, b), v_NV[i].clone()) for i, b in enumerate(trig))
+        return v_NV
+
+    monkeypatch.setattr(mg, "catch_up", record)
+    for max_batch in (3, 8):
+        Scheduler(fast_engine, det_engine, "margingate_contract", tau=1.0, max_batch=max_batch).run(reqs, protected)
+    assert len(seen) > 20 and {rid for rid, _, _ in seen} == protected
+    for rid, seq, v_V in seen[::3]:
+        P = len(prompts[rid])
+        one = Request(rid, prompts[rid], SamplingParams(temperature=0.0, max_tokens=1))
+        _, lg, _ = det_engine.prefill_extend([one], torch.tensor([seq[P:]], dtype=torch.long), extra_slots=0)
+        assert torch.equal(v_V, lg[0, -1]), (rid, len(seq))
+
+
+def test_margingate_contract_at_infinite_tau_is_exact_and_zero_tau_is_bf16(fast_engine, det_engine):
+    reqs = _workload(n=10, seed=5)
+    ref = _reference(det_engine, reqs)
+    protected = {r.id for r in reqs[1::2]}
+    got, st = Scheduler(fast_engine, det_engine, "margingate_contract", tau=float("inf"), max_batch=6).run(
+        reqs, protected)
+    assert {rid: got[rid] for rid in protected} == {rid: ref[rid] for rid in protected}
+    assert st.triggered == st.protected_steps - len(protected)  # every step but the det-prefill first one
+    _, st0 = Scheduler(fast_engine, det_engine, "margingate_contract", tau=0.0, max_batch=6).run(reqs, protected)
+    assert st0.triggered == 0 and st0.repaired == 0

@@ -18,11 +18,12 @@ DEFAULT_TAU_FILE = Path("runs/margingate_tau.json")
 
 
 def run_calibrate(model_dir, out=DEFAULT_TAU_FILE, n: int = 16, max_batch: int = 16, seed: int = 0,
-                  device: str = "cpu", show_progress: bool = True) -> dict:
+                  device: str = "cpu", show_progress: bool = True, policy: str = "margingate_contract") -> dict:
     with output(out, "tau file"):  # merged by model: read, then written, under the lock
         with progress_bar("determinism calibrate (reference, eps_pert, tau sweep)", calibration_requests(n),
                           show_progress) as adv:
-            rec = calibrate(model_dir, n=n, max_batch=max_batch, seed=seed, device=device, progress=adv)
+            rec = calibrate(model_dir, n=n, max_batch=max_batch, seed=seed, device=device, progress=adv,
+                            policy=policy)
         if rec["tau"] is None:
             raise ValueError("no swept tau reached sequence determinism 1.0 on the calibration prompts")
         write_tau(out, rec)
@@ -44,8 +45,8 @@ def _generate(model_dir, out, *, policy, n, max_tokens, seed, max_batch, tau, ta
               device) -> list[Claim]:
     POLICIES.get(policy)  # an unknown policy fails before the model loads, naming the policies
     info = model_info(model_dir)
-    if policy in ("margingate", "gated_llm42") and tau is None:
-        tau = read_tau(tau_file, info.name)
+    if policy in ("margingate", "margingate_contract", "gated_llm42") and tau is None:
+        tau = read_tau(tau_file, info.name, policy=policy)
     eng = make_engines(model_dir, device)
     code, arith = split_prompts(model_dir, (n + 1) // 2, seed)
     prompts = [p for pair in zip(code, arith) for p in pair][:n]

@@ -388,12 +388,14 @@ def _chat_exit(res) -> None:
 
 @command(determinism_app, "calibrate")
 def determinism_calibrate(model: Optional[str] = O.model(), out: Path = O.TAU_OUT, n: int = O.TAU_N,
-                          max_batch: int = O.MAX_BATCH, seed: int = O.TAU_SEED, device: str = O.device()):
+                          max_batch: int = O.MAX_BATCH, seed: int = O.TAU_SEED, device: str = O.device(),
+                          policy: str = O.TAU_POLICY):
     """Estimate eps_pert, sweep tau, write the smallest tau with 100% sequence determinism."""
     from verinfer.apps.determinism import run_calibrate
 
-    rec = run_calibrate(_model_dir(model), out, n=n, max_batch=max_batch, seed=seed, device=device)
-    typer.echo(f"tau = {rec['tau']:.4g} for {rec['model']} bf16 (max eps_pert {rec['eps_pert_max']:.4g}) -> {out}")
+    rec = run_calibrate(_model_dir(model), out, n=n, max_batch=max_batch, seed=seed, device=device, policy=policy)
+    typer.echo(f"tau = {rec['tau']:.4g} for {rec['model']} bf16, {policy} (max eps_pert {rec['eps_pert_max']:.4g}) "
+               f"-> {out}")
 
 
 @command(models_app, "get")

@@ -69,7 +69,8 @@ CHOICES = {("*", "noise"): NOISE, ("*", "matmul"): MATMUL, ("generate", "determi
            ("build", "budget"): TESTBED_BUDGETS, ("build-draft", "budget"): DRAFT_BUDGETS,
            ("*", "tokens"): TOKEN_MODES, ("*", "bands"): BAND_NAMES,
            ("*", "band_engine"): _names("verinfer.apps.audit_chat", "BAND_ENGINES"),
-           ("score", "reference_protocol"): _names("verinfer.audit.remote_reference", "PROTOCOLS")}
+           ("score", "reference_protocol"): _names("verinfer.audit.remote_reference", "PROTOCOLS"),
+           ("calibrate", "policy"): _names("verinfer.determinism.tau", "GATED")}
 
 
 def choices_of(command: str | None, param: str) -> Names | None:
@@ -286,6 +287,9 @@ TAU_OUT = typer.Option(Path("runs/margingate_tau.json"), "--out", "-o", help="Ta
                                                                              "read by `generate --deterministic "
                                                                              "margingate`).")
 TAU_N = typer.Option(16, help="Calibration (arithmetic) prompts.")
+TAU_POLICY = typer.Option("margingate_contract", help="The gated policy to calibrate: margingate_contract (its "
+                                                      "verifier reads only the request's token prefix) or the "
+                                                      "margingate ablation (its verifier reads the live cache).")
 MAX_BATCH = typer.Option(16, help="Largest decode batch.")
 TAU_SEED = typer.Option(0, help="Seed of the calibration prompts.")
 MODEL_NAME_ARG = typer.Argument(..., help="A name from `verinfer models list`, e.g. smollm2-135m-instruct.")

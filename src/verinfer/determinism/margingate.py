@@ -1,18 +1,28 @@
-"""MarginGate (paper: selective verification for deterministic batched decoding): the gate and
-the native repair.
+"""MarginGate (paper: selective verification for deterministic batched decoding): the gate, the
+verifier that keeps the paper's contract, and the native repair.
 
 At each step, a protected row whose current logits came from the batched bf16 path is verified
-when its top-1 minus top-2 logit margin is below tau (`gate`). All triggered rows are recomputed
-in one forward of the deterministic verifier (`repair`): the step that produced the row's
-logits, i.e. its last token at slot len-1, on a private copy of its KV cache. If the verifier's
-token differs, its logits replace the row's and its K/V column overwrites the row's current
-column (native repair: one column, no rollback). With `commit_verified` (default) a verified
-commit also writes the verifier's column (the paper keeps the bf16 one; on this testbed bf16
-logits tie often and bf16 columns left in the cache break exactness). Protected prompts are
-prefilled on the deterministic path. r_verify = triggered / protected steps, r_repair = repaired
-/ protected steps (Stats.rates).
+when its top-1 minus top-2 logit margin is below tau (`gate`). Two verifiers:
 
-Shape key: B=batch rows, N=triggered rows, V=vocab.
+- `margingate_contract` (`ShadowVerifier`, the paper's section 3.2 contract): the verifier's token
+  and K/V column are a function of the row's token prefix alone. Each protected row keeps a private
+  shadow KV cache that only the deterministic engine writes (its prompt's prefill columns, then the
+  columns of every token it has verified through). At a trigger the shadow is caught up in one
+  chunked deterministic pass over the tokens since its last trigger (the fixed-shape kernels give
+  the same bits chunked as token by token: tests/determinism/test_invariant.py), whose last logits
+  are the verifier's: exactly the batch-size-1 reference's logits for that prefix. Where its token
+  differs, its logits replace the row's and its column overwrites the row's current column in the
+  live cache (native repair: one column, no rollback); a verified step keeps the bf16 column
+  (`commit_verified=False`, the paper's choice) unless asked.
+- `margingate` (`repair`, the ablation kept from before): the step is recomputed on a private copy
+  of the row's live cache, which holds the bf16 columns of every unverified step, so at a near-tie
+  the verifier's token depends on the batch the request shared, not only on its tokens; with
+  `commit_verified` (its default) a verified step also writes the verifier's column.
+
+Protected prompts are prefilled on the deterministic path. r_verify = triggered / protected steps,
+r_repair = repaired / protected steps (Stats.rates).
+
+Shape key: B=batch rows, N=triggered rows, T=tokens, V=vocab.
 """
 
 from __future__ import annotations
@@ -20,7 +30,7 @@ from __future__ import annotations
 import torch
 
 from verinfer.determinism.policies import Policy, Row, Stats
-from verinfer.engine.engine import Batch, Engine
+from verinfer.engine.engine import Batch, Engine, RowsCache
 
 
 def top2_margin(logits_BV: torch.Tensor) -> torch.Tensor:
@@ -78,3 +88,83 @@ class MarginGate(Policy):
 
 def margingate(*, tau: float, commit_verified: bool = True, **_) -> MarginGate:
     return MarginGate(tau, commit_verified)
+
+
+def sequence_of(batch: Batch, b: int) -> list[int]:
+    """Row b's tokens in cache order: its prompt, then its outputs (len_B[b] of them are cached)."""
+    return list(batch.requests[b].prompt_token_ids) + list(batch.outputs[b])
+
+
+class ShadowVerifier:
+    """A protected row's prefix-only verifier state: `cache`, a one-row KV cache written only by the
+    deterministic engine, holding the deterministic columns of its first `length` tokens."""
+
+    def __init__(self, batch: Batch, b: int):
+        """Start from row b's cache as prefilled on the deterministic path (its prompt's columns)."""
+        self.cache = RowsCache(batch.cache, [b])
+        self.length = int(batch.len_B[b])
+
+    def write_column(self, batch: Batch, b: int, slot: int) -> None:
+        """Copy the shadow's (deterministic) K/V column at `slot` into row b of the live cache."""
+        for pk, pv, k, v in zip(batch.cache.k, batch.cache.v, self.cache.k, self.cache.v):
+            pk[b, slot] = k[0, slot]
+            pv[b, slot] = v[0, slot]
+
+
+def catch_up(det: Engine, batch: Batch, trig: list[int], shadows: list[ShadowVerifier]) -> torch.Tensor:
+    """The verifier's logits_NV for rows `trig`'s current steps (each row's last cached token, slot
+    len_B-1): every row's shadow caught up over its tokens [length, len_B) in one deterministic
+    pass (rows stacked; a shorter row's pads repeat its last token at its last position, which
+    rewrites that column with the same bits, as LLM-42's verify pass does). The logits and the
+    shadows' columns depend on each row's tokens only (the kernels are batch-invariant)."""
+    seqs = [sequence_of(batch, b)[s.length:int(batch.len_B[b])] for b, s in zip(trig, shadows)]
+    T = max(len(x) for x in seqs)
+    tokens_NT = torch.zeros(len(trig), T, dtype=torch.long)
+    pos_NT = torch.zeros(len(trig), T, dtype=torch.long)
+    for i, (x, s) in enumerate(zip(seqs, shadows)):
+        tokens_NT[i, :len(x)] = torch.tensor(x)
+        tokens_NT[i, len(x):] = x[-1]
+        pos_NT[i] = torch.clamp(torch.arange(s.length, s.length + T), max=s.length + len(x) - 1)
+    caches = [s.cache for s in shadows]
+    stacked = RowsCache.stack(caches, det.model.kernels.cache_slots(int(pos_NT.max()) + 1))
+    logits_NTV = det.run_on(stacked, tokens_NT, pos_NT)
+    stacked.unstack(caches)
+    for x, s in zip(seqs, shadows):
+        s.length += len(x)
+    return logits_NTV[torch.arange(len(trig)), torch.tensor([len(x) - 1 for x in seqs])]
+
+
+class MarginGateContract(Policy):
+    """MarginGate whose verifier keeps the paper's contract (module docstring): a shadow per
+    protected row (`ShadowVerifier`), created when the row joins (its prompt prefilled on the
+    deterministic path), caught up at each of its triggers."""
+
+    def __init__(self, tau: float, commit_verified: bool = False):
+        super().__init__(prefill="protected")
+        self.tau, self.commit_verified = tau, commit_verified
+
+    def before_step(self, sched, batch: Batch, rows: list[Row], prot_B: list[bool], st: Stats) -> None:
+        for b, p in enumerate(prot_B):
+            if p and rows[b].shadow is None:
+                rows[b].shadow = ShadowVerifier(batch, b)
+        verify_B = gate(batch.logits_BV, self.tau)
+        trig = [b for b, p in enumerate(prot_B) if p and not batch.done_B[b] and not rows[b].det_logits
+                and verify_B[b]]
+        if not trig:
+            return
+        st.triggered += len(trig)
+        st.verify_passes += 1
+        v_NV = catch_up(sched.det, batch, trig, [rows[b].shadow for b in trig])
+        ver_N, fast_N = v_NV.argmax(-1).tolist(), batch.logits_BV[trig].argmax(-1).tolist()
+        for i, b in enumerate(trig):
+            slot = int(batch.len_B[b]) - 1
+            if ver_N[i] != fast_N[i]:
+                st.repaired += 1
+                batch.logits_BV[b] = v_NV[i]
+                rows[b].shadow.write_column(batch, b, slot)
+            elif self.commit_verified:
+                rows[b].shadow.write_column(batch, b, slot)
+
+
+def margingate_contract(*, tau: float, commit_verified: bool = False, **_) -> MarginGateContract:
+    return MarginGateContract(tau, commit_verified)

@@ -49,6 +49,7 @@ class Row:
     verified: int = 0          # windowed policies: outputs[:verified] are verified
     armed_at: int | None = None  # gated_llm42: output index of the first unverified near-tie step
     det_logits: bool = True    # the row's current logits came from the deterministic path
+    shadow: object = None      # margingate_contract: the row's prefix-only verifier (margingate.ShadowVerifier)
 
 
 @dataclass

@@ -11,8 +11,9 @@ policy.after_step; finished rows leave. Every forward goes through Engine (prefi
 recompute, rollback_row, join, select_rows).
 
 Policies (POLICIES, name -> factory; the reference for protected requests is the deterministic
-path run alone): bf16, batch_invariant, layercast, best (policies.py), margingate
-(margingate.py: gate + native repair), llm42 and gated_llm42 (llm42.py: verify-rollback).
+path run alone): bf16, batch_invariant, layercast, best (policies.py), margingate_contract and
+margingate (margingate.py: gate + a prefix-only verifier / the live-cache ablation, native repair),
+llm42 and gated_llm42 (llm42.py: verify-rollback).
 
 Shape key: B=batch rows, T=tokens, V=vocab.
 """
@@ -34,7 +35,8 @@ from verinfer.registry import Registry
 
 POLICIES: Registry[Callable[..., Policy]] = Registry("determinism policy", {
     "bf16": policies.bf16, "batch_invariant": policies.batch_invariant, "layercast": policies.layercast,
-    "margingate": margingate.margingate, "llm42": llm42.llm42, "gated_llm42": llm42.gated_llm42,
+    "margingate": margingate.margingate, "margingate_contract": margingate.margingate_contract,
+    "llm42": llm42.llm42, "gated_llm42": llm42.gated_llm42,
     "best": policies.best,
 })
 
@@ -64,9 +66,10 @@ def make_engines(model_dir, device="cpu", prefill_chunk: int = 16, threads: int 
 
 class Scheduler:
     def __init__(self, fast: Engine, det: Engine, policy: str = "bf16", tau: float = 0.0, window: int = 64,
-                 max_batch: int = 16, record_margins: bool = False, commit_verified: bool = True):
+                 max_batch: int = 16, record_margins: bool = False, commit_verified: bool | None = None):
         self.fast, self.det, self.policy_name = fast, det, policy
-        self.policy = POLICIES.get(policy)(tau=tau, window=window, commit_verified=commit_verified)
+        kw = {} if commit_verified is None else dict(commit_verified=commit_verified)  # None: the policy's default
+        self.policy = POLICIES.get(policy)(tau=tau, window=window, **kw)
         self.max_batch = max_batch
         self.record_margins = record_margins
         self.slots = fast.max_positions + 1

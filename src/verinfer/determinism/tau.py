@@ -3,9 +3,13 @@
 1. eps_pert: along each calibration sequence's synchronous prefix (steps before its first
    divergence from the reference), max |logits_bf16_batched - logits_ref| over the reference's
    top-50 tokens.
-2. sweep tau over [0, 2 * max eps_pert] (extended if no point reaches 1.0), run MarginGate
-   end to end on the calibration prompts, and pick the smallest tau whose sequence-level
-   determinism is 1.0. The chosen tau is then fixed for held-out prompts of another kind.
+2. sweep tau over [0, 2 * max eps_pert] (extended if no point reaches 1.0), run the gated policy
+   (`margingate_contract`, or the `margingate` ablation) end to end on the calibration prompts,
+   and pick the smallest tau whose sequence-level determinism is 1.0. The chosen tau is then fixed
+   for held-out prompts of another kind.
+
+Tau files: {model: {key: record}}, key "bf16" for `margingate` (and gated_llm42, which reads its
+tau) and "bf16/<policy>" for another gated policy (`tau_key`).
 """
 
 from __future__ import annotations
@@ -89,11 +93,15 @@ def eps_pert(eng: Engines, reqs, ref: dict, max_batch: int, progress=None) -> li
     return eps
 
 
-def sweep_tau(eng: Engines, reqs, ref: dict, taus, max_batch: int, progress=None) -> list[dict]:
-    """MarginGate end to end at each tau; progress(1) after each finished request of each run."""
+GATED = ("margingate_contract", "margingate")  # the policies a tau is calibrated for
+
+
+def sweep_tau(eng: Engines, reqs, ref: dict, taus, max_batch: int, progress=None,
+              policy: str = "margingate") -> list[dict]:
+    """The gated `policy` end to end at each tau; progress(1) after each finished request of each run."""
     rows = []
     for tau in taus:
-        out, st = Scheduler(eng.fast, eng.det, "margingate", tau=float(tau), max_batch=max_batch).run(
+        out, st = Scheduler(eng.fast, eng.det, policy, tau=float(tau), max_batch=max_batch).run(
             reqs, progress=progress)
         rows.append(dict(tau=float(tau), determinism=determinism(out, ref, ref), **st.rates()))
     return rows
@@ -106,9 +114,12 @@ def calibration_requests(n: int, points: int = 9) -> int:
 
 
 def calibrate(model_dir, n: int = 16, max_tokens=(48, 128), max_batch: int = 16, seed: int = 0, points: int = 9,
-              device="cpu", eng: Engines | None = None, progress=None) -> dict:
-    """Calibrate tau on arithmetic prompts. Returns the full record (eps, sweep, chosen tau).
-    progress(1) after each finished request of every phase (`calibration_requests` in all)."""
+              device="cpu", eng: Engines | None = None, progress=None, policy: str = "margingate") -> dict:
+    """Calibrate the gated `policy`'s tau on arithmetic prompts. Returns the full record (eps,
+    sweep, chosen tau). progress(1) after each finished request of every phase
+    (`calibration_requests` in all)."""
+    if policy not in GATED:
+        raise ValueError(f"tau is calibrated for {' or '.join(GATED)}, not {policy!r}")
     eng = eng or make_engines(model_dir, device)
     _, arith = split_prompts(model_dir, n, seed)
     reqs = make_requests(arith, "cal", max_tokens, seed)
@@ -116,33 +127,39 @@ def calibrate(model_dir, n: int = 16, max_tokens=(48, 128), max_batch: int = 16,
     eps = eps_pert(eng, reqs, ref, max_batch, progress=progress)
     hi = 2 * max(eps)
     taus = [hi * i / (points - 1) for i in range(points)]
-    sweep = sweep_tau(eng, reqs, ref, taus, max_batch, progress)
+    sweep = sweep_tau(eng, reqs, ref, taus, max_batch, progress, policy)
     ok = [r for r in sweep if r["determinism"] == 1.0]
     while not ok and hi < 64:  # no point of the paper's range is deterministic: widen it
         hi *= 2
-        more = sweep_tau(eng, reqs, ref, [hi], max_batch, progress)
+        more = sweep_tau(eng, reqs, ref, [hi], max_batch, progress, policy)
         sweep += more
         ok = [r for r in more if r["determinism"] == 1.0]
-    return dict(model=model_info(model_dir).name, dtype="bf16", calibration="arithmetic", n_prompts=len(reqs),
+    return dict(model=model_info(model_dir).name, dtype="bf16", policy=policy, calibration="arithmetic",
+                n_prompts=len(reqs),
                 max_batch=max_batch, eps_pert_max=max(eps), eps_pert_mean=sum(eps) / len(eps),
                 eps_pert_p99=sorted(eps)[int(0.99 * (len(eps) - 1))], sweep_range=2 * max(eps), sweep=sweep,
                 tau=min(r["tau"] for r in ok) if ok else None,
                 machine=machine_fingerprint(device=eng.fast.device))  # near-tie margins are this machine's
 
 
+def tau_key(dtype: str = "bf16", policy: str = "margingate") -> str:
+    """Where a tau file keeps a policy's tau for a dtype (module docstring)."""
+    return dtype if policy in ("margingate", "gated_llm42") else f"{dtype}/{policy}"
+
+
 def write_tau(path, record: dict) -> None:
-    """Merge {model: {dtype: record}} into a JSON file."""
+    """Merge {model: {tau_key: record}} into a JSON file."""
     p = Path(path)
     data = json.loads(p.read_text()) if p.is_file() else {}
-    data.setdefault(record["model"], {})[record["dtype"]] = record
+    data.setdefault(record["model"], {})[tau_key(record["dtype"], record.get("policy", "margingate"))] = record
     p.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_json(p, data)
 
 
-def read_tau(path, model: str, dtype: str = "bf16") -> float:
+def read_tau(path, model: str, dtype: str = "bf16", policy: str = "margingate") -> float:
     p = Path(path)
     try:
-        return float(json.loads(p.read_text())[model][dtype]["tau"])
+        return float(json.loads(p.read_text())[model][tau_key(dtype, policy)]["tau"])
     except (FileNotFoundError, KeyError, TypeError) as e:
-        raise ValueError(f"no calibrated tau for model {model!r} dtype {dtype} in {p}; "
-                         f"run `verinfer determinism calibrate` first") from e
+        raise ValueError(f"no calibrated tau for model {model!r} dtype {dtype} policy {policy} in {p}; "
+                         f"run `verinfer determinism calibrate --policy {policy}` first") from e

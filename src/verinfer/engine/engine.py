@@ -93,6 +93,24 @@ class RowsCache(KVCache):
         self.max_slots = parent.max_slots
         self.write_hook = parent.write_hook
 
+    @classmethod
+    def stack(cls, caches: list["RowsCache"], slots: int) -> "RowsCache":
+        """One cache holding the first `slots` slots of the rows of `caches`, in order (a copy; a
+        kernel's bits depend on the slots it reads, not on how many a cache holds)."""
+        out = object.__new__(cls)
+        out.parent, out.rows = caches[0].parent, [r for c in caches for r in c.rows]
+        out.k = [torch.cat([k[:, :slots] for k in ks]) for ks in zip(*(c.k for c in caches))]
+        out.v = [torch.cat([v[:, :slots] for v in vs]) for vs in zip(*(c.v for c in caches))]
+        out.max_slots, out.write_hook = slots, caches[0].write_hook
+        return out
+
+    def unstack(self, caches: list["RowsCache"]) -> None:
+        """Copy each local row back into its own cache of `caches` (the inverse of `stack`)."""
+        S = self.max_slots
+        for i, c in enumerate(caches):
+            for dst, src in zip(c.k + c.v, self.k + self.v):
+                dst[:, :S] = src[i:i + 1]
+
     def commit(self, i: int, slot0: int, slot1: int) -> None:
         """Copy slots [slot0, slot1) of local row i into the parent's row."""
         r = self.rows[i]
@@ -287,9 +305,15 @@ class Engine:
         chosen K/V columns back with scratch.commit(i, slot0, slot1) (MarginGate's native repair,
         LLM-42's verified columns)."""
         scratch = RowsCache(batch.cache, rows)
+        return self.run_on(scratch, tokens_NT, pos_NT), scratch
+
+    @torch.no_grad()
+    def run_on(self, cache: KVCache, tokens_NT: torch.Tensor, pos_NT: torch.Tensor) -> torch.Tensor:
+        """Run tokens_NT at absolute positions pos_NT on `cache` (its rows, K/V written in place):
+        logits_NTV. A verifier's own cache (MarginGate's prefix-only shadow) or a RowsCache."""
         with self.numerics.threads_ctx():
-            logits_NTV, _ = self.model(tokens_NT.to(self.device), pos_NT.to(self.device), scratch)
-        return logits_NTV, scratch
+            logits_NTV, _ = self.model(tokens_NT.to(self.device), pos_NT.to(self.device), cache)
+        return logits_NTV
 
     @torch.no_grad()
     def decode_step(self, batch: Batch, sampler=None) -> torch.Tensor:

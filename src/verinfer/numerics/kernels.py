@@ -262,20 +262,37 @@ _CERTIFIED: dict[tuple, bool] = {}
 PROBE_ROWS = (1, 2, 3, 5, 8, 13, 16, 17, 31, 32, 33, 64, 65, 100, 128, 129, 256, 512, 1024)
 
 
-def _gemm_row_invariant(out_f: int, in_f: int, dtype, device, seed: int = 0) -> bool:
-    """Does F.linear give every row the same bits whatever the number of rows (1..1024)?"""
+PROBE_SHIFTS = (0, 5, 31)  # where in the input a probed block of rows starts
+
+
+def _gemm_min_rows(out_f: int, in_f: int, dtype, device, seed: int = 0) -> int | None:
+    """The fewest rows from which F.linear gives every row the same bits whatever the number of rows
+    (up to 1024) and the row's place among them: 1 (any call), 2 (one-row calls take another
+    kernel, e.g. MKL's bf16 gemv for the 576x1536 down_proj of SmolLM2, and are padded to two rows),
+    or None (not row-invariant: fixed tiles)."""
     key = ("gemm", out_f, in_f, dtype, str(device), torch.get_num_threads())
     if key not in _CERTIFIED:
         g = torch.Generator().manual_seed(seed)
         W = (torch.randn(out_f, in_f, generator=g) / math.sqrt(in_f)).to(dtype=dtype, device=device)
-        X = torch.randn(max(PROBE_ROWS), in_f, generator=g).to(dtype=dtype, device=device)
-        one = torch.cat([F.linear(X[i : i + 1], W) for i in range(8)])
+        X = torch.randn(max(PROBE_ROWS) + max(PROBE_SHIFTS), in_f, generator=g).to(dtype=dtype, device=device)
         full = F.linear(X, W)
-        ok = torch.equal(full[:8], one)
-        for M in PROBE_ROWS:
-            ok = ok and torch.equal(F.linear(X[:M], W), full[:M])
-        _CERTIFIED[key] = ok
+
+        def invariant_from(m: int) -> bool:
+            return all(torch.equal(F.linear(X[s : s + M], W), full[s : s + M])
+                       for M in PROBE_ROWS if M >= m for s in PROBE_SHIFTS)
+
+        one = torch.cat([F.linear(X[i : i + 1], W) for i in range(16)])
+        _CERTIFIED[key] = (1 if torch.equal(one, full[:16]) and invariant_from(1) else
+                           2 if invariant_from(2) else None)
     return _CERTIFIED[key]
+
+
+def _linear_rows(x_ND, W, b, min_rows: int):
+    """F.linear of x_ND's rows, a call of fewer than `min_rows` rows padded with copies of its last row."""
+    N = x_ND.shape[0]
+    if N >= min_rows:
+        return F.linear(x_ND, W, b)
+    return F.linear(torch.cat([x_ND, x_ND[-1:].expand(min_rows - N, -1)]), W, b)[:N]
 
 
 def _attention_item_invariant(heads: int, kv_heads: int, head_dim: int, slots: int, multiple: int, dtype,
@@ -346,9 +363,11 @@ class FixedShape(Native):
       GQA maps each packed head to its kv head), so a token's attention is computed exactly as in
       a one-token decode step (the kernel's T=1 and T>=2 paths differ in the last bits);
     - each linear layer is one GEMM over all rows (in chunks of at most `max_rows`): the per-row
-      result of the library GEMM was checked not to depend on the number of rows, for every
-      weight shape of the model at this dtype and thread count; a weight that fails the check
-      falls back to fixed `ROW_TILE`-row tiles."""
+      result of the library GEMM was checked not to depend on the number of rows nor on the row's
+      place, for every weight shape of the model at this dtype and thread count (`_gemm_min_rows`);
+      a weight whose one-row calls take another kernel (a gemv) gets them padded to two rows (its
+      `padded` set: the cost of one more row, where fixed tiles cost 64 rows per call), and a
+      weight that fails from two rows on falls back to fixed `ROW_TILE`-row tiles."""
 
     name = "fixed_shape"
 
@@ -358,11 +377,12 @@ class FixedShape(Native):
         self.key_slots, self.slot_multiple, self.max_rows = key_slots, slot_multiple, max_rows
         self.certify_on_bind = certify
         self.tiled: set[str] = set()  # weights whose GEMM failed the row-invariance check
+        self.padded: set[str] = set()  # weights whose one-row GEMM calls are padded to two rows
 
     def on_bind(self):
         self.attn = "sdpa"
         self.key_slots = self.key_slots or self.shape.max_position_embeddings
-        self.tiled = set()
+        self.tiled, self.padded = set(), set()
         if self.certify_on_bind:
             self.certify()
 
@@ -370,15 +390,18 @@ class FixedShape(Native):
         """Check the kernel properties this path relies on, at the current dtype/threads/device.
         Weights whose GEMM fails get fixed tiles; attention failing is an error."""
         s, W0 = self.shape, self.w["embed_tokens.weight"]
-        self.tiled = {n for n, W in self.w.items() if W.dim() == 2 and n != "embed_tokens.weight"
-                      and not _gemm_row_invariant(W.shape[0], W.shape[1], W.dtype, W.device)}
+        rows = {n: _gemm_min_rows(W.shape[0], W.shape[1], W.dtype, W.device) for n, W in self.w.items()
+                if W.dim() == 2 and n != "embed_tokens.weight"}
+        self.tiled = {n for n, m in rows.items() if m is None}
+        self.padded = {n for n, m in rows.items() if m == 2}
         if not _attention_item_invariant(s.num_attention_heads, s.num_key_value_heads, s.head_dim, self.key_slots,
                                          self.slot_multiple, W0.dtype, W0.device):
             raise NumericsError(
                 f"this machine's scaled_dot_product_attention is not item-invariant at {self.key_slots} key slots "
                 f"read in multiples of {self.slot_multiple} ({W0.dtype}, {torch.get_num_threads()} threads)",
                 fix="use the tiled batch-invariant path (policy batch_invariant) or an always-on verifier (llm42)")
-        return dict(tiled=sorted(self.tiled), threads=torch.get_num_threads(), dtype=str(W0.dtype))
+        return dict(tiled=sorted(self.tiled), padded=sorted(self.padded), threads=torch.get_num_threads(),
+                    dtype=str(W0.dtype))
 
     def cache_slots(self, max_slots: int) -> int:
         """Rounded up to a multiple of slot_multiple: attention reads whole multiples of it. The bits
@@ -408,7 +431,7 @@ class FixedShape(Native):
         x_ND = x.reshape(-1, x.shape[-1])
         N = x_ND.shape[0]
         if N <= self.max_rows:
-            y = F.linear(x_ND, W, b)
+            y = _linear_rows(x_ND, W, b, 2 if name in self.padded else 1)
         else:
             y = torch.cat([F.linear(x_ND[i : i + self.max_rows], W, b) for i in range(0, N, self.max_rows)])
         return y.reshape(*lead, W.shape[0])
