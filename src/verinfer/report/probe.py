@@ -70,8 +70,11 @@ def probe_markdown(doc: dict, title: str | None = None) -> str:
 
 def write_probe_html(doc: dict, path: str | Path) -> Path:
     """Write the probe's page to `path` (atomic, self-contained); return the path."""
-    from verinfer.report.html import _environment
+    import jinja2
 
-    page = _environment().get_template("probe.html.j2").render(
+    env = jinja2.Environment(loader=jinja2.PackageLoader("verinfer.report", "templates"), autoescape=True,
+                             undefined=jinja2.StrictUndefined, trim_blocks=True, lstrip_blocks=True)
+    env.filters.update(sig=fmt.sig)
+    page = env.get_template("probe.html.j2").render(
         doc=doc, summary=summarize_probe(doc), conditions=condition_rows(doc), flips=flip_rows(doc), classes=CLASSES)
     return atomic_write_text(path, page)
