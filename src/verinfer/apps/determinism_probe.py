@@ -248,7 +248,8 @@ def text_prompts(k: int, seed: int) -> list[str]:
     out = []
     for i in range(k):
         if i % 2 == 0:
-            out.append(f"# {rng.choice(('helper', 'utility', 'example'))} {i}\n{CODE_STARTS[(i // 2) % len(CODE_STARTS)]}")
+            kind = rng.choice(("helper", "utility", "example"))
+            out.append(f"# {kind} {i}\n{CODE_STARTS[(i // 2) % len(CODE_STARTS)]}")
         else:
             out.append(f"Q: {rng.randrange(2, 99)}+{rng.randrange(2, 99)}=")
     return out
