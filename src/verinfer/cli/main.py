@@ -72,15 +72,16 @@ class Group(typer.core.TyperGroup):
 
 app = typer.Typer(cls=Group, add_completion=False, no_args_is_help=True,
                   help="Make LLM inference checkable: audit providers with DiFR on a shipped testbed or your own "
-                       "model. Exit codes: 0 ok; 1 flagged (audit, audit-api, or a speculative claim that violates "
-                       "standard speculative sampling in score); 2 error (bad input or environment: what, where and "
-                       "the fix on stderr); 3 internal error (a bug: the traceback is saved to a file); 130 "
-                       "interrupted.")
+                       "model. Exit codes: 0 ok; 1 flagged (audit, audit-api, a speculative claim that violates "
+                       "standard speculative sampling in score, or a divergent sequence in determinism probe); 2 "
+                       "error (bad input or environment: what, where and the fix on stderr); 3 internal error (a bug: "
+                       "the traceback is saved to a file); 130 interrupted.")
 testbed_app = typer.Typer(cls=Group, no_args_is_help=True,
                           help="The shipped testbed models (tokenizer, target, draft).")
 app.add_typer(testbed_app, name="testbed")
 determinism_app = typer.Typer(cls=Group, no_args_is_help=True,
-                              help="Batched greedy decoding equal to the batch-size-1 answer.")
+                              help="Batched greedy decoding equal to the batch-size-1 answer; probe an endpoint's "
+                                   "determinism.")
 app.add_typer(determinism_app, name="determinism")
 models_app = typer.Typer(cls=Group, no_args_is_help=True, help="Real pretrained models by name: fetch, convert, cache.")
 app.add_typer(models_app, name="models")
@@ -396,6 +397,25 @@ def determinism_calibrate(model: Optional[str] = O.model(), out: Path = O.TAU_OU
     rec = run_calibrate(_model_dir(model), out, n=n, max_batch=max_batch, seed=seed, device=device, policy=policy)
     typer.echo(f"tau = {rec['tau']:.4g} for {rec['model']} bf16, {policy} (max eps_pert {rec['eps_pert_max']:.4g}) "
                f"-> {out}")
+
+
+@command(determinism_app, "probe")
+def determinism_probe(base_url: str = O.BASE_URL, model: str = O.ENDPOINT_MODEL, out: Path = O.PROBE_OUT,
+                      n: int = O.PROBE_N, max_tokens: int = O.PROBE_MAX_TOKENS, batch_sizes: str = O.PROBE_BATCH_SIZES,
+                      model_dir: Optional[str] = O.PROBE_MODEL_DIR, api_key_env: Optional[str] = O.API_KEY_ENV,
+                      seed: int = O.seed(), timeout: float = O.TIMEOUT, quiet: bool = O.QUIET):
+    """Is an OpenAI-compatible endpoint's greedy decoding deterministic? The same temperature-0 requests
+    alone (twice), under concurrent load, with a shared prefix and beside sampled traffic; each sequence's
+    first divergence with its top-2 margin. Exit 1 if any sequence diverges."""
+    from verinfer.apps.determinism_probe import ProbeConfig, parse_batch_sizes, run_probe
+
+    cfg = ProbeConfig(base_url, model, out, model_dir=_model_dir(model_dir) if model_dir else None, n=n,
+                      max_tokens=max_tokens, batch_sizes=parse_batch_sizes(batch_sizes), seed=seed,
+                      api_key_env=api_key_env, timeout=timeout)
+    res = run_probe(cfg, show_progress=not quiet)
+    render.probe(res)
+    if res.divergent_sequences:
+        raise typer.Exit(1)
 
 
 @command(models_app, "get")

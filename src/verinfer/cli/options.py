@@ -310,3 +310,13 @@ JUDGE_N = typer.Option(64, min=1, help="Arithmetic training problems to mine (ne
 JUDGE_SEED = typer.Option(1, help="Seed of the training problems and of the logistic regression.")
 JUDGE_MAX_TOKENS = typer.Option(8, min=1, help="Output tokens per problem (at most; a newline token stops).")
 JUDGE_C = typer.Option(1.0, help="Inverse regularization strength of the logistic regression.")
+
+# -- determinism probe ----------------------------------------------------------------------------
+PROBE_OUT = typer.Option(Path("runs/determinism-probe"), "--out", "-o",
+                         help="Output directory: probe.json, probe.md, probe.html.")
+PROBE_N = typer.Option(16, help="Probe prompts (each sent alone twice and once per condition).")
+PROBE_MAX_TOKENS = typer.Option(32, help="max_tokens of each probe request.")
+PROBE_BATCH_SIZES = typer.Option("1,4,16", help="Requests in flight of the concurrent-B conditions, comma-separated.")
+PROBE_MODEL_DIR = typer.Option(None, help="A local copy of the served model (directory or `verinfer models list` "
+                                          "name): token-id prompts from verinfer's prompt sets for it (default: "
+                                          "built-in text prompts).")

@@ -134,3 +134,25 @@ def more_tokens(v: Verdict) -> str:
     if v.flagged or "more_tokens_needed" not in v.reported:
         return "-"
     return "none (no excess)" if v.more_tokens_needed is None else f"~{v.more_tokens_needed}"
+
+
+def probe(res) -> None:
+    """What `verinfer determinism probe` prints for an `apps.determinism_probe.ProbeResult`: a row
+    per condition, the first divergences (at most 10), the summary and where the files are."""
+    from verinfer.report.probe import CLASSES, condition_rows, flip_rows, summarize_probe
+
+    doc = res.to_json()
+    t = Table(title=f"verinfer determinism probe: {escape(res.model)} at {escape(res.base_url)}",
+              caption="divergent: sequences that differ from the alone reference; near-tie: first divergence where "
+                      "the reference's top-2 margin is under 1 logit; large-margin: at or above it")
+    for col in ("condition", "sequences", "divergent", *CLASSES):
+        t.add_column(col, no_wrap=True)
+    for r in condition_rows(doc):
+        t.add_row(r["condition"], str(r["sequences"]), f"[red]{r['divergent']}[/red]" if r["divergent"] else "0",
+                  *(str(r[c]) for c in CLASSES))
+    console = Console(width=max(120, Console().width))
+    console.print(t)
+    for r in flip_rows(doc)[:10]:
+        console.print(escape(f"  {r['condition']}: prompt {r['prompt']} position {r['position']}: {r['reference']} -> "
+                             f"{r['token']}, margin {r['margin']} ({r['class']})"), soft_wrap=True)
+    typer.echo(f"{summarize_probe(doc)}\nresults: {res.paths.get('json')}  report: {res.paths.get('html')}")
