@@ -93,6 +93,10 @@ def main():
                     help="llm42 windows to run; `llm42` reports the fastest (strongest baseline)")
     ap.add_argument("--gated-window", type=int, default=16, help="gated_llm42 window")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS,
+                    help="methods of the interleaved rounds (bf16, llm42 and the gated ones always; e.g. leave out "
+                         "batch_invariant, whose keys padded to an 8,192-position context cost 20 minutes a round on "
+                         "SmolLM2: --tiled-key-slots measures the cross-machine mode at a fitted length instead)")
     ap.add_argument("--frontier", type=float, nargs="*", default=[],
                     help="margingate_contract taus to run on the held-out workload (interleaved with bf16, one "
                          "round): trigger rate vs determinism vs overhead")
@@ -110,6 +114,7 @@ def main():
                     help="another machine's margingate_cache (or a copy of its reference*.json and machine.json): "
                          "compare the deterministic references with this machine's (repeatable)")
     a = ap.parse_args()
+    a.methods = list(dict.fromkeys(["bf16", "llm42", *GATED, *a.methods]))
     OUT, CACHE = a.out, a.out / "margingate_cache"
     model_dir, suffix = TARGET_DIR, ""
     if a.model is not None:
@@ -208,7 +213,7 @@ def main():
 
         # timing: every method advanced step by step in turn (interleaved), in `rounds` repeats;
         # seconds = mean over rounds
-        order = [m for m in METHODS if m != "llm42"] + [f"llm42@{w}" for w in a.windows]
+        order = [m for m in a.methods if m != "llm42"] + [f"llm42@{w}" for w in a.windows]
         rounds = [cached(f"interleaved{i + 1}_b{a.batch}", lambda i=i: interleaved(order, a.batch, f"round {i + 1}"))
                   for i in range(a.rounds)]
         main_runs = {m: dict(rounds[0][m], seconds=sum(r[m]["seconds"] for r in rounds) / len(rounds),
@@ -253,7 +258,7 @@ def main():
     bf16_s = main_runs["bf16"]["seconds"]
     llm42_w = min(a.windows, key=lambda w: main_runs[f"llm42@{w}"]["seconds"] + main_runs[f"llm42@{w}"]["cpu_seconds"])
     main_runs["llm42"] = main_runs[f"llm42@{llm42_w}"]
-    methods = list(METHODS)
+    methods = [m for m in METHODS if m in a.methods]
     command = "python -m benchmarks.margingate" + "".join(" " + x for x in sys.argv[1:])
     res = dict(
         command=command,
@@ -378,7 +383,29 @@ def write_md(res, suffix: str = ""):
     for w, r in res["llm42"]["by_window"].items():
         L.append(f"| {w} | {r['determinism']:.3f} | {r['overhead']:+.3f} (CPU {r['overhead_cpu']:+.3f}) | "
                  f"{r['trigger_rate']:.4f} | {r['rolled_back']} |")
-    L += ["", "## Tau sweep on the calibration set (Table 7 style)", "",
+    c, fm = res["margingate_contract"], res["flip_margins"]
+    L += ["", "## MarginGate with the contract-keeping verifier", "",
+          f"`margingate_contract`: {c['verifier']}. tau = {c['tau']:.4g}, calibrated as the paper does (eps_pert on "
+          f"arithmetic prompts, the smallest swept tau with sequence determinism 1.0), fixed on the held-out code: "
+          f"determinism {res['determinism']['margingate_contract']:.3f} at trigger rate "
+          f"{res['trigger_rate']['margingate_contract']:.4f} and overhead {res['overhead']['margingate_contract']:+.3f} "
+          f"(the ablation `margingate`, whose verifier reads the live cache: tau {res['tau']:.4g}, trigger rate "
+          f"{res['trigger_rate']['margingate']:.4f}). Sparse verification (trigger rate <= 50%) "
+          f"{'reaches' if c['sparse'] else 'does not reach'} determinism 1.0 here.", "",
+          f"The bf16 flips that decide it ({fm['n']} protected sequences where bf16 left the reference): the reference's "
+          f"top-1 minus top-2 margin at the first divergent step is at most {fm['ref_margin_max']} logits"
+          + (f" (median {fm['ref_margin_quantiles'].get('0.5', fm['ref_margin_quantiles'].get(0.5))})" if fm['n'] else "")
+          + "; flips below each margin: " + ", ".join(f"< {t}: {n}" for t, n in fm["below"].items()) + ".", "",
+          "| tau (calibration sweep) | trigger rate | repair rate | seq. determinism |", "|---|---|---|---|"]
+    for r in c["tau_sweep"]:
+        L.append(f"| {r['tau']:.4g} | {r['trigger_rate']:.4f} | {r['repair_rate']:.4f} | {r['determinism']:.3f} |")
+    if c["frontier"]:
+        L += ["", "Frontier on the held-out workload (each tau interleaved with bf16 in one round):", "",
+              "| tau | trigger rate | seq. determinism | overhead (wall) | overhead (CPU) |", "|---|---|---|---|---|"]
+        for r in sorted(c["frontier"].values(), key=lambda r: r["tau"]):
+            L.append(f"| {r['tau']:.4g} | {r['trigger_rate']:.4f} | {r['determinism']:.3f} | {r['overhead']:+.3f} | "
+                     f"{r['overhead_cpu']:+.3f} |")
+    L += ["", "## Tau sweep of the margingate ablation on the calibration set (Table 7 style)", "",
           "| tau | trigger rate | repair rate | seq. determinism |", "|---|---|---|---|"]
     for r in res["tau_sweep"]:
         L.append(f"| {r['tau']:.4g} | {r['trigger_rate']:.4f} | {r['repair_rate']:.4f} | {r['determinism']:.3f} |")
@@ -419,12 +446,16 @@ def plots(res, suffix: str = ""):
     fig, ax = plt.subplots(figsize=(5, 4))
     sw = res["tau_sweep"]
     ax.plot([r["trigger_rate"] for r in sw], [r["determinism"] for r in sw], "o-", label="margingate (calibration sweep)")
+    swc = res["margingate_contract"]["tau_sweep"]
+    ax.plot([r["trigger_rate"] for r in swc], [r["determinism"] for r in swc], "o-",
+            label="margingate_contract (calibration sweep)")
     labels: dict = {}
     for r in sw:  # several taus can give the same point (bf16 margins are quantized): one label each
         labels.setdefault((r["trigger_rate"], r["determinism"]), []).append(f"{r['tau']:.2g}")
     for (x, y), taus in labels.items():
         ax.annotate("tau " + ",".join(taus), (x, y), fontsize=6, xytext=(3, 3), textcoords="offset points")
-    for m, mk in (("margingate", "s"), ("best", "*"), ("llm42", "^"), ("gated_llm42", "v")):
+    for m, mk in (("margingate_contract", "D"), ("margingate", "s"), ("best", "*"), ("llm42", "^"),
+                  ("gated_llm42", "v")):
         ax.plot(res["trigger_rate"][m], res["determinism"][m], mk, ms=9, label=f"{m} (held-out)")
     ax.set_xlabel("trigger rate (verified tokens / protected steps)")
     ax.set_ylabel("sequence determinism")
