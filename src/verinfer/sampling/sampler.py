@@ -7,6 +7,8 @@ Pipeline reproduced for one step of one request (filters.py, then noise.py's bac
   greedy (temperature == 0):  token = argmax(raw logits)            (first index on ties; no noise)
   scaled = filter_logits(logits)   # fp32 logits / T, -inf outside the kept set S
   vllm-cpu, keyed:        token = argmax_i float64(scaled_i) + G_i      (lowest id on exact ties)
+  vllm-mrv2-*-fp32:       token = argmax_i fp32(scaled_i + G_i)         (vLLM MRv2's fp32 sum; lowest
+                                                                         id on ties; -fp64: as keyed)
   vllm-v1-exponential:    token = argmax(softmax(scaled) / q)           (fp32, as vLLM's
                                                                          probs.div_(q).argmax())
   inverse-cdf:            token = smallest i with cdf_i > u * cdf_{V-1},
@@ -15,7 +17,9 @@ Pipeline reproduced for one step of one request (filters.py, then noise.py's bac
 From a probability vector p (speculative decoding, speculative-keyed noise):
   sample_probs:           token = argmax_{v: p_v > 0} float64(log p_v) + G_v
 Gumbel argmaxes are decided on exact G (C-library log, noise.py): the fast torch.log values pick
-the near-maximal candidates (within 1e-9) and only those are re-scored exactly.
+the near-maximal candidates (within 1e-9; with fp32 scores within NEAR_TIE32 + 2**-16 |max|, which
+covers fp32 rounding of the sum and fast-vs-exact fp32 logs) and only those are re-scored exactly,
+in the noise's score_dtype.
 
 Auditing: replay_tokens gives what an honest sampler with this seed would have drawn from the
 verifier's logits; inverse_cdf_interval gives the claimed token's CDF interval and the step's shared
@@ -31,6 +35,7 @@ from verinfer.sampling.noise import ExponentialStepNoise, NoiseKindError, StepNo
 from verinfer.sampling.params import SamplingParams
 
 NEAR_TIE = 1e-9          # fast-vs-exact Gumbel scores differ by < 1e-12; re-score within this
+NEAR_TIE32 = 1e-4        # fp32 scores (vLLM MRv2 fp32): fast-vs-exact fp32 logs differ by a few ulp
 _CHUNK_ELEMS = 1 << 22   # candidate noise is computed for at most this many (step, id) pairs at once
 
 
@@ -52,12 +57,25 @@ def _temperature32(params: SamplingParams) -> float:
 
 
 # --- one step -------------------------------------------------------------------------------
+def _near_window(s_max: torch.Tensor, score_dtype: torch.dtype) -> torch.Tensor | float:
+    """How far below the fast maximum a candidate may still win on exact scores."""
+    if score_dtype == torch.float64:
+        return NEAR_TIE
+    return NEAR_TIE32 + s_max.abs().nan_to_num(0.0, 0.0, 0.0) * 2.0**-16
+
+
+def _exact_scores(base: torch.Tensor, g: torch.Tensor, score_dtype: torch.dtype) -> torch.Tensor:
+    """base + G in the sampler's dtype (base: float64 of the fp32 scaled logits, exact either way)."""
+    return base.to(score_dtype) + g.to(score_dtype)
+
+
 def _gumbel_argmax(base_K: torch.Tensor, ids_K: torch.Tensor, noise: StepNoise) -> int:
-    """argmax over candidates of base + G (float64), decided on exact G, lowest id on ties."""
+    """argmax over candidates of base + G (in noise.score_dtype), decided on exact G, lowest id on ties."""
     s_K = base_K + noise.gumbel(ids_K, exact=False)
-    near = s_K >= s_K.max() - NEAR_TIE
+    s_max = s_K.max()
+    near = s_K >= s_max - _near_window(s_max, noise.score_dtype)
     cand_ids = ids_K[near]
-    s_exact = base_K[near] + noise.gumbel(cand_ids, exact=True)
+    s_exact = _exact_scores(base_K[near], noise.gumbel(cand_ids, exact=True), noise.score_dtype)
     return int(cand_ids[s_exact == s_exact.max()].min())
 
 
@@ -164,12 +182,14 @@ def _gumbel_replay(scaled_TV, ids_TK, valid_TK, tape, g_TK=None) -> torch.Tensor
     dev = scaled_TV.device
     base_TK = scaled_TV.gather(1, ids_TK).to(torch.float64)
     g_TK = _tape_gumbel(tape, ids_TK) if g_TK is None else g_TK
+    score_dtype = tape.score_dtype
     s_TK = (base_TK + g_TK).masked_fill(~valid_TK, float("-inf"))
-    near_TK = valid_TK & (s_TK >= s_TK.amax(-1, keepdim=True) - NEAR_TIE)
+    s_max_T1 = s_TK.amax(-1, keepdim=True)
+    near_TK = valid_TK & (s_TK >= s_max_T1 - _near_window(s_max_T1, score_dtype))
     t_N, k_N = near_TK.nonzero(as_tuple=True)
     ids_N = ids_TK[t_N, k_N]
-    s_N = base_TK[t_N, k_N] + tape.gumbel_pairs(t_N, ids_N, exact=True)
-    best_T = torch.full((T,), float("-inf"), dtype=torch.float64, device=dev).scatter_reduce(0, t_N, s_N, "amax")
+    s_N = _exact_scores(base_TK[t_N, k_N], tape.gumbel_pairs(t_N, ids_N, exact=True), score_dtype)
+    best_T = torch.full((T,), float("-inf"), dtype=score_dtype, device=dev).scatter_reduce(0, t_N, s_N, "amax")
     win_N = s_N == best_T[t_N]
     return torch.full((T,), V, dtype=torch.int64, device=dev).scatter_reduce(0, t_N[win_N], ids_N[win_N], "amin")
 
