@@ -291,7 +291,8 @@ def serve(model: Optional[str] = O.SERVE_MODEL, host: str = O.HOST, port: int = 
           misconfig: Optional[str] = O.MISCONFIG, noise: str = O.noise(O.SERVE_NOISE_HELP),
           threads: Optional[int] = O.THREADS, max_concurrent: int = O.MAX_CONCURRENT, max_waiting: int = O.MAX_WAITING,
           max_tokens: int = O.SERVE_MAX_TOKENS, max_body_bytes: int = O.MAX_BODY_BYTES, device: str = O.device(),
-          log_level: LogLevel = O.LOG_LEVEL, deterministic: Optional[str] = O.SERVE_DETERMINISTIC):
+          log_level: LogLevel = O.LOG_LEVEL, deterministic: Optional[str] = O.SERVE_DETERMINISTIC,
+          batching: str = O.BATCHING, max_batch: int = O.MAX_BATCH):
     """OpenAI-compatible server: /v1/completions, /v1/chat/completions (SSE streaming), /v1/models."""
     try:  # the [server] extra (FastAPI, uvicorn) is optional: imported only when serving
         from verinfer.server.app import ServeConfig, serve as run
@@ -299,7 +300,7 @@ def serve(model: Optional[str] = O.SERVE_MODEL, host: str = O.HOST, port: int = 
     except ImportError as e:
         raise VerinferError(f"the server needs the [server] extra ({e})", fix='pip install -e ".[server]"') from e
     cfg = ServeConfig(_model_dir(model), misconfig=misconfig, noise=noise, device=device,
-                      deterministic=deterministic,
+                      deterministic=deterministic, batching=batching, max_batch=max_batch,
                       limits=Limits(max_body_bytes=max_body_bytes, max_tokens=max_tokens,
                                     max_concurrent=max_concurrent, max_waiting=max_waiting))
     run(cfg, host=host, port=port, threads=threads, log_level=log_level)

@@ -55,6 +55,7 @@ AUDIT_MODES = _names("verinfer.apps.audit_api", "MODES")
 MISCONFIGS = _names("verinfer.providers.simulated", "MISCONFIGURED")
 SCORE_NAMES = _names("verinfer.scores", "ALL_SCORES")
 SERVE_DETERMINISTIC_NAMES = _names("verinfer.server.registry", "DETERMINISTIC")
+SERVE_BATCHING_NAMES = _names("verinfer.server.batching", "BATCHING")
 TESTBED_BUDGETS = _names("verinfer.models.testbed", "BUDGETS")
 DRAFT_BUDGETS = _names("verinfer.models.draft", "BUDGETS")
 DETECTOR_NAMES = _names("verinfer.detect.registry", "DETECTORS")
@@ -65,6 +66,7 @@ LogLevel = Literal["critical", "error", "warning", "info", "debug", "trace"]   #
 CHOICES = {("*", "noise"): NOISE, ("*", "matmul"): MATMUL, ("generate", "deterministic"): POLICY,
            ("generate", "speculative"): SPEC_RULE, ("generate", "engine"): ENGINES, ("audit-api", "mode"): AUDIT_MODES,
            ("serve", "misconfig"): MISCONFIGS, ("serve", "deterministic"): SERVE_DETERMINISTIC_NAMES,
+           ("serve", "batching"): SERVE_BATCHING_NAMES,
            ("calibrate", "score_name"): SCORE_NAMES, ("calibrate", "kind"): DETECTOR_NAMES,
            ("build", "budget"): TESTBED_BUDGETS, ("build-draft", "budget"): DRAFT_BUDGETS,
            ("*", "tokens"): TOKEN_MODES, ("*", "bands"): BAND_NAMES,
@@ -225,6 +227,11 @@ MAX_BODY_BYTES = typer.Option(1 << 20, help="Largest request body (bytes) before
 LOG_LEVEL = typer.Option("info", help="uvicorn's log level.")
 SERVE_DETERMINISTIC = typer.Option(None, help="best: decode on the fixed-shape deterministic path, so greedy tokens "
                                               "equal `verinfer generate --deterministic best` in any batch.")
+BATCHING = typer.Option("alone", help="alone: every request decoded alone (batch of one). continuous: each model's "
+                                      "greedy requests share one running batch (chunked prefill, joined between "
+                                      "decode steps; bf16 tokens then depend on the batch); sampled ones run alone.")
+MAX_BATCH = typer.Option(16, help="Rows of a model's running batch with --batching continuous (those rows take no "
+                                  "--max-concurrent slot).")
 
 # -- audit-api ------------------------------------------------------------------------------------
 BASE_URL = typer.Option(..., help="OpenAI-compatible base URL, e.g. http://127.0.0.1:8000/v1")

@@ -13,11 +13,22 @@ are looked up in a table, never used as paths), 413 for an oversized body, 503 w
 `Limits.max_waiting` generations are queued. Generations run in worker threads, at most
 `Limits.max_concurrent` at once, each request alone with its own cache and noise stream.
 
-Determinism: requests are never batched together, so a greedy request's tokens are its
-batch-size-1 tokens bit for bit whatever else is running. `--deterministic best` decodes on the
-fixed-shape deterministic path (determinism/invariant.py), so they are moreover the determinism
-reference's tokens: what `verinfer generate --deterministic best` (or margingate / llm42) gives the
-same prompt inside any batch.
+Batching (`ServeConfig.batching`): "alone" (the default) never batches requests together, so a
+greedy request's tokens are its batch-size-1 tokens bit for bit whatever else is running.
+"continuous" decodes the greedy requests of each served model in one running batch
+(server/batching.py: up to `max_batch` rows, newcomers prefilled in chunks and joined between decode
+steps), as a real server does: in bf16 a request's tokens then depend on what it shares the batch
+with (near-tie flips, what `verinfer determinism probe` finds). Sampled requests always run alone.
+`max_concurrent` bounds the generations that run alone in worker threads (sampled requests; every
+request with "alone"); batched rows take no such slot, they are bounded by `max_batch` per model
+(each model's batch is one more thread). `max_waiting` bounds all queued requests: those waiting
+for a slot plus those waiting to join a batch. A request the batch loop fails gets a 503
+`batch_failed` error naming the cause (an SSE error event once streaming has begun).
+
+Determinism: `--deterministic best` decodes on the fixed-shape deterministic path
+(determinism/invariant.py), so greedy tokens are the determinism reference's tokens: what
+`verinfer generate --deterministic best` (or margingate / llm42) gives the same prompt inside any
+batch, with either batching.
 """
 
 from __future__ import annotations
@@ -27,7 +38,7 @@ import json
 import secrets
 import time
 import uuid
-from contextlib import asynccontextmanager
+from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import AsyncIterator
@@ -38,6 +49,7 @@ from verinfer import retokenize
 from verinfer.errors import VerinferError
 from verinfer.sampling.noise import NOISE_BACKENDS
 from verinfer.sampling.params import SamplingParams
+from verinfer.server.batching import BATCHING, Batcher, BatchError, batched_steps
 from verinfer.server.generation import Step, generate_steps
 from verinfer.server.protocol import ChatCompletionRequest, CompletionRequest, Limits
 from verinfer.server.registry import ServedModel, load_registry
@@ -60,24 +72,34 @@ class ServeConfig:
     device: str = "cpu"
     limits: Limits = field(default_factory=Limits)
     deterministic: str | None = None  # "best": decode on the fixed-shape deterministic path
+    batching: str = "alone"           # "continuous": greedy requests share one batch per model
+    max_batch: int = 16               # rows of that batch
 
     def __post_init__(self):
         if self.noise not in NOISE_BACKENDS:
             raise VerinferError(f"unknown noise backend {self.noise!r}", where="--noise",
                                 fix=f"use one of {', '.join(NOISE_BACKENDS)}")
+        if self.batching not in BATCHING:
+            raise VerinferError(f"unknown batching {self.batching!r}", where="--batching",
+                                fix=f"use one of {', '.join(BATCHING)}")
+        if isinstance(self.max_batch, bool) or not isinstance(self.max_batch, int) or self.max_batch < 1:
+            raise VerinferError(f"must be an integer of at least 1, got {self.max_batch!r}", where="--max-batch",
+                                fix="use 1 or more rows per batch (default 16)")
 
 
 class Slots:
-    """At most `max_concurrent` generations at once and `max_waiting` queued behind them."""
+    """At most `max_concurrent` generations at once and `max_waiting` queued behind them (with
+    `queued()`: the requests waiting to join a batch)."""
 
-    def __init__(self, limits: Limits):
-        self.limits = limits
+    def __init__(self, limits: Limits, queued=lambda: 0):
+        self.limits, self.queued = limits, queued
         self.sem = asyncio.Semaphore(limits.max_concurrent)
         self.waiting = 0
 
     def check(self) -> None:
-        if self.waiting >= self.limits.max_waiting:
-            raise APIError(503, f"server busy: {self.waiting} requests already queued (limit "
+        n = self.waiting + self.queued()
+        if n >= self.limits.max_waiting:
+            raise APIError(503, f"server busy: {n} requests already queued (limit "
                                 f"{self.limits.max_waiting}); retry later", type_="server_busy")
 
     @asynccontextmanager
@@ -304,12 +326,21 @@ def create_app(registry: dict[str, ServedModel], cfg: ServeConfig):
     from starlette.exceptions import HTTPException as StarletteHTTPException
 
     limits = cfg.limits
-    app = FastAPI(title="verinfer", description="OpenAI-compatible, auditable inference server")
+    batchers = make_batchers(registry, cfg)
+
+    @asynccontextmanager
+    async def lifespan(_app):
+        yield
+        for b in batchers.values():  # each loop thread ends after its step in flight
+            await asyncio.to_thread(b.stop)
+
+    app = FastAPI(title="verinfer", description="OpenAI-compatible, auditable inference server", lifespan=lifespan)
+    app.state.batchers = batchers
     state = {"slots": None}
 
     def slots() -> Slots:
         if state["slots"] is None:  # created inside the running event loop
-            state["slots"] = Slots(limits)
+            state["slots"] = Slots(limits, lambda: sum(b.waiting for b in batchers.values()))
         return state["slots"]
 
     @app.exception_handler(APIError)
@@ -352,25 +383,35 @@ def create_app(registry: dict[str, ServedModel], cfg: ServeConfig):
     def meta(model: ServedModel, params: SamplingParams) -> dict:
         return {"seed": params.seed, "noise": params.noise}
 
-    async def run_job(model: ServedModel, rid: str, job: Job, request: Request) -> list[Step]:
-        """Decode in a worker thread one step at a time; a client that disconnected stops it
-        between two steps (its slot is freed, no more compute is spent on it)."""
-        async with slots().hold():
-            steps = []
-            it = generate_steps(model, rid, job.prompt_ids, job.params, logprobs=job.logprobs,
-                                ignore_eos=job.ignore_eos)
-            async for step in iterate_in_threadpool(it):
-                steps.append(step)
-                if step.finish_reason is None and await request.is_disconnected():
-                    raise _ClientGone()
-            return steps
-
     async def stream_job(model: ServedModel, rid: str, job: Job) -> AsyncIterator[Step]:
+        """The job's Steps: a greedy job of a continuously batched model from its batch, any other
+        decoded alone in a worker thread, one step at a time, in a slot of max_concurrent."""
+        batcher = batchers.get(id(model))
+        if batcher is not None and model.provider.run_params(job.params).greedy:
+            slots().check()
+            try:
+                async for step in batched_steps(batcher, rid, job.prompt_ids, job.params, logprobs=job.logprobs,
+                                                ignore_eos=job.ignore_eos):
+                    yield step
+            except BatchError as e:
+                raise APIError(503, str(e), type_="batch_failed") from e
+            return
         async with slots().hold():
             it = generate_steps(model, rid, job.prompt_ids, job.params, logprobs=job.logprobs,
                                 ignore_eos=job.ignore_eos)
             async for step in iterate_in_threadpool(it):
                 yield step
+
+    async def run_job(model: ServedModel, rid: str, job: Job, request: Request) -> list[Step]:
+        """All the job's Steps; a client that disconnected stops it between two steps (its slot or
+        batch row is freed, no more compute is spent on it)."""
+        steps = []
+        async with aclosing(stream_job(model, rid, job)) as it:
+            async for step in it:
+                steps.append(step)
+                if step.finish_reason is None and await request.is_disconnected():
+                    raise _ClientGone()
+        return steps
 
     def usage(jobs: list[Job], outs: list[int]) -> dict:
         p = sum(len(j.prompt_ids) for j in jobs)
@@ -470,6 +511,15 @@ def create_app(registry: dict[str, ServedModel], cfg: ServeConfig):
                 "usage": usage([job], [len(out)])}
 
     return BodyLimit(app, limits.max_body_bytes)
+
+
+def make_batchers(registry: dict[str, ServedModel], cfg: ServeConfig) -> dict[int, Batcher]:
+    """id(served model) -> its Batcher with continuous batching (one per model, whatever its
+    names), else empty. Their threads start at the first batched request."""
+    if cfg.batching != "continuous":
+        return {}
+    models = {id(m): m for m in registry.values()}
+    return {k: Batcher(m, cfg.max_batch, deterministic=cfg.deterministic is not None) for k, m in models.items()}
 
 
 def check_listen(port: int, threads: int | None) -> None:
