@@ -321,3 +321,34 @@ def test_the_cli_passes_batching_and_max_batch_to_the_server(monkeypatch):
     assert (seen["cfg"].batching, seen["cfg"].max_batch) == ("continuous", 4)
     r = CliRunner().invoke(cli, ["serve", "--batching", "dynamic"])
     assert r.exit_code == 2 and "continuous" in r.output
+
+
+def test_a_disconnected_client_leaves_the_batch(apps, monkeypatch):
+    """A non-streaming client that goes away right after its request: its row leaves the batch
+    within a step or two (499), instead of decoding 200 tokens for nobody."""
+    app = apps("best")
+    b = batchers(app)[0]
+    emitted = []
+    real = b.engine.emit
+    monkeypatch.setattr(b.engine, "emit", lambda batch, *a: emitted.append(1) or real(batch, *a))
+    raw = json.dumps({"model": MODEL, "prompt": [5, 6], "max_tokens": 200, "temperature": 0,
+                      "ignore_eos": True}).encode()
+    sent, out = [], []
+
+    async def receive():
+        if not sent:
+            sent.append(1)
+            return {"type": "http.request", "body": raw, "more_body": False}
+        return {"type": "http.disconnect"}
+
+    async def send(msg):
+        out.append(msg)
+
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
+             "path": "/v1/completions", "raw_path": b"/v1/completions", "query_string": b"", "root_path": "",
+             "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(raw)).encode())],
+             "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80)}
+    asyncio.run(app(scope, receive, send))
+    assert out[0]["status"] == 499
+    b.stop()  # after the step in flight: no more steps for the cancelled row
+    assert 1 <= len(emitted) <= 3, f"{len(emitted)} steps decoded for a client that was gone"
