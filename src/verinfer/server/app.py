@@ -387,10 +387,11 @@ def create_app(registry: dict[str, ServedModel], cfg: ServeConfig):
         """The job's Steps: a greedy job of a continuously batched model from its batch, any other
         decoded alone in a worker thread, one step at a time, in a slot of max_concurrent."""
         batcher = batchers.get(id(model))
-        if batcher is not None and model.provider.run_params(job.params).greedy:
+        run = model.provider.run_params(job.params)  # what a misconfigured server really decodes with
+        if batcher is not None and run.greedy:
             slots().check()
             try:
-                async for step in batched_steps(batcher, rid, job.prompt_ids, job.params, logprobs=job.logprobs,
+                async for step in batched_steps(batcher, rid, job.prompt_ids, run, logprobs=job.logprobs,
                                                 ignore_eos=job.ignore_eos):
                     yield step
             except BatchError as e:
