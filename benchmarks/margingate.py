@@ -168,9 +168,9 @@ def main():
             det = eng.tiled if method == "batch_invariant" else eng.det
             if method == "batch_invariant_fitted":
                 method, det = "batch_invariant", eng_fit.tiled
-            window = int(w) if w else a.gated_window
-            if method == "margingate_contract":
+            if method == "margingate_contract":  # @tau: a frontier point
                 return Scheduler(fast, det, method, tau=float(w) if w else tau_c, max_batch=batch), None
+            window = int(w) if w else a.gated_window
             return Scheduler(fast, det, method, tau=tau, window=window, max_batch=batch), window
 
         def interleaved(names, batch, label):

@@ -89,17 +89,36 @@ def test_fixed_shape_decode_trajectory_equals_one_verification_pass(det_engine):
 
 def test_fixed_shape_reads_slot_multiples_and_rejects_positions_past_its_slots(det_engine, bf16_model):
     model, K = det_engine.model, det_engine.model.kernels
+    m = K.slot_multiple
+    assert m in kernels.SLOT_MULTIPLES and K.certify()["slot_multiple"] == m
     cache = model.new_cache(1, 8)
-    assert cache.max_slots == 64  # a cache holds whole slot multiples, as many as its requests need
-    assert K.slots_to_read(1, cache.max_slots) == 64
+    assert cache.max_slots == m  # a cache holds whole slot multiples, as many as its requests need
+    assert K.slots_to_read(1, cache.max_slots) == m
     with pytest.raises(ValueError, match="new_cache"):
-        K.slots_to_read(65, cache.max_slots)
+        K.slots_to_read(m + 1, cache.max_slots)
     full = model.new_cache(1, K.key_slots).max_slots
-    assert full == K.key_slots and K.slots_to_read(65, full) == 128 and K.slots_to_read(K.key_slots, full) == K.key_slots
+    assert full == K.key_slots and K.slots_to_read(m + 1, full) == 2 * m
+    assert K.slots_to_read(K.key_slots, full) == K.key_slots
     with pytest.raises(ValueError, match="past"):
         K.slots_to_read(K.key_slots + 1, full)
     with pytest.raises(ValueError, match="new_cache"):
-        K.slots_to_read(100, bf16_model.new_cache(1, 80).max_slots)
+        K.slots_to_read(2 * m + 1, bf16_model.new_cache(1, 2 * m).max_slots)
+
+
+def test_the_slot_multiple_is_the_smallest_that_certifies_and_changes_no_bit(bf16_model, monkeypatch):
+    """FixedShape reads key slots in the smallest multiple of SLOT_MULTIPLES that certifies; the
+    multiple changes how many masked slots are read, never a bit of the logits."""
+    real = kernels._attention_item_invariant
+    monkeypatch.setattr(kernels, "_attention_item_invariant", lambda *a: a[4] >= 32 and real(*a))
+    m32 = fixed_shape_model(bf16_model)
+    monkeypatch.setattr(kernels, "_attention_item_invariant", real)
+    m_auto = fixed_shape_model(bf16_model)
+    assert m32.kernels.slot_multiple == 32 and m_auto.kernels.slot_multiple <= 32
+    seq = torch.tensor(_prompts(2, seed=14, lo=40, hi=41))
+    pos = torch.arange(40)[None].expand(2, -1)
+    a, _ = m32(seq, pos, m32.new_cache(2, 100))
+    b, _ = m_auto(seq, pos, m_auto.new_cache(2, 100))
+    assert torch.equal(a, b)
 
 
 def test_fixed_shape_falls_back_to_tiles_for_a_gemm_that_fails_the_check(bf16_model, monkeypatch):

@@ -263,6 +263,7 @@ PROBE_ROWS = (1, 2, 3, 5, 8, 13, 16, 17, 31, 32, 33, 64, 65, 100, 128, 129, 256,
 
 
 PROBE_SHIFTS = (0, 5, 31)  # where in the input a probed block of rows starts
+SLOT_MULTIPLES = (16, 32, 64)  # FixedShape's attention reads slots in the first multiple that certifies
 
 
 def _gemm_min_rows(out_f: int, in_f: int, dtype, device, seed: int = 0) -> int | None:
@@ -295,6 +296,15 @@ def _linear_rows(x_ND, W, b, min_rows: int):
     return F.linear(torch.cat([x_ND, x_ND[-1:].expand(min_rows - N, -1)]), W, b)[:N]
 
 
+def _probe_slots(need: int, slots: int, multiple: int) -> list[int]:
+    """Slot counts a certification reads for a row needing `need` slots: the first 16 multiples of
+    `multiple` covering it (where a block tail moves), then every 13th (a stride odd in multiples, so
+    every residue of the longer blocks comes up), below `slots` (read in full as the reference)."""
+    first = -(-need // multiple) * multiple
+    near = range(first, min(slots, first + 16 * multiple), multiple)
+    return sorted(set(near) | set(range(first, slots, 13 * multiple)))
+
+
 def _attention_item_invariant(heads: int, kv_heads: int, head_dim: int, slots: int, multiple: int, dtype,
                               device, seed: int = 0) -> bool:
     """Is a one-query attention item's result independent of the other items in the call, of
@@ -316,9 +326,9 @@ def _attention_item_invariant(heads: int, kv_heads: int, head_dim: int, slots: i
         ref = torch.stack([torch.cat([one(b, t) for t in range(T)], 2)[0] for b in range(B)])
         ok = torch.equal(_sdpa_packed(q, k, v, mask_BTS), ref)
         ok = ok and torch.equal(_sdpa_one_query(q[:, :, :1], k, v, mask_BTS[:, :1]), ref[:, :, :1])
-        for b in range(B):  # fewer slots read: every multiple of `multiple` that covers the row
+        for b in range(B):  # fewer slots read: multiples of `multiple` that cover the row (`_probe_slots`)
             need = int(last_B[b]) + 1
-            for S in range(-(-need // multiple) * multiple, slots, multiple):
+            for S in _probe_slots(need, slots, multiple):
                 ok = ok and torch.equal(_sdpa_packed(q[b : b + 1], k[b : b + 1, :, :S], v[b : b + 1, :, :S],
                                                      mask_BTS[b : b + 1, :, :S]), ref[b : b + 1])
                 ok = ok and torch.equal(_sdpa_one_query(q[b : b + 1, :, -1:], k[b : b + 1, :, :S],
@@ -349,9 +359,11 @@ class FixedShape(Native):
     """Library kernels at fixed shapes: instead of replacing the kernels (Tiled), hold fixed every
     shape their reduction order depends on, after checking on this machine which shapes those
     are (`certify`):
-    - attention reads a number of cache slots rounded up to a multiple of `slot_multiple` (64),
-      masked past each row's position, and gives every row the bits it would get reading all
-      `key_slots` (the model's context). Native attention reads exactly as many slots as the
+    - attention reads a number of cache slots rounded up to a multiple of `slot_multiple` (the
+      smallest of SLOT_MULTIPLES, 16 / 32 / 64, that certifies on this machine: 16 on AVX-512, whose
+      fp32 vectors hold 16 keys), masked past each row's position, and gives every row the bits it
+      would get reading all `key_slots` (the model's context), so the multiple changes no bit, only
+      how many masked slots are read. Native attention reads exactly as many slots as the
       longest row needs, and CPU flash attention then changes a row's bits when its neighbours
       change: the kernel vectorizes the softmax over the key block and computes a ragged tail with
       scalar code, so a row's last real keys fall in the tail or not depending on the block
@@ -371,10 +383,12 @@ class FixedShape(Native):
 
     name = "fixed_shape"
 
-    def __init__(self, key_slots: int | None = None, slot_multiple: int = 64, max_rows: int = 1024,
+    def __init__(self, key_slots: int | None = None, slot_multiple: int | None = None, max_rows: int = 1024,
                  certify: bool = True):
         super().__init__("native")
-        self.key_slots, self.slot_multiple, self.max_rows = key_slots, slot_multiple, max_rows
+        self.key_slots, self.max_rows = key_slots, max_rows
+        self.multiples = SLOT_MULTIPLES if slot_multiple is None else (slot_multiple,)
+        self.slot_multiple = self.multiples[-1]
         self.certify_on_bind = certify
         self.tiled: set[str] = set()  # weights whose GEMM failed the row-invariance check
         self.padded: set[str] = set()  # weights whose one-row GEMM calls are padded to two rows
@@ -394,14 +408,17 @@ class FixedShape(Native):
                 if W.dim() == 2 and n != "embed_tokens.weight"}
         self.tiled = {n for n, m in rows.items() if m is None}
         self.padded = {n for n, m in rows.items() if m == 2}
-        if not _attention_item_invariant(s.num_attention_heads, s.num_key_value_heads, s.head_dim, self.key_slots,
-                                         self.slot_multiple, W0.dtype, W0.device):
+        ok = [m for m in self.multiples if _attention_item_invariant(
+            s.num_attention_heads, s.num_key_value_heads, s.head_dim, self.key_slots, m, W0.dtype, W0.device)][:1]
+        if not ok:
             raise NumericsError(
                 f"this machine's scaled_dot_product_attention is not item-invariant at {self.key_slots} key slots "
-                f"read in multiples of {self.slot_multiple} ({W0.dtype}, {torch.get_num_threads()} threads)",
+                f"read in multiples of {' or '.join(map(str, self.multiples))} ({W0.dtype}, "
+                f"{torch.get_num_threads()} threads)",
                 fix="use the tiled batch-invariant path (policy batch_invariant) or an always-on verifier (llm42)")
-        return dict(tiled=sorted(self.tiled), padded=sorted(self.padded), threads=torch.get_num_threads(),
-                    dtype=str(W0.dtype))
+        self.slot_multiple = ok[0]
+        return dict(tiled=sorted(self.tiled), padded=sorted(self.padded), slot_multiple=self.slot_multiple,
+                    threads=torch.get_num_threads(), dtype=str(W0.dtype))
 
     def cache_slots(self, max_slots: int) -> int:
         """Rounded up to a multiple of slot_multiple: attention reads whole multiples of it. The bits
