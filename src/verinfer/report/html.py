@@ -237,12 +237,18 @@ def _image(fig, out: Path, file: str, title: str) -> Image:
     return Image(file, title, "data:image/png;base64," + base64.b64encode(png).decode(), w, h)
 
 
+def _short(name: str, n: int = 48) -> str:
+    """A provider name as plots show it: whole up to n characters, else its start, an ellipsis and
+    4 hex digits of its sha256 (a 1,000-character name would collapse the axes)."""
+    return name if len(name) <= n else f"{name[:n - 6]}…{_slug(name)[-8:-4]}"
+
+
 def _figures(cols: dict, honest: set[str], curves: Mapping, out: Path, overview_score: str) -> tuple:
     prov = cols["provider"].astype(str)
     is_honest = np.isin(prov, list(honest))
     misconfs = [p for p in _providers_in_order(prov) if p not in honest]
     overview = None
-    lines = {m: by_score[overview_score] for m, by_score in curves.items() if overview_score in by_score}
+    lines = {_short(m): by_score[overview_score] for m, by_score in curves.items() if overview_score in by_score}
     if lines:
         fig = new_figure()
         AucVsTokensPlot(fig.axes[0]).plot(lines, title=f"{overview_score}: AUC@1%FPR of every misconfiguration")
@@ -252,13 +258,13 @@ def _figures(cols: dict, honest: set[str], curves: Mapping, out: Path, overview_
         imgs = []
         if m in curves:
             fig = new_figure()
-            AucVsTokensPlot(fig.axes[0]).plot(curves[m], title=f"honest vs {m}: AUC@1%FPR by score")
+            AucVsTokensPlot(fig.axes[0]).plot(curves[m], title=f"honest vs {_short(m)}: AUC@1%FPR by score")
             imgs.append(_image(fig, out, f"auc_{_slug(m)}.png", f"AUC@1%FPR vs tokens, honest vs {m}"))
         is_m = prov == m
         for s in (s for s in HIST_SCORES if s in cols and is_m.any()):
             v = divergence(cols, s)
             fig = new_figure()
-            ScoreHistogramPlot(fig.axes[0]).plot(v[is_honest], v[is_m], s, m)
+            ScoreHistogramPlot(fig.axes[0]).plot(v[is_honest], v[is_m], s, _short(m))
             imgs.append(_image(fig, out, f"hist_{_slug(m)}_{s}.png", f"{s} histogram, honest vs {m}"))
         if imgs:
             sections.append({"name": m, "images": imgs})
