@@ -97,6 +97,10 @@ def main():
                     help="methods of the interleaved rounds (bf16, llm42 and the gated ones always; e.g. leave out "
                          "batch_invariant, whose keys padded to an 8,192-position context cost 20 minutes a round on "
                          "SmolLM2: --tiled-key-slots measures the cross-machine mode at a fitted length instead)")
+    ap.add_argument("--validate-seed", type=int, default=None,
+                    help="also run margingate_contract at --tau-safety x its calibrated tau on held-out code prompts "
+                         "of this seed (none of the main held-out ones), interleaved with bf16")
+    ap.add_argument("--tau-safety", type=float, default=2.0)
     ap.add_argument("--frontier", type=float, nargs="*", default=[],
                     help="margingate_contract taus to run on the held-out workload (interleaved with bf16, one "
                          "round): trigger rate vs determinism vs overhead")
@@ -173,7 +177,8 @@ def main():
             window = int(w) if w else a.gated_window
             return Scheduler(fast, det, method, tau=tau, window=window, max_batch=batch), window
 
-        def interleaved(names, batch, label):
+        def interleaved(names, batch, label, work=None):
+            w_reqs, w_pids, w_ref = work or (reqs, pids, ref)
             """Run every method's server loop at once, advancing them in turn one batch step at a
             time (rotating who goes first) and charging each step's wall-clock and CPU time to its
             method: every method meets the same machine load, as in an A/B/C... interleaved trial."""
@@ -181,8 +186,8 @@ def main():
             for n in names:
                 srv, window = server(n, batch)
                 out, st = {}, Stats()
-                task = prog.add_task(f"{label} {n} b={batch}", total=len(reqs))
-                gen = srv.steps(reqs, set(pids), out, st, progress=lambda k, task=task: prog.advance(task, k))
+                task = prog.add_task(f"{label} {n} b={batch}", total=len(w_reqs))
+                gen = srv.steps(w_reqs, set(w_pids), out, st, progress=lambda k, task=task: prog.advance(task, k))
                 runs[n] = dict(gen=gen, out=out, st=st, window=window, wall=0.0, cpu=0.0, steps=0)
             active, turn = list(names), 0
             while active:
@@ -201,13 +206,13 @@ def main():
             res = {}
             for n, r in runs.items():
                 method = n.partition("@")[0]
-                own_ref = {"batch_invariant": ref_tiled, "batch_invariant_fitted": ref_fit}.get(method, ref)
+                own_ref = {"batch_invariant": ref_tiled, "batch_invariant_fitted": ref_fit}.get(method, w_ref)
                 st = r["st"]
                 st.seconds, st.cpu_seconds = r["wall"], r["cpu"]
                 res[n] = dict(method=n, window=r["window"] if method in ("llm42", "gated_llm42") else None,
-                              batch=batch, determinism=C.determinism(r["out"], own_ref, pids),
-                              flips=C.flip_stats(r["out"], own_ref, pids), **st.rates(), batch_steps=r["steps"],
-                              new_tokens=sum(len(r["out"][i]) for i in pids),
+                              batch=batch, determinism=C.determinism(r["out"], own_ref, w_pids),
+                              flips=C.flip_stats(r["out"], own_ref, w_pids), **st.rates(), batch_steps=r["steps"],
+                              new_tokens=sum(len(r["out"][i]) for i in w_pids),
                               **(dict(out=r["out"]) if method == "bf16" else {}))
             return res
 
@@ -242,6 +247,25 @@ def main():
                                                   overhead=v["seconds"] / got["bf16"]["seconds"] - 1.0,
                                                   overhead_cpu=v["cpu_seconds"] / got["bf16"]["cpu_seconds"] - 1.0)
                         for n, v in got.items() if n != "bf16"}
+        validation = {}
+        if a.validate_seed is not None:  # a rule fixed after the held-out run, checked on prompts it never saw
+            code_v, _ = split_prompts(model_dir, 2 * a.n_heldout, seed=a.validate_seed)
+            seen = {tuple(p) for p in code}
+            prot_v = C.make_requests([p for p in code_v if tuple(p) not in seen][: a.n_heldout], "val",
+                                     tuple(a.max_tokens), seed=a.validate_seed)
+            reqs_v = [r for pair in zip(prot_v[:: max(1, len(prot_v) // max(len(unprot), 1))], unprot) for r in pair]
+            reqs_v += [r for r in prot_v + unprot if r not in reqs_v]
+            ref_v = cached(f"reference_val{a.validate_seed}", lambda: C.reference(eng, reqs_v, a.batch))
+            tau_v = a.tau_safety * tau_c
+            names = ("bf16", f"margingate_contract@{tau_v:g}")
+            got = cached(f"validation_s{a.validate_seed}_tau{tau_v:g}_b{a.batch}", lambda: interleaved(
+                names, a.batch, "validation", (reqs_v, [r.id for r in prot_v], ref_v)))
+            v = got[names[1]]
+            validation = dict(seed=a.validate_seed, prompts=len(prot_v), tau=tau_v, safety=a.tau_safety,
+                              determinism=v["determinism"], trigger_rate=v["trigger_rate"],
+                              overhead=v["seconds"] / got["bf16"]["seconds"] - 1.0,
+                              overhead_cpu=v["cpu_seconds"] / got["bf16"]["cpu_seconds"] - 1.0,
+                              bf16_determinism=got["bf16"]["determinism"])
         t = prog.add_task("margins of the bf16 flips", total=None)
         flip_margins = cached(f"flip_margins_b{a.batch}", lambda: bf16_flip_margins(eng, reqs, rounds[0]["bf16"]["out"],
                                                                                    ref, pids))
@@ -276,7 +300,7 @@ def main():
                      "step keeps its bf16 column (paper section 3.2); `margingate` is the live-cache ablation",
             sparse=bool(main_runs["margingate_contract"]["trigger_rate"] <= 0.5
                         and main_runs["margingate_contract"]["determinism"] == 1.0),
-            frontier=frontier),
+            frontier=frontier, validation=validation),
         flip_margins=flip_margins,
         llm42=dict(window=llm42_w, windows_run=list(a.windows),
                    by_window={w: dict(determinism=main_runs[f"llm42@{w}"]["determinism"],
@@ -405,6 +429,12 @@ def write_md(res, suffix: str = ""):
         for r in sorted(c["frontier"].values(), key=lambda r: r["tau"]):
             L.append(f"| {r['tau']:.4g} | {r['trigger_rate']:.4f} | {r['determinism']:.3f} | {r['overhead']:+.3f} | "
                      f"{r['overhead_cpu']:+.3f} |")
+    if c.get("validation"):
+        v = c["validation"]
+        L += ["", f"Validation of a safety rule fixed after the held-out run above (tau = {v['safety']:g} x the calibrated "
+              f"tau = {v['tau']:.4g}), on {v['prompts']} held-out code prompts of seed {v['seed']} that the run above never "
+              f"saw, interleaved with bf16: determinism {v['determinism']:.3f} (bf16 {v['bf16_determinism']:.3f}) at "
+              f"trigger rate {v['trigger_rate']:.4f}, overhead {v['overhead']:+.3f} (CPU {v['overhead_cpu']:+.3f})."]
     L += ["", "## Tau sweep of the margingate ablation on the calibration set (Table 7 style)", "",
           "| tau | trigger rate | repair rate | seq. determinism |", "|---|---|---|---|"]
     for r in res["tau_sweep"]:

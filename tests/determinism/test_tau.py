@@ -11,3 +11,18 @@ def test_tau_calibration_reports_progress_in_every_phase():
     done = []
     rec = calibrate(TARGET_DIR, n=2, max_tokens=(6, 6), max_batch=2, points=2, progress=done.append)
     assert sum(done) == (2 + len(rec["sweep"])) * 2 >= calibration_requests(2, points=2)
+
+
+def test_tau_files_keep_each_gated_policy_and_the_contract_decodes_at_the_safety_factor(tmp_path):
+    import pytest
+
+    from verinfer.determinism.tau import CONTRACT_SAFETY, read_tau, write_tau
+
+    p = tmp_path / "tau.json"
+    write_tau(p, {"model": "m", "dtype": "bf16", "policy": "margingate_contract", "tau": 0.25})
+    assert read_tau(p, "m", policy="margingate_contract") == CONTRACT_SAFETY * 0.25 == 0.5
+    with pytest.raises(ValueError, match="policy margingate"):
+        read_tau(p, "m", policy="margingate")  # another policy's tau is never read
+    write_tau(p, {"model": "m", "dtype": "bf16", "tau": 8.0})  # a record without a policy: margingate's (old files)
+    assert read_tau(p, "m") == read_tau(p, "m", policy="gated_llm42") == 8.0
+    assert read_tau(p, "m", policy="margingate_contract") == 0.5

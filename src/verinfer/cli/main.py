@@ -396,8 +396,11 @@ def determinism_calibrate(model: Optional[str] = O.model(), out: Path = O.TAU_OU
     from verinfer.apps.determinism import run_calibrate
 
     rec = run_calibrate(_model_dir(model), out, n=n, max_batch=max_batch, seed=seed, device=device, policy=policy)
-    typer.echo(f"tau = {rec['tau']:.4g} for {rec['model']} bf16, {policy} (max eps_pert {rec['eps_pert_max']:.4g}) "
-               f"-> {out}")
+    from verinfer.determinism.tau import CONTRACT_SAFETY
+
+    safe = f"; decodes at {CONTRACT_SAFETY:g} x = {CONTRACT_SAFETY * rec['tau']:.4g}" if policy == "margingate_contract" else ""
+    typer.echo(f"tau = {rec['tau']:.4g} for {rec['model']} bf16, {policy}{safe} (max eps_pert "
+               f"{rec['eps_pert_max']:.4g}) -> {out}")
 
 
 @command(determinism_app, "probe")
