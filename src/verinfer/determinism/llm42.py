@@ -18,9 +18,8 @@ Shape key: B=batch rows, N=replayed rows, T=replayed tokens per row, V=vocab.
 
 from __future__ import annotations
 
-import torch
 
-from verinfer.determinism.margingate import gate
+from verinfer.determinism.margingate import gate, padded_chunks
 from verinfer.determinism.policies import Policy, Row, Stats
 from verinfer.engine.engine import Batch, Engine
 
@@ -42,13 +41,7 @@ def verify_rollback(det: Engine, batch: Batch, rows: list[Row], start: dict[int,
         prev = outs[s - 1] if s > 0 else batch.requests[b].prompt_token_ids[-1]
         seqs.append([prev] + outs[s:-1] if batch.done_B[b] else [prev] + outs[s:])
         pos0.append(P + s - 1)
-    T = max(len(x) for x in seqs)
-    tokens_NT = torch.zeros(len(todo), T, dtype=torch.long)
-    pos_NT = torch.zeros(len(todo), T, dtype=torch.long)
-    for i, (x, p0) in enumerate(zip(seqs, pos0)):
-        tokens_NT[i, : len(x)] = torch.tensor(x)
-        tokens_NT[i, len(x):] = x[-1]
-        pos_NT[i] = torch.clamp(torch.arange(p0, p0 + T), max=p0 + len(x) - 1)  # pads repeat the last token
+    tokens_NT, pos_NT = padded_chunks(seqs, pos0)
     logits_NTV, scratch = det.recompute(batch, todo, tokens_NT, pos_NT)
     pred_NT = logits_NTV.argmax(-1)
     for i, b in enumerate(todo):

@@ -45,6 +45,13 @@ def gate(logits_BV: torch.Tensor, tau: float) -> list[bool]:
     return [m < tau for m in top2_margin(logits_BV).tolist()]
 
 
+def triggered(batch: Batch, rows: list[Row], prot_B: list[bool], tau: float) -> list[int]:
+    """The rows MarginGate verifies this step: protected, unfinished, logits from the bf16 path,
+    top-2 margin below tau (`gate`)."""
+    verify_B = gate(batch.logits_BV, tau)
+    return [b for b, p in enumerate(prot_B) if p and not batch.done_B[b] and not rows[b].det_logits and verify_B[b]]
+
+
 def repair(det: Engine, batch: Batch, trig: list[int], commit_verified: bool = True) -> int:
     """Recompute the step that produced rows `trig`'s current logits (the last token, prompt's
     last for a first step, at slot len-1) with the deterministic engine `det` in one forward;
@@ -76,9 +83,7 @@ class MarginGate(Policy):
         self.tau, self.commit_verified = tau, commit_verified
 
     def before_step(self, sched, batch: Batch, rows: list[Row], prot_B: list[bool], st: Stats) -> None:
-        verify_B = gate(batch.logits_BV, self.tau)
-        trig = [b for b, p in enumerate(prot_B) if p and not batch.done_B[b] and not rows[b].det_logits
-                and verify_B[b]]
+        trig = triggered(batch, rows, prot_B, self.tau)
         if not trig:
             return
         st.triggered += len(trig)
@@ -88,6 +93,20 @@ class MarginGate(Policy):
 
 def margingate(*, tau: float, commit_verified: bool = True, **_) -> MarginGate:
     return MarginGate(tau, commit_verified)
+
+
+def padded_chunks(seqs: list[list[int]], starts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tokens_NT, pos_NT): row i's tokens seqs[i] at positions starts[i], starts[i]+1, ...; a
+    shorter row's pads repeat its last token at its last position (a deterministic pass then
+    rewrites that column with the same bits and gives the same logits there)."""
+    T = max(len(x) for x in seqs)
+    tokens_NT = torch.zeros(len(seqs), T, dtype=torch.long)
+    pos_NT = torch.zeros(len(seqs), T, dtype=torch.long)
+    for i, (x, p0) in enumerate(zip(seqs, starts)):
+        tokens_NT[i, :len(x)] = torch.tensor(x)
+        tokens_NT[i, len(x):] = x[-1]
+        pos_NT[i] = torch.clamp(torch.arange(p0, p0 + T), max=p0 + len(x) - 1)
+    return tokens_NT, pos_NT
 
 
 def sequence_of(batch: Batch, b: int) -> list[int]:
@@ -118,13 +137,7 @@ def catch_up(det: Engine, batch: Batch, trig: list[int], shadows: list[ShadowVer
     rewrites that column with the same bits, as LLM-42's verify pass does). The logits and the
     shadows' columns depend on each row's tokens only (the kernels are batch-invariant)."""
     seqs = [sequence_of(batch, b)[s.length:int(batch.len_B[b])] for b, s in zip(trig, shadows)]
-    T = max(len(x) for x in seqs)
-    tokens_NT = torch.zeros(len(trig), T, dtype=torch.long)
-    pos_NT = torch.zeros(len(trig), T, dtype=torch.long)
-    for i, (x, s) in enumerate(zip(seqs, shadows)):
-        tokens_NT[i, :len(x)] = torch.tensor(x)
-        tokens_NT[i, len(x):] = x[-1]
-        pos_NT[i] = torch.clamp(torch.arange(s.length, s.length + T), max=s.length + len(x) - 1)
+    tokens_NT, pos_NT = padded_chunks(seqs, [s.length for s in shadows])
     caches = [s.cache for s in shadows]
     stacked = RowsCache.stack(caches, det.model.kernels.cache_slots(int(pos_NT.max()) + 1))
     logits_NTV = det.run_on(stacked, tokens_NT, pos_NT)
@@ -147,9 +160,7 @@ class MarginGateContract(Policy):
         for b, p in enumerate(prot_B):
             if p and rows[b].shadow is None:
                 rows[b].shadow = ShadowVerifier(batch, b)
-        verify_B = gate(batch.logits_BV, self.tau)
-        trig = [b for b, p in enumerate(prot_B) if p and not batch.done_B[b] and not rows[b].det_logits
-                and verify_B[b]]
+        trig = triggered(batch, rows, prot_B, self.tau)
         if not trig:
             return
         st.triggered += len(trig)

@@ -42,7 +42,7 @@ import torch
 
 from verinfer.engine.engine import Batch, Engine, Request, join, select_rows
 from verinfer.sampling.params import SamplingParams, stop_reason
-from verinfer.server.generation import Step
+from verinfer.server.generation import Step, step_of
 from verinfer.server.registry import ServedModel
 
 BATCHING = ("alone", "continuous")
@@ -75,19 +75,6 @@ def batch_engine(model: ServedModel, deterministic: bool) -> Engine:
     (the fixed-shape model prefills whole prompts, as the `best` policy's det engine)."""
     num = model.engine.numerics.with_(prefill_chunk=None if deterministic else PREFILL_CHUNK)
     return Engine(model.engine.model, num, eos_token_id=None)
-
-
-def step_of(logits_V: torch.Tensor, token: int, logprobs: int | None, finish: str | None) -> Step:
-    """The Step of one row: its token with the log-probability and top-`logprobs` alternatives of
-    the raw distribution it was picked from (logits_V: that row's fp32 logits before the step)."""
-    step = Step(token, finish_reason=finish)
-    if logprobs is not None:
-        lp_V = torch.log_softmax(logits_V, dim=-1)
-        step.logprob = float(lp_V[token])
-        if logprobs > 0:
-            vals, ids = lp_V.topk(logprobs)
-            step.top = list(zip(ids.tolist(), vals.tolist()))
-    return step
 
 
 def grow_slots(batch: Batch, slots: int) -> None:

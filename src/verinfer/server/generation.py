@@ -46,13 +46,17 @@ def generate_steps(model: ServedModel, request_id: str, prompt_ids: list[int], c
     while not batch.finished:
         logits_V = batch.logits_BV[0].float()
         tok = int(engine.decode_step(batch, sampler)[0])
-        step = Step(tok)
-        if logprobs is not None:
-            lp_V = torch.log_softmax(logits_V, dim=-1)
-            step.logprob = float(lp_V[tok])
-            if logprobs > 0:
-                vals, ids = lp_V.topk(logprobs)
-                step.top = list(zip(ids.tolist(), vals.tolist()))
-        if batch.finished:
-            step.finish_reason = batch.finish[0]
-        yield step
+        yield step_of(logits_V, tok, logprobs, batch.finish[0] if batch.finished else None)
+
+
+def step_of(logits_V: torch.Tensor, token: int, logprobs: int | None, finish: str | None) -> Step:
+    """The Step of one row: its token with the log-probability and top-`logprobs` alternatives of
+    the raw distribution it was picked from (logits_V: that row's fp32 logits before the step)."""
+    step = Step(token, finish_reason=finish)
+    if logprobs is not None:
+        lp_V = torch.log_softmax(logits_V, dim=-1)
+        step.logprob = float(lp_V[token])
+        if logprobs > 0:
+            vals, ids = lp_V.topk(logprobs)
+            step.top = list(zip(ids.tolist(), vals.tolist()))
+    return step
