@@ -141,7 +141,8 @@ def main():
             model_dir, n=a.n_cal, max_batch=a.batch, eng=eng, policy="margingate_contract",
             progress=lambda k: prog.advance(t, k)))
         prog.update(t, completed=1, total=1)
-        tau_c = cal_c["tau"]
+        tau_c = cal_c["tau"]  # the paper's choice; verinfer decodes the contract at CONTRACT_SAFETY x it
+        tau_run = C.CONTRACT_SAFETY * tau_c
         code, _ = split_prompts(model_dir, a.n_heldout, seed=1)
         _, arith = split_prompts(model_dir, a.n_unprotected, seed=2)
         prot = C.make_requests(code, "code", tuple(a.max_tokens), seed=1)
@@ -173,7 +174,7 @@ def main():
             if method == "batch_invariant_fitted":
                 method, det = "batch_invariant", eng_fit.tiled
             if method == "margingate_contract":  # @tau: a frontier point
-                return Scheduler(fast, det, method, tau=float(w) if w else tau_c, max_batch=batch), None
+                return Scheduler(fast, det, method, tau=float(w) if w else tau_run, max_batch=batch), None
             window = int(w) if w else a.gated_window
             return Scheduler(fast, det, method, tau=tau, window=window, max_batch=batch), window
 
@@ -294,7 +295,8 @@ def main():
                                 "invariant); batch_invariant is compared with the tiled path's own batch-size-1 answer"),
         tau=tau, calibration={k: v for k, v in cal.items() if k != "sweep"}, tau_sweep=cal["sweep"],
         margingate_contract=dict(
-            tau=tau_c, calibration={k: v for k, v in cal_c.items() if k != "sweep"}, tau_sweep=cal_c["sweep"],
+            tau=tau_run, tau_paper=tau_c, safety=C.CONTRACT_SAFETY,
+            calibration={k: v for k, v in cal_c.items() if k != "sweep"}, tau_sweep=cal_c["sweep"],
             verifier="a prefix-only shadow KV cache per protected request, written only by the deterministic path and "
                      "caught up in one chunked deterministic pass at each trigger; current-column repair; the verified "
                      "step keeps its bf16 column (paper section 3.2); `margingate` is the live-cache ablation",
@@ -409,8 +411,9 @@ def write_md(res, suffix: str = ""):
                  f"{r['trigger_rate']:.4f} | {r['rolled_back']} |")
     c, fm = res["margingate_contract"], res["flip_margins"]
     L += ["", "## MarginGate with the contract-keeping verifier", "",
-          f"`margingate_contract`: {c['verifier']}. tau = {c['tau']:.4g}, calibrated as the paper does (eps_pert on "
-          f"arithmetic prompts, the smallest swept tau with sequence determinism 1.0), fixed on the held-out code: "
+          f"`margingate_contract`: {c['verifier']}. tau = {c['tau']:.4g}: {c['safety']:g} x {c['tau_paper']:.4g}, the tau "
+          f"calibrated as the paper does (eps_pert on arithmetic prompts, the smallest swept tau with sequence "
+          f"determinism 1.0; the frontier below shows the paper's tau itself), fixed on the held-out code: "
           f"determinism {res['determinism']['margingate_contract']:.3f} at trigger rate "
           f"{res['trigger_rate']['margingate_contract']:.4f} and overhead {res['overhead']['margingate_contract']:+.3f} "
           f"(the ablation `margingate`, whose verifier reads the live cache: tau {res['tau']:.4g}, trigger rate "
@@ -431,10 +434,11 @@ def write_md(res, suffix: str = ""):
                      f"{r['overhead_cpu']:+.3f} |")
     if c.get("validation"):
         v = c["validation"]
-        L += ["", f"Validation of a safety rule fixed after the held-out run above (tau = {v['safety']:g} x the calibrated "
-              f"tau = {v['tau']:.4g}), on {v['prompts']} held-out code prompts of seed {v['seed']} that the run above never "
-              f"saw, interleaved with bf16: determinism {v['determinism']:.3f} (bf16 {v['bf16_determinism']:.3f}) at "
-              f"trigger rate {v['trigger_rate']:.4f}, overhead {v['overhead']:+.3f} (CPU {v['overhead_cpu']:+.3f})."]
+        L += ["", f"The safety factor ({v['safety']:g} x the calibrated tau) was fixed after a run at the paper's tau left "
+              f"1 of 32 held-out SmolLM2 code sequences divergent, so the held-out above has been seen. On "
+              f"{v['prompts']} code prompts of seed {v['seed']} that no run chose anything on, interleaved with bf16 at "
+              f"tau {v['tau']:.4g}: determinism {v['determinism']:.3f} (bf16 {v['bf16_determinism']:.3f}) at trigger rate "
+              f"{v['trigger_rate']:.4f}, overhead {v['overhead']:+.3f} (CPU {v['overhead_cpu']:+.3f})."]
     L += ["", "## Tau sweep of the margingate ablation on the calibration set (Table 7 style)", "",
           "| tau | trigger rate | repair rate | seq. determinism |", "|---|---|---|---|"]
     for r in res["tau_sweep"]:
