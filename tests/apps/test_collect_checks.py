@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import json
 import re
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
@@ -105,34 +103,11 @@ def chat_reply(**choice) -> dict:
     return {"id": "x", "object": "chat.completion", "model": "m", "choices": [c]}
 
 
-class StubChat:
+def StubChat(good: int, bad: dict) -> StubEndpoint:
     """/v1/chat/completions on a free loopback port: the first `good` requests get chat_reply(),
     later ones chat_reply(**bad)."""
-
-    def __init__(self, good: int, bad: dict):
-        stub = self
-        self.good, self.bad, self.requests = good, bad, []
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self):
-                stub.requests.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
-                body = json.dumps(chat_reply(**({} if len(stub.requests) <= stub.good else stub.bad))).encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, *a):
-                pass
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.base_url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
-
-    def close(self):
-        self.httpd.shutdown()
-        self.httpd.server_close()
+    body = lambda **choice: json.dumps(chat_reply(**choice)).encode()  # noqa: E731
+    return StubEndpoint(good, bad=lambda req: (body(**bad), "application/json"), reply=lambda req: body())
 
 
 CHAT_BAD = {

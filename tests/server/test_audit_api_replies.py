@@ -31,10 +31,11 @@ def good_reply(req: dict) -> bytes:
 
 
 class StubEndpoint:
-    """An OpenAI-compatible /v1/completions on a free loopback port: the first `good` requests get
-    a valid reply (token ids 5, 6, 7), every later one gets `bad(request) -> (body, content type)`."""
+    """An OpenAI-compatible endpoint on a free loopback port: the first `good` requests get
+    `reply(request)` (default: a valid completion, token ids 5, 6, 7), every later one gets
+    `bad(request) -> (body, content type)`."""
 
-    def __init__(self, good: int, bad):
+    def __init__(self, good: int, bad, reply=good_reply):
         stub = self
         self.good, self.bad, self.requests = good, bad, []
 
@@ -43,7 +44,7 @@ class StubEndpoint:
                 req = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 stub.requests.append(req)
                 if len(stub.requests) <= stub.good:
-                    body, ctype = good_reply(req), "application/json"
+                    body, ctype = reply(req), "application/json"
                 else:
                     body, ctype = stub.bad(req)
                 self.send_response(200)

@@ -30,6 +30,7 @@ from verinfer.server.app import ServeConfig, create_app
 from verinfer.server.batching import PREFILL_CHUNK, Batcher, BatchError
 from verinfer.server.protocol import Limits
 from verinfer.server.registry import load_registry
+from tests.server.test_inprocess import post_then_disconnect
 
 MODEL = "target"
 N = 8
@@ -331,24 +332,8 @@ def test_a_disconnected_client_leaves_the_batch(apps, monkeypatch):
     emitted = []
     real = b.engine.emit
     monkeypatch.setattr(b.engine, "emit", lambda batch, *a: emitted.append(1) or real(batch, *a))
-    raw = json.dumps({"model": MODEL, "prompt": [5, 6], "max_tokens": 200, "temperature": 0,
-                      "ignore_eos": True}).encode()
-    sent, out = [], []
-
-    async def receive():
-        if not sent:
-            sent.append(1)
-            return {"type": "http.request", "body": raw, "more_body": False}
-        return {"type": "http.disconnect"}
-
-    async def send(msg):
-        out.append(msg)
-
-    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
-             "path": "/v1/completions", "raw_path": b"/v1/completions", "query_string": b"", "root_path": "",
-             "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(raw)).encode())],
-             "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80)}
-    asyncio.run(app(scope, receive, send))
+    out = post_then_disconnect(app, "/v1/completions", {"model": MODEL, "prompt": [5, 6], "max_tokens": 200,
+                                                        "temperature": 0, "ignore_eos": True})
     assert out[0]["status"] == 499
     b.stop()  # after the step in flight: no more steps for the cancelled row
     assert 1 <= len(emitted) <= 3, f"{len(emitted)} steps decoded for a client that was gone"

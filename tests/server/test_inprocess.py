@@ -40,23 +40,9 @@ def test_a_chunked_body_over_the_limit_gets_413(app):
     assert len(small.json()["choices"][0]["token_ids"]) == 2
 
 
-@pytest.mark.parametrize("path,body", [
-    ("/v1/completions", {"model": MODEL, "prompt": [[5, 6], [7]], "max_tokens": 200, "ignore_eos": True}),
-    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 200,
-                              "ignore_eos": True}),
-])
-def test_a_disconnected_client_stops_its_non_streaming_generation(app, monkeypatch, path, body):
-    """The client goes away right after sending its request: the server stops decoding for it
-    within a step or two (it used to decode all 200 tokens for nobody)."""
-    steps = []
-    real = server_app.generate_steps
-
-    def counting(*a, **k):
-        for s in real(*a, **k):
-            steps.append(s)
-            yield s
-
-    monkeypatch.setattr(server_app, "generate_steps", counting)
+def post_then_disconnect(app, path: str, body: dict) -> list[dict]:
+    """POST `body` to the ASGI `app` at `path` from a client that disconnects right after sending
+    it; the ASGI messages the app sent back."""
     raw = json.dumps(body).encode()
     sent, out = [], []
 
@@ -74,6 +60,27 @@ def test_a_disconnected_client_stops_its_non_streaming_generation(app, monkeypat
              "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(raw)).encode())],
              "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80)}
     asyncio.run(app(scope, receive, send))
+    return out
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/completions", {"model": MODEL, "prompt": [[5, 6], [7]], "max_tokens": 200, "ignore_eos": True}),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 200,
+                              "ignore_eos": True}),
+])
+def test_a_disconnected_client_stops_its_non_streaming_generation(app, monkeypatch, path, body):
+    """The client goes away right after sending its request: the server stops decoding for it
+    within a step or two (it used to decode all 200 tokens for nobody)."""
+    steps = []
+    real = server_app.generate_steps
+
+    def counting(*a, **k):
+        for s in real(*a, **k):
+            steps.append(s)
+            yield s
+
+    monkeypatch.setattr(server_app, "generate_steps", counting)
+    out = post_then_disconnect(app, path, body)
     n_jobs = len(body.get("prompt", [None]))
     assert 1 <= len(steps) <= 2 * n_jobs, f"{len(steps)} steps decoded for a client that was gone"
     assert out[0]["status"] == 499
