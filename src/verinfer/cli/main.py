@@ -461,6 +461,17 @@ def build_draft(model: str = O.DRAFT_TARGET, seed: int = O.DRAFT_SEED, out: Opti
 
 
 command(models_app, "build-draft")(build_draft)
+
+
+@command(models_app, "build-head")
+def build_head(model: str = O.DRAFT_TARGET, seed: int = O.DRAFT_SEED, out: Optional[Path] = O.HEAD_OUT,
+               budget: str = O.HEAD_BUDGET, work: Optional[Path] = O.HEAD_WORK):
+    """Train a feature-level draft head (EAGLE-style: one decoder layer over the target's own hidden
+    states; recipe: models/head_build.py) for `generate --speculative ... --draft-head`."""
+    from verinfer.models import head_build
+
+    info = head_build.build_head(_model_dir(model), seed, out, budget=budget, work=work)
+    typer.echo(json.dumps(info, indent=1, default=str))
 command(testbed_app, "build-draft", hidden=True)(build_draft)  # its old place (the draft is of a real model)
 
 

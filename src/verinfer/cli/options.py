@@ -58,6 +58,7 @@ SERVE_DETERMINISTIC_NAMES = _names("verinfer.server.registry", "DETERMINISTIC")
 SERVE_BATCHING_NAMES = _names("verinfer.server.batching", "BATCHING")
 TESTBED_BUDGETS = _names("verinfer.models.testbed", "BUDGETS")
 DRAFT_BUDGETS = _names("verinfer.models.draft", "BUDGETS")
+HEAD_BUDGETS = _names("verinfer.models.head_build", "BUDGETS")
 DETECTOR_NAMES = _names("verinfer.detect.registry", "DETECTORS")
 TOKEN_MODES = _names("verinfer.apps.audit_chat", "TOKEN_MODES")
 BAND_NAMES = _names("verinfer.apps.audit_chat", "BANDS")
@@ -69,6 +70,7 @@ CHOICES = {("*", "noise"): NOISE, ("*", "matmul"): MATMUL, ("generate", "determi
            ("serve", "batching"): SERVE_BATCHING_NAMES,
            ("calibrate", "score_name"): SCORE_NAMES, ("calibrate", "kind"): DETECTOR_NAMES,
            ("build", "budget"): TESTBED_BUDGETS, ("build-draft", "budget"): DRAFT_BUDGETS,
+           ("build-head", "budget"): HEAD_BUDGETS,
            ("*", "tokens"): TOKEN_MODES, ("*", "bands"): BAND_NAMES,
            ("*", "band_engine"): _names("verinfer.apps.audit_chat", "BAND_ENGINES"),
            ("score", "reference_protocol"): _names("verinfer.audit.remote_reference", "PROTOCOLS"),
@@ -311,6 +313,11 @@ DRAFT_BUDGET = typer.Option("full", help="full: the shipped draft (786k teacher 
                                          "build.")
 DRAFT_WORK = typer.Option(None, help="Teacher shards and checkpoints (default: <cache>/work/<target>-draft-seed<seed>/"
                                      "<budget>); a rerun resumes from them.")
+HEAD_OUT = typer.Option(None, help="Output directory (default: the shipped models/drafts/<target>-head).")
+HEAD_BUDGET = typer.Option("full", help="full: the shipped head (393k feature tokens, 3 epochs); tiny: a seconds-long "
+                                        "smoke build.")
+HEAD_WORK = typer.Option(None, help="Feature shards and checkpoints (default: <cache>/work/<target>-head-seed<seed>/"
+                                    "<budget>); a rerun resumes from them.")
 JUDGE_OUT = typer.Option(..., "--out", "-o", help="Judge JSON to write (read by `generate --speculative autojudge "
                                                   "--judge`).")
 JUDGE_N = typer.Option(64, min=1, help="Arithmetic training problems to mine (never a held-out question).")

@@ -187,7 +187,8 @@ class Engine:
 
     @torch.no_grad()
     def prefill_extend(self, requests: list[Request], append_BA: torch.Tensor | None, extra_slots: int | None = None,
-                       hidden_layer: int | None = None) -> tuple[Batch, torch.Tensor, torch.Tensor | None]:
+                       hidden_layer: int | None = None, features_BTD: torch.Tensor | None = None,
+                       hidden_all: bool = False) -> tuple[Batch, torch.Tensor, torch.Tensor | None]:
         """`prefill(requests)` followed by `extend(batch, append_BA)` in the SAME forward: row b's
         A appended tokens sit right after its own prompt (positions n_b..n_b+A-1). Returns
         (batch, logits_BTV, hidden_BTD) with T = A+1: the logits at positions n_b-1..n_b+A-1, the
@@ -197,7 +198,11 @@ class Engine:
         The batch's lengths count prompt + appended tokens and its logits_BV are logits_BTV[:, -1].
         With lean_prefill the lm_head runs only at those positions (the full [B, T, V] logits are a
         large share of a short prompt's prefill). `extra_slots` (default: the largest max_tokens)
-        are cache slots past the longest prompt + A."""
+        are cache slots past the longest prompt + A.
+
+        features_BTD: a feature-level draft head's per-position input (speculative/feature_head.py),
+        aligned with the right-padded prompts; hidden_all: hidden_BTD at EVERY position (prompt +
+        appended, [B, T, D]) instead of the returned ones (the head's prefill reads the target's)."""
         B = len(requests)
         A = 0 if append_BA is None else append_BA.shape[1]
         lens = [len(r.prompt_token_ids) for r in requests]
@@ -220,7 +225,7 @@ class Engine:
         t_BT = torch.tensor(lens)[:, None] - 1 + torch.arange(A + 1)[None, :]
         b_BT = torch.arange(B)[:, None].expand(B, A + 1)
         logits_BTV = torch.empty(B, A + 1, self.vocab_size, device=self.device)
-        hidden_BTD = None
+        hidden_BTD, hidden_chunks = None, []
         chunk = self.numerics.prefill_chunk or T
         with self.numerics.threads_ctx():
             for c0 in range(0, T, chunk):
@@ -229,24 +234,33 @@ class Engine:
                 b_N, t_N = b_BT[here_BT], t_BT[here_BT]
                 pos_BT = torch.arange(c0, c1, device=self.device).expand(B, -1)
                 select = (b_N.to(self.device), (t_N - c0).to(self.device))
+                feats = None if features_BTD is None else features_BTD[:, c0:c1].to(self.device)
                 logits_NV, hidden_ND = self.model(tokens_BT[:, c0:c1], pos_BT, cache, hidden_layer=hidden_layer,
-                                                  select=select if self.lean_prefill else None)
+                                                  select=select if self.lean_prefill else None,
+                                                  **({"features_BTD": feats} if feats is not None else {}),
+                                                  **({"hidden_all": True} if hidden_all else {}))
                 if not self.lean_prefill:
                     logits_NV = logits_NV[select]
-                    hidden_ND = None if hidden_ND is None else hidden_ND[select]
+                    hidden_ND = None if (hidden_ND is None or hidden_all) else hidden_ND[select]
                 logits_BTV[here_BT.to(self.device)] = logits_NV
-                if hidden_ND is not None:
+                if hidden_all:
+                    hidden_chunks.append(hidden_ND)
+                elif hidden_ND is not None:
                     if hidden_BTD is None:
                         hidden_BTD = torch.empty(B, A + 1, hidden_ND.shape[-1], dtype=hidden_ND.dtype,
                                                  device=self.device)
                     hidden_BTD[here_BT.to(self.device)] = hidden_ND
         check_finite(logits_BTV, "prefill logits")
+        if hidden_all:
+            if hidden_layer is None:
+                raise ValueError("hidden_all needs a hidden_layer")
+            hidden_BTD = torch.cat(hidden_chunks, 1)
         len_B = torch.tensor(lens, device=self.device) + A
         streams = [None if r.params.greedy else
                    get_backend(r.params.noise).stream(r.params.seed, self.vocab_size, start_position=lens[b] + A)
                    for b, r in enumerate(requests)]
         batch = Batch(requests, cache, len_B, logits_BTV[:, -1], streams, [[] for _ in range(B)], [False] * B,
-                      [None] * B, hidden_layer, None if hidden_BTD is None else hidden_BTD[:, -1].float(),
+                      [None] * B, hidden_layer, None if hidden_BTD is None or hidden_all else hidden_BTD[:, -1].float(),
                       [[] for _ in range(B)])
         return batch, logits_BTV, hidden_BTD
 
@@ -261,12 +275,16 @@ class Engine:
         return fn(batch.logits_BV, params, noises, batch)
 
     @torch.no_grad()
-    def extend(self, batch: Batch, tokens_BT: torch.Tensor, hidden_layer: int | None = None):
-        """Append tokens_BT to every row (at its own positions) and return (logits_BTV, hidden)."""
+    def extend(self, batch: Batch, tokens_BT: torch.Tensor, hidden_layer: int | None = None,
+               features_BTD: torch.Tensor | None = None):
+        """Append tokens_BT to every row (at its own positions) and return (logits_BTV, hidden).
+        features_BTD: a feature-level draft head's second input (speculative/feature_head.py)."""
         B, T = tokens_BT.shape
         pos_BT = batch.len_B[:, None] + torch.arange(T, device=self.device)[None, :]
+        kw = {} if features_BTD is None else {"features_BTD": features_BTD.to(self.device)}
         with self.numerics.threads_ctx():
-            logits_BTV, hidden = self.model(tokens_BT.to(self.device), pos_BT, batch.cache, hidden_layer=hidden_layer)
+            logits_BTV, hidden = self.model(tokens_BT.to(self.device), pos_BT, batch.cache, hidden_layer=hidden_layer,
+                                            **kw)
         batch.len_B = batch.len_B + T
         return logits_BTV, hidden
 

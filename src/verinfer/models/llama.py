@@ -336,25 +336,35 @@ class LlamaLM(torch.nn.Module):
         gate, up = K.linears(h, n.gate_up)
         return x_LD + K.linear(F.silu(gate) * up, n.down)
 
-    def _layers_and_head(self, x, cos, sin, attend, hidden_layer, select):
+    def _layers_and_head(self, x, cos, sin, attend, hidden_layer, select, hidden_all: bool = False):
         """Every decoder layer, then logits (and hidden states) at `select` (an index into x's
-        leading dims, None = all)."""
+        leading dims, None = all); hidden_all: hidden states at every position, logits at `select`."""
         hidden = None
         for i in range(self.config.num_hidden_layers):
             x = self._layer(i, x, cos, sin, attend)
             if hidden_layer == i:
                 hidden = x
-        if select is not None:
+        if select is not None and not hidden_all:
             x = x[select]
             hidden = hidden[select] if hidden is not None else None
         x = rms_norm(x, self.w["norm.weight"], self.config.rms_norm_eps)
         if hidden_layer == -1:
             hidden = x
+        if select is not None and hidden_all:
+            x = x[select]
         return self.kernels.logits(x), hidden
+
+    def embed(self, tokens_BT: torch.Tensor, features_BTD: torch.Tensor | None = None) -> torch.Tensor:
+        """The first layer's input: the token embeddings (a feature-level draft head,
+        speculative/feature_head.py, also reads the target's hidden states)."""
+        if features_BTD is not None:
+            raise ValueError("this model reads tokens only; features_BTD is a feature-level draft head's input")
+        return F.embedding(tokens_BT, self.w["embed_tokens.weight"])
 
     def forward(self, tokens_BT: torch.Tensor, pos_BT: torch.Tensor, cache: KVCache | None = None,
                 hidden_layer: int | None = None, select: tuple[torch.Tensor, torch.Tensor] | None = None,
-                lengths_B: torch.Tensor | None = None):
+                lengths_B: torch.Tensor | None = None, features_BTD: torch.Tensor | None = None,
+                hidden_all: bool = False):
         """Run tokens at absolute positions pos_BT. With a cache, their K/V are written to
         slots pos_BT and each query attends to slots <= its position; without one, to the
         tokens of this call (causal). Returns (logits_BTV fp32, hidden_BTD or None).
@@ -364,13 +374,15 @@ class LlamaLM(torch.nn.Module):
         select=(b_N, t_N): compute logits (and hidden states) only at these (row, time) pairs and
         return them flattened, logits_NV and hidden_ND (replay needs only the output positions).
         lengths_B (no cache, positions 0..T-1): row b holds lengths_B[b] real tokens followed by
-        padding; the per-token work skips the padding (see `_forward_packed`)."""
+        padding; the per-token work skips the padding (see `_forward_packed`).
+        features_BTD: a feature-level draft head's second input (`embed`); hidden_all: with select,
+        the hidden states at every position (a draft head's prefill reads the target's)."""
         if lengths_B is not None:
             if cache is not None:
                 raise ValueError("lengths_B is for cache-free replay of whole sequences")
             return self._forward_packed(tokens_BT, lengths_B, hidden_layer, select)
         B, T = tokens_BT.shape
-        x = F.embedding(tokens_BT, self.w["embed_tokens.weight"])
+        x = self.embed(tokens_BT, features_BTD)
         needed = int(pos_BT.max()) + 1
         if cache is None:  # keys are this call's tokens; plain causal when positions are 0..T-1
             self._grow(max(needed, T))
@@ -393,7 +405,7 @@ class LlamaLM(torch.nn.Module):
                 return a_BHTE.transpose(1, 2).reshape(B, T, -1)
 
         cos, sin = self._cos_PE[pos_BT][:, :, None], self._sin_PE[pos_BT][:, :, None]
-        return self._layers_and_head(x, cos, sin, attend, hidden_layer, select)
+        return self._layers_and_head(x, cos, sin, attend, hidden_layer, select, hidden_all)
 
     def _forward_packed(self, tokens_BT, lengths_B, hidden_layer, select):
         """Replay of right-padded rows with the padding removed from every per-token op (linear

@@ -39,6 +39,7 @@ from verinfer.sampling.noise import SpeculativeNoise, speculative_noise
 from verinfer.sampling.sampler import sample_probs
 from verinfer.sampling.params import SamplingParams, stop_reason
 from verinfer.speculative.draft_vocab import restrict_head
+from verinfer.speculative.feature_head import FeatureHead
 from verinfer.speculative.ngram import NgramDraft
 from verinfer.speculative.rules import Rule, verify
 
@@ -54,6 +55,8 @@ class SpecOutput:
     drafted: int = 0            # draft tokens proposed
     accepted: int = 0           # draft tokens accepted (before any stop/length cut)
     kl_BG: list[float] = field(default_factory=list)  # optional diagnostics
+    proposed_at: list[int] = field(default_factory=list)  # [k]: rounds that drafted a (k+1)-th token
+    accepted_at: list[int] = field(default_factory=list)  # [k]: ... and had it accepted
 
     @property
     def mat(self) -> float:
@@ -91,7 +94,7 @@ class SpeculativeDecoder:
     (any torch device). Sampling draws every random number from each row's speculative-keyed
     noise (sampling/noise.py), addressed by (seed, round): claims name noise "speculative-keyed"."""
 
-    def __init__(self, target: LlamaLM, draft: LlamaLM | NgramDraft, rule: Rule = Rule(), gamma: int = 4,
+    def __init__(self, target: LlamaLM, draft: "LlamaLM | NgramDraft | FeatureHead", rule: Rule = Rule(), gamma: int = 4,
                  temperature: float = 0.0, stop_token_ids: tuple[int, ...] = (), eos_token_id: int | None = None,
                  draft_vocab: torch.Tensor | None = None):
         """`draft`: a model on the target's tokenizer, or NgramDraft (prompt lookup: no draft model;
@@ -102,6 +105,12 @@ class SpeculativeDecoder:
         if gamma < 1:
             raise ValueError(f"gamma (draft tokens per round) must be >= 1, got {gamma}")
         self.ngram = draft if isinstance(draft, NgramDraft) else None
+        self.is_head = isinstance(draft, FeatureHead)
+        if self.is_head and (rule.needs_hidden or draft.config.hidden_size != target.config.hidden_size):
+            raise ValueError("a feature-level head drafts from the target's own hidden states (same hidden size) and "
+                             f"has no separate draft hidden state for the {rule.name!r} rule" if rule.needs_hidden else
+                             f"the head's hidden size {draft.config.hidden_size} is not the target's "
+                             f"{target.config.hidden_size}: use the head built for this target")
         if self.ngram is not None:
             if rule.name != "standard":
                 raise ValueError(f"n-gram drafting has no draft distribution for the {rule.name!r} rule: use "
@@ -121,7 +130,8 @@ class SpeculativeDecoder:
             draft = restrict_head(draft, draft_vocab)
             self.vocab_N = draft_vocab.long().flatten().to(target.device)
         self.target = Engine(target, lean_prefill=True)
-        self.draft = None if self.ngram is not None else Engine(draft, lean_prefill=True)
+        self.draft = None if self.ngram is not None or self.is_head else Engine(draft, lean_prefill=True)
+        self.head = Engine(draft, lean_prefill=True) if self.is_head else None
         self.rule, self.gamma, self.temperature = rule, gamma, temperature
         self.stop = set(stop_token_ids) | ({eos_token_id} if eos_token_id is not None else set())
 
@@ -149,8 +159,8 @@ class SpeculativeDecoder:
         gens = self._generators(len(prompts), seeds)
         out: list[SpecOutput] = []
         for i in range(0, len(prompts), batch_size):
-            out += self._generate_batch(prompts[i : i + batch_size], max_tokens,
-                                        None if gens is None else gens[i : i + batch_size])
+            gen = self._generate_batch_head if self.is_head else self._generate_batch
+            out += gen(prompts[i : i + batch_size], max_tokens, None if gens is None else gens[i : i + batch_size])
             if progress is not None:
                 progress(len(prompts[i : i + batch_size]))
         return out
@@ -196,17 +206,7 @@ class SpeculativeDecoder:
                 ended = [False] * B
                 budget = [max_tokens - len(rows.outs[r].output_token_ids) for r in active]
                 for i in range(G):
-                    q = None if skip_q else _probs(lg, T)
-                    if self.greedy:
-                        x = lg.argmax(-1)
-                    else:
-                        qc = q.double().cpu()
-                        x = torch.tensor([sample_probs(qc[b], gens[r].draft(rows.outs[r].target_forwards, i))
-                                          for b, r in enumerate(active)], device=dev)
-                    if self.vocab_N is not None:  # head positions -> token ids; q onto the whole vocabulary
-                        x = self.vocab_N[x]
-                        if q is not None:
-                            q = torch.zeros(B, V, device=dev, dtype=q.dtype).index_copy_(1, self.vocab_N, q)
+                    x, q = self._draw(lg, skip_q, gens, rows, active, i)
                     xs.append(x)
                     qs.append(q)
                     hds.append(hd)
@@ -237,34 +237,158 @@ class SpeculativeDecoder:
                                                           for r in active])
             tok_noises = None if gens is None else [gens[r].token(rows.outs[r].target_forwards) for r in active]
             n_acc, nxt, _ = verify(self.rule, p_BGpV, q_BGV, x_BG, self.greedy, u_BG, tok_noises, feats, n_valid)
-            x_cpu = x_BG.cpu()
-            keep = []
-            for b, r in enumerate(active):
-                a = int(n_acc[b])
-                o = rows.outs[r]
-                proposed = Gr if n_valid is None else int(n_valid[b])
-                o.target_forwards += 1
-                o.draft_forwards += 0 if self.ngram is not None else Gr
-                o.drafted += proposed
-                o.accepted += a
-                new = x_cpu[b, :a].tolist() + [int(nxt[b])]
-                ev = "a" * a + ("b" if a == proposed else "r")
-                done = False
-                for tok, e in zip(new, ev):
-                    o.output_token_ids.append(tok)
-                    o.events += e
-                    rows.seqs[r].append(tok)
-                    reason = stop_reason(tok, len(o.output_token_ids), max_tokens, self.stop)
-                    if reason is not None:
-                        o.finish_reason, done = reason, True
-                        break
-                if not done:
-                    keep.append(b)
+            keep = self._commit(rows, active, n_acc, nxt, x_BG, n_valid, 0 if self.ngram is not None else Gr)
             if len(keep) < B:
                 tb = select_rows(tb, keep)
                 db = select_rows(db, keep) if db is not None else None
                 active = [active[b] for b in keep]
         return rows.outs
+
+    def _draw(self, lg, skip_q: bool, gens, rows: "_Rows", active: list[int], i: int):
+        """Draft token i of the round from the draft's logits lg (B rows): (x_B token ids, q_BV or
+        None when no rule reads it). Greedy: argmax; sampling: row r's draft noise (round, i)."""
+        q = None if skip_q else _probs(lg, self.temperature)
+        if self.greedy:
+            x = lg.argmax(-1)
+        else:
+            qc = q.double().cpu()
+            x = torch.tensor([sample_probs(qc[b], gens[r].draft(rows.outs[r].target_forwards, i))
+                              for b, r in enumerate(active)], device=lg.device)
+        if self.vocab_N is not None:  # head positions -> token ids; q onto the whole vocabulary
+            x = self.vocab_N[x]
+            if q is not None:
+                V = self.target.model.config.vocab_size
+                q = torch.zeros(len(x), V, device=lg.device, dtype=q.dtype).index_copy_(1, self.vocab_N, q)
+        return x, q
+
+    def _generate_batch_head(self, prompts, max_tokens, gens) -> list[SpecOutput]:
+        """The draft/verify loop with a feature-level head (feature_head.py; EAGLE's chain drafting).
+        The target's prefill gives the first token (as target-only decoding) and its features at every
+        prompt position, which the head prefills on; each round: gamma head steps (the first from the
+        head's catch-up output, then feeding back its own features), one target verification forward
+        over [last, x_1..x_G] (hidden_layer -1: the features of those positions), verify, commit, and
+        the head's catch-up over the committed tokens x_1..x_a, y with the verification's features
+        f_{n-1}..f_{n-1+a} (its draft-time entries are overwritten: rollback by length)."""
+        G = self.gamma
+        skip_q = not self.rule.reads_q(self.greedy)
+        slots = max_tokens + G + 2
+        _check_context(self.target.model, prompts, slots + G)
+        reqs = _requests(prompts, max_tokens)
+        rows = _Rows(prompts, max_tokens)
+        active = list(range(len(prompts)))
+        dev = self.target.device
+        tb, tlogits, f_BTD = self.target.prefill_extend(reqs, None, extra_slots=slots, hidden_layer=-1, hidden_all=True)
+        check_finite(tlogits, "target prefill logits")
+        p_BV = _probs(tlogits[:, -1], self.temperature)
+        if self.greedy:
+            y_B = p_BV.argmax(-1).cpu()
+        else:
+            pc = p_BV.double().cpu()
+            y_B = torch.tensor([sample_probs(pc[b], gens[r].token(0)) for b, r in enumerate(active)])
+        head_reqs = _requests([p[1:] + [int(y)] for p, y in zip(prompts, y_B)], max_tokens)
+        keep = self._commit(rows, active, torch.zeros(len(active), dtype=torch.long), y_B,
+                            torch.zeros(len(active), 0, dtype=torch.long), None, 0, plain=True)
+        hb, hlogits, hh = self.head.prefill_extend(head_reqs, None, extra_slots=slots, hidden_layer=-1,
+                                                   features_BTD=f_BTD)
+        lg, hd = hlogits[:, -1], hh[:, -1]
+        while True:
+            if len(keep) < len(active):
+                tb, hb = select_rows(tb, keep), select_rows(hb, keep)
+                lg, hd = lg[keep], hd[keep]
+                active = [active[b] for b in keep]
+            if not active:
+                break
+            B = len(active)
+            n_B = torch.tensor([len(rows.seqs[r]) for r in active], device=dev)
+            xs, qs = [], []
+            ended = [False] * B
+            budget = [max_tokens - len(rows.outs[r].output_token_ids) for r in active]
+            for i in range(G):
+                x, q = self._draw(lg, skip_q, gens, rows, active, i)
+                xs.append(x)
+                qs.append(q)
+                if self.greedy:
+                    ended = [e or stop_reason(t, i + 1, n, self.stop) is not None
+                             for e, t, n in zip(ended, x.tolist(), budget)]
+                    if all(ended):
+                        break
+                if i < G - 1:
+                    logits, h = self.head.extend(hb, x[:, None], hidden_layer=-1, features_BTD=hd[:, None])
+                    lg, hd = logits[:, 0], h[:, 0]
+            Gr = len(xs)
+            x_BG = torch.stack(xs, 1)
+            V = self.target.model.config.vocab_size
+            q_BGV = torch.zeros(1, device=dev).expand(B, Gr, V) if skip_q else torch.stack(qs, 1)
+            self.target.truncate(tb, n_B - 1)
+            last = torch.tensor([rows.seqs[r][-1] for r in active], device=dev)
+            tlogits, th = self.target.extend(tb, torch.cat([last[:, None], x_BG], 1), hidden_layer=-1)
+            check_finite(tlogits, "target verification logits")
+            p_BGpV = _probs(tlogits, self.temperature)
+            u_BG = None if gens is None else torch.stack([gens[r].accept_uniforms(rows.outs[r].target_forwards, Gr)
+                                                          for r in active])
+            tok_noises = None if gens is None else [gens[r].token(rows.outs[r].target_forwards) for r in active]
+            n_acc, nxt, _ = verify(self.rule, p_BGpV, q_BGV, x_BG, self.greedy, u_BG, tok_noises, None, None)
+            keep = self._commit(rows, active, n_acc, nxt, x_BG, None, Gr)
+            if not keep:
+                break
+            # the head catches up on the committed tokens of the rows still running
+            k_idx = torch.tensor(keep, device=dev)
+            a_K = n_acc[keep].to(dev) if isinstance(n_acc, torch.Tensor) else torch.tensor([n_acc[b] for b in keep])
+            A = int(a_K.max()) + 1
+            toks = torch.zeros(len(keep), A, dtype=torch.long)
+            for j, b in enumerate(keep):
+                new = rows.seqs[active[b]][int(n_B[b]):]
+                toks[j, :len(new)] = torch.tensor(new)
+            hb_k = select_rows(hb, keep)
+            self.head.truncate(hb_k, n_B[k_idx] - 1)
+            logits, h = self.head.extend(hb_k, toks, hidden_layer=-1, features_BTD=th[k_idx, :A])
+            ar = torch.arange(len(keep), device=dev)
+            lg_k, hd_k = logits[ar, a_K], h[ar, a_K]
+            self.head.truncate(hb_k, n_B[k_idx] + a_K)
+            # keep the full-batch shapes until the select at the top of the loop
+            hb = hb_k
+            tb = select_rows(tb, keep)
+            active = [active[b] for b in keep]
+            lg, hd = lg_k, hd_k
+            keep = list(range(len(active)))
+        return rows.outs
+
+    def _commit(self, rows: "_Rows", active: list[int], n_acc, nxt, x_BG, n_valid, draft_forwards: int,
+                plain: bool = False) -> list[int]:
+        """Append each active row's accepted drafts and its target token (cut at a stop token or
+        max_tokens), update its counters; returns the batch indices of the rows still running.
+        plain: a round without drafts (the head's first token, from the target's prefill): event 't'."""
+        Gr = x_BG.shape[1]
+        x_cpu = x_BG.cpu()
+        keep = []
+        for b, r in enumerate(active):
+            a = int(n_acc[b])
+            o = rows.outs[r]
+            proposed = Gr if n_valid is None else int(n_valid[b])
+            o.target_forwards += 1
+            o.draft_forwards += draft_forwards
+            o.drafted += proposed
+            o.accepted += a
+            if len(o.proposed_at) < proposed:
+                o.proposed_at += [0] * (proposed - len(o.proposed_at))
+                o.accepted_at += [0] * (proposed - len(o.accepted_at))
+            for k in range(proposed):
+                o.proposed_at[k] += 1
+                o.accepted_at[k] += k < a
+            new = x_cpu[b, :a].tolist() + [int(nxt[b])]
+            ev = "t" if plain else "a" * a + ("b" if a == proposed else "r")
+            done = False
+            for tok, e in zip(new, ev):
+                o.output_token_ids.append(tok)
+                o.events += e
+                rows.seqs[r].append(tok)
+                reason = stop_reason(tok, len(o.output_token_ids), rows.max_tokens, self.stop)
+                if reason is not None:
+                    o.finish_reason, done = reason, True
+                    break
+            if not done:
+                keep.append(b)
+        return keep
 
     def _lookup(self, rows: "_Rows", active: list[int], G: int, dev):
         """N-gram proposals of every active row, padded to the round's longest (at least 1): x_BG,

@@ -85,4 +85,4 @@ def restrict_head(draft: LlamaLM, ids_N: torch.Tensor) -> LlamaLM:
         raise ValueError(f"a draft vocabulary must be distinct token ids in [0, {V}); got {ids.numel()} ids")
     w = dict(draft.w)
     w["lm_head.weight"] = draft.w["lm_head.weight"][ids.to(draft.device)].contiguous()
-    return LlamaLM(replace(draft.config, vocab_size=ids.numel()), w, attn=draft.attn, kernels=draft.kernels)
+    return type(draft)(replace(draft.config, vocab_size=ids.numel()), w, attn=draft.attn, kernels=draft.kernels)
