@@ -24,11 +24,15 @@ def models():
     return LlamaLM.from_pretrained(TARGET_DIR), LlamaLM.from_pretrained(DRAFT_DIR), load_tokenizer(TOKENIZER_DIR)
 
 
+def _prompts(tok, n):
+    return [tok.encode(s, add_special_tokens=False) for s in
+            ("import os\nimport ", "    def __init__(self", "Q: 37+45=\nA: ", "class A:\n    def ", "    return self._",
+             "for i in range(")][:n]
+
+
 def _claims(models, rule, temperature=1.0, n=6, max_tokens=24):
     t, d, tok = models
-    prompts = [tok.encode(s, add_special_tokens=False) for s in
-               ("import os\nimport ", "    def __init__(self", "Q: 37+45=\nA: ", "class A:\n    def ", "    return self._",
-                "for i in range(")][:n]
+    prompts = _prompts(tok, n)
     return spec_claims(t, d, prompts, run_rule=rule, claimed="standard", gamma=3, temperature=temperature,
                        max_tokens=max_tokens, seed=1, model_name="m", draft_name="d", provider="p")
 
@@ -39,6 +43,16 @@ def test_event_structure_checks():
                      ("ax", "a/r/b"), ("aa", "one per output token")]:
         with pytest.raises(ClaimError, match=msg):
             check_events(bad, 3, len(bad) + (bad == "aa"), "x")
+    # a feature-head claim: exactly one leading 't' (the target's own first token), then rounds
+    check_events("t" "aaab" "ar" "aa", 3, 9, "x", head=True)
+    check_events("t", 3, 1, "x", head=True)
+    for bad, head, msg in [("taat", True, "target token 't' at 3"), ("tt", True, "target token 't' at 1"),
+                           ("aab", True, "start with 'a', not 't'"), ("taaaa", True, "more than gamma"),
+                           ("tar", False, "target token 't' at 0"), ("aat", False, "only a feature-head claim")]:
+        with pytest.raises(ClaimError, match=msg) as e:
+            check_events(bad, 3, len(bad), "x", head=head)
+        assert e.value.where == "x"
+        assert e.value.fix is not None or "gamma" in msg
 
 
 def test_honest_standard_claims_verify_and_round_trip(models, tmp_path):
@@ -141,3 +155,135 @@ def test_residual_violation_tolerates_bf16_rounding_only():
     assert residual_violation(0.092, 0.10, fp32) and not residual_violation(0.092, 0.10, bf16)
     assert residual_violation(0.085, 0.10, bf16)                     # 15% below: beyond rounding
     assert residual_violation(0.0, 0.10, bf16) and residual_violation(0.0, 0.0, bf16)  # p(y) = 0: never drawn
+
+
+# --- a feature-level head as the draft (speculative/feature_head.py) -------------------------------
+
+@pytest.fixture(scope="module")
+def head_models(models):
+    from tests.speculative.test_feature_head import _head
+
+    t, _, tok = models
+    return t, _head(t), tok
+
+
+def _head_claims(head_models, rule, temperature=1.0, n=4, max_tokens=24, seed=1):
+    t, h, tok = head_models
+    return spec_claims(t, h, _prompts(tok, n), run_rule=rule, claimed="standard", gamma=3, temperature=temperature,
+                       max_tokens=max_tokens, seed=seed, model_name="m", draft_name="h", provider="p")
+
+
+@torch.no_grad()
+def _scratch_head_q(target, head, c, T):
+    """The head's q of every a / r token of claim c with no cache: the target's features from one
+    whole-sequence forward, then for slot k of a round starting at committed length n the head's
+    forward over entries (seq[t+1], f_t), t <= n-2, followed by k entries that feed back the head's
+    own last hidden state, recomputed over the whole sequence at every step. {output index: q_V}."""
+    seq = c.prompt_token_ids + c.output_token_ids
+    P = len(c.prompt_token_ids)
+
+    def fwd(model, toks, feats=None):
+        kw = {} if feats is None else {"features_BTD": feats}
+        return model(torch.tensor([toks]), torch.arange(len(toks))[None], hidden_layer=-1, **kw)
+
+    _, f = fwd(target, seq[:-1])
+    out, k = {}, 0
+    for t, e in enumerate(c.extra["spec"]["events"]):
+        if e in "ar":
+            n = P + t - k                      # the round's committed length
+            toks, feats = seq[1:n], f[:, : n - 1]
+            for j in range(1, k + 1):          # the chain: token seq[n+j-1], the head's own feature
+                _, hh = fwd(head, toks, feats)
+                toks, feats = toks + [seq[n + j - 1]], torch.cat([feats, hh[:, -1:]], 1)
+            lg, _ = fwd(head, toks, feats)
+            out[t] = torch.softmax(lg[0, -1].double() / T, -1)
+        k = k + 1 if e == "a" else 0
+    return out
+
+
+def test_head_q_equals_the_decoders_and_a_cache_free_chain(head_models, monkeypatch):
+    """The verifier's q of every a / r token of head claims (head_draft_logits: one head pass plus a
+    batched chain over copies of its cache) is (1) the q the decoder drew that token's draft from,
+    captured from SpeculativeDecoder._draw, and (2) a cache-free recomputation of the chain."""
+    from verinfer.engine.engine import Engine
+    from verinfer.speculative.decoder import SpeculativeDecoder
+    from verinfer.speculative.spec_claims import head_draft_logits
+
+    t, h, _ = head_models
+    drawn = {}  # (row, round, slot) -> q_V of the decoder's draw
+    orig = SpeculativeDecoder._draw
+
+    def spy(self, lg, skip_q, gens, rows, active, i):
+        x, q = orig(self, lg, skip_q, gens, rows, active, i)
+        for b, r in enumerate(active):
+            drawn[(r, rows.outs[r].target_forwards, i)] = q[b].double().cpu()
+        return x, q
+
+    monkeypatch.setattr(SpeculativeDecoder, "_draw", spy)
+    claims = _head_claims(head_models, Rule("kl", 1e9), n=3, max_tokens=20)  # many accepted: long chains
+    monkeypatch.undo()
+    eng = Engine(h, lean_prefill=True)
+    n_checked, n_chain, worst = 0, 0, 0.0
+    for r, c in enumerate(claims):
+        seq = c.prompt_token_ids + c.output_token_ids
+        _, f_TD = Engine(t).forward_sequence(seq[:-1], hidden_layer=-1)
+        ev = c.extra["spec"]["events"]
+        ld = head_draft_logits(eng, seq, len(c.prompt_token_ids), f_TD, ev)
+        q_ver = torch.softmax(ld.double(), -1)
+        ref = _scratch_head_q(t, h, c, 1.0)
+        assert sorted(ref) == [i for i, e in enumerate(ev) if e in "ar"]
+        assert torch.isnan(q_ver[[i for i, e in enumerate(ev) if e in "tb"]]).all()
+        rnd = k = 0
+        for i, e in enumerate(ev):
+            if e in "ar":
+                torch.testing.assert_close(q_ver[i], ref[i], rtol=0, atol=1e-5)
+                torch.testing.assert_close(q_ver[i], drawn[(r, rnd, k)], rtol=0, atol=1e-5)
+                worst = max(worst, float((q_ver[i] - drawn[(r, rnd, k)]).abs().max()))
+                n_checked += 1
+                n_chain += k > 0
+            k, rnd = (k + 1, rnd) if e == "a" else (0, rnd + 1)
+    print({"tokens_checked": n_checked, "chain_slots": n_chain, "max_abs_q_diff_vs_decoder": worst})
+    assert n_checked >= 30 and n_chain >= 10
+
+
+def test_head_claims_verify_and_kl_head_is_caught(head_models):
+    """Honest standard claims with the head at temperature 1: 0 violations, every draw replayed
+    (the 't' first token from round 0's token noise); a provider running the KL judge on the head
+    while claiming standard has larger mean -log min(1, p/q) on its accepted tokens."""
+    t, h, _ = head_models
+    claims = _head_claims(head_models, Rule("standard"), n=6, max_tokens=32)
+    assert all(c.extra["spec"]["draft_kind"] == "head" and c.extra["spec"]["events"][0] == "t" for c in claims)
+    honest = verify_spec_claims(claims, t, h)
+    assert honest["violation"].sum() == 0 and honest["replay_match"].all()
+    assert (honest["margin"] == 0).all()
+    assert (honest["event"] == "t").sum() == len(claims) and (honest["event"] == "a").sum() >= 10
+    kl = verify_spec_claims(_head_claims(head_models, Rule("kl", 1.0), n=6, max_tokens=32, seed=8), t, h)
+    mean = lambda r: r["accept_nll"][r["event"] == "a"].mean()  # noqa: E731
+    print({"honest_mean_accept_nll": mean(honest), "kl_mean_accept_nll": mean(kl),
+           "kl_replay_match": kl["replay_match"].mean()})
+    assert mean(kl) > mean(honest) and not kl["replay_match"].all()
+    # the 't' token is a draw from p: tampering with it is not replayed
+    c = claims[0]
+    c.output_token_ids[0] = (c.output_token_ids[0] + 1) % t.config.vocab_size
+    rows = verify_spec_claims([c], t, h)
+    assert not rows["replay_match"][0] and rows["margin"][0] > 0
+
+
+def test_greedy_head_claims_verify_and_drafts_must_match(head_models, models):
+    t, h, _ = head_models
+    claims = _head_claims(head_models, Rule("standard"), temperature=0.0, n=3, max_tokens=16)
+    rows = verify_spec_claims(claims, t, h)
+    assert rows["violation"].sum() == 0 and rows["replay_match"].all() and rows["event"][0] == "t"
+    c = claims[0]
+    c.output_token_ids[3] = (c.output_token_ids[3] + 1) % t.config.vocab_size
+    rows = verify_spec_claims(claims, t, h)
+    assert rows["violation"][(rows["claim"] == 0) & (rows["position"] == 3)].all()
+    # the claims name their draft's kind: a head's claims with a separate draft (and back) are refused
+    with pytest.raises(ClaimError, match="verified with a separate draft model") as e:
+        verify_spec_claims(claims, t, models[1])
+    assert "FeatureHead.from_target" in e.value.fix
+    with pytest.raises(ClaimError, match="drafted by a separate draft model"):
+        verify_spec_claims(_claims(models, Rule("standard"), temperature=0.0, n=1, max_tokens=4), t, h)
+    claims[1].extra["spec"]["draft_kind"] = "eagle"
+    with pytest.raises(ClaimError, match="draft_kind"):
+        verify_spec_claims(claims[1:], t, h)
