@@ -90,9 +90,9 @@ def residual_violation(py: float, qy: float, rel_tol: float = 0.0) -> bool:
     return py - qy < -rel_tol * max(py, qy)
 
 
-def spec_claims(target: LlamaLM, draft: "LlamaLM | FeatureHead", prompts: list[list[int]], *, run_rule: Rule, claimed: str,
-                gamma: int, temperature: float, max_tokens: int, seed: int, model_name: str, draft_name: str,
-                provider: str, batch_size: int = 16, stop_token_ids=(), progress=None) -> list[Claim]:
+def spec_claims(target: LlamaLM, draft: "LlamaLM | FeatureHead", prompts: list[list[int]], *, run_rule: Rule,
+                claimed: str, gamma: int, temperature: float, max_tokens: int, seed: int, model_name: str,
+                draft_name: str, provider: str, batch_size: int = 16, stop_token_ids=(), progress=None) -> list[Claim]:
     """Generate with `run_rule` and label the claims as produced by `claimed` (a provider that
     claims 'standard' while running 'kl' is the misconfiguration the audit must catch). A FeatureHead
     draft is named in the spec (draft_kind "head"; its events start with 't').
@@ -245,7 +245,8 @@ def head_draft_logits(head_engine: Engine, seq: list[int], P: int, f_TD: torch.T
 
 
 @torch.no_grad()
-def verify_spec_claims(claims: list[Claim], target: LlamaLM, draft: "LlamaLM | FeatureHead", progress=None) -> dict[str, np.ndarray]:
+def verify_spec_claims(claims: list[Claim], target: LlamaLM, draft: "LlamaLM | FeatureHead",
+                       progress=None) -> dict[str, np.ndarray]:
     """One row per output token: claim index, position, event, accept_nll, violation, score and
     the re-execution of the claim's draws (`replay_draw`; sampled claims, noise speculative-keyed):
     replay_match, margin, accept_gap (greedy claims: replay_match = argmax check, margin 0, NaN).
@@ -261,9 +262,10 @@ def verify_spec_claims(claims: list[Claim], target: LlamaLM, draft: "LlamaLM | F
     for ci, c in enumerate(claims):
         s = _spec_of(c)
         if (s.get("draft_kind", "model") == "head") != is_head:
-            raise ClaimError(f"claim drafted by a {'feature head' if not is_head else 'separate draft model'} "
-                             f"(spec.draft_kind {s.get('draft_kind', 'model')!r}) verified with a "
-                             f"{'feature head' if is_head else 'separate draft model'}", where=c.source or f"claim {c.id}",
+            kinds = ("separate draft model", "feature head")
+            raise ClaimError(f"claim drafted by a {kinds[not is_head]} (spec.draft_kind "
+                             f"{s.get('draft_kind', 'model')!r}) verified with a {kinds[is_head]}",
+                             where=c.source or f"claim {c.id}",
                              fix="verify with the draft the claims name: FeatureHead.from_target(head_dir, target) "
                                  "for draft_kind 'head', the draft LlamaLM otherwise")
         seq = c.prompt_token_ids + c.output_token_ids
