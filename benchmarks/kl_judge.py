@@ -6,8 +6,10 @@
     .venv/bin/python -m benchmarks.kl_judge [--quick]                      # both in one process, into runs/kl_judge
 
 Writes <out>/<stem>.{json,md}, <stem>_frontier.png and the trained AutoJudge head
-(<stem>_autojudge.json), stem kl_judge for --task nextline (SmolLM2 and its draft) and
-kl_judge_testbed for --task arithmetic (the testbed); <out> is runs/kl_judge unless --out says otherwise (the committed
+(<stem>_autojudge.json; not for multiline), stem kl_judge for --task multiline (SmolLM2 with its
+feature-level head and its draft, the decode-heavy task; a committed run also regenerates the
+README's speculative paragraph), kl_judge_nextline for --task nextline and kl_judge_testbed for
+--task arithmetic (the testbed); <out> is runs/kl_judge unless --out says otherwise (the committed
 results are benchmarks/results: name it to regenerate them). Ends with issue 7's criteria as a
 table. The protocol and the metric definitions are in benchmarks/kl_judge_bench.py.
 """
@@ -30,12 +32,14 @@ def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="small smoke run (not the committed results)")
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--task", choices=["nextline", "arithmetic"], default="arithmetic",
-                    help="nextline: SmolLM2-135M-Instruct + its distilled draft on held-out stdlib next-line "
-                         "completion (results kl_judge.*); arithmetic: the testbed pair (kl_judge_testbed.*)")
+    ap.add_argument("--task", choices=["multiline", "nextline", "arithmetic"], default="arithmetic",
+                    help="multiline: SmolLM2-135M-Instruct with its feature-level draft head, its distilled draft and "
+                         "n-gram lookup on 64-token completions of held-out stdlib code (the decode-heavy task; results "
+                         "kl_judge.*); nextline: the same models on next-line completion (kl_judge_nextline.*); "
+                         "arithmetic: the testbed pair (kl_judge_testbed.*)")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--given", type=int, default=None,
-                    help="nextline: tokens of the line given in the prompt (default 4, spec_tasks.NEXTLINE_GIVEN); "
+                    help="nextline/multiline: tokens of the line given in the prompt (default 4, spec_tasks.NEXTLINE_GIVEN); "
                          "the --timing half reads it from the JSON")
     ap.add_argument("--shard", default="0/1", metavar="I/N",
                     help="split the quality half over N processes started with I = 0..N-1 (they share the run cache "

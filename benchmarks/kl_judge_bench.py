@@ -42,6 +42,7 @@ from verinfer.models.corpus import Problem
 from verinfer.models.llama import LlamaLM
 from benchmarks.spec_tasks import TASKS, SpecTask
 from verinfer.speculative.decoder import SpecOutput, SpeculativeDecoder, autoregressive
+from verinfer.speculative.feature_head import FeatureHead
 from verinfer.speculative.ngram import NgramDraft
 from verinfer.speculative.rules import Rule
 
@@ -74,15 +75,42 @@ NEXTLINE_GRIDS: dict[str, list[float]] = {
     # covering >= 99% of the training stream: 99.96%); lossless, so its accuracy is the target's
     "fr_spec": [16384],
 }
-TASK_GRIDS = {"arithmetic": GRIDS, "nextline": NEXTLINE_GRIDS}
+# the same rules with the feature-level draft head (speculative/feature_head.py) as the draft: "head_<rule>";
+# head_fr = standard verification with the head's lm_head cut to its FR-Spec rows (16,384, the draft's rule)
+HEAD_GRIDS: dict[str, list[float]] = {
+    "head_standard": [0.0],
+    "head_fr": [16384],
+    "head_kl": [0.1, 0.5, 2.0, 5.0],
+    "head_topk": [2],
+    "head_target_entropy": [3.0],
+    "head_draft_entropy": [1.0],
+}
+# the decode-heavy task (multi-line completion, 64-token answers): the separate draft's standard rule and
+# n-gram lookup as baselines, every rule on the head
+MULTILINE_GRIDS: dict[str, list[float]] = {"standard": [0.0], "ngram": [1], **HEAD_GRIDS}
+TASK_GRIDS = {"arithmetic": GRIDS, "nextline": {**NEXTLINE_GRIDS, **HEAD_GRIDS}, "multiline": MULTILINE_GRIDS}
+# the lossless method each task's thresholds are selected against (validation accuracy >= its - margin)
+REFERENCE_RULE = {"arithmetic": "standard", "nextline": "standard", "multiline": "head_standard"}
 NGRAM_MAX_N = 5
-STEM = {"nextline": "kl_judge", "arithmetic": "kl_judge_testbed"}  # results file stem per task
+STEM = {"multiline": "kl_judge", "nextline": "kl_judge_nextline", "arithmetic": "kl_judge_testbed"}  # results stems
 
 
-def method_for(label: str, rule: str, thr: float, gamma: int, judge=None, draft_dir=None) -> Method:
+def method_for(label: str, rule: str, thr: float, gamma: int, judge=None, draft_dir=None, head=None,
+               head_dir=None) -> Method:
     """The Method of a (rule, threshold) point: 'ngram' is standard verification of prompt-lookup
     drafts; 'fr_spec' standard verification of a draft whose head keeps its `thr` most frequent
-    training tokens (the counts beside the weights in draft_dir)."""
+    training tokens (the counts beside the weights in draft_dir); 'head_<rule>' the rule with the
+    feature-level draft head `head` (loaded from head_dir) as the draft, 'head_fr' standard
+    verification with its lm_head cut to its `thr` most frequent training tokens."""
+    if rule.startswith("head_"):
+        if head is None:
+            raise ValueError(f"the {rule} method needs the task's feature-level draft head")
+        base = rule[len("head_"):]
+        if base == "fr":
+            from verinfer.speculative.draft_vocab import draft_vocab
+
+            return Method(label, Rule("standard"), gamma, head, draft_vocab=draft_vocab(head_dir, int(thr)))
+        return Method(label, Rule(base, thr), gamma, head)
     if rule == "ngram":
         return Method(label, Rule("standard"), gamma, NgramDraft(int(thr), NGRAM_MAX_N))
     if rule == "fr_spec":
@@ -100,18 +128,37 @@ def correct_indices(task: SpecTask, problems: list, outs: list[SpecOutput]) -> l
 
 
 def accuracy(task: SpecTask, problems: list, outs: list[SpecOutput]) -> float:
-    return len(correct_indices(task, problems, outs)) / len(problems)
+    sc = task.scores(problems, outs)
+    return sum(sc) / len(sc)
+
+
+def paired_score_difference(scores_a: list[float], scores_b: list[float]) -> dict:
+    """Mean score of a minus b on the same problems, in points, with the normal-approximation 95%
+    interval of the per-problem differences d_i = a_i - b_i (se = sqrt(mean d^2 - mean(d)^2) / sqrt(n));
+    for right/wrong scores this is McNemar's paired interval (only discordant problems carry
+    information). only_first / only_second: problems where a scores higher / b does."""
+    n = len(scores_a)
+    if n != len(scores_b) or n == 0:
+        raise ValueError(f"paired scores need the same problems, got {n} and {len(scores_b)}")
+    d_N = [x - y for x, y in zip(scores_a, scores_b)]
+    d = sum(d_N) / n
+    se = max(0.0, sum(x * x for x in d_N) / n - d * d) ** 0.5 / n ** 0.5
+    return {"difference_points": 100 * d, "only_first": sum(x > 0 for x in d_N), "only_second": sum(x < 0 for x in d_N),
+            "ci95_points": [100 * (d - 1.96 * se), 100 * (d + 1.96 * se)]}
 
 
 def paired_accuracy_difference(correct_a: list[int], correct_b: list[int], n: int) -> dict:
-    """Accuracy of a minus b on the same n problems, in points, with the normal-approximation
-    95% interval of a paired (McNemar) difference: only discordant problems carry information."""
+    """Accuracy of a minus b on the same n right/wrong problems (indices of the correct ones), in
+    points, with McNemar's paired 95% interval (paired_score_difference of the 0/1 scores)."""
     a, b = set(correct_a), set(correct_b)
-    only_a, only_b = len(a - b), len(b - a)
-    d = (only_a - only_b) / n
-    se = ((only_a + only_b) / n - d * d) ** 0.5 / n ** 0.5
-    return {"difference_points": 100 * d, "only_first": only_a, "only_second": only_b,
-            "ci95_points": [100 * (d - 1.96 * se), 100 * (d + 1.96 * se)]}
+    return paired_score_difference([float(i in a) for i in range(n)], [float(i in b) for i in range(n)])
+
+
+def paired_rows(a: dict, b: dict, n: int) -> dict:
+    """paired_score_difference of two result rows (their per-problem `scores`, or `correct_idx`)."""
+    if "scores" in a and "scores" in b:
+        return paired_score_difference(a["scores"], b["scores"])
+    return paired_accuracy_difference(a["correct_idx"], b["correct_idx"], n)
 
 
 def agreement(task: SpecTask, outs: list[SpecOutput], ref: list[SpecOutput]) -> float:
@@ -139,7 +186,7 @@ class Method:
     name: str
     rule: Rule | None
     gamma: int = 0
-    drafter: NgramDraft | None = None
+    drafter: "NgramDraft | FeatureHead | None" = None
     draft_vocab: torch.Tensor | None = None
 
     def run(self, target: LlamaLM, draft: LlamaLM, prompts, max_tokens, stop, batch_size) -> list[SpecOutput]:
@@ -244,15 +291,17 @@ def cost_model(model_dirs: dict[str, str], batch_sizes=(1, 16), ctxs=(16, 128), 
 
 # --- the whole benchmark ----------------------------------------------------------------------
 LABELS = {"standard": "vanilla", "kl": "kl_judge", "topk": "topk", "target_entropy": "target_entropy",
-          "draft_entropy": "draft_entropy", "autojudge": "autojudge", "ngram": "ngram", "fr_spec": "vanilla_fr"}
+          "draft_entropy": "draft_entropy", "autojudge": "autojudge", "ngram": "ngram", "fr_spec": "vanilla_fr",
+          "head_standard": "sd_head", "head_fr": "sd_head_fr", "head_kl": "kl_head", "head_topk": "topk_head",
+          "head_target_entropy": "target_entropy_head", "head_draft_entropy": "draft_entropy_head"}
 GAMMAS = [1, 2, 3, 4, 6]
 # SmolLM2 is ~40x the testbed target's cost per token on CPU: fewer gammas, a smaller timing prefix
 # and the post-hoc test sweep on the KL grid only (every point is a 1,000-problem run)
 # nextline: gamma 4 only (benchmarks/results/kl_judge_feasibility.md: vanilla 1.03x target-only at gammas 3 and 4,
 # 1.02x at 6), so every method is tested and timed at the gamma its MAT is compared at
-TASK_GAMMAS = {"arithmetic": GAMMAS, "nextline": [4]}
-TASK_TIME_PROBLEMS = {"arithmetic": (200, 700), "nextline": (16, 32)}  # batch 1, batch 16
-TASK_POST_HOC_RULES = {"arithmetic": None, "nextline": ()}  # None: every rule; nextline: none (cost)
+TASK_GAMMAS = {"arithmetic": GAMMAS, "nextline": [4], "multiline": [4]}
+TASK_TIME_PROBLEMS = {"arithmetic": (200, 700), "nextline": (16, 32), "multiline": (8, 32)}  # batch 1, batch 16
+TASK_POST_HOC_RULES = {"arithmetic": None, "nextline": (), "multiline": ()}  # None: every rule; (): none (cost)
 REF_GAMMA = 4          # thresholds are selected, and MAT compared, at this gamma
 SELECT_MARGIN = 0.005  # a threshold qualifies when its validation accuracy is >= vanilla's - 0.5 point
 N_VAL, N_TEST = 300, 700            # validation heldout[0:300], test heldout[300:1000]
@@ -313,6 +362,13 @@ def difficulty_diagnostic(tok, target, problems_by_name: dict[str, list[Problem]
     return out
 
 
+def model_info_head(head_dir) -> str:
+    """16 hex digits of the sha256 of a head's weights file (the run cache's key for head methods)."""
+    from pathlib import Path
+
+    return hashlib.sha256((Path(head_dir) / "head.safetensors").read_bytes()).hexdigest()[:16]
+
+
 def select_thresholds(sweep: list[dict], vanilla_acc: dict[int, float],
                       margin: float = SELECT_MARGIN, grids: dict[str, list[float]] = GRIDS) -> dict[str, dict[int, float]]:
     """Per rule and gamma: the threshold with the highest validation MAT among those whose
@@ -329,10 +385,11 @@ def select_thresholds(sweep: list[dict], vanilla_acc: dict[int, float],
     return best
 
 
-QUICK_SIZES = {"arithmetic": (60, 100, 40), "nextline": (40, 60, 20)}  # validation, test, mining problems
+QUICK_SIZES = {"arithmetic": (60, 100, 40), "nextline": (40, 60, 20), "multiline": (4, 6, 0)}  # val, test, mining
 # nextline: 400 + 600 = 1,000 held-out problems; AutoJudge mining re-decodes the line after every mismatch
 # (about 7 s per problem for SmolLM2), so 64 training problems
-FULL_SIZES = {"arithmetic": (N_VAL, N_TEST, 300), "nextline": (400, 600, 64)}
+# multiline: 64-token answers, a point about 6x a nextline problem's decoding: 80 + 240 problems (a 2-core CPU)
+FULL_SIZES = {"arithmetic": (N_VAL, N_TEST, 300), "nextline": (400, 600, 64), "multiline": (80, 240, 0)}
 
 
 def make_task(task_name: str, quick: bool, given: int | None = None) -> SpecTask:
@@ -342,8 +399,8 @@ def make_task(task_name: str, quick: bool, given: int | None = None) -> SpecTask
     n_val, n_test, _ = (QUICK_SIZES if quick else FULL_SIZES)[task_name]
     if given is None:
         return TASKS[task_name](n_val, n_test)
-    if task_name != "nextline":
-        raise ValueError(f"given applies to the nextline task only, not {task_name!r}")
+    if task_name == "arithmetic":
+        raise ValueError("given applies to the code tasks (nextline, multiline), not arithmetic")
     return TASKS[task_name](n_val, n_test, given=given)
 
 
@@ -471,6 +528,7 @@ def run(out_dir, device: str = "cpu", quick: bool = False, batch_sizes=(1, 16), 
     stem, grids = STEM[task.name], TASK_GRIDS[task.name]
     tok = task.tokenizer
     target, draft = task.models(device)
+    head = task.head(target)
     stop, max_tokens = task.stop, task.max_tokens
     n_val, n_test, n_mine = (QUICK_SIZES if quick else FULL_SIZES)[task.name]
     val, test = task.val, task.test
@@ -479,6 +537,7 @@ def run(out_dir, device: str = "cpu", quick: bool = False, batch_sizes=(1, 16), 
     res: dict = {"setup": {
         "task_name": task.name, **task.setup, "target": str(model_info(task.target_dir).name),
         "draft": str(model_info(task.draft_dir).name),
+        **({"head": str(task.head_dir.name)} if task.head_dir is not None else {}),
         "gammas": gammas, "ref_gamma_for_mat": REF_GAMMA, "grids": grids,
         "threshold_selection": f"fixed before the run: per rule, at gamma {REF_GAMMA} on validation, the threshold with "
                                f"the highest MAT among those with validation accuracy >= vanilla's - "
@@ -518,7 +577,8 @@ def run(out_dir, device: str = "cpu", quick: bool = False, batch_sizes=(1, 16), 
 
     # shard 0 mines while shard 1 decodes the target-only references; only AutoJudge runs wait for the judge
     mine_item, refs = (f"{key_base}:mine:{n_mine}", mining), [reference("val", val_p), reference("test", test_p)]
-    cache.get_many([mine_item, *refs], owners=[0, 1, 1], wait=False)
+    if "autojudge" in grids:
+        cache.get_many([mine_item, *refs], owners=[0, 1, 1], wait=False)
     ref_val_ids, ref_test_ids = cache.get_many(refs, owners=[1, 1])
     judge_box: list = []
 
@@ -537,17 +597,20 @@ def run(out_dir, device: str = "cpu", quick: bool = False, batch_sizes=(1, 16), 
             def compute():
                 t0 = time.time()
                 judge = judge_now() if name == "autojudge" else None
-                outs = method_for(name, name, thr, g, judge, task.draft_dir).run(target, draft, prompts, max_tokens,
-                                                                                 stop, 16)
+                outs = method_for(name, name, thr, g, judge, task.draft_dir, head, task.head_dir).run(
+                    target, draft, prompts, max_tokens, stop, 16)
                 row = {"rule": name, "threshold": thr, "gamma": g, **summarize(task, problems, outs, ref),
-                       "correct_idx": correct_indices(task, problems, outs)}
+                       "correct_idx": correct_indices(task, problems, outs),
+                       **({"scores": task.scores(problems, outs)} if task.score is not None else {})}
                 log(f"  {split} {name} {thr} @{g}: MAT {row['mat']:.2f}, accuracy {row['accuracy']:.4f}, "
                     f"agreement {row['agreement']:.3f} ({time.time() - t0:.0f} s)")
                 return row
             aj = f":mine{n_mine}" if name == "autojudge" else ""
-            if name == "fr_spec":  # the kept ids come from the counts file, which the weights' hash does not cover
-                ids = method_for(name, name, thr, g, None, task.draft_dir).draft_vocab
-                aj = f":ids{hashlib.sha256(ids.numpy().tobytes()).hexdigest()[:16]}"
+            if name in ("fr_spec", "head_fr"):  # the kept ids come from a counts file, which no weights' hash covers
+                ids = method_for(name, name, thr, g, None, task.draft_dir, head, task.head_dir).draft_vocab
+                aj = f":ids{hashlib.sha256(ids.cpu().numpy().tobytes()).hexdigest()[:16]}"
+            if name.startswith("head_"):
+                aj += f":head{model_info_head(task.head_dir)}"
             return f"{key_base}:{split}:{len(problems)}:{name}:{thr}:{g}{aj}", compute
         # AutoJudge runs last: they may wait for the judge
         order = sorted(range(len(configs)), key=lambda j: configs[j][0] == "autojudge")
@@ -560,7 +623,9 @@ def run(out_dir, device: str = "cpu", quick: bool = False, batch_sizes=(1, 16), 
         log(f"  {name}: " + " ".join(f"{r['threshold']}:{r['mat']:.2f}/{r['accuracy']:.4f}" for r in sweep if r["rule"] == name))
     res["sweep_validation"] = sweep
     res["target_only_validation"] = summarize(task, val, ref_val, ref_val)
-    vanilla_acc = {REF_GAMMA: next(r["accuracy"] for r in sweep if r["rule"] == "standard")}
+    ref_rule = REFERENCE_RULE[task.name]
+    vanilla_acc = {REF_GAMMA: next(r["accuracy"] for r in sweep if r["rule"] == ref_rule)}
+    res["setup"]["selection_reference"] = LABELS[ref_rule]
     best = {k: v.get(REF_GAMMA) for k, v in select_thresholds(sweep, vanilla_acc, grids=grids).items()}
     res["selected_threshold"] = {LABELS[k]: v for k, v in best.items() if v is not None}
     # the KL judge also at the threshold of the previous protocol's rule (1-point margin on the
@@ -568,13 +633,16 @@ def run(out_dir, device: str = "cpu", quick: bool = False, batch_sizes=(1, 16), 
     kl_1pt = select_thresholds(sweep, vanilla_acc, margin=0.01, grids=grids)["kl"].get(REF_GAMMA)
     res["extra_methods"] = {"kl_judge_1pt": ["kl", kl_1pt]} if kl_1pt not in (None, best["kl"]) else {}
     log(f"selected thresholds: {res['selected_threshold']}, extra: {res['extra_methods']}")
-    judge_now().to_json(out_dir / f"{stem}_autojudge.json")
-    log(f"  AutoJudge mining: {res['judge_mining']}")
+    if "autojudge" in grids:
+        judge_now().to_json(out_dir / f"{stem}_autojudge.json")
+        log(f"  AutoJudge mining: {res['judge_mining']}")
 
     # --- test: everything below uses the thresholds fixed above
     t_only = summarize(task, test, ref_test, ref_test)
     t_only["mean_tokens"], t_only["problems"] = t_only["tokens"] / n_test, n_test
     t_only["correct_idx"] = correct_indices(task, test, ref_test)
+    if task.score is not None:
+        t_only["scores"] = task.scores(test, ref_test)
     res["target_only_test"] = t_only
     post_hoc = tuple(grids) if TASK_POST_HOC_RULES[task.name] is None else TASK_POST_HOC_RULES[task.name]
     log(f"test: every method at its selected threshold, every gamma; post-hoc sweep of {post_hoc} at gamma "
@@ -593,7 +661,7 @@ def run(out_dir, device: str = "cpu", quick: bool = False, batch_sizes=(1, 16), 
         from verinfer.models.corpus import heldout_problems
         res["difficulty_diagnostic"] = difficulty_diagnostic(
             tok, target, {"heldout": heldout_problems(1000), "fresh": fresh_problems(3000)}, max_tokens, stop)
-    if task.name == "nextline":
+    if task.name in ("nextline", "multiline"):
         ensure_lossless(res, task, device, log)
     res["seconds_quality"] = time.time() - t_start
     atomic_write_json(out_dir / f"{stem}.json", res)
@@ -660,14 +728,16 @@ def timing_run(json_path, device: str = "cpu", batch_sizes=(1, 16), repeats: int
     res = json.loads(json_path.read_text())
     quick = res["setup"]["quick"]
     task = make_task(res["setup"].get("task_name", "arithmetic"), quick, res["setup"].get("given"))
-    if task.name == "nextline" and ensure_lossless(res, task, device, log):  # a quality half from before the check
+    if task.name in ("nextline", "multiline") and ensure_lossless(res, task, device, log):  # a quality half from before the check
         atomic_write_json(json_path, res)
     log("cost model ...")
     res["cost_model"] = cost_model({"target": str(task.target_dir), "draft": str(task.draft_dir)},
                                    batch_sizes=(1,) if quick else (1, 16), n=20 if quick else 100, device=device,
                                    dtype={"fp32": torch.float32, "bf16": torch.bfloat16}[task.dtype])
     target, draft = task.models(device)
-    judge = Judge.from_json(json_path.parent / f"{STEM[task.name]}_autojudge.json")
+    head = task.head(target)
+    judge_p = json_path.parent / f"{STEM[task.name]}_autojudge.json"
+    judge = Judge.from_json(judge_p) if judge_p.is_file() else None
     stop, mt = task.stop, task.max_tokens
     n_test = len(task.test)
     test_p = task.test_prompts
@@ -677,7 +747,8 @@ def timing_run(json_path, device: str = "cpu", batch_sizes=(1, 16), repeats: int
         n = min(n_test, TASK_TIME_PROBLEMS[task.name][0 if bs == 1 else 1])
         methods = [Method("target_only", None)]
         for g in res["setup"]["gammas"]:
-            methods += [method_for(f"{lab}@{g}", rule, thr, g, judge, task.draft_dir) for lab, (rule, thr) in sel.items()]
+            methods += [method_for(f"{lab}@{g}", rule, thr, g, judge, task.draft_dir, head, task.head_dir)
+                        for lab, (rule, thr) in sel.items()]
         if len(res["setup"]["gammas"]) > 1:
             # stage 1: every gamma of every method, to find each method's fastest gamma
             r1 = max(2, (repeats + 1) // 2)
@@ -703,7 +774,8 @@ def timing_run(json_path, device: str = "cpu", batch_sizes=(1, 16), repeats: int
         res["timing"][f"b{bs}"]["breakdown_ms_per_problem"] = {
             k: time_breakdown(by_name[k], target, draft, test_p[:n], mt, stop, bs)
             for k in ["target_only"] + [fastest[lab] for lab in fastest
-                                        if lab in ("vanilla", "vanilla_fr", "kl_judge", "kl_judge_1pt")]}
+                                        if lab in ("vanilla", "vanilla_fr", "kl_judge", "kl_judge_1pt", "sd_head",
+                                                   "sd_head_fr", "kl_head")]}
     res["setup"]["timing_repeats"] = repeats
     res["setup"]["tokens_per_s"] = (f"generated tokens / wall seconds of the whole generate call (both prefills, "
                                     f"drafting, verification, rules), median of {2 * repeats - 1} interleaved repeats, torch "
@@ -763,6 +835,44 @@ def criteria(res: dict, methods: dict, lab: str, at: dict, g_eq: int) -> dict:
     return crit
 
 
+def head_criteria(res: dict, methods: dict, at: dict, g_eq: int) -> dict:
+    """The feature-level head's criteria (issue 32): standard speculative sampling with the head
+    (sd_head) against target-only, and the validation-selected KL judge on the head (kl_head) against
+    sd_head in tokens/s, its accuracy against the target's (paired 95% interval per problem), the
+    chi-square p of sd_head, the target's accuracy. Tokens/s ratios: the smaller of the ratio of
+    medians and the paired median (both must clear a bar)."""
+    kl, sd, t_only = methods["kl_head"], methods["sd_head"], res["target_only_test"]
+    d = paired_rows(t_only, at[("head_kl", kl["threshold"], g_eq)], t_only["problems"])
+    crit = {"kl_threshold": kl["threshold"], "target_accuracy": t_only["accuracy"],
+            "kl_accuracy_drop_points": d["difference_points"], "kl_accuracy_drop_upper95_points": d["ci95_points"][1],
+            "kl_accuracy_difference_target_minus_kl": d, "kl_mat_vs_sd_head": kl["mat"] / sd["mat"],
+            "sd_head_mat": sd["mat"], "kl_head_mat": kl["mat"], "kl_agreement_with_target": kl["agreement"]}
+    ls = res.get("lossless", {})
+    if "sd_head" in ls:
+        crit["sd_head_chi2_p"] = ls["sd_head"]["p_value"]
+    for bs, t in res.get("timing", {}).items():
+        f, cfg = t["fastest"], t["configs"]
+        if "sd_head" not in f or "kl_head" not in f:
+            continue
+        a, b, to = cfg[f["kl_head"]], cfg[f["sd_head"]], cfg["target_only"]
+        crit[f"sd_head_vs_target_{bs}"] = min(b["tokens_per_s"] / to["tokens_per_s"],
+                                               paired_median(b["tokens_per_s_repeats"], to["tokens_per_s_repeats"]))
+        crit[f"kl_head_vs_sd_head_{bs}"] = min(a["tokens_per_s"] / b["tokens_per_s"],
+                                                paired_median(a["tokens_per_s_repeats"], b["tokens_per_s_repeats"]))
+        if "sd_head_fr" in f:
+            c = cfg[f["sd_head_fr"]]
+            crit[f"sd_head_fr_vs_target_{bs}"] = min(c["tokens_per_s"] / to["tokens_per_s"],
+                                                      paired_median(c["tokens_per_s_repeats"], to["tokens_per_s_repeats"]))
+    crit["passes"] = {
+        "sd_head_vs_target_b1 >= 1.3": crit.get("sd_head_vs_target_b1", 0) >= 1.3,
+        "kl_head_vs_sd_head_b1 >= 1.3": crit.get("kl_head_vs_sd_head_b1", 0) >= 1.3,
+        "kl_accuracy_drop_points <= 1": crit["kl_accuracy_drop_points"] <= 1.0 + 1e-9,
+        "kl_accuracy_drop_upper95_points <= 2": crit["kl_accuracy_drop_upper95_points"] <= 2.0 + 1e-9,
+        "sd_head_chi2_p > 0.001": crit.get("sd_head_chi2_p", 0) > 1e-3,
+        "target_accuracy >= 0.20": crit["target_accuracy"] >= 0.20}
+    return crit
+
+
 LOSSLESS_PROMPT = "import os\nimport "  # 57 (y1, y2) bins with expected count >= 5 at n = 2,000 (SmolLM2, fp32)
 
 
@@ -770,11 +880,13 @@ def ensure_lossless(res: dict, task: SpecTask, device: str, log=print) -> bool:
     """res["lossless"]: lossless_check of the selected KL judge and FR-Spec methods, unless res already
     has it for every one of them. Returns whether it computed."""
     fr = {lab: thr for lab, (rule, thr) in method_rules(res).items() if rule == "fr_spec"}
+    need = list(fr) + (["sd_head"] if task.head_dir is not None else [])
     have = res.get("lossless")
-    if have is not None and all(lab in have for lab in fr):
+    if have is not None and all(lab in have for lab in need):
         return False
     log("chi-square losslessness check (fp32) ...")
-    res["lossless"] = lossless_check(task, res["selected_threshold"].get("kl_judge", 2.0), device, fr_spec=fr)
+    res["lossless"] = lossless_check(task, res["selected_threshold"].get("kl_judge", 2.0), device, fr_spec=fr,
+                                     n=200 if res["setup"].get("quick") else 2000)
     return True
 
 
@@ -792,10 +904,12 @@ def lossless_check(task: SpecTask, kl_threshold: float, device: str = "cpu", n: 
     draft = LlamaLM.from_pretrained(task.draft_dir, device=device, dtype=torch.float32)
     prompt = task.tokenizer.encode(LOSSLESS_PROMPT, add_special_tokens=False)
     out = {"prompt": LOSSLESS_PROMPT, "draws": n, "dtype": "fp32", "gamma": REF_GAMMA, "temperature": 1.0}
-    fr = [(lab, Rule("standard"), method_for(lab, "fr_spec", thr, REF_GAMMA, None, task.draft_dir).draft_vocab)
+    fr = [(lab, Rule("standard"), method_for(lab, "fr_spec", thr, REF_GAMMA, None, task.draft_dir).draft_vocab, draft)
           for lab, thr in fr_spec.items()]
-    for lab, rule, vocab in [("vanilla", Rule("standard"), None), ("kl_judge", Rule("kl", kl_threshold), None), *fr]:
-        outs = SpeculativeDecoder(target, draft, rule, gamma=REF_GAMMA, temperature=1.0, draft_vocab=vocab).generate(
+    head = [("sd_head", Rule("standard"), None, task.head(target))] if task.head_dir is not None else []
+    for lab, rule, vocab, d in [("vanilla", Rule("standard"), None, draft), ("kl_judge", Rule("kl", kl_threshold), None, draft),
+                                *fr, *head]:
+        outs = SpeculativeDecoder(target, d, rule, gamma=REF_GAMMA, temperature=1.0, draft_vocab=vocab).generate(
             [prompt] * n, max_tokens=2, seeds=list(range(n)), batch_size=250)
         stat, pval, bins = two_token_chi_square(target, [tuple(o.output_token_ids[:2]) for o in outs], prompt)
         out[lab] = {"threshold": rule.threshold if vocab is None else len(vocab), "chi2": stat, "p_value": pval,
@@ -819,8 +933,7 @@ def finish(res: dict, json_path) -> None:
     for lab, (rule, thr) in mr.items():
         r = at[(rule, thr, g_eq)]
         methods[lab] = {"threshold": thr, "gamma_for_mat": g_eq, "mat": r["mat"], "accuracy": r["accuracy"],
-                        "accuracy_minus_target": paired_accuracy_difference(r["correct_idx"], t_only["correct_idx"],
-                                                                            t_only["problems"]),
+                        "accuracy_minus_target": paired_rows(r, t_only, t_only["problems"]),
                         "agreement": r["agreement"], "accept_rate": r["accept_rate"]}
     for bs, t in res.get("timing", {}).items():
         methods["target_only"][f"tokens_per_s_{bs}"] = t["configs"]["target_only"]["tokens_per_s"]
@@ -837,9 +950,15 @@ def finish(res: dict, json_path) -> None:
     for lab in ("kl_judge", "kl_judge_1pt"):
         if lab in methods and "vanilla" in methods:
             res["criteria" if lab == "kl_judge" else f"criteria_{lab}"] = criteria(res, methods, lab, at, g_eq)
+    if "kl_head" in methods and "sd_head" in methods:
+        # the decode-heavy task's criteria are the results' `criteria`; on the other tasks beside theirs
+        res["criteria" if res["setup"].get("task_name") == "multiline" else "criteria_head"] = head_criteria(
+            res, methods, at, g_eq)
     atomic_write_json(json_path, res)
     write_markdown(json_path.with_suffix(".md"), markdown(res))
     frontier_plot(res, json_path.parent / f"{json_path.stem}_frontier.png")
+    if res["setup"].get("task_name") == "multiline" and "timing" in res and not res["setup"].get("quick"):
+        write_readme_section(res, Path(__file__).resolve().parents[1] / "README.md")
 
 
 def issue17_lines(res: dict, timed: list[str], g: int) -> list[str]:
@@ -884,6 +1003,74 @@ def issue17_lines(res: dict, timed: list[str], g: int) -> list[str]:
     return L
 
 
+def head_lines(res: dict, c: dict, timed: list[str]) -> list[str]:
+    """The feature-level head's criteria (issue 32), measured in this run."""
+    d = c["kl_accuracy_difference_target_minus_kl"]
+    L = ["", "## Criteria (issue 32: the feature-level draft head), this run", "",
+         f"- The target's accuracy on the test split: {100 * c['target_accuracy']:.2f}% (>= 20%: "
+         f"{c['passes']['target_accuracy >= 0.20']})."]
+    for bs in timed:
+        if f"sd_head_vs_target_{bs}" in c:
+            L.append(f"- batch {bs[1:]}: standard speculative sampling with the head / target-only tokens/s "
+                     f"{c[f'sd_head_vs_target_{bs}']:.2f}; the validation-selected KL judge on the head / standard with "
+                     f"the head {c[f'kl_head_vs_sd_head_{bs}']:.2f}"
+                     + (f"; standard with the head's FR-Spec rows / target-only {c[f'sd_head_fr_vs_target_{bs}']:.2f}"
+                        if f"sd_head_fr_vs_target_{bs}" in c else "")
+                     + " (each the smaller of the ratio of medians and the paired median)")
+    if "sd_head_chi2_p" in c:
+        L.append(f"- chi-square losslessness of standard speculative sampling with the head (fp32, "
+                 f"{res['lossless']['draws']} draws of two tokens): p = {c['sd_head_chi2_p']:.3g} (> 0.001: "
+                 f"{c['passes']['sd_head_chi2_p > 0.001']})")
+    L += [f"- KL judge on the head at the validation-selected threshold {c['kl_threshold']}: MAT {c['kl_head_mat']:.2f} "
+          f"against standard-with-head {c['sd_head_mat']:.2f} ({c['kl_mat_vs_sd_head']:.2f}x); accuracy below the "
+          f"target's {d['difference_points']:.2f} points, paired 95% interval [{d['ci95_points'][0]:.2f}, "
+          f"{d['ci95_points'][1]:.2f}] ({d['only_first']} problems score higher with the target, {d['only_second']} "
+          f"with the KL judge); agreement with the target's answer {c['kl_agreement_with_target']:.3f}", "",
+          "| criterion | holds |", "|---|---|"]
+    L += [f"| {k} | {'yes' if v else 'no'} |" for k, v in c["passes"].items()]
+    return L
+
+
+README_START, README_END = "<!-- speculative-results:start -->", "<!-- speculative-results:end -->"
+
+
+def readme_section(res: dict) -> str:
+    """The README's speculative paragraph, from the decode-heavy task's results (regenerated by
+    `finish`; the text between README_START and README_END)."""
+    m, c = res["methods"], res.get("criteria", {})
+    def tps(lab):
+        return m.get(lab, {}).get("tokens_per_s_b1")
+    t0 = tps("target_only")
+    parts = []
+    for lab, what in (("sd_head", "standard speculative sampling with the feature-level head"),
+                      ("sd_head_fr", "the same with the head's FR-Spec rows"),
+                      ("vanilla", "with the separate 15.7M draft"), ("ngram", "n-gram prompt lookup"),
+                      ("kl_head", f"the KL judge on the head (threshold {m.get('kl_head', {}).get('threshold')})")):
+        if tps(lab) and t0:
+            parts.append(f"{what} {tps(lab) / t0:.2f}x (MAT {m[lab]['mat']:.2f})")
+    acc = (f" The KL judge's accuracy is {c['kl_accuracy_drop_points']:.2f} points below the target's "
+           f"(paired 95% upper end {c['kl_accuracy_drop_upper95_points']:.2f})." if c else "")
+    return (f"On SmolLM2-135M-Instruct, decoding {res['target_only_test']['mean_tokens']:.0f}-token completions of "
+            f"held-out stdlib code on a 2-core CPU at batch 1 (target-only {t0:.1f} tokens/s, target accuracy "
+            f"{100 * res['target_only_test']['accuracy']:.1f}% of lines): " + "; ".join(parts) + "." + acc
+            + " Figures: [kl_judge.md](benchmarks/results/kl_judge.md) (regenerated from kl_judge.json).")
+
+
+def write_readme_section(res: dict, readme) -> bool:
+    """Replace the README's speculative paragraph (between the markers) with readme_section(res)."""
+    from pathlib import Path
+
+    from verinfer.io import atomic_write_text
+
+    p = Path(readme)
+    text = p.read_text()
+    if README_START not in text or README_END not in text:
+        return False
+    a, b = text.index(README_START) + len(README_START), text.index(README_END)
+    atomic_write_text(p, text[:a] + "\n" + readme_section(res) + "\n" + text[b:])
+    return True
+
+
 def markdown(res: dict) -> str:
     st = res["setup"]
     g = st["ref_gamma_for_mat"]
@@ -922,9 +1109,12 @@ def markdown(res: dict) -> str:
                  f"{r['accuracy']:.4f} | {dts} | {r.get('agreement', 1.0):.3f} |" + "".join(f" {x} |" for x in sp))
     if st.get("task_name") == "nextline":
         L += issue17_lines(res, timed, g)
+    hc = res.get("criteria" if st.get("task_name") == "multiline" else "criteria_head")
+    if hc:
+        L += head_lines(res, hc, timed)
     for key, title in (("criteria", "selected by the rule fixed in advance (0.5-point margin)"),
                        ("criteria_kl_judge_1pt", "selected by the previous protocol's 1-point margin")):
-        if key not in res or st.get("task_name") == "nextline":
+        if key not in res or st.get("task_name") in ("nextline", "multiline"):
             continue
         c = res[key]
         d = c["accuracy_difference_vanilla_minus_kl"]
@@ -963,7 +1153,7 @@ def markdown(res: dict) -> str:
           "| rule | threshold | gamma | MAT | accuracy | agreement | accept rate |", "|---|---:|---:|---:|---:|---:|---:|"]
     L += [f"| {r['rule']} | {r['threshold']} | {r['gamma']} | {r['mat']:.2f} | {r['accuracy']:.4f} | {r['agreement']:.3f} | "
           f"{'' if r['accept_rate'] is None else format(r['accept_rate'], '.3f')} |" for r in res["test_all_gammas"]]
-    jm = res["judge_mining"]
+    jm = res.get("judge_mining")
     if "kl_judge" in m:
         ts = res["test_sweep_post_hoc"]
         v0 = next((r for r in ts if r["rule"] == "standard"), None)
@@ -1002,10 +1192,11 @@ def markdown(res: dict) -> str:
                      "per KL threshold, problems lost / gained against vanilla at gamma "
                      f"{vv['gamma']}: {', '.join(cells)}. One problem is {100 / max(n_val, 1):.2f} point, so a "
                      "0.5-point margin admits a net loss of one problem and a 1-point margin of three.")
-    L += ["", "## AutoJudge label mining", "",
-          f"{jm['mismatches']} target/draft mismatches on {jm['problems']} training problems "
-          f"({jm['mismatches_per_problem']:.2f} per problem), important fraction {jm['important_fraction']:.3f}, "
-          f"{jm['seconds']:.0f} s."]
+    if jm:
+        L += ["", "## AutoJudge label mining", "",
+              f"{jm['mismatches']} target/draft mismatches on {jm['problems']} training problems "
+              f"({jm['mismatches_per_problem']:.2f} per problem), important fraction {jm['important_fraction']:.3f}, "
+              f"{jm['seconds']:.0f} s."]
     if "cost_model" in res:
         L += ["", "## Cost model (median ms per forward, fp32, 1 thread; max |logit diff| against transformers)", "",
               "| model / batch / context | HF T=1 | LlamaLM T=1 | fused T=1 | HF T=5 | LlamaLM T=5 | fused T=5 | diff LlamaLM | diff fused |",
@@ -1021,8 +1212,10 @@ def markdown(res: dict) -> str:
               "| rule | threshold | MAT | accuracy | agreement |", "|---|---:|---:|---:|---:|"]
         L += [f"| {r['rule']} | {r['threshold']} | {r['mat']:.2f} | {r['accuracy']:.4f} | {r['agreement']:.3f} |"
               for r in res["test_sweep_post_hoc"]]
-    v0 = next(r for r in res["sweep_validation"] if r["rule"] == "standard")
-    L += ["", f"## Validation sweep at gamma {g} (selection: max MAT with accuracy >= {v0['accuracy']:.4f} - "
+    ref_rule = {v: k for k, v in LABELS.items()}[st.get("selection_reference", "vanilla")]
+    v0 = next(r for r in res["sweep_validation"] if r["rule"] == ref_rule)
+    L += ["", f"## Validation sweep at gamma {g} (selection: max MAT with accuracy >= {LABELS[ref_rule]}'s "
+          f"{v0['accuracy']:.4f} - "
           f"{SELECT_MARGIN * 100:.1f} point)", "", "| rule | threshold | MAT | accuracy | agreement | selected |",
           "|---|---:|---:|---:|---:|---|"]
     sel = res["selected_threshold"]

@@ -23,6 +23,7 @@ NEXTLINE_CONTEXT = 256
 NEXTLINE_GIVEN = 4
 NEXTLINE_MAX_TOKENS = 48
 NEXTLINE_VAL, NEXTLINE_TEST = 400, 1000
+MULTILINE_VAL, MULTILINE_TEST = 80, 240
 
 
 @dataclass
@@ -43,9 +44,25 @@ class SpecTask:
     setup: dict = field(default_factory=dict)      # descriptions for the results' `setup`
     dtype: str = "fp32"                            # of target and draft in every method
     cache_tag: str = ""                            # the task's parameters, in the benchmark's run-cache keys
+    score: Callable[[Any, list[int]], float] | None = None  # (problem, output ids) -> share correct; None: is_correct
+    head_dir: Path | None = None                   # the target's feature-level draft head (feature_head.py)
 
     def correct_indices(self, problems: list, outs: list[SpecOutput]) -> list[int]:
         return [i for i, (p, o) in enumerate(zip(problems, outs)) if self.is_correct(p, o.output_token_ids)]
+
+    def scores(self, problems: list, outs: list[SpecOutput]) -> list[float]:
+        """Per problem, its score in [0, 1] (1/0 for a task graded right/wrong): accuracy is their mean."""
+        if self.score is None:
+            return [float(self.is_correct(p, o.output_token_ids)) for p, o in zip(problems, outs)]
+        return [self.score(p, o.output_token_ids) for p, o in zip(problems, outs)]
+
+    def head(self, target):
+        """The feature-level draft head on `target` (sharing its embedding and lm_head), or None."""
+        if self.head_dir is None:
+            return None
+        from verinfer.speculative.feature_head import FeatureHead
+
+        return FeatureHead.from_target(self.head_dir, target)
 
     def models(self, device: str = "cpu"):
         """Target and draft on the forward every method runs (LlamaLM, default kernels, self.dtype)."""
@@ -121,7 +138,47 @@ def nextline_task(n_val: int = NEXTLINE_VAL, n_test: int = NEXTLINE_TEST, target
                              "the line exactly",
                      "validation_problems": f"nextline problems[0:{n_val}]",
                      "test_problems": f"nextline problems[{n_val}:{n_val + n_test}]", "given": given},
-                    dtype="bf16", cache_tag=f"ctx{NEXTLINE_CONTEXT}-given{given}")
+                    dtype="bf16", cache_tag=f"ctx{NEXTLINE_CONTEXT}-given{given}", head_dir=_head_dir(target_dir))
 
 
-TASKS = {"arithmetic": arithmetic_task, "nextline": nextline_task}
+def _head_dir(target_dir: Path) -> Path:
+    from verinfer.models.head_build import default_out
+
+    d = default_out(target_dir)
+    if not (d / "head.safetensors").is_file():
+        raise FileNotFoundError(f"no draft head at {d}: build it with `verinfer models build-head --model "
+                                f"{target_dir.name}`")
+    return d
+
+
+def multiline_task(n_val: int = MULTILINE_VAL, n_test: int = MULTILINE_TEST, target: str = "smollm2-135m-instruct",
+                   draft_dir: Path | None = None, given: int = NEXTLINE_GIVEN) -> SpecTask:
+    from verinfer.models import multiline
+    from verinfer.models.catalog import resolve_model
+    from verinfer.models.draft import default_out, separator_id
+    from verinfer.models.load import load_tokenizer
+
+    target_dir = resolve_model(target)
+    draft_dir = Path(draft_dir) if draft_dir is not None else default_out(target_dir)
+    tok = load_tokenizer(target_dir)
+    kw = dict(context=NEXTLINE_CONTEXT, given=given)
+    val, test = multiline.splits(tok, n_val, n_test, **kw)
+    stop = tuple(sorted({separator_id(tok), tok.eos_token_id} - {None}))
+    enc = lambda ps: [list(p.prompt_ids) for p in ps]  # noqa: E731
+    return SpecTask("multiline", tok, target_dir, draft_dir, val, test, enc(val), enc(test), stop, multiline.MAX_TOKENS,
+                    lambda p, ids: multiline.score(tok, p, ids) == 1.0, lambda ids: tok.decode(ids),
+                    lambda n: enc(multiline.problems(tok, n, files="train", **kw)),
+                    {"task": f"multi-line completion of held-out stdlib code (models/multiline.py): the file tokenized "
+                             f"whole, {NEXTLINE_CONTEXT}-token context ending {given} tokens into a line, greedy, "
+                             f"{multiline.MAX_TOKENS} tokens (stop only at the end-of-text tokens {list(stop)}); scored "
+                             f"per line: the rest of the line and the following whole lines ending within "
+                             f"{multiline.ANSWER_TOKENS} tokens (at least {multiline.MIN_LINES}), each exactly; a "
+                             "problem scores its share of correct lines",
+                     "validation_problems": f"multiline problems[0:{n_val}]",
+                     "test_problems": f"multiline problems[{n_val}:{n_val + n_test}]", "given": given,
+                     "mean_reference_lines": sum(len(p.lines) for p in val + test) / len(val + test)},
+                    dtype="bf16", cache_tag=f"ctx{NEXTLINE_CONTEXT}-given{given}-mt{multiline.MAX_TOKENS}",
+                    score=lambda p, ids: multiline.score(tok, p, ids), head_dir=_head_dir(target_dir))
+
+
+TASKS = {"arithmetic": arithmetic_task, "nextline": nextline_task, "multiline": multiline_task}

@@ -82,12 +82,13 @@ class SamplingRecord(BaseModel):
 
 class SpecRecord(BaseModel):
     """Speculative decoding claims (DiFR appendix F): per output token a = accepted draft token,
-    r = correction after a rejection, b = bonus token."""
+    r = correction after a rejection, b = bonus token; t = the target's own first token, which a
+    feature-level draft head's claims start with (draft_kind "head"; spec_claims.check_events)."""
 
     model_config = ConfigDict(extra="allow", allow_inf_nan=False)
     method: str
     gamma: StrictInt = Field(ge=1)
-    events: str = Field(pattern=r"^[arb]*$")
+    events: str = Field(pattern=r"^t?[arb]*$")
     threshold: float | None = None
     draft: str | None = None
 

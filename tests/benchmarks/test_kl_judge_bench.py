@@ -172,3 +172,56 @@ def test_fr_spec_method_is_standard_verification_with_the_counted_head(tmp_path)
     assert LlamaLM.forward.__name__ == "forward"  # the class's own forward is back
     with pytest.raises(ValueError, match="draft's directory"):
         method_for("vanilla_fr@4", "fr_spec", 16, 4)
+
+
+def test_paired_score_difference_is_mcnemars_on_right_wrong_scores_and_exact_on_shares():
+    from benchmarks.kl_judge_bench import paired_accuracy_difference, paired_rows, paired_score_difference
+
+    a = paired_accuracy_difference([1, 2, 3, 4], [1, 5], 100)
+    b = paired_score_difference([float(i in (1, 2, 3, 4)) for i in range(100)], [float(i in (1, 5)) for i in range(100)])
+    assert a == b
+    # shares of lines: differences 0.5, -0.25, 0, 0.25 -> mean 0.125, var = mean(d^2) - mean^2
+    d = paired_score_difference([1.0, 0.25, 0.5, 0.75], [0.5, 0.5, 0.5, 0.5])
+    var = (0.25 + 0.0625 + 0 + 0.0625) / 4 - 0.125 ** 2
+    assert d["difference_points"] == pytest.approx(12.5) and (d["only_first"], d["only_second"]) == (2, 1)
+    assert d["ci95_points"] == pytest.approx([100 * (0.125 - 1.96 * (var / 4) ** 0.5), 100 * (0.125 + 1.96 * (var / 4) ** 0.5)])
+    assert paired_rows({"scores": [1.0, 0.25, 0.5, 0.75], "correct_idx": []}, {"scores": [0.5] * 4}, 4) == d
+    with pytest.raises(ValueError, match="same problems"):
+        paired_score_difference([1.0], [1.0, 0.0])
+
+
+def test_head_methods_and_criteria():
+    """'head_<rule>' points run the rule with the feature-level head (greedy standard == target-only);
+    head_criteria reads the decode-heavy task's keys from one run's methods, timing and lossless check."""
+    from benchmarks.kl_judge_bench import LABELS, MULTILINE_GRIDS, Method, head_criteria, method_for
+    from verinfer.models.llama import LlamaLM
+    from verinfer.models.testbed import TARGET_DIR
+    from verinfer.speculative import feature_head as fh
+
+    tok = load_tokenizer(TOKENIZER_DIR)
+    prompts = [tok.encode(t, add_special_tokens=False) for t in ["import os\nimport ", "Q: 12+30=\nA: "]]
+    target = LlamaLM.from_pretrained(TARGET_DIR)
+    head = fh.FeatureHead(fh.head_config(target.config), {**fh.trainable(fh.head_weights(target, 0)),
+                                                          **{k: target.w[k] for k in fh.SHARED}})
+    ref = Method("target_only", None).run(target, None, prompts, 10, (), 2)
+    m = method_for("sd_head@4", "head_standard", 0.0, 4, head=head)
+    assert m.drafter is head and m.rule.name == "standard"
+    assert [o.output_token_ids for o in m.run(target, None, prompts, 10, (), 2)] == [o.output_token_ids for o in ref]
+    assert method_for("kl_head@4", "head_kl", 0.5, 4, head=head).rule.threshold == 0.5
+    with pytest.raises(ValueError, match="feature-level draft head"):
+        method_for("kl_head@4", "head_kl", 0.5, 4)
+    assert {LABELS[k] for k in MULTILINE_GRIDS} >= {"sd_head", "kl_head", "vanilla", "ngram", "sd_head_fr"}
+    rows = {("head_kl", 2.0, 4): {"scores": [1.0, 0.5, 0.0, 1.0]}}
+    res = {"target_only_test": {"accuracy": 0.625, "problems": 4, "scores": [1.0, 0.5, 0.5, 1.0]},
+           "lossless": {"sd_head": {"p_value": 0.4}},
+           "timing": {"b1": {"fastest": {"sd_head": "sd_head@4", "kl_head": "kl_head@4"},
+                             "configs": {"target_only": {"tokens_per_s": 10.0, "tokens_per_s_repeats": [10.0, 10.0, 10.0]},
+                                         "sd_head@4": {"tokens_per_s": 15.0, "tokens_per_s_repeats": [14.0, 15.0, 16.0]},
+                                         "kl_head@4": {"tokens_per_s": 18.0, "tokens_per_s_repeats": [18.0, 18.0, 18.0]}}}}}
+    methods = {"sd_head": {"mat": 2.0}, "kl_head": {"mat": 2.4, "threshold": 2.0, "agreement": 0.9}}
+    c = head_criteria(res, methods, rows, 4)
+    # the smaller of the ratio of medians (18 / 15) and the paired median (median of 18/14, 18/15, 18/16)
+    assert c["sd_head_vs_target_b1"] == pytest.approx(1.5) and c["kl_head_vs_sd_head_b1"] == pytest.approx(1.2)
+    assert c["kl_accuracy_drop_points"] == pytest.approx(12.5) and c["sd_head_chi2_p"] == 0.4
+    assert c["target_accuracy"] == 0.625 and c["passes"]["sd_head_vs_target_b1 >= 1.3"]
+    assert not c["passes"]["kl_accuracy_drop_points <= 1"]

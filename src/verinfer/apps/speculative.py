@@ -23,6 +23,17 @@ from verinfer.speculative.spec_claims import spec_claims, verify_spec_claims
 SPEC_VERIFIER_NUMERICS = Numerics(dtype="fp32")  # speculative claims are verified in fp32 (LlamaLM's default)
 
 
+def load_draft(draft_dir, target: LlamaLM):
+    """(draft, its name): a separate draft model directory, or a feature-level draft head's
+    (speculative/feature_head.py: `verinfer models build-head`), loaded on `target`."""
+    from verinfer.speculative.feature_head import HEAD_FILE, FeatureHead
+
+    d = Path(draft_dir)
+    if (d / HEAD_FILE).is_file():
+        return FeatureHead.from_target(d, target), d.name
+    return LlamaLM.from_pretrained(d, device=target.device, dtype=target.dtype), model_info(d).name
+
+
 def generate_claims_file(model_dir, draft_dir, out, *, rule: str = "kl", threshold: float = 0.5, gamma: int = 4,
                          n: int = 32, max_tokens: int = 64, seed: int = 0, temperature: float = 1.0,
                          judge_path=None, device: str = "cpu", claimed: str | None = None,
@@ -44,15 +55,15 @@ def _generate_claims_file(model_dir, draft_dir, out, *, rule, threshold, gamma, 
                              "`python -m benchmarks.kl_judge` writes it)")
         judge = Judge.from_json(judge_path)
     r = Rule(rule, 0.0 if rule == "standard" else threshold, judge)
-    info, dinfo = model_info(model_dir), model_info(draft_dir)
+    info = model_info(model_dir)
     target = LlamaLM.from_pretrained(model_dir, device=device)
-    draft = LlamaLM.from_pretrained(draft_dir, device=device)
+    draft, draft_name = load_draft(draft_dir, target)
     prompts = prompts_for(model_dir, n, seed)
     stop = (info.eos_token_id,) if info.eos_token_id is not None else ()
     with progress_bar(f"generate speculative-{rule}", len(prompts), show_progress) as adv:
         claims = spec_claims(target, draft, prompts, run_rule=r, claimed=claimed or rule, gamma=gamma,
                              temperature=temperature, max_tokens=max_tokens, seed=seed, model_name=info.name,
-                             draft_name=dinfo.name, provider=f"speculative-{rule}", stop_token_ids=stop,
+                             draft_name=draft_name, provider=f"speculative-{rule}", stop_token_ids=stop,
                              progress=adv)
     write_claims(out, claims)
     return claims
@@ -79,7 +90,7 @@ def _score_file(claims_path, model_dir, draft_dir, out, device, model_names, sho
     check_claims_fit(claims, claims_path, model_name=info.name, vocab_size=info.vocab_size,
                      max_positions=info.max_positions, aliases=(*info.aliases, *model_names))
     target = LlamaLM.from_pretrained(model_dir, device=device)
-    draft = LlamaLM.from_pretrained(draft_dir, device=device)
+    draft, _ = load_draft(draft_dir, target)
     with progress_bar(f"score {Path(claims_path).name} (speculative)", sum(len(c.output_token_ids) for c in claims),
                       show_progress) as adv:
         rows = verify_spec_claims(claims, target, draft, progress=adv)

@@ -149,14 +149,14 @@ SPECULATIVE = typer.Option(None, help="Speculative decoding with this acceptance
                                       "carry a `spec` field; filters off, temperature only.")
 THRESHOLD = typer.Option(0.5, help="Threshold of the speculative rule (kl: KL nats).")
 GAMMA = typer.Option(4, help="Draft tokens per speculative round.")
-DRAFT = typer.Option(None, help="Draft model directory (default: testbed draft).")
+DRAFT = typer.Option(None, help="Draft model directory, or a feature-level head's (`models build-head`; default: testbed draft).")
 JUDGE = typer.Option(None, help="Judge JSON for --speculative autojudge.")
 ENGINE = typer.Option("verinfer", help="verinfer (simulated providers) or vllm (real vLLM; provider honest | int4 | "
                                        "fp8-kv | temp-1.1 | wrong-seed)")
 
 # -- score ----------------------------------------------------------------------------------------
 CLAIMS_ARG = typer.Argument(..., help="Claims JSONL.")
-SCORE_DRAFT = typer.Option(None, help="Draft model for speculative claims (default: testbed draft).")
+SCORE_DRAFT = typer.Option(None, help="Draft model (or feature-level head) directory for speculative claims (default: testbed draft).")
 GAPS = typer.Option(False, "--gaps", help="Also the signed-gap columns the glrt detector reads.")
 WORKERS = typer.Option(None, min=1, help="Score the parts on a local Ray pool of this many replay workers (needs the "
                                          "ray extra); bitwise the single-process result at --worker-threads.")
@@ -314,7 +314,7 @@ DRAFT_BUDGET = typer.Option("full", help="full: the shipped draft (786k teacher 
 DRAFT_WORK = typer.Option(None, help="Teacher shards and checkpoints (default: <cache>/work/<target>-draft-seed<seed>/"
                                      "<budget>); a rerun resumes from them.")
 HEAD_OUT = typer.Option(None, help="Output directory (default: the shipped models/drafts/<target>-head).")
-HEAD_BUDGET = typer.Option("full", help="full: the shipped head (393k feature tokens, 3 epochs); tiny: a seconds-long "
+HEAD_BUDGET = typer.Option("full", help="full: the shipped head (786k feature tokens, 2 epochs); tiny: a seconds-long "
                                         "smoke build.")
 HEAD_WORK = typer.Option(None, help="Feature shards and checkpoints (default: <cache>/work/<target>-head-seed<seed>/"
                                     "<budget>); a rerun resumes from them.")
