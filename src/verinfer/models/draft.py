@@ -168,16 +168,28 @@ def teacher_topk(target, tokens_BT: torch.Tensor, k: int = TOP_K) -> tuple[torch
 def teacher_shards(target, wins_NT: torch.Tensor, work: Path, key: dict, *, k: int = TOP_K, batch: int = 8,
                    progress: bool = True) -> tuple[list[Path], int]:
     """Label every window with the target's top-k log-probs, SHARD windows per safetensors file in
-    `work`. A shard already there is kept when the key matches and it holds exactly its windows: the
-    seed's window order is prefix-stable, so a larger budget reuses a smaller one's shards.
-    Returns (the shard paths, how many of them this call computed)."""
+    `work` (`window_shards`). Returns (the shard paths, how many of them this call computed)."""
+    def label(w_NT: torch.Tensor) -> dict[str, torch.Tensor]:
+        parts = [teacher_topk(target, w_NT[j:j + batch], k) for j in range(0, len(w_NT), batch)]
+        return {"logp": torch.cat([p[0] for p in parts]), "idx": torch.cat([p[1] for p in parts])}
+
+    return window_shards(wins_NT, work, key, "teacher", label, "teacher top-k (windows)", progress=progress)
+
+
+def window_shards(wins_NT: torch.Tensor, work: Path, key: dict, name: str, label, desc: str, *,
+                  shard: int = SHARD, progress: bool = True) -> tuple[list[Path], int]:
+    """label(windows[:, :-1]) -> tensors of every window, `shard` windows per `<name>_NNNNN.safetensors`
+    in `work` (with the windows as "tokens"). A shard already there is kept when `key` matches the
+    one recorded (`<name>_key.json`) and it holds exactly its windows: the seed's window order is
+    prefix-stable, so a larger budget reuses a smaller one's shards. Returns (the shard paths, how
+    many of them this call computed)."""
     work.mkdir(parents=True, exist_ok=True)
-    key_p = work / "teacher_key.json"
+    key_p = work / f"{name}_key.json"
     if key_p.is_file() and json.loads(key_p.read_text()) != key:
-        for p in work.glob("teacher_*.safetensors"):
+        for p in work.glob(f"{name}_*.safetensors"):
             p.unlink()
     atomic_write_json(key_p, key)
-    paths = [work / f"teacher_{i:05d}.safetensors" for i in range(math.ceil(len(wins_NT) / SHARD))]
+    paths = [work / f"{name}_{i:05d}.safetensors" for i in range(math.ceil(len(wins_NT) / shard))]
 
     def holds_its_windows(i: int) -> bool:
         if not paths[i].is_file():
@@ -185,18 +197,16 @@ def teacher_shards(target, wins_NT: torch.Tensor, work: Path, key: dict, *, k: i
         from safetensors import safe_open
 
         with safe_open(str(paths[i]), "pt") as st:
-            return torch.equal(st.get_tensor("tokens"), wins_NT[i * SHARD:(i + 1) * SHARD])
+            return torch.equal(st.get_tensor("tokens"), wins_NT[i * shard:(i + 1) * shard])
 
     todo = [i for i in range(len(paths)) if not holds_its_windows(i)]
-    bar = ProgressBar("teacher top-k (windows)", len(wins_NT), start=(len(paths) - len(todo)) * SHARD,
-                      enabled=progress)
+    bar = ProgressBar(desc, len(wins_NT), start=(len(paths) - len(todo)) * shard, enabled=progress)
     try:
         for i in todo:
-            w = wins_NT[i * SHARD:(i + 1) * SHARD, :-1]
-            parts = [teacher_topk(target, w[j:j + batch], k) for j in range(0, len(w), batch)]
-            atomic_save_safetensors({"logp": torch.cat([p[0] for p in parts]), "idx": torch.cat([p[1] for p in parts]),
-                                     "tokens": wins_NT[i * SHARD:(i + 1) * SHARD].contiguous()}, paths[i])
-            bar.update(min(len(wins_NT), (i + 1) * SHARD))
+            w = wins_NT[i * shard:(i + 1) * shard]
+            atomic_save_safetensors({**{k: v.contiguous() for k, v in label(w[:, :-1]).items()},
+                                     "tokens": w.contiguous()}, paths[i])
+            bar.update(min(len(wins_NT), (i + 1) * shard))
     finally:
         bar.close()
     return paths, len(todo)

@@ -25,8 +25,6 @@ seed on one machine; every stage resumes from what it already wrote):
 
 from __future__ import annotations
 
-import json
-import math
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -37,9 +35,8 @@ from safetensors.torch import load_file
 
 from verinfer.io import atomic_save_safetensors, atomic_write_json, atomic_write_text
 from verinfer.models import corpus, load
-from verinfer.models.draft import COUNTS_FILE, _sha16, heldout_windows, streams, token_counts, windows
+from verinfer.models.draft import _sha16, heldout_windows, streams, token_counts, window_shards, windows
 from verinfer.models.testbed import SEQ_LEN, fit
-from verinfer.progress import ProgressBar
 from verinfer.speculative import feature_head as fh
 
 SHARD = 64          # windows per feature shard
@@ -105,38 +102,14 @@ def target_features(target, tokens_BT: torch.Tensor) -> torch.Tensor:
 
 def feature_shards(target, wins_NT: torch.Tensor, work: Path, key: dict, *, batch: int = 8,
                    progress: bool = True) -> tuple[list[Path], int]:
-    """The target's features of every window (SHARD windows per safetensors file in `work`); a shard
-    already there is kept when the key matches and it holds exactly its windows."""
-    work.mkdir(parents=True, exist_ok=True)
-    key_p = work / "features_key.json"
-    if key_p.is_file() and json.loads(key_p.read_text()) != key:
-        for p in work.glob("features_*.safetensors"):
-            p.unlink()
-    atomic_write_json(key_p, key)
-    paths = [work / f"features_{i:05d}.safetensors" for i in range(math.ceil(len(wins_NT) / SHARD))]
+    """The target's bf16 features of every window, SHARD windows per safetensors file in `work`
+    (draft.window_shards: kept when the key matches and a shard holds exactly its windows)."""
+    def label(w_NT: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"features": torch.cat([target_features(target, w_NT[j:j + batch]).to(torch.bfloat16).cpu()
+                                       for j in range(0, len(w_NT), batch)])}
 
-    def holds(i: int) -> bool:
-        if not paths[i].is_file():
-            return False
-        from safetensors import safe_open
-
-        with safe_open(str(paths[i]), "pt") as st:
-            return torch.equal(st.get_tensor("tokens"), wins_NT[i * SHARD:(i + 1) * SHARD])
-
-    todo = [i for i in range(len(paths)) if not holds(i)]
-    bar = ProgressBar("target features (windows)", len(wins_NT), start=(len(paths) - len(todo)) * SHARD,
-                      enabled=progress)
-    try:
-        for i in todo:
-            w = wins_NT[i * SHARD:(i + 1) * SHARD, :-1]
-            f = torch.cat([target_features(target, w[j:j + batch]).to(torch.bfloat16).cpu()
-                           for j in range(0, len(w), batch)])
-            atomic_save_safetensors({"features": f.contiguous(), "tokens": wins_NT[i * SHARD:(i + 1) * SHARD].contiguous()},
-                                    paths[i])
-            bar.update(min(len(wins_NT), (i + 1) * SHARD))
-    finally:
-        bar.close()
-    return paths, len(todo)
+    return window_shards(wins_NT, work, key, "features", label, "target features (windows)", shard=SHARD,
+                         progress=progress)
 
 
 # ----------------------------------------------------------------------------- training
@@ -173,7 +146,7 @@ def head_loss(head: fh.FeatureHead, tokens_BT: torch.Tensor, f_BTD: torch.Tensor
     with torch.no_grad():
         p = torch.softmax(f_out @ E_ND.T, -1)
     cls = -(p * torch.log_softmax(fh_BTD @ E_ND.T, -1)).sum(-1).mean()
-    return reg + W_CLS * cls, {"reg": float(reg), "cls": float(cls)}
+    return reg + W_CLS * cls, {"reg": reg.item(), "cls": cls.item()}
 
 
 def train_head(target, shards: list[Path], b: HeadBudget, seed: int, ids_N: torch.Tensor, *, ckpt_dir: Path,
@@ -295,7 +268,7 @@ def model_card(info: dict) -> str:
         "src/verinfer/models/head_build.py). It reads the target's final hidden state and the next token, and "
         "drafts through the target's own embedding and lm_head (not stored here).", "",
         "| | |", "|---|---|",
-        f"| architecture | one Llama decoder layer of the target's shape + fc (2D -> D) + norm |",
+        "| architecture | one Llama decoder layer of the target's shape + fc (2D -> D) + norm |",
         f"| parameters | {info['parameters']:,} ({info['size_mb']:.1f} MB bf16 safetensors) |",
         f"| data | the target's bf16 features on {info['training_tokens']:,} tokens of stdlib training files, "
         f"{info['recipe']['epochs']} epochs |",

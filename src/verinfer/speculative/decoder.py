@@ -199,25 +199,11 @@ class SpeculativeDecoder:
                     last2 = torch.tensor([rows.seqs[r][-2:] for r in active], device=dev)
                     logits, h = self.draft.extend(db, last2, hidden_layer=hl)
                     lg, hd = logits[:, -1], (h[:, -1] if h is not None else None)
-                xs, qs, hds = [], [], []
-                # greedy: stop drafting once every row has drafted a stop token or filled its
-                # max_tokens budget (later draft tokens could never be emitted). Not when sampling:
-                # a row's number of draws must not depend on its batch neighbours.
-                ended = [False] * B
-                budget = [max_tokens - len(rows.outs[r].output_token_ids) for r in active]
-                for i in range(G):
-                    x, q = self._draw(lg, skip_q, gens, rows, active, i)
-                    xs.append(x)
-                    qs.append(q)
-                    hds.append(hd)
-                    if self.greedy:
-                        ended = [e or stop_reason(t, i + 1, n, self.stop) is not None
-                                 for e, t, n in zip(ended, x.tolist(), budget)]
-                        if all(ended):
-                            break
-                    if i < G - 1:
-                        logits, h = self.draft.extend(db, x[:, None], hidden_layer=hl)
-                        lg, hd = logits[:, 0], (h[:, 0] if h is not None else None)
+                def step(x, _hd, db=db):
+                    logits, h = self.draft.extend(db, x[:, None], hidden_layer=hl)
+                    return logits[:, 0], (h[:, 0] if h is not None else None)
+
+                xs, qs, hds = self._draft_block(lg, hd, skip_q, gens, rows, active, step)
                 Gr = len(xs)  # drafted this round (< G only after the greedy cut)
                 x_BG = torch.stack(xs, 1)
                 q_BGV = torch.zeros(1, device=dev).expand(B, Gr, V) if skip_q else torch.stack(qs, 1)
@@ -243,6 +229,30 @@ class SpeculativeDecoder:
                 db = select_rows(db, keep) if db is not None else None
                 active = [active[b] for b in keep]
         return rows.outs
+
+    def _draft_block(self, lg, hd, skip_q: bool, gens, rows: "_Rows", active: list[int], step):
+        """Up to gamma draft tokens per active row from the draft's logits lg (and hidden state hd);
+        step(x_B, hd) -> (logits, hidden) of the next position. Greedy: stop once every row has
+        drafted a stop token or filled its max_tokens budget (later draft tokens could never be
+        emitted); not when sampling: a row's number of draws must not depend on its batch neighbours.
+        Returns (xs, qs, hds): per drafted position the tokens, q (or None) and the hidden state
+        that drafted them."""
+        xs, qs, hds = [], [], []
+        ended = [False] * len(active)
+        budget = [rows.max_tokens - len(rows.outs[r].output_token_ids) for r in active]
+        for i in range(self.gamma):
+            x, q = self._draw(lg, skip_q, gens, rows, active, i)
+            xs.append(x)
+            qs.append(q)
+            hds.append(hd)
+            if self.greedy:
+                ended = [e or stop_reason(t, i + 1, n, self.stop) is not None
+                         for e, t, n in zip(ended, x.tolist(), budget)]
+                if all(ended):
+                    break
+            if i < self.gamma - 1:
+                lg, hd = step(x, hd)
+        return xs, qs, hds
 
     def _draw(self, lg, skip_q: bool, gens, rows: "_Rows", active: list[int], i: int):
         """Draft token i of the round from the draft's logits lg (B rows): (x_B token ids, q_BV or
@@ -300,21 +310,11 @@ class SpeculativeDecoder:
                 break
             B = len(active)
             n_B = torch.tensor([len(rows.seqs[r]) for r in active], device=dev)
-            xs, qs = [], []
-            ended = [False] * B
-            budget = [max_tokens - len(rows.outs[r].output_token_ids) for r in active]
-            for i in range(G):
-                x, q = self._draw(lg, skip_q, gens, rows, active, i)
-                xs.append(x)
-                qs.append(q)
-                if self.greedy:
-                    ended = [e or stop_reason(t, i + 1, n, self.stop) is not None
-                             for e, t, n in zip(ended, x.tolist(), budget)]
-                    if all(ended):
-                        break
-                if i < G - 1:
-                    logits, h = self.head.extend(hb, x[:, None], hidden_layer=-1, features_BTD=hd[:, None])
-                    lg, hd = logits[:, 0], h[:, 0]
+            def step(x, hd, hb=hb):
+                logits, h = self.head.extend(hb, x[:, None], hidden_layer=-1, features_BTD=hd[:, None])
+                return logits[:, 0], h[:, 0]
+
+            xs, qs, _ = self._draft_block(lg, hd, skip_q, gens, rows, active, step)
             Gr = len(xs)
             x_BG = torch.stack(xs, 1)
             V = self.target.model.config.vocab_size
