@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> dict:
         names = dict(model_name=model_info(tdir).name, draft_name=None if head else model_info(ddir).name)
         stem += "_" + tdir.name
     if head:
-        from verinfer.models.head_build import default_out as head_out
+        from verinfer.speculative.head_build import default_out as head_out
         from verinfer.speculative.feature_head import FeatureHead
 
         hdir = a.head_dir or head_out(tdir)

@@ -146,7 +146,7 @@ def nextline_task(n_val: int = NEXTLINE_VAL, n_test: int = NEXTLINE_TEST, target
 
 
 def _head_dir(target_dir: Path) -> Path:
-    from verinfer.models.head_build import default_out
+    from verinfer.speculative.head_build import default_out
 
     d = default_out(target_dir)
     if not (d / "head.safetensors").is_file():

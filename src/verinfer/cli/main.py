@@ -467,9 +467,9 @@ command(models_app, "build-draft")(build_draft)
 def build_head(model: str = O.DRAFT_TARGET, seed: int = O.DRAFT_SEED, out: Optional[Path] = O.HEAD_OUT,
                budget: str = O.HEAD_BUDGET, work: Optional[Path] = O.HEAD_WORK):
     """Train a feature-level draft head (EAGLE-style: one decoder layer over the target's own hidden
-    states; recipe: models/head_build.py); `generate --speculative ... --draft DIR` and `score --draft DIR`
+    states; recipe: speculative/head_build.py); `generate --speculative ... --draft DIR` and `score --draft DIR`
     take its directory like a draft model's."""
-    from verinfer.models import head_build
+    from verinfer.speculative import head_build
 
     info = head_build.build_head(_model_dir(model), seed, out, budget=budget, work=work)
     typer.echo(json.dumps(info, indent=1, default=str))

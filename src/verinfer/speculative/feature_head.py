@@ -13,7 +13,7 @@ what its lm_head reads; e() the target's token embedding):
 Drafting (chain, speculative/decoder.py): after a verification the head catches up on the committed
 tokens with the TARGET's features of that verification forward (no extra target pass), and its
 output drafts x_1; each further draft step feeds back the head's own f^ (EAGLE's autoregression
-at the feature level). Training (models/head_build.py): teacher forcing on the target's features,
+at the feature level). Training (speculative/head_build.py): teacher forcing on the target's features,
 EAGLE's loss  L = SmoothL1(f^_{t+1}, f_{t+1}) + W_CLS * CE(q_{t+2}, p_{t+2}),  with noise on the
 input features so that the head tolerates its own predictions.
 

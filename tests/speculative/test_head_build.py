@@ -1,4 +1,4 @@
-"""The feature-level head's recipe (models/head_build.py) on the shipped testbed target: the loss is
+"""The feature-level head's recipe (speculative/head_build.py) on the shipped testbed target: the loss is
 EAGLE's (SmoothL1 on the next feature + W_CLS x cross-entropy against the target's distribution), and
 a tiny build writes the head (bf16 safetensors, the head's own tensors only), its model card with the
 acceptance per draft position, and resumes from its feature shards."""
@@ -8,7 +8,7 @@ import json
 import torch
 import torch.nn.functional as F
 
-from verinfer.models import head_build as H
+from verinfer.speculative import head_build as H
 from verinfer.models.llama import LlamaLM
 from verinfer.models.testbed import TARGET_DIR
 from verinfer.speculative import feature_head as fh

@@ -265,7 +265,7 @@ def model_card(info: dict) -> str:
         f"# {info['target']}-head", "",
         f"A feature-level draft head (EAGLE-style, speculative/feature_head.py) for {info['target']}, trained by "
         f"`verinfer models build-head --model {info['target']} --seed {info['seed']}` (recipe: "
-        "src/verinfer/models/head_build.py). It reads the target's final hidden state and the next token, and "
+        "src/verinfer/speculative/head_build.py). It reads the target's final hidden state and the next token, and "
         "drafts through the target's own embedding and lm_head (not stored here).", "",
         "| | |", "|---|---|",
         "| architecture | one Llama decoder layer of the target's shape + fc (2D -> D) + norm |",
