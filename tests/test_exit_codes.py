@@ -41,6 +41,7 @@ COMMANDS = {
     ("testbed", "build"): ("verinfer.models.testbed.build", ["--out", "{tmp}/tb"], ["--budget", "no-such-budget"]),
     ("testbed", "build-draft"): ("verinfer.models.draft.build_draft", ["--model", "{tmp}"], ["--model", MISSING]),
     ("models", "build-draft"): ("verinfer.models.draft.build_draft", ["--model", "{tmp}"], ["--model", MISSING]),
+    ("models", "build-head"): ("verinfer.speculative.head_build.build_head", ["--model", "{tmp}"], ["--model", MISSING]),
     ("testbed", "info"): ("verinfer.models.testbed.TESTBED_DIR", [], []),
     ("determinism", "calibrate"): ("verinfer.apps.determinism.run_calibrate", ["-o", "{tmp}/tau.json"],
                                    ["--model", MISSING]),
