@@ -173,7 +173,8 @@ def teacher_shards(target, wins_NT: torch.Tensor, work: Path, key: dict, *, k: i
         parts = [teacher_topk(target, w_NT[j:j + batch], k) for j in range(0, len(w_NT), batch)]
         return {"logp": torch.cat([p[0] for p in parts]), "idx": torch.cat([p[1] for p in parts])}
 
-    return window_shards(wins_NT, work, key, "teacher", label, "teacher top-k (windows)", progress=progress)
+    return window_shards(wins_NT, work, key, "teacher", label, "teacher top-k (windows)", shard=SHARD,
+                         progress=progress)
 
 
 def window_shards(wins_NT: torch.Tensor, work: Path, key: dict, name: str, label, desc: str, *,
