@@ -630,8 +630,9 @@ def run(out_dir, device: str = "cpu", quick: bool = False, batch_sizes=(1, 16), 
     res["selected_threshold"] = {LABELS[k]: v for k, v in best.items() if v is not None}
     # the KL judge also at the threshold of the previous protocol's rule (1-point margin on the
     # same validation split): a second validation-selected configuration, reported separately
-    kl_1pt = select_thresholds(sweep, vanilla_acc, margin=0.01, grids=grids)["kl"].get(REF_GAMMA)
-    res["extra_methods"] = {"kl_judge_1pt": ["kl", kl_1pt]} if kl_1pt not in (None, best["kl"]) else {}
+    kl_1pt = select_thresholds(sweep, vanilla_acc, margin=0.01, grids=grids)["kl"].get(REF_GAMMA) if "kl" in grids \
+        else None
+    res["extra_methods"] = {"kl_judge_1pt": ["kl", kl_1pt]} if kl_1pt not in (None, best.get("kl")) else {}
     log(f"selected thresholds: {res['selected_threshold']}, extra: {res['extra_methods']}")
     if "autojudge" in grids:
         judge_now().to_json(out_dir / f"{stem}_autojudge.json")
@@ -1043,7 +1044,7 @@ def readme_section(res: dict) -> str:
              for lab, what in (("sd_head", "the head"), ("sd_head_fr", "with FR-Spec rows"), ("vanilla", "the separate draft"),
                                ("ngram", "n-gram lookup"), ("kl_head", "the KL judge on the head"))
              if t0 and "tokens_per_s_b1" in m.get(lab, {})]
-    acc = (f"; the KL judge's accuracy {c['kl_accuracy_drop_points']:+.2f} points below the target's "
+    acc = (f"; the KL judge's accuracy {c['kl_accuracy_drop_points']:.2f} points below the target's "
            f"(paired 95% upper end {c['kl_accuracy_drop_upper95_points']:.2f})" if c else "")
     return (f"SmolLM2-135M-Instruct, {res['target_only_test']['mean_tokens']:.0f}-token code completions, batch 1, "
             f"2-core CPU ([kl_judge.md](benchmarks/results/kl_judge.md)): " + ", ".join(parts) + " target-only" + acc + ".")
