@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 import math
 import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -330,6 +331,48 @@ def default_out(target_dir: Path) -> Path:
     return DRAFTS_DIR / f"{Path(target_dir).name}-draft"
 
 
+@dataclass
+class BuildInputs:
+    """What every build from a target's stdlib windows starts from (`build_inputs`)."""
+
+    out_dir: Path
+    work: Path
+    tok: object
+    info: load.ModelInfo
+    train: torch.Tensor   # training stream
+    held: torch.Tensor    # held-out stream
+    wins: torch.Tensor    # [n, SEQ_LEN + 1] training windows in the seed's order
+    key: dict             # the data's identity (shard and checkpoint keys)
+    target: object        # the target, LlamaLM bf16
+    t0: float
+
+
+@contextmanager
+def build_inputs(target_dir: Path, seed: int, budget, out_dir: Path | None, work: Path | None, default_out_fn,
+                 work_dir_fn, n_windows: int, key_extra: dict):
+    """The common start of the draft's and the feature head's builds: threads set to the budget's
+    (restored on exit), the target's tokenizer and info, the stdlib streams, the seed's windows, the
+    data key and the target in bf16."""
+    from verinfer.models.llama import LlamaLM
+
+    threads_before = torch.get_num_threads()
+    torch.set_num_threads(budget.threads)
+    try:
+        t0 = time.time()
+        tok = load.load_tokenizer(target_dir)
+        info = load.model_info(target_dir)
+        train, held = streams(tok, budget.max_bytes)
+        yield BuildInputs(
+            Path(out_dir) if out_dir is not None else default_out_fn(target_dir),
+            Path(work) if work is not None else work_dir_fn(target_dir, seed), tok, info, train, held,
+            windows(train, n_windows, seed),
+            {"target_sha256": info.weights_sha256, "stream_sha": _sha16(train), "seed": seed, **key_extra,
+             "seq_len": SEQ_LEN},
+            LlamaLM.from_pretrained(target_dir, dtype=torch.bfloat16), t0)
+    finally:
+        torch.set_num_threads(threads_before)
+
+
 def build_draft(target_dir: Path, seed: int = 0, out_dir: Path | None = None, *, budget: str = "full",
                 work: Path | None = None, progress: bool = True) -> dict:
     """Distil the draft of the target in `target_dir` (the recipe in this module's docstring) into
@@ -339,20 +382,11 @@ def build_draft(target_dir: Path, seed: int = 0, out_dir: Path | None = None, *,
     if budget not in BUDGETS:
         raise ValueError(f"budget must be one of {list(BUDGETS)}, got {budget!r}")
     b, target_dir = BUDGETS[budget], Path(target_dir)
-    out_dir = Path(out_dir) if out_dir is not None else default_out(target_dir)
-    work = Path(work) if work is not None else work_dir(target_dir, seed)
-    threads_before = torch.get_num_threads()
-    torch.set_num_threads(b.threads)
-    t0 = time.time()
-    try:
-        tok = load.load_tokenizer(target_dir)
-        info_t = load.model_info(target_dir)
-        train, held = streams(tok, b.max_bytes)
-        wins = windows(train, b.teacher_windows, seed)
-        key = {"target_sha256": info_t.weights_sha256, "stream_sha": _sha16(train), "seed": seed, "top_k": TOP_K,
-               "seq_len": SEQ_LEN}
-        target = LlamaLM.from_pretrained(target_dir, dtype=torch.bfloat16)
-        shards, computed = teacher_shards(target, wins, work / "teacher", key, progress=progress)
+    with build_inputs(target_dir, seed, b, out_dir, work, default_out, work_dir, b.teacher_windows,
+                      {"top_k": TOP_K}) as bi:
+        out_dir, work, tok, info_t, train, held, key, target, t0 = (bi.out_dir, bi.work, bi.tok, bi.info, bi.train,
+                                                                     bi.held, bi.key, bi.target, bi.t0)
+        shards, computed = teacher_shards(target, bi.wins, work / "teacher", key, progress=progress)
         t_teacher = time.time() - t0
         student = make_student(target_dir, seed)
         ckey = dict(key, name="draft", seed=seed, arch=DRAFT_ARCH, budget=asdict(b))
@@ -379,8 +413,6 @@ def build_draft(target_dir: Path, seed: int = 0, out_dir: Path | None = None, *,
         atomic_write_json(out_dir / "build_info.json", info)
         atomic_write_text(out_dir / "MODEL_CARD.md", model_card(info))
         return info
-    finally:
-        torch.set_num_threads(threads_before)
 
 
 def _shards(info: dict) -> str:

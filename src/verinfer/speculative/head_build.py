@@ -34,8 +34,8 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from verinfer.io import atomic_save_safetensors, atomic_write_json, atomic_write_text
-from verinfer.models import corpus, load
-from verinfer.models.draft import _sha16, heldout_windows, streams, token_counts, window_shards, windows
+from verinfer.models import corpus
+from verinfer.models.draft import build_inputs, heldout_windows, token_counts, window_shards
 from verinfer.models.testbed import SEQ_LEN, fit
 from verinfer.speculative import feature_head as fh
 
@@ -208,20 +208,10 @@ def build_head(target_dir: Path, seed: int = 0, out_dir: Path | None = None, *, 
     if budget not in BUDGETS:
         raise ValueError(f"budget must be one of {list(BUDGETS)}, got {budget!r}")
     b, target_dir = BUDGETS[budget], Path(target_dir)
-    out_dir = Path(out_dir) if out_dir is not None else default_out(target_dir)
-    work = Path(work) if work is not None else work_dir(target_dir, seed)
-    threads_before = torch.get_num_threads()
-    torch.set_num_threads(b.threads)
-    t0 = time.time()
-    try:
-        tok = load.load_tokenizer(target_dir)
-        info_t = load.model_info(target_dir)
-        train, held = streams(tok, b.max_bytes)
-        wins = windows(train, b.windows, seed)
-        key = {"target_sha256": info_t.weights_sha256, "stream_sha": _sha16(train), "seed": seed, "seq_len": SEQ_LEN,
-               "dtype": "bf16"}
-        target = LlamaLM.from_pretrained(target_dir, dtype=torch.bfloat16)
-        shards, computed = feature_shards(target, wins, work / "features", key, progress=progress)
+    with build_inputs(target_dir, seed, b, out_dir, work, default_out, work_dir, b.windows, {"dtype": "bf16"}) as bi:
+        out_dir, work, info_t, train, held, key, target, t0 = (bi.out_dir, bi.work, bi.info, bi.train, bi.held, bi.key,
+                                                               bi.target, bi.t0)
+        shards, computed = feature_shards(target, bi.wins, work / "features", key, progress=progress)
         t_feat = time.time() - t0
         counts = token_counts(train, target.config.vocab_size)
         n_vocab = min(VOCAB_N, target.config.vocab_size)
@@ -254,8 +244,6 @@ def build_head(target_dir: Path, seed: int = 0, out_dir: Path | None = None, *, 
         for f in out_dir.iterdir():
             f.chmod(0o644)
         return info
-    finally:
-        torch.set_num_threads(threads_before)
 
 
 def model_card(info: dict) -> str:
