@@ -151,6 +151,21 @@ def test_head_refuses_what_it_cannot_do(models):
         fh.FeatureHead.from_target("/nonexistent-head", target)
 
 
+@pytest.mark.parametrize("config", [None, "{not json", "[1, 2]", '{"hidden_size": 7, "vocab_size": 7}'])
+def test_a_broken_head_directory_is_a_clear_error(models, tmp_path, config):
+    """A head file without its config, a malformed config, or one built for another target: a
+    ModelError naming the file and what to do, never a raw JSON or shape error."""
+    from verinfer.io import atomic_save_safetensors
+
+    target, head, _ = models
+    atomic_save_safetensors({k: v.contiguous() for k, v in fh.trainable(head.w).items()}, tmp_path / fh.HEAD_FILE)
+    if config is not None:
+        (tmp_path / fh.HEAD_CONFIG).write_text(config)
+    with pytest.raises(ModelError) as e:
+        fh.FeatureHead.from_target(tmp_path, target)
+    assert str(tmp_path) in str(e.value) and ("build-head" in str(e.value) or "built for" in str(e.value))
+
+
 @pytest.mark.slow
 def test_standard_with_head_is_lossless(models):
     """Chi-square of the first two sampled tokens (the second drafted by the head) against the

@@ -333,7 +333,7 @@ class SpeculativeDecoder:
                 break
             # the head catches up on the committed tokens of the rows still running
             k_idx = torch.tensor(keep, device=dev)
-            a_K = n_acc[keep].to(dev) if isinstance(n_acc, torch.Tensor) else torch.tensor([n_acc[b] for b in keep])
+            a_K = n_acc[keep].to(dev)  # verify returns n_accepted_B as a tensor
             A = int(a_K.max()) + 1
             toks = torch.zeros(len(keep), A, dtype=torch.long)
             for j, b in enumerate(keep):

@@ -66,7 +66,13 @@ class FeatureHead(LlamaLM):
         if not (d / HEAD_FILE).is_file():
             raise ModelError(f"no {HEAD_FILE}", where=str(d),
                              fix="build the head with `verinfer models build-head --model <target>`")
-        meta = json.loads((d / HEAD_CONFIG).read_text())
+        try:
+            meta = json.loads((d / HEAD_CONFIG).read_text())
+            if not isinstance(meta, dict):
+                raise ValueError(f"a JSON object expected, got {type(meta).__name__}")
+        except (OSError, ValueError) as e:
+            raise ModelError(f"cannot read the head's config ({e})", where=str(d / HEAD_CONFIG),
+                             fix="rebuild the head with `verinfer models build-head`") from e
         tc = target.config
         if (meta.get("hidden_size"), meta.get("vocab_size")) != (tc.hidden_size, tc.vocab_size):
             raise ModelError(f"head built for hidden {meta.get('hidden_size')} / vocab {meta.get('vocab_size')}, "
