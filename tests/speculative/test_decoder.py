@@ -1,6 +1,8 @@
 """The draft/verify loop on the shipped testbed: lossless (chi-square), batched == batch-1,
 greedy standard speculative decoding == transformers' greedy generate of the target."""
 
+import re
+
 import pytest
 import torch
 
@@ -34,8 +36,9 @@ def test_standard_speculative_sampling_is_lossless(models):
     prompt = tok.encode(PROMPT, add_special_tokens=False)
     n = 2000
     res = {}
-    for name, rule in [("standard", Rule("standard")), ("kl", Rule("kl", 2.0))]:
-        dec = SpeculativeDecoder(target, draft, rule, gamma=3, temperature=1.0)
+    for name, rule, conf in [("standard", Rule("standard"), 0.0), ("kl", Rule("kl", 2.0), 0.0),
+                             ("standard_cut", Rule("standard"), 0.5)]:
+        dec = SpeculativeDecoder(target, draft, rule, gamma=3, temperature=1.0, draft_confidence=conf)
         outs = dec.generate([prompt] * n, max_tokens=2, seeds=list(range(n)), batch_size=n)
         (stat, pval), bins = _chi2(target, outs, prompt, n)
         res[name] = (stat, pval, bins, sum(o.accepted for o in outs) / sum(o.drafted for o in outs))
@@ -44,6 +47,9 @@ def test_standard_speculative_sampling_is_lossless(models):
     assert res["standard"][1] > 1e-3, res
     assert res["kl"][1] < 1e-6, res
     assert res["kl"][3] > res["standard"][3]  # and the lossy rule accepts more
+    # dynamic draft length: the first token's block is often cut to 1, so the second token is the
+    # target's bonus draw there (not a residual draw): still the target's distribution
+    assert res["standard_cut"][1] > 1e-3, res
 
 
 def test_target_only_sampler_is_the_target_distribution(models):
@@ -71,6 +77,35 @@ def test_batched_loop_equals_batch1_loop(models, temperature, rule):
     for o in many:
         assert len(o.events) == len(o.output_token_ids) == 12
         assert o.target_forwards == o.events.count("r") + o.events.count("b") + (o.events[-1] == "a")
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_draft_confidence_cuts_each_rows_block(models, temperature):
+    """Dynamic draft length (draft_confidence): each row's block ends after its first token drafted
+    below the bound, batched == batch-1 (a row's cut is its own), greedy output is the target's, and
+    a bound no draft probability falls below changes nothing."""
+    target, draft, tok = models
+    texts = ["Q: 37+45=\nA: ", "import os\nimport ", "Q: 7*245=\nA: ", "    return self._", "class A:\n    def "]
+    prompts = [tok.encode(t, add_special_tokens=False) for t in texts]
+    seeds = [11, 12, 13, 14, 15]
+    full = SpeculativeDecoder(target, draft, gamma=4, temperature=temperature).generate(prompts, 16, seeds=seeds)
+    cut = SpeculativeDecoder(target, draft, gamma=4, temperature=temperature, draft_confidence=0.6)
+    one, many = (cut.generate(prompts, 16, seeds=seeds, batch_size=bs) for bs in (1, 5))
+    assert [o.output_token_ids for o in one] == [o.output_token_ids for o in many]
+    assert [o.events for o in one] == [o.events for o in many]
+    assert sum(o.drafted for o in many) < 4 * sum(o.target_forwards for o in many)  # blocks were cut
+    assert any(re.search(r"(^|[rb])a{0,3}b", o.events) for o in many)  # a cut block fully accepted
+    for o in many:
+        assert sum(o.accepted_at) == o.accepted and o.drafted == sum(o.proposed_at)
+    if temperature == 0:
+        ref = autoregressive(target, prompts, 16, batch_size=5)
+        assert [o.output_token_ids for o in many] == [r.output_token_ids for r in ref]
+    tiny = SpeculativeDecoder(target, draft, gamma=4, temperature=temperature, draft_confidence=1e-12)
+    same = tiny.generate(prompts, 16, seeds=seeds, batch_size=5)
+    assert [o.events for o in same] == [o.events for o in full]
+    for bad in (-0.1, 1.0):
+        with pytest.raises(ValueError, match="draft_confidence"):
+            SpeculativeDecoder(target, draft, draft_confidence=bad)
 
 
 def test_greedy_standard_equals_transformers_greedy_target(models):

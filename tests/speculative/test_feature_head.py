@@ -135,12 +135,30 @@ def test_greedy_standard_equals_target_only_and_batch_1(models):
     assert [o.output_token_ids for o in outs] == [r.output_token_ids for r in ref]
 
 
-def test_sampling_batched_equals_batch_1(models):
+@pytest.mark.parametrize("conf", [0.0, 0.3])
+def test_sampling_batched_equals_batch_1(models, conf):
     target, head, tok = models
     prompts = _prompts(tok)
-    a = SpeculativeDecoder(target, head, gamma=3, temperature=0.8).generate(prompts, 16, seeds=[3, 4, 5], batch_size=1)
-    b = SpeculativeDecoder(target, head, gamma=3, temperature=0.8).generate(prompts, 16, seeds=[3, 4, 5], batch_size=3)
+    dec = SpeculativeDecoder(target, head, gamma=3, temperature=0.8, draft_confidence=conf)
+    a = dec.generate(prompts, 16, seeds=[3, 4, 5], batch_size=1)
+    b = dec.generate(prompts, 16, seeds=[3, 4, 5], batch_size=3)
     assert [o.output_token_ids for o in a] == [o.output_token_ids for o in b]
+    assert [o.events for o in a] == [o.events for o in b]
+
+
+def test_draft_confidence_with_head_keeps_greedy_output(models):
+    """The head's blocks cut by its own confidence (and its FR-Spec rows): the target's greedy
+    output, fewer drafted tokens."""
+    target, head, tok = models
+    prompts = _prompts(tok)
+    ref = autoregressive(target, prompts, 20, batch_size=3)
+    vocab = torch.arange(0, target.config.vocab_size, 2)
+    for dv in (None, vocab):
+        full = SpeculativeDecoder(target, head, gamma=4, draft_vocab=dv).generate(prompts, 20, batch_size=3)
+        cut = SpeculativeDecoder(target, head, gamma=4, draft_vocab=dv, draft_confidence=0.5).generate(
+            prompts, 20, batch_size=3)
+        assert [o.output_token_ids for o in cut] == [r.output_token_ids for r in ref]
+        assert sum(o.drafted for o in cut) < sum(o.drafted for o in full)
 
 
 def test_head_refuses_what_it_cannot_do(models):

@@ -96,12 +96,17 @@ class SpeculativeDecoder:
 
     def __init__(self, target: LlamaLM, draft: "LlamaLM | NgramDraft | FeatureHead", rule: Rule = Rule(), gamma: int = 4,
                  temperature: float = 0.0, stop_token_ids: tuple[int, ...] = (), eos_token_id: int | None = None,
-                 draft_vocab: torch.Tensor | None = None):
+                 draft_vocab: torch.Tensor | None = None, draft_confidence: float = 0.0):
         """`draft`: a model on the target's tokenizer, or NgramDraft (prompt lookup: no draft model;
         up to gamma proposed tokens per row and round, q one-hot; the standard rule only).
         draft_vocab: token ids the draft proposes from (speculative/draft_vocab.py, FR-Spec): its
         lm_head runs on those rows only and q is zero elsewhere (standard verification stays
-        lossless for any q); refused with the rules that read all of q (kl, draft_entropy)."""
+        lossless for any q); refused with the rules that read all of q (kl, draft_entropy).
+        draft_confidence: dynamic draft length (transformers' assisted generation,
+        `assistant_confidence_threshold`): a row stops drafting for the round after a token its draft
+        gave probability below this (that token is still verified); 0 drafts gamma tokens. The cut
+        reads only the draft's own distribution, so every rule keeps its output distribution, and
+        each row's cut is its own (batched == batch-1)."""
         if gamma < 1:
             raise ValueError(f"gamma (draft tokens per round) must be >= 1, got {gamma}")
         self.ngram = draft if isinstance(draft, NgramDraft) else None
@@ -120,6 +125,13 @@ class SpeculativeDecoder:
                              f"{draft.config.vocab_size}): speculative decoding needs one tokenizer")
         if temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {temperature}")
+        if not 0.0 <= draft_confidence < 1.0:
+            raise ValueError(f"draft_confidence (stop drafting below this draft probability) must be in [0, 1), "
+                             f"got {draft_confidence}")
+        if draft_confidence > 0 and self.ngram is not None:
+            raise ValueError("draft_confidence cuts a draft model's block by its probabilities; n-gram drafting "
+                             "has none (its proposals end where the match ends)")
+        self.draft_confidence = draft_confidence
         self.vocab_N = None
         if draft_vocab is not None:
             if self.ngram is not None:
@@ -203,7 +215,7 @@ class SpeculativeDecoder:
                     logits, h = self.draft.extend(db, x[:, None], hidden_layer=hl)
                     return logits[:, 0], (h[:, 0] if h is not None else None)
 
-                xs, qs, hds = self._draft_block(lg, hd, skip_q, gens, rows, active, step)
+                xs, qs, hds, n_valid = self._draft_block(lg, hd, skip_q, gens, rows, active, step)
                 Gr = len(xs)  # drafted this round (< G only after the greedy cut)
                 x_BG = torch.stack(xs, 1)
                 q_BGV = torch.zeros(1, device=dev).expand(B, Gr, V) if skip_q else torch.stack(qs, 1)
@@ -235,16 +247,25 @@ class SpeculativeDecoder:
         step(x_B, hd) -> (logits, hidden) of the next position. Greedy: stop once every row has
         drafted a stop token or filled its max_tokens budget (later draft tokens could never be
         emitted); not when sampling: a row's number of draws must not depend on its batch neighbours.
-        Returns (xs, qs, hds): per drafted position the tokens, q (or None) and the hidden state
-        that drafted them."""
+        With draft_confidence, row b's block ends after its first token drafted below it: the loop
+        stops once every row's has, and n_valid_B[b] says how many of row b's tokens are verified.
+        Returns (xs, qs, hds, n_valid_B or None): per drafted position the tokens, q (or None) and
+        the hidden state that drafted them."""
         xs, qs, hds = [], [], []
         ended = [False] * len(active)
         budget = [rows.max_tokens - len(rows.outs[r].output_token_ids) for r in active]
+        tau = self.draft_confidence
+        n_valid = None if tau == 0 else torch.full((len(active),), self.gamma, dtype=torch.long)
         for i in range(self.gamma):
             x, q = self._draw(lg, skip_q, gens, rows, active, i)
             xs.append(x)
             qs.append(q)
             hds.append(hd)
+            if tau > 0:
+                conf = self._confidence(lg, q, x).cpu()
+                n_valid = torch.where((conf < tau) & (n_valid == self.gamma), i + 1, n_valid)
+                if bool((n_valid <= i + 1).all()):
+                    break
             if self.greedy:
                 ended = [e or stop_reason(t, i + 1, n, self.stop) is not None
                          for e, t, n in zip(ended, x.tolist(), budget)]
@@ -252,7 +273,16 @@ class SpeculativeDecoder:
                     break
             if i < self.gamma - 1:
                 lg, hd = step(x, hd)
-        return xs, qs, hds
+        if n_valid is not None:
+            n_valid = n_valid.clamp(max=len(xs))
+        return xs, qs, hds, n_valid
+
+    def _confidence(self, lg, q, x):
+        """The draft's probability of each row's drafted token x_B: from q when drawn, else (greedy
+        with a rule that reads no q) the softmax maximum of lg, the argmax's probability."""
+        if q is not None:
+            return q.gather(1, x[:, None].to(q.device))[:, 0].float()
+        return torch.softmax(lg.float(), -1).amax(-1)
 
     def _draw(self, lg, skip_q: bool, gens, rows: "_Rows", active: list[int], i: int):
         """Draft token i of the round from the draft's logits lg (B rows): (x_B token ids, q_BV or
@@ -314,7 +344,7 @@ class SpeculativeDecoder:
                 logits, h = self.head.extend(hb, x[:, None], hidden_layer=-1, features_BTD=hd[:, None])
                 return logits[:, 0], h[:, 0]
 
-            xs, qs, _ = self._draft_block(lg, hd, skip_q, gens, rows, active, step)
+            xs, qs, _, n_valid = self._draft_block(lg, hd, skip_q, gens, rows, active, step)
             Gr = len(xs)
             x_BG = torch.stack(xs, 1)
             V = self.target.model.config.vocab_size
@@ -327,8 +357,8 @@ class SpeculativeDecoder:
             u_BG = None if gens is None else torch.stack([gens[r].accept_uniforms(rows.outs[r].target_forwards, Gr)
                                                           for r in active])
             tok_noises = None if gens is None else [gens[r].token(rows.outs[r].target_forwards) for r in active]
-            n_acc, nxt, _ = verify(self.rule, p_BGpV, q_BGV, x_BG, self.greedy, u_BG, tok_noises, None, None)
-            keep = self._commit(rows, active, n_acc, nxt, x_BG, None, Gr)
+            n_acc, nxt, _ = verify(self.rule, p_BGpV, q_BGV, x_BG, self.greedy, u_BG, tok_noises, None, n_valid)
+            keep = self._commit(rows, active, n_acc, nxt, x_BG, n_valid, Gr)
             if not keep:
                 break
             # the head catches up on the committed tokens of the rows still running
