@@ -1116,6 +1116,9 @@ def markdown(res: dict) -> str:
              "set cannot grow')." if st.get("task_name", "arithmetic") == "arithmetic" else "."),
          f"- Threshold selection ({st['threshold_selection']}).",
          f"- MAT: {st['mat_definition']}.",
+         *([f"- Draft length: up to gamma tokens per round, a row's block ending after a token its draft model gave "
+            f"probability below {st['draft_confidence']} (SpeculativeDecoder's draft_confidence; n-gram lookup: "
+            "where its match ends)."] if st.get("draft_confidence") else []),
          f"- Decode path: {st['decode_path']}.",
          f"- tokens/s: {st.get('tokens_per_s', 'not timed')}.", ""]
     m = res["methods"]

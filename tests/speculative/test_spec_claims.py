@@ -119,6 +119,16 @@ def test_cli_generate_speculative_and_score(tmp_path):
     assert r.exit_code == 0, r.output
     r = runner.invoke(app, ["score", str(tmp_path / "k.jsonl"), "--out", str(tmp_path / "k.parquet")])
     assert r.exit_code == 2 and "only claims of standard" in r.output
+    # the dynamic draft length: named in the claims, verified by score; refused without --speculative
+    cut = tmp_path / "c.jsonl"
+    r = runner.invoke(app, ["generate", "--speculative", "standard", "--draft-confidence", "0.4", "--out", str(cut),
+                            "--n", "3", "--max-tokens", "16"], catch_exceptions=False)
+    assert r.exit_code == 0, r.output
+    assert json.loads(cut.read_text().splitlines()[0])["spec"]["draft_confidence"] == 0.4
+    r = runner.invoke(app, ["score", str(cut), "--out", str(tmp_path / "c.parquet")], catch_exceptions=False)
+    assert r.exit_code == 0 and "0 violations" in r.output, r.output
+    r = runner.invoke(app, ["generate", "honest", "--draft-confidence", "0.4", "--out", str(tmp_path / "h.jsonl")])
+    assert r.exit_code == 2 and "--draft-confidence" in r.output and not (tmp_path / "h.jsonl").exists()
 
 
 def test_sampled_claims_name_and_replay_their_noise(models):
@@ -141,6 +151,42 @@ def test_sampled_claims_name_and_replay_their_noise(models):
     c.output_token_ids[k] = (c.output_token_ids[k] + 1) % t.config.vocab_size
     rows = verify_spec_claims([c], t, d)
     assert not rows["replay_match"][k] and rows["margin"][k] > 0
+
+
+def test_claims_with_a_dynamic_draft_length_verify_and_a_wrong_cut_is_a_violation(models):
+    """Claims of the decoder with draft_confidence name it; their short fully accepted blocks ('b'
+    after fewer than gamma 'a's) pass the event check and verify with 0 violations, every draw
+    replayed; the same events claimed without it fail the event check; a cut moved to where the
+    draft was confident, or a block that went on past a token below the bound, is a violation."""
+    t, d, tok = models
+    claims = spec_claims(t, d, _prompts(tok, 6), run_rule=Rule("standard"), claimed="standard", gamma=3,
+                         temperature=1.0, max_tokens=32, seed=1, model_name="m", draft_name="d", provider="p",
+                         draft_confidence=0.5)
+    assert all(c.extra["spec"]["draft_confidence"] == 0.5 for c in claims)
+    events = "".join(c.extra["spec"]["events"] for c in claims)
+    assert any(e.startswith(("ab", "aab")) or "rab" in e or "bab" in e or "raab" in e or "baab" in e
+               for e in (c.extra["spec"]["events"] for c in claims))  # a cut block fully accepted
+    rows = verify_spec_claims(claims, t, d)
+    assert rows["violation"].sum() == 0 and rows["replay_match"].all(), events
+    check_events("abaab", 3, 5, "x", cut=True)
+    with pytest.raises(ClaimError, match="bonus token at 1 after 1"):
+        check_events("abaab", 3, 5, "x")
+    with pytest.raises(ClaimError, match="after 0 accepted"):
+        check_events("b", 3, 1, "x", cut=True)
+    # the same claims verified as if cut at 0.01 (nothing is below it): every cut block is a violation
+    k = next(i for i, c in enumerate(claims) if any(w in c.extra["spec"]["events"] for w in ("ab", "aab")))
+    c = claims[k]
+    c.extra["spec"]["draft_confidence"] = 0.01
+    bad = verify_spec_claims([c], t, d)
+    ev = c.extra["spec"]["events"]
+    assert bad["violation"].any() and all(ev[i] == "b" for i in np.flatnonzero(bad["violation"]))
+    # at 0.99 nearly every draft is below it: a block that went on past one is a violation
+    c.extra["spec"]["draft_confidence"] = 0.99
+    assert verify_spec_claims([c], t, d)["violation"].any()
+    for v in (1.0, -0.1, "0.5", True):
+        c.extra["spec"]["draft_confidence"] = v
+        with pytest.raises(ClaimError, match="draft_confidence"):
+            verify_spec_claims([c], t, d)
 
 
 def test_residual_violation_tolerates_bf16_rounding_only():

@@ -39,6 +39,7 @@ class GenerateRequest:
     speculative: str | None = None      # an acceptance rule
     threshold: float = 0.5
     gamma: int = 4
+    draft_confidence: float = 0.0       # dynamic draft length (SpeculativeDecoder)
     draft_dir: Path | None = None
     judge: Path | None = None           # AutoJudge head JSON (`verinfer speculative train-autojudge`)
 
@@ -50,6 +51,9 @@ class GenerateRequest:
                 raise ValueError(f"--fingerprint attaches Activation-DiFR fingerprints to simulated providers' "
                                  f"claims, not to {self.job} generation: drop it")
             FingerprintSpec.parse(self.fingerprint)  # a bad spec fails before any generation
+        if self.draft_confidence and self.job != "speculative":
+            raise ValueError(f"--draft-confidence sets the speculative decoder's draft length, not {self.job} "
+                             "generation: add --speculative RULE or drop it")
 
     @property
     def job(self) -> str:
@@ -88,7 +92,7 @@ def _speculative(req: GenerateRequest) -> Generated:
                                               rule=req.speculative, threshold=req.threshold, gamma=req.gamma,
                                               n=req.n, max_tokens=req.max_tokens, seed=req.seed,
                                               temperature=req.sampling["temperature"], judge_path=req.judge,
-                                              device=req.device)
+                                              device=req.device, draft_confidence=req.draft_confidence)
     events = [c.extra["spec"]["events"] for c in claims]
     return Generated("speculative", req.out, len(claims), sum(len(c.output_token_ids) for c in claims),
                      {"accepted": sum(e.count("a") for e in events),

@@ -37,17 +37,18 @@ def load_draft(draft_dir, target: LlamaLM):
 def generate_claims_file(model_dir, draft_dir, out, *, rule: str = "kl", threshold: float = 0.5, gamma: int = 4,
                          n: int = 32, max_tokens: int = 64, seed: int = 0, temperature: float = 1.0,
                          judge_path=None, device: str = "cpu", claimed: str | None = None,
-                         show_progress: bool = True) -> list[Claim]:
+                         show_progress: bool = True, draft_confidence: float = 0.0) -> list[Claim]:
     """Speculative generation on the audit prompts (models/corpus.eval_prompts) -> claims JSONL
     with a `spec` field. `claimed` defaults to the rule actually run (an honest label)."""
     with output(out, "claims file"):
         return _generate_claims_file(model_dir, draft_dir, out, rule=rule, threshold=threshold, gamma=gamma, n=n,
                                      max_tokens=max_tokens, seed=seed, temperature=temperature, judge_path=judge_path,
-                                     device=device, claimed=claimed, show_progress=show_progress)
+                                     device=device, claimed=claimed, show_progress=show_progress,
+                                     draft_confidence=draft_confidence)
 
 
 def _generate_claims_file(model_dir, draft_dir, out, *, rule, threshold, gamma, n, max_tokens, seed, temperature,
-                          judge_path, device, claimed, show_progress) -> list[Claim]:
+                          judge_path, device, claimed, show_progress, draft_confidence=0.0) -> list[Claim]:
     judge = None
     if rule == "autojudge":
         if judge_path is None:
@@ -64,7 +65,7 @@ def _generate_claims_file(model_dir, draft_dir, out, *, rule, threshold, gamma, 
         claims = spec_claims(target, draft, prompts, run_rule=r, claimed=claimed or rule, gamma=gamma,
                              temperature=temperature, max_tokens=max_tokens, seed=seed, model_name=info.name,
                              draft_name=draft_name, provider=f"speculative-{rule}", stop_token_ids=stop,
-                             progress=adv)
+                             progress=adv, draft_confidence=draft_confidence)
     write_claims(out, claims)
     return claims
 

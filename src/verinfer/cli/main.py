@@ -206,7 +206,7 @@ def generate(provider: str = O.PROVIDER_ARG, out: Path = O.out("Claims JSONL to 
              deterministic: Optional[str] = O.DETERMINISTIC, tau_file: Path = O.TAU_FILE,
              fingerprint: Optional[str] = O.FINGERPRINT, speculative: Optional[str] = O.SPECULATIVE,
              threshold: float = O.THRESHOLD, gamma: int = O.GAMMA, draft: Optional[Path] = O.DRAFT,
-             judge: Optional[Path] = O.JUDGE, engine: str = O.ENGINE):
+             judge: Optional[Path] = O.JUDGE, engine: str = O.ENGINE, draft_confidence: float = O.DRAFT_CONFIDENCE):
     """Write claims JSONL from a simulated (honest or misconfigured) provider, or from real vLLM."""
     from verinfer.apps.generate import GenerateRequest, generate as run_generate
 
@@ -214,7 +214,8 @@ def generate(provider: str = O.PROVIDER_ARG, out: Path = O.out("Claims JSONL to 
                           sampling=dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, noise=noise),
                           device=device,
                           engine=engine, fingerprint=fingerprint, deterministic=deterministic, tau_file=tau_file,
-                          speculative=speculative, threshold=threshold, gamma=gamma, draft_dir=draft, judge=judge)
+                          speculative=speculative, threshold=threshold, gamma=gamma, draft_dir=draft, judge=judge,
+                          draft_confidence=draft_confidence)
     typer.echo(render.generated(run_generate(req), req))
 
 

@@ -149,6 +149,8 @@ SPECULATIVE = typer.Option(None, help="Speculative decoding with this acceptance
                                       "carry a `spec` field; filters off, temperature only.")
 THRESHOLD = typer.Option(0.5, help="Threshold of the speculative rule (kl: KL nats).")
 GAMMA = typer.Option(4, help="Draft tokens per speculative round.")
+DRAFT_CONFIDENCE = typer.Option(0.0, help="Dynamic draft length: a round's block ends after a token the draft gave "
+                                          "probability below this (0: gamma tokens; 0.4 is transformers' default).")
 DRAFT = typer.Option(None, help="Draft model directory, or a feature-level head's (`models build-head`; default: testbed draft).")
 JUDGE = typer.Option(None, help="Judge JSON for --speculative autojudge.")
 ENGINE = typer.Option("verinfer", help="verinfer (simulated providers) or vllm (real vLLM; provider honest | int4 | "

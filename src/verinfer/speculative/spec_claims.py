@@ -7,11 +7,13 @@ Claim field (JSONL, beside the usual ones; token ids only):
            "threshold": float, "gamma": int, "draft": str,
            "draft_kind": "model" | "head",     # optional, default "model": a separate draft model,
                                                 # or a feature-level head (feature_head.py)
+           "draft_confidence": float,           # optional, default 0: the decoder's dynamic draft
+                                                # length (a block ends after a token q(x) < it)
            "events": "aaraab..."}              # per output token: a = accepted draft token,
                                                 # r = correction after a rejection, b = bonus,
                                                 # t = the target's own token (heads: the first)
 Structure checked per claim: runs of 'a' are at most gamma long; 'b' follows exactly gamma
-'a's; 'r' ends a shorter run (the last round may be cut by a stop token or max_tokens). A head
+'a's (with draft_confidence: 1 to gamma, the block cut after its last one); 'r' ends a shorter run (the last round may be cut by a stop token or max_tokens). A head
 claim starts with exactly one 't' (the target's prefill draws the first output token itself,
 round 0), which no other claim has.
 
@@ -22,6 +24,10 @@ draft distributions at the sampling temperature (temperature 0: argmax checks):
      target, when p(y) < q(y) by more than RESIDUAL_REL_TOL of max(p(y), q(y)): see below)
   b, t: drawn from p: impossible when p(y) == 0                     (violation)
   greedy: every token must be argmax p                                (violation otherwise)
+  draft_confidence tau (sampled claims): a 'b' after fewer than gamma 'a's needs q(y) < tau at the
+     last 'a' (the block was cut there), and an 'a' with q(y) < tau must be followed by 'b' (or end
+     the claim): violation otherwise, on the 'b' or on the token after the 'a' (q within the bf16
+     tolerance of tau on either side is not judged)
 The per-output-token score is accept_nll on 'a' tokens, 0 on others, +inf on violations;
 batch means of it separate an honest standard provider from one that runs the lossy KL judge
 (which accepts tokens the ratio test would usually reject) -> tokens-to-detect with the DiFR
@@ -90,15 +96,31 @@ def residual_violation(py: float, qy: float, rel_tol: float = 0.0) -> bool:
     return py - qy < -rel_tol * max(py, qy)
 
 
+def _cut_violation(events: str, t: int, slot: int, gamma: int, qy, tau: float, rel_tol: float) -> bool:
+    """Token t of a sampled claim against its dynamic draft length (module docstring): a block cut
+    (a 'b' after slot < gamma accepted tokens) where the last accepted token's q was not below tau,
+    or a block that went on after a token with q below it. q within the tolerance of tau (the
+    verifier's q is the provider's up to rounding) is not judged."""
+    if tau <= 0 or t == 0 or events[t - 1] != "a":
+        return False
+    tol = max(rel_tol, 1e-4) * tau
+    q_prev = float(qy[t - 1])
+    if events[t] == "b" and slot < gamma:
+        return q_prev >= tau + tol
+    return events[t] != "b" and q_prev < tau - tol
+
+
 def spec_claims(target: LlamaLM, draft: "LlamaLM | FeatureHead", prompts: list[list[int]], *, run_rule: Rule,
                 claimed: str, gamma: int, temperature: float, max_tokens: int, seed: int, model_name: str,
-                draft_name: str, provider: str, batch_size: int = 16, stop_token_ids=(), progress=None) -> list[Claim]:
+                draft_name: str, provider: str, batch_size: int = 16, stop_token_ids=(), progress=None,
+                draft_confidence: float = 0.0) -> list[Claim]:
     """Generate with `run_rule` and label the claims as produced by `claimed` (a provider that
     claims 'standard' while running 'kl' is the misconfiguration the audit must catch). A FeatureHead
-    draft is named in the spec (draft_kind "head"; its events start with 't').
-    progress(k) after each batch of k prompts."""
+    draft is named in the spec (draft_kind "head"; its events start with 't'), and a dynamic draft
+    length (draft_confidence > 0) as spec.draft_confidence. progress(k) after each batch of k prompts."""
     seeds = [seed * 1_000_003 + i for i in range(len(prompts))] if temperature > 0 else None
-    dec = SpeculativeDecoder(target, draft, run_rule, gamma=gamma, temperature=temperature, stop_token_ids=stop_token_ids)
+    dec = SpeculativeDecoder(target, draft, run_rule, gamma=gamma, temperature=temperature, stop_token_ids=stop_token_ids,
+                             draft_confidence=draft_confidence)
     outs = dec.generate(prompts, max_tokens, seeds=seeds, batch_size=batch_size, progress=progress)
     claims = []
     for i, o in enumerate(outs):
@@ -108,14 +130,17 @@ def spec_claims(target: LlamaLM, draft: "LlamaLM | FeatureHead", prompts: list[l
                 "gamma": gamma, "draft": draft_name, "events": o.events}
         if isinstance(draft, FeatureHead):
             spec["draft_kind"] = "head"
+        if draft_confidence > 0:
+            spec["draft_confidence"] = draft_confidence
         claims.append(Claim(f"{provider}-{i}", model_name, list(o.prompt_token_ids), o.output_token_ids, params,
                             provider, {"spec": spec}))
     return claims
 
 
-def check_events(events: str, gamma: int, n_tokens: int, where: str, head: bool = False) -> None:
+def check_events(events: str, gamma: int, n_tokens: int, where: str, head: bool = False, cut: bool = False) -> None:
     """The structure of `spec.events` (module docstring); head: the claim's draft is a feature-level
-    head, so its first event is the target's own token 't' (and no other is)."""
+    head, so its first event is the target's own token 't' (and no other is); cut: the decoder's
+    blocks end early (draft_confidence), so a bonus may follow 1 to gamma accepted tokens."""
     if not isinstance(events, str) or len(events) != n_tokens or set(events) - set("arbt"):
         raise ClaimError(f"`spec.events` must be a string of a/r/b{'/t' if head else ''}, one per output token "
                          f"({n_tokens})", where=where)
@@ -137,9 +162,9 @@ def check_events(events: str, gamma: int, n_tokens: int, where: str, head: bool 
                 raise ClaimError(f"`spec.events`: more than gamma={gamma} accepted tokens in a row at token {k}",
                                  where=where)
         else:
-            if e == "b" and run != gamma:
-                raise ClaimError(f"`spec.events`: bonus token at {k} after {run} accepted tokens (needs gamma={gamma})",
-                                 where=where)
+            if e == "b" and (run != gamma and not (cut and run >= 1)):
+                raise ClaimError(f"`spec.events`: bonus token at {k} after {run} accepted tokens (needs "
+                                 f"{'1 to ' if cut else ''}gamma={gamma})", where=where)
             if e == "r" and run >= gamma:
                 raise ClaimError(f"`spec.events`: correction at {k} after a fully accepted block", where=where)
             run = 0
@@ -158,7 +183,11 @@ def _spec_of(c: Claim) -> dict:
     if kind not in DRAFT_KINDS:
         raise ClaimError(f"`spec.draft_kind` {kind!r} is not one of {', '.join(DRAFT_KINDS)}", where=where,
                          fix='leave it out for a separate draft model; "head" for a feature-level head')
-    check_events(s.get("events"), g, len(c.output_token_ids), where, head=kind == "head")
+    tau = s.get("draft_confidence", 0.0)
+    if not isinstance(tau, (int, float)) or isinstance(tau, bool) or not 0.0 <= tau < 1.0:
+        raise ClaimError(f"`spec.draft_confidence` must be a number in [0, 1), got {tau!r}", where=where,
+                         fix="leave it out when every round drafted gamma tokens")
+    check_events(s.get("events"), g, len(c.output_token_ids), where, head=kind == "head", cut=tau > 0)
     if s.get("method") != "standard":
         raise ClaimError(f"`spec.method` {s.get('method')!r}: only claims of standard (lossless) speculative sampling "
                          "can be verified", where=where, fix="the lossy rules have no target-distribution guarantee")
@@ -290,6 +319,7 @@ def verify_spec_claims(claims: list[Claim], target: LlamaLM, draft: "LlamaLM | F
             py, qy = p[torch.arange(n), y], q[torch.arange(n), y]
             noise = speculative_noise(c.sampling.seed, p.shape[-1])
         rnd = slot = 0
+        tau = s.get("draft_confidence", 0.0)
         for t, e in enumerate(s["events"]):
             viol, nll = False, 0.0
             match, margin, agap = True, 0.0, math.nan
@@ -305,6 +335,7 @@ def verify_spec_claims(claims: list[Claim], target: LlamaLM, draft: "LlamaLM | F
                     viol = residual_violation(float(py[t]), float(qy[t]), rel_tol)
                 else:
                     viol = bool(py[t] == 0)
+                viol = viol or _cut_violation(s["events"], t, slot, s["gamma"], qy, tau, rel_tol)
             slot, rnd = (slot + 1, rnd) if e == "a" else (0, rnd + 1)
             for k, v in zip(keys, (ci, t, e, nll, viol, math.inf if viol else nll, match, margin, agap)):
                 rows[k].append(v)
