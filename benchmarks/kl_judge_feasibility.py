@@ -42,6 +42,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     ap.add_argument("--task", choices=["nextline", "multiline"], default="nextline")
+    ap.add_argument("--confidence", type=float, nargs="*", default=[],
+                    help="multiline: also time the draft models with these dynamic draft lengths (draft_confidence)")
     a = ap.parse_args()
     torch.set_num_threads(1)
     t0 = time.time()
@@ -66,14 +68,21 @@ def main() -> None:
         print(f"given {given}: target accuracy {sum(sc) / len(val):.4f} on {len(val)} validation problems", flush=True)
     n = a.n_speed
     prompts, probs = task.val_prompts[:n], task.val[:n]
-    methods = [Method("target_only", None)] + [method_for(f"standard@{g}", "standard", 0.0, g) for g in (3, 4, 6)] + \
-        [method_for("ngram@4", "ngram", 1, 4), method_for("kl_judge_0.5@4", "kl", 0.5, 4)]
+    c0 = dict(confidence=0.0)  # every round drafts gamma tokens (the rows committed before the dynamic length)
+    methods = [Method("target_only", None)] + [method_for(f"standard@{g}", "standard", 0.0, g, **c0) for g in (3, 4, 6)] + \
+        [method_for("ngram@4", "ngram", 1, 4), method_for("kl_judge_0.5@4", "kl", 0.5, 4, **c0)]
     if a.task == "multiline":
-        methods = [Method("target_only", None), method_for("standard@4", "standard", 0.0, 4),
+        methods = [Method("target_only", None), method_for("standard@4", "standard", 0.0, 4, **c0),
                    method_for("ngram@4", "ngram", 1, 4)]
-        methods += [method_for(f"sd_head@{g}", "head_standard", 0.0, g, head=head) for g in (3, 4, 6)]
-        methods += [method_for("sd_head_fr@4", "head_fr", 16384, 4, head=head, head_dir=task.head_dir)]
-        methods += [method_for(f"kl_head_{t}@4", "head_kl", t, 4, head=head) for t in (0.5, 2.0)]
+        methods += [method_for(f"sd_head@{g}", "head_standard", 0.0, g, head=head, **c0) for g in (3, 4, 6)]
+        methods += [method_for("sd_head_fr@4", "head_fr", 16384, 4, head=head, head_dir=task.head_dir, **c0)]
+        methods += [method_for(f"kl_head_{t}@4", "head_kl", t, 4, head=head, **c0) for t in (0.5, 2.0)]
+        if a.confidence:  # the dynamic draft length (kl_judge_bench.DRAFT_CONFIDENCE) at each value given
+            for c in a.confidence:
+                methods += [method_for(f"standard@4c{c}", "standard", 0.0, 4, confidence=c),
+                            method_for(f"sd_head@4c{c}", "head_standard", 0.0, 4, head=head, confidence=c),
+                            method_for(f"sd_head_fr@4c{c}", "head_fr", 16384, 4, head=head, head_dir=task.head_dir,
+                                       confidence=c)]
     tt = interleaved_timing(methods, target, draft, prompts, task.max_tokens, task.stop, 1, a.repeats, progress=print)
     ref = tt["target_only"]["outs"]
     base = tt["target_only"]["tokens_per_s"]

@@ -176,13 +176,12 @@ def multiline_task(n_val: int = MULTILINE_VAL, n_test: int = MULTILINE_TEST, tar
                              f"whole, {NEXTLINE_CONTEXT}-token context ending {given} tokens into a line, greedy, "
                              f"{multiline.MAX_TOKENS} tokens (stop only at the end-of-text tokens {list(stop)}); scored "
                              f"per line: the rest of the line and the following whole lines ending within "
-                             f"{multiline.ANSWER_TOKENS} tokens (at least {multiline.MIN_LINES}), each exactly, "
-                             "matched to the output's complete lines as difflib's diff matches them; a problem "
-                             "scores its share of correct lines",
+                             f"{multiline.ANSWER_TOKENS} tokens (at least {multiline.MIN_LINES}), each exactly; a "
+                             "problem scores its share of correct lines",
                      "validation_problems": f"multiline problems[0:{n_val}]",
                      "test_problems": f"multiline problems[{n_val}:{n_val + n_test}]", "given": given,
                      "mean_reference_lines": sum(len(p.lines) for p in val + test) / len(val + test)},
-                    dtype="bf16", cache_tag=f"ctx{NEXTLINE_CONTEXT}-given{given}-mt{multiline.MAX_TOKENS}-diff",
+                    dtype="bf16", cache_tag=f"ctx{NEXTLINE_CONTEXT}-given{given}-mt{multiline.MAX_TOKENS}",
                     score=lambda p, ids: multiline.score(tok, p, ids), head_dir=_head_dir(target_dir))
 
 

@@ -1,6 +1,5 @@
 """The decode-heavy multi-line task (models/multiline.py) on the testbed tokenizer: problems are the
-next-line problems' prompts followed by the file's own whole lines; scoring is per line, exact, lines
-matched as diff matches them (and positionally beside it)."""
+next-line problems' prompts followed by the file's own whole lines; scoring is per line, exact."""
 
 import pytest
 
@@ -30,20 +29,11 @@ def test_problems_continue_with_the_files_own_lines(tok):
     assert val + test == ps  # deterministic, disjoint, in order
 
 
-def test_scores_each_line_exactly_as_diff_matches_them(tok):
+def test_scores_each_line_exactly_in_order(tok):
     p = multiline.LinesProblem("x.py", (1, 2), ("a = 1", "", "    return a"))
     enc = lambda s: tok.encode(s, add_special_tokens=False)  # noqa: E731
     assert multiline.line_scores(tok, p, enc("a = 1\n\n    return a\nmore")) == [True, True, True]
     assert multiline.score(tok, p, enc("a = 1\n\n    return b\n")) == pytest.approx(2 / 3)
+    assert multiline.line_scores(tok, p, enc("a = 1\n    return a\n")) == [True, False, False]  # shifted: wrong
     assert multiline.line_scores(tok, p, enc("a = 1\n\n    return a")) == [True, True, False]    # never ended
     assert multiline.score(tok, p, enc("a = 1 \n\n    return a\n")) == pytest.approx(2 / 3)     # trailing space
-    # a skipped or an inserted line costs that line only; positionally, every line after it
-    skipped, inserted = enc("a = 1\n    return a\n"), enc("a = 1\nb = 2\n\n    return a\n")
-    assert multiline.line_scores(tok, p, skipped) == [True, False, True]
-    assert multiline.positional_line_scores(tok, p, skipped) == [True, False, False]
-    assert multiline.line_scores(tok, p, inserted) == [True, True, True]
-    assert multiline.score(tok, p, inserted, positional=True) == pytest.approx(1 / 3)
-    # order counts: lines out of order match one in-order run (difflib's longest matching block
-    # first, then the runs beside it: here "a = 1" alone)
-    assert multiline.line_scores(tok, p, enc("    return a\n\na = 1\n")) == [True, False, False]
-    assert multiline.score(tok, p, enc("\n\n\n")) == pytest.approx(1 / 3)  # blank lines match one blank line

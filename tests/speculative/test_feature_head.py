@@ -15,7 +15,7 @@ from verinfer.models.testbed import TARGET_DIR, TOKENIZER_DIR
 from verinfer.sampling.params import SamplingParams
 from verinfer.speculative import feature_head as fh
 from verinfer.speculative.decoder import SpeculativeDecoder, autoregressive
-from verinfer.speculative.lossless import two_token_chi_square
+from verinfer.speculative.lossless import next_two_chi_square, two_token_chi_square
 from verinfer.speculative.rules import Rule, accept_mask, leading_accepted
 
 
@@ -193,9 +193,16 @@ def test_standard_with_head_is_lossless(models):
     prompt = tok.encode("    def __init__(self", add_special_tokens=False)
     n = 2000
     p = {}
-    for name, rule in [("standard", Rule("standard")), ("kl", Rule("kl", 1e9))]:
-        outs = SpeculativeDecoder(target, head, rule, gamma=3, temperature=1.0).generate(
-            [prompt] * n, max_tokens=2, seeds=list(range(n)), batch_size=n)
+    for name, rule, conf in [("standard", Rule("standard"), 0.0), ("kl", Rule("kl", 1e9), 0.0),
+                             ("standard_cut", Rule("standard"), 0.3)]:
+        outs = SpeculativeDecoder(target, head, rule, gamma=3, temperature=1.0, draft_confidence=conf).generate(
+            [prompt] * n, max_tokens=3, seeds=list(range(n)), batch_size=n)
         _, p[name], _ = two_token_chi_square(target, [tuple(o.output_token_ids[:2]) for o in outs], prompt)
-    assert p["standard"] > 1e-3
+        # tokens 2-3 after the commonest first token: where a cut block's bonus token acts
+        _, p[name + "_next"], _, m = next_two_chi_square(target, [o.output_token_ids for o in outs], prompt)
+        assert m >= 200
+        if conf:
+            assert any(o.events[:3] == "tab" for o in outs)  # blocks cut after one accepted token, then a bonus
+    print(p)
+    assert min(p["standard"], p["standard_next"], p["standard_cut"], p["standard_cut_next"]) > 1e-3
     assert p["kl"] < 1e-3

@@ -11,18 +11,13 @@ lines in the same fixed order):
             MIN_LINES;
   decode  = MAX_TOKENS tokens (no stop token but the tokenizer's EOS): every answer is MAX_TOKENS
             long unless the model ends the text, so the benchmark times decoding, not prefill;
-  score   = per line, as `diff` counts it: the continuation's complete lines (its text split at
-            newlines) are matched against `lines` by difflib.SequenceMatcher (the longest matching
-            runs of equal lines, in order; autojunk off) and a reference line is right when it is
-            matched, exactly (whitespace included); a problem scores the share of its lines, the
-            task's accuracy is the mean over problems (paired intervals compare two methods per
-            problem). So one inserted or skipped line costs that line, not every line after it
-            (`positional_line_scores`, line i against line i, is the stricter score beside it).
+  score   = per line: line i of the continuation (its text split at newlines) equals lines[i]
+            exactly (whitespace included); a problem scores the share of its lines, the task's
+            accuracy is the mean over problems (paired intervals compare two methods per problem).
 """
 
 from __future__ import annotations
 
-import difflib
 from dataclasses import dataclass
 
 from verinfer.models import nextline
@@ -79,27 +74,13 @@ def splits(tokenizer, n_val: int, n_test: int, **kw) -> tuple[list[LinesProblem]
     return ps[:n_val], ps[n_val:]
 
 
-def _complete_lines(tokenizer, output_ids: list[int]) -> list[str]:
-    return tokenizer.decode(output_ids).split("\n")[:-1]  # a line never finished (no newline) is not one
-
-
 def line_scores(tokenizer, problem: LinesProblem, output_ids: list[int]) -> list[bool]:
-    """Per reference line: does the diff of the continuation's complete lines against the
-    reference lines match it (module docstring)?"""
-    got = _complete_lines(tokenizer, output_ids)
-    ok = [False] * len(problem.lines)
-    sm = difflib.SequenceMatcher(a=list(problem.lines), b=got, autojunk=False)
-    for blk in sm.get_matching_blocks():
-        ok[blk.a:blk.a + blk.size] = [True] * blk.size
-    return ok
-
-
-def positional_line_scores(tokenizer, problem: LinesProblem, output_ids: list[int]) -> list[bool]:
-    """Per reference line: is line i of the continuation equal to it (no realignment)?"""
-    got = _complete_lines(tokenizer, output_ids)
+    """Per reference line: is line i of the continuation equal to it? A line the continuation never
+    finished (no newline after it) is wrong."""
+    got = tokenizer.decode(output_ids).split("\n")[:-1]  # complete lines only
     return [i < len(got) and got[i] == ref for i, ref in enumerate(problem.lines)]
 
 
-def score(tokenizer, problem: LinesProblem, output_ids: list[int], positional: bool = False) -> float:
-    s = (positional_line_scores if positional else line_scores)(tokenizer, problem, output_ids)
+def score(tokenizer, problem: LinesProblem, output_ids: list[int]) -> float:
+    s = line_scores(tokenizer, problem, output_ids)
     return sum(s) / len(s)

@@ -105,8 +105,9 @@ class SpeculativeDecoder:
         draft_confidence: dynamic draft length (transformers' assisted generation,
         `assistant_confidence_threshold`): a row stops drafting for the round after a token its draft
         gave probability below this (that token is still verified); 0 drafts gamma tokens. The cut
-        reads only the draft's own distribution, so every rule keeps its output distribution, and
-        each row's cut is its own (batched == batch-1)."""
+        reads only the draft's own distribution, so standard verification stays lossless (a lossy
+        rule's output depends on it: a cut token is not offered to the rule), and each row's cut is
+        its own (batched == batch-1)."""
         if gamma < 1:
             raise ValueError(f"gamma (draft tokens per round) must be >= 1, got {gamma}")
         self.ngram = draft if isinstance(draft, NgramDraft) else None
@@ -264,13 +265,13 @@ class SpeculativeDecoder:
             if tau > 0:
                 conf = self._confidence(lg, q, x).cpu()
                 n_valid = torch.where((conf < tau) & (n_valid == self.gamma), i + 1, n_valid)
-                if bool((n_valid <= i + 1).all()):
-                    break
             if self.greedy:
                 ended = [e or stop_reason(t, i + 1, n, self.stop) is not None
                          for e, t, n in zip(ended, x.tolist(), budget)]
-                if all(ended):
-                    break
+            # done once no row can use another draft token: each is cut or (greedy) ended
+            cut = [False] * len(active) if n_valid is None else (n_valid <= i + 1).tolist()
+            if all(c or (e and self.greedy) for c, e in zip(cut, ended)):
+                break
             if i < self.gamma - 1:
                 lg, hd = step(x, hd)
         if n_valid is not None:

@@ -54,3 +54,17 @@ def two_token_chi_square(target, first_two: list[tuple[int, int]], prompt: list[
     exp.append(n - sum(exp))
     stat, pval = chisquare(obs, exp)
     return float(stat), float(pval), len(obs)
+
+
+def next_two_chi_square(target, outputs: list[list[int]], prompt: list[int]) -> tuple[float, float, int, int]:
+    """The same test one token later: among draws whose first token is the most frequent one (y1*),
+    tokens 2 and 3 against the target's exact distribution after prompt + [y1*]. For a decoder whose
+    first token is not drafted (a feature-level head: the target's prefill draws it), this is where
+    the draft, and a cut draft block, first act on two tokens. (statistic, p-value, bins, draws used)."""
+    firsts = [o[0] for o in outputs if len(o) >= 3]
+    if not firsts:
+        raise ValueError("next_two_chi_square needs draws of at least 3 tokens")
+    y1 = max(set(firsts), key=firsts.count)
+    pairs = [(o[1], o[2]) for o in outputs if len(o) >= 3 and o[0] == y1]
+    stat, pval, bins = two_token_chi_square(target, pairs, prompt + [y1])
+    return stat, pval, bins, len(pairs)
