@@ -1087,9 +1087,9 @@ def readme_section(res: dict) -> str:
                                ("ngram", "n-gram lookup"), ("kl_head", "the KL judge on the head"))
              if t0 and "tokens_per_s_b1" in m.get(lab, {})]
     acc = (f"; the KL judge's accuracy {c['kl_accuracy_drop_points']:.2f} points below the target's "
-           f"(paired 95% upper end {c['kl_accuracy_drop_upper95_points']:.2f})" if c else "")
+           f"(95% upper end {c['kl_accuracy_drop_upper95_points']:.2f})" if c else "")
     return (f"SmolLM2-135M-Instruct, {res['target_only_test']['mean_tokens']:.0f}-token code completions, batch 1, "
-            f"2-core CPU ([kl_judge.md](benchmarks/results/kl_judge.md)): " + ", ".join(parts) + " target-only" + acc + ".")
+            f"CPU ([kl_judge.md](benchmarks/results/kl_judge.md)): " + ", ".join(parts) + " target-only" + acc + ".")
 
 
 def write_readme_section(res: dict, readme) -> bool:
