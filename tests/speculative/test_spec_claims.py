@@ -129,6 +129,9 @@ def test_cli_generate_speculative_and_score(tmp_path):
     assert r.exit_code == 0 and "0 violations" in r.output, r.output
     r = runner.invoke(app, ["generate", "honest", "--draft-confidence", "0.4", "--out", str(tmp_path / "h.jsonl")])
     assert r.exit_code == 2 and "--draft-confidence" in r.output and not (tmp_path / "h.jsonl").exists()
+    r = runner.invoke(app, ["generate", "--speculative", "standard", "--draft-confidence", "1.5", "--out",
+                            str(tmp_path / "x.jsonl")])
+    assert r.exit_code == 2 and "[0, 1)" in r.output and not (tmp_path / "x.jsonl").exists()
 
 
 def test_sampled_claims_name_and_replay_their_noise(models):

@@ -51,6 +51,8 @@ class GenerateRequest:
                 raise ValueError(f"--fingerprint attaches Activation-DiFR fingerprints to simulated providers' "
                                  f"claims, not to {self.job} generation: drop it")
             FingerprintSpec.parse(self.fingerprint)  # a bad spec fails before any generation
+        if not 0.0 <= self.draft_confidence < 1.0:  # before any model loads
+            raise ValueError(f"--draft-confidence must be in [0, 1) (a draft probability), got {self.draft_confidence}")
         if self.draft_confidence and self.job != "speculative":
             raise ValueError(f"--draft-confidence sets the speculative decoder's draft length, not {self.job} "
                              "generation: add --speculative RULE or drop it")

@@ -13,7 +13,8 @@ Claim field (JSONL, beside the usual ones; token ids only):
                                                 # r = correction after a rejection, b = bonus,
                                                 # t = the target's own token (heads: the first)
 Structure checked per claim: runs of 'a' are at most gamma long; 'b' follows exactly gamma
-'a's (with draft_confidence: 1 to gamma, the block cut after its last one); 'r' ends a shorter run (the last round may be cut by a stop token or max_tokens). A head
+'a's (with draft_confidence: 1 to gamma, the block cut after its last one); 'r' ends a shorter
+run (the last round may be cut by a stop token or max_tokens). A head
 claim starts with exactly one 't' (the target's prefill draws the first output token itself,
 round 0), which no other claim has.
 
