@@ -41,6 +41,7 @@ from verinfer.io import atomic_write_json
 ROOT = Path(__file__).resolve().parent
 RESULTS = ROOT / "results" / "audit_wild.json"
 CACHE = ROOT / ".cache" / "audit_wild"
+TIMES = CACHE / "collect_times.json"
 HONEST_VENDORS = ("honest", "honest-b1")
 FPR_BATCH_CLAIMS = 8   # claims per honest batch of the false-positive-rate check (~400 tokens)
 BATCH_SIZES = (10, 30, 100, 300, 1000, 3000)
@@ -48,10 +49,12 @@ AUC_CLAIMS = 48        # the first claims of each vendor both tools score for th
 
 
 def vendor_endpoint(row: dict, name: str, concurrency: int):
+    from benchmarks.wild_vendors import VENDORS
     from verinfer.providers.chat_http import ChatEndpoint
 
     # vLLM's return_token_ids: kept beside the derived ids only to measure drift (the claims use the text)
-    return ChatEndpoint(name, row["base_url"], row["model"], extra={"return_token_ids": True},
+    extra = {"return_token_ids": True, **(VENDORS.get(name).audit_extra or {})}
+    return ChatEndpoint(name, row["base_url"], row["model"], extra=extra,
                         concurrency=concurrency, max_retries=2, timeout=600.0)
 
 
@@ -63,26 +66,34 @@ def config(args, sequential: bool = False):
                            bands=tuple(args.bands))
 
 
-def collect(args) -> dict:
-    """Start each vendor whose replies are not all on disk and collect them (resumable)."""
-    from benchmarks.wild_vendors import CLAIMED_NAME, serve_vendor
-    from verinfer.apps.audit_chat import audit_vendors
+def collect(args, names=None) -> dict:
+    """Start each vendor whose replies are not all on disk and collect them (resumable): the
+    replies only (`apps.audit_chat.collect_vendor`), no calibration or bands."""
+    from benchmarks.wild_vendors import CLAIMED_NAME, VENDORS, serve_vendor
+    from verinfer.apps.audit_chat import collect_vendor
+    from verinfer.models.prompts import chat_messages
+    from verinfer.progress import progress_bar
+    from verinfer.retokenize import Retokenizer
 
+    cfg = config(args)
+    conversations = chat_messages(cfg.n, cfg.seed, cfg.system_prompt)
+    retok = Retokenizer.for_model(cfg.model_dir)
     times = {}
-    for name in args.vendors:
-        claims = CACHE / "audit" / "vendors" / name / "claims.jsonl"
-        if claims.is_file() and sum(1 for _ in open(claims)) >= args.n:
+    for name in names or args.vendors:
+        out = CACHE / "audit" / "vendors" / name
+        if (out / "claims.jsonl").is_file() and sum(1 for _ in open(out / "claims.jsonl")) >= args.n:
             continue
         t0 = time.perf_counter()
         with serve_vendor(name, Path(args.model_dir), CACHE / "servers", CLAIMED_NAME) as row:
             t1 = time.perf_counter()
-            res = audit_vendors([vendor_endpoint(row, name, 1 if name == "honest-b1" else 8)], config(args),
-                                show_progress=not args.quiet)
-        err = res.vendors[0].error
-        if err:
-            raise SystemExit(f"vendor {name}: {err}")
-        times[name] = {"server_start_s": t1 - t0, "collect_s": time.perf_counter() - t1}
-    return times
+            ep = vendor_endpoint(row, name, 1 if name == "honest-b1" else 8)
+            with progress_bar(f"{name}: requests", len(conversations), not args.quiet) as adv:
+                collect_vendor(ep, cfg, conversations, retok, out, adv)
+        times[name] = {"server_start_s": t1 - t0, "collect_s": time.perf_counter() - t1,
+                       "description": VENDORS.get(name).description}
+        prev = json.loads(TIMES.read_text()) if TIMES.is_file() else {}
+        atomic_write_json(TIMES, {**prev, **times})
+    return json.loads(TIMES.read_text()) if TIMES.is_file() else times
 
 
 def audit_all(args):
@@ -244,17 +255,24 @@ def main() -> None:
     ap.add_argument("--matmul", default="fp32")
     ap.add_argument("--quiet", action="store_true")
     ap.add_argument("--skip-token-difr", action="store_true")
+    ap.add_argument("--collect-only", action="store_true", help="only start the vendors and collect their replies")
+    ap.add_argument("--prep-only", action="store_true", help="only the calibration runs and the reference bands")
     args = ap.parse_args()
     if args.model_dir is None:
         from verinfer.models.catalog import resolve_model
 
         args.model_dir = str(resolve_model("smollm2-135m-instruct"))
     t0 = time.perf_counter()
+    if args.collect_only:
+        print(json.dumps(collect(args), indent=1))
+        return
     from verinfer.apps.audit_chat import ChatAudit
 
     prep = ChatAudit(config(args), show_progress=not args.quiet)  # calibration and bands before any server runs
     prep.bands(prep.detector())
     del prep
+    if args.prep_only:
+        return
     times = collect(args)
     res = audit_all(args)
     from verinfer.detect.clipped_mean import ClippedMeanDetector

@@ -19,7 +19,14 @@ Vendors (VENDORS):
                  prepended to the client's system message when it sends one);
 - template:      plain ChatML without SmolLM2's default system message;
 - draft:         the shipped 15.7M-parameter draft (models/drafts/, same tokenizer) under the
-                 claimed name.
+                 claimed name;
+- int8:          a fake-quantized 8-bit copy (RTN, group 128);
+- rep-penalty:   a serving-default repetition penalty of 1.05 (vLLM's --override-generation-config:
+                 applied to every request that does not set one, as a vendor's default is);
+- temp-0.3:      temperature 0.3 served while the request asks for 0 (`RewritingProxy` in front of
+                 vLLM replaces the request's temperature);
+- honest-stop:   the honest server, asked by the auditor with a stop string (`audit_extra`
+                 {"stop": ["\\n"]}): honest replies cut at their first newline.
 
 `--smoke` starts each vendor once (one server at a time), sends the same chat request twice with
 `return_token_ids` (which fields come back), then a few prompts concurrently, and writes the
@@ -79,6 +86,13 @@ def fake_int4(model_dir: Path, work_dir: Path) -> Path:
     return out
 
 
+def fake_int8(model_dir: Path, work_dir: Path) -> Path:
+    out = work_dir / "fake-int8-g128"
+    if not (out / "config.json").is_file():
+        write_fake_quant_checkpoint(model_dir, out, bits=8, group=128)
+    return out
+
+
 def shipped_draft(model_dir: Path, work_dir: Path) -> Path:
     d = default_out(model_dir)
     if not (d / "config.json").is_file():
@@ -94,6 +108,8 @@ class VendorSpec:
     served_dir: Callable[[Path, Path], Path] | None = None   # (model_dir, work_dir) -> the directory served
     chat_template: str | None = None                          # Jinja text (None: the served directory's own)
     honest: bool = False
+    force: dict | None = None        # request fields the vendor overrides (a rewriting proxy in front of vLLM)
+    audit_extra: dict | None = None  # request fields the auditor sends this vendor (e.g. a stop string)
 
 
 VENDORS: Registry[VendorSpec] = Registry("vendor", {
@@ -105,7 +121,65 @@ VENDORS: Registry[VendorSpec] = Registry("vendor", {
                                 chat_template=SYSTEM_PROMPT_TEMPLATE),
     "template": VendorSpec("generic ChatML template, no default system message", chat_template=CHATML_TEMPLATE),
     "draft": VendorSpec("the shipped 15.7M-parameter draft under the claimed name", served_dir=shipped_draft),
+    "int8": VendorSpec("fake-quantized 8-bit checkpoint (RTN, group 128)", served_dir=fake_int8),
+    "rep-penalty": VendorSpec("serving-default repetition penalty 1.05",
+                              ("--override-generation-config", json.dumps({"repetition_penalty": 1.05}))),
+    "temp-0.3": VendorSpec("temperature 0.3 served while the request asks for 0", force={"temperature": 0.3}),
+    "honest-stop": VendorSpec("the honest server, asked with a stop string (stop = ['\\n'])", honest=True,
+                              audit_extra={"stop": ["\n"]}),
 })
+
+
+class RewritingProxy:
+    """A loopback HTTP proxy in front of a vendor's server that overwrites request fields (a vendor
+    whose serving layer changes what the client asked for); GET and POST, JSON bodies."""
+
+    def __init__(self, upstream: str, force: dict):
+        import http.server
+        import threading
+        import urllib.error
+        import urllib.request
+
+        force = dict(force)
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def _forward(self, body: bytes | None):
+                if body:
+                    body = json.dumps({**json.loads(body), **force}).encode()
+                req = urllib.request.Request(upstream.removesuffix("/v1") + self.path, data=body,
+                                             method=self.command, headers={"Content-Type": "application/json"})
+                try:
+                    with urllib.request.urlopen(req, timeout=900) as r:
+                        status, data = r.status, r.read()
+                except urllib.error.HTTPError as e:
+                    status, data = e.code, e.read()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self):
+                self._forward(None)
+
+            def do_POST(self):
+                self._forward(self.rfile.read(int(self.headers.get("Content-Length", 0))))
+
+            def log_message(self, *a):
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    def __enter__(self) -> str:
+        self.thread.start()
+        return self.url
+
+    def __exit__(self, *exc):
+        self.server.shutdown()
+        self.server.server_close()
+
 
 
 @contextlib.contextmanager
@@ -122,7 +196,9 @@ def serve_vendor(name: str, model_dir: str | Path, work_dir: str | Path,
         template.write_text(spec.chat_template)
         args += ["--chat-template", str(template)]
     with api_server(served, claimed_name, work_dir / f"{name}.server.log", *args, max_model_len=MAX_MODEL_LEN) as url:
-        yield {"name": name, "base_url": url, "model": claimed_name, "api_key_env": None, "extra": {}}
+        with (RewritingProxy(url, spec.force) if spec.force else contextlib.nullcontext(url)) as base:
+            yield {"name": name, "base_url": base, "model": claimed_name, "api_key_env": None,
+                   "extra": dict(spec.audit_extra or {})}
 
 
 # ----------------------------------------------------------------------------- smoke check

@@ -182,6 +182,12 @@ class Claim:
         return self.extra.get("chat")
 
     @property
+    def stop_strings(self) -> tuple[str, ...]:
+        """The stop strings that may have cut this chat reply (empty unless it stopped on a request
+        that had some)."""
+        return tuple((self.chat or {}).get("stop") or ())
+
+    @property
     def derived(self) -> bool:
         """True if the output ids were derived from the reply's text (the replay may re-cut them)."""
         return (self.chat or {}).get("tokens") == DERIVED
@@ -190,20 +196,30 @@ class Claim:
     def from_chat(cls, id: str, model: str, messages: list[dict], text: str, finish_reason: str,
                   sampling: SamplingParams, retokenizer: Retokenizer, *, tokens: str = DERIVED,
                   returned: tuple[list[int] | None, list[int] | None] = (None, None), usage: dict | None = None,
-                  provider: str | None = None, extra: dict | None = None) -> "Claim":
+                  provider: str | None = None, extra: dict | None = None,
+                  stop: list[str] | None = None) -> "Claim":
         """The claim of one chat reply. tokens="derived": prompt and output ids from the messages and
         the text (`Retokenizer`); "returned": the endpoint's (prompt ids, output ids) in `returned`
         (the prompt derived where the endpoint sent none). The endpoint's ids are kept beside
-        derived ones (`chat.returned_output_token_ids`), which measures re-tokenization drift."""
+        derived ones (`chat.returned_output_token_ids`), which measures re-tokenization drift.
+        stop: the request's stop strings; a reply that stopped may have been cut by one, so its
+        derived ids get no end token (`chat.stop` records them; the replay re-cuts the last token
+        where the reference's spells the text and a stop string after it). A ValueError if
+        nothing is left to score (a cut reply without text)."""
         if tokens not in TOKEN_SOURCES:
             raise ValueError(f"tokens must be one of {TOKEN_SOURCES}, got {tokens!r}")
         r_prompt, r_output = returned
         if tokens == RETURNED and r_output is None:
             raise ValueError("tokens='returned' needs the endpoint's output token ids")
         prompt = list(r_prompt) if tokens == RETURNED and r_prompt is not None else retokenizer.prompt_ids(messages)
-        output = list(r_output) if tokens == RETURNED else retokenizer.output_ids(text, finish_reason)
+        cut = bool(stop) and finish_reason == "stop"
+        output = list(r_output) if tokens == RETURNED else retokenizer.output_ids(text, finish_reason, stop_cut=cut)
+        if not output:
+            raise ValueError("a reply cut by a stop string before any text leaves no token to score")
         chat = {"messages": [dict(m) for m in messages], "text": text, "finish_reason": finish_reason,
                 "tokens": tokens, "usage": usage}
+        if cut:
+            chat["stop"] = list(stop)
         if tokens == DERIVED and r_output is not None:
             chat["returned_output_token_ids"] = list(r_output)
         params = replace(sampling, max_tokens=max(1, len(output)))

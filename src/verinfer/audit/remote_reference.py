@@ -407,14 +407,14 @@ class RemoteReference:
         with ThreadPoolExecutor(self.concurrency) as pool:
             for k, claims, _fps, _layer in jobs:
                 rows = list(pool.map(self.fetch, claims))
-                if retokenizer is not None and any(c.derived for c in claims):
-                    claims = list(claims)
+                if retokenizer is None or not any(c.derived for c in claims):
+                    yield k, self.score_chunk(claims, rows, **kwargs)
+                    continue
 
-                    def rescore(idx: list[int]) -> list[pa.Table]:
-                        for i, r in zip(idx, pool.map(self.fetch, [claims[i] for i in idx])):
-                            rows[i] = r
-                        return [self.score_chunk([claims[i]], [rows[i]], **kwargs) for i in idx]
+                def rescore(cs: list[Claim]) -> list[pa.Table]:
+                    return [self.score_chunk([c], [r], **kwargs) for c, r in zip(cs, pool.map(self.fetch, cs))]
 
-                    recut_claims(claims, [self.score_chunk([c], [r], **kwargs) for c, r in zip(claims, rows)],
-                                 retokenizer, rescore)
-                yield k, self.score_chunk(claims, rows, **kwargs)
+                claims = list(claims)
+                per_claim = [self.score_chunk([c], [r], **kwargs) for c, r in zip(claims, rows)]
+                recut_claims(claims, per_claim, retokenizer, rescore)
+                yield k, pa.concat_tables(per_claim)

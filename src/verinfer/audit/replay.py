@@ -195,9 +195,10 @@ def score_chunk(claims: list[Claim], engine: Engine, *, sigma: float = DEFAULT_S
     per_claim = _score_each(claims, engine, fps, layer, **kwargs)
     if retokenizer is not None and any(c.derived for c in claims):
         claims = list(claims)
+        fp_of = {c.id: fp for c, fp in zip(claims, fps)} if fps is not None else None
         recut_claims(claims, per_claim, retokenizer,
-                     lambda idx: _score_each([claims[i] for i in idx], engine,
-                                             None if fps is None else [fps[i] for i in idx], layer, **kwargs))
+                     lambda cs: _score_each(cs, engine, None if fp_of is None else [fp_of[c.id] for c in cs], layer,
+                                            **kwargs))
     if not claims:
         return scores_schema(gaps, bool(references)).empty_table()
     table = pa.concat_tables(per_claim)
@@ -208,32 +209,87 @@ def score_chunk(claims: list[Claim], engine: Engine, *, sigma: float = DEFAULT_S
     return table
 
 
-MAX_RECUTS = 64  # re-cuts per claim (each moves past the last one; honest replies need 0-2)
+MAX_RECUTS = 64  # re-cut steps per claim (each proposes, extends or decides one re-cut; honest replies need 0-4)
+RECUT_TOLERANCE = 1e-9  # logits: a re-cut is kept only if its span's summed margin is lower by more than this
+
+
+def rejoin(base: list[int], cand: list[int], t: int) -> tuple[int, int]:
+    """(end in base, end in cand) of the span two segmentations of one text differ on, from t: the
+    ids after it are the same in both (their longest common suffix, which never reaches before t)."""
+    k, n = 0, min(len(base), len(cand)) - t
+    while k < n and base[-1 - k] == cand[-1 - k]:
+        k += 1
+    return len(base) - k, len(cand) - k
+
+
+def span_cost(table: pa.Table, start: int, end: int) -> tuple[float, float]:
+    """(summed margin, summed cross-entropy) of a claim's rows [start, end): how far the reference
+    is from emitting that span greedily, then how unlikely it finds it."""
+    sl = table.slice(start, max(0, end - start))
+    return (float(np.sum(sl[MARGIN].to_numpy(zero_copy_only=False))),
+            float(np.sum(sl[CROSS_ENTROPY].to_numpy(zero_copy_only=False))))
+
+
+@dataclass
+class _Recut:
+    start: int = 0                    # where the next re-cut may begin (in the kept claim)
+    t: int = 0                        # where the open candidate leaves the kept claim
+    cand: Claim | None = None         # the open candidate (a re-segmentation of the kept claim's text)
+    table: pa.Table | None = None     # its scores, once replayed
 
 
 def recut_claims(claims: list[Claim], per_claim: list[pa.Table], retokenizer: Retokenizer,
-                 rescore: Callable[[list[int]], list[pa.Table]]) -> None:
-    """Re-cut derived claims in place where the replay spells the same text with another token
-    (`Retokenizer.resegment_at`), rescoring the re-cut ones (`rescore(indices)` -> their tables)
-    until none re-cuts. claims[i] and per_claim[i] are replaced."""
-    start = {i: 0 for i, c in enumerate(claims) if c.derived}
+                 rescore: Callable[[list[Claim]], list[pa.Table]]) -> None:
+    """Re-cut derived claims in place to the segmentation of their text the reference finds most
+    consistent with greedy decoding; claims[i] and per_claim[i] are replaced.
+
+    At the first position t where the replay's token r_t differs from the claimed one and spells a
+    prefix of the claimed text (`Retokenizer.resegment_at`), a candidate is cut there, replayed
+    (`rescore(candidates)` -> their tables) and cut further inside the span it differs on while the
+    replay keeps spelling the text otherwise. The span ends where the two segmentations rejoin
+    (`rejoin`: the same ids to the end). The candidate replaces the claim only if its span's summed
+    margin is lower (ties: its summed cross-entropy), so a re-cut never scores an honest span
+    worse than the segmentation it replaces: where the model wrote " binary" and the reference's
+    argmax is " b" by a near-tie, the canonical span costs that near-tie, while " b" + "inary"
+    costs the reference's 14-logit margin against "inary", and the claim is kept. Where the model
+    wrote " `" + "_" and the tokenizer writes " `_", the canonical span costs the reference's
+    margin against " `_" and the re-cut costs 0. Search goes on after the span (kept) or after t
+    (refused) until no position re-cuts."""
+    state = {i: _Recut() for i, c in enumerate(claims) if c.derived}
     for _ in range(MAX_RECUTS):
         todo = []
-        for i in list(start):
-            c = claims[i]
-            hit = retokenizer.resegment_at(c.output_token_ids, per_claim[i][REPLAY_TOKEN_ID].to_pylist(), start[i])
+        for i in list(state):
+            st = state[i]
+            if st.cand is not None:
+                base, cand = claims[i].output_token_ids, st.cand.output_token_ids
+                end_base, end_cand = rejoin(base, cand, st.t)
+                hit = retokenizer.resegment_at(cand, st.table[REPLAY_TOKEN_ID].to_pylist(), st.t + 1,
+                                               claims[i].stop_strings)
+                if hit is not None and hit[0] < end_cand:   # the replay re-cuts the candidate inside its span
+                    st.cand = _with_ids(st.cand, hit[1])
+                    todo.append(i)
+                    continue
+                new, old = span_cost(st.table, st.t, end_cand), span_cost(per_claim[i], st.t, end_base)
+                if new[0] < old[0] - RECUT_TOLERANCE or (abs(new[0] - old[0]) <= RECUT_TOLERANCE and new[1] < old[1]):
+                    claims[i], per_claim[i], st.start = st.cand, st.table, max(st.t + 1, end_cand)
+                else:
+                    st.start = st.t + 1
+                st.cand = st.table = None
+            hit = retokenizer.resegment_at(claims[i].output_token_ids, per_claim[i][REPLAY_TOKEN_ID].to_pylist(),
+                                           st.start, claims[i].stop_strings)
             if hit is None:
-                del start[i]
+                del state[i]
                 continue
-            t, ids = hit
-            claims[i] = dataclasses.replace(c, output_token_ids=ids,
-                                            sampling=dataclasses.replace(c.sampling, max_tokens=len(ids)))
-            start[i] = t + 1
+            st.t, st.cand = hit[0], _with_ids(claims[i], hit[1])
             todo.append(i)
         if not todo:
             return
-        for i, t in zip(todo, rescore(todo)):
-            per_claim[i] = t
+        for i, t in zip(todo, rescore([state[i].cand for i in todo])):
+            state[i].table = t
+
+
+def _with_ids(c: Claim, ids: list[int]) -> Claim:
+    return dataclasses.replace(c, output_token_ids=ids, sampling=dataclasses.replace(c.sampling, max_tokens=len(ids)))
 
 
 def _score_each(claims: list[Claim], engine: Engine, fps: list | None, layer: int | None, *, sigma: float,

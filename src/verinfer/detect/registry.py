@@ -8,11 +8,12 @@ from pathlib import Path
 from verinfer.detect.base import Detector, read_detector_json
 from verinfer.detect.clipped_mean import ClippedMeanDetector
 from verinfer.detect.glrt import PerturbationGLRTDetector
+from verinfer.detect.greedy import GreedyDetector
 from verinfer.detect.likelihood_ratio import LikelihoodRatioDetector
 from verinfer.errors import VerinferError
 
-DETECTORS: dict[str, type[Detector]] = {c.NAME: c for c in (ClippedMeanDetector, PerturbationGLRTDetector,
-                                                             LikelihoodRatioDetector)}
+DETECTORS: dict[str, type[Detector]] = {c.NAME: c for c in (ClippedMeanDetector, GreedyDetector,
+                                                             PerturbationGLRTDetector, LikelihoodRatioDetector)}
 FORMATS: dict[str, type[Detector]] = {c.FORMAT: c for c in DETECTORS.values()}
 
 

@@ -32,6 +32,15 @@ rate on held-out honest configurations streamed claim by claim.
 
 The mixture over C L components costs log(C L) nats against the best single one; a provider
 whose evidence exceeds the allowance in some column makes that component grow exponentially.
+
+null="worst-group" (a detector's `SEQUENTIAL_NULL`; the greedy detector's): psi_c(lambda) =
+max_k psi_kc(lambda), the worst calibrated honest configuration's own log-MGF, the composite
+null its fixed-size test uses (flagged above the worst group's quantile). The guarantee is then
+stated for providers whose claims' log-MGF is at most the worst calibrated configuration's at
+every bet, no wider: the e-process bets on the honest null's own shape (each component is the
+likelihood ratio of that null exponentially tilted by lambda against it), and its power comes
+close to the fixed-size test's at the same tokens. A detector may also name its bets
+(`SEQUENTIAL_LAMBDAS`, on the scale of a claim's summed evidence).
 """
 
 from __future__ import annotations
@@ -48,6 +57,8 @@ from verinfer.detect.verdict import Verdict
 from verinfer.errors import VerinferError
 
 LAMBDAS = tuple(2.0 ** -k for k in range(9, -1, -1))  # 1/512 .. 1: a claim's sum is ~its length x a token's
+NULLS = ("predictive", "worst-group")
+MAX_LAMBDA = 4.0
 CHUNK = 4096  # tokens per block of the running sums (bounds memory at CHUNK x L x C)
 
 
@@ -65,7 +76,8 @@ class SequentialAudit:
 
     detector: Detector
     alpha: float = 0.01
-    lambdas: tuple = LAMBDAS
+    lambdas: tuple | None = None      # None: the detector's SEQUENTIAL_LAMBDAS, else LAMBDAS
+    null: str | None = None           # None: the detector's SEQUENTIAL_NULL, else "predictive"
     psi_LC: np.ndarray = field(init=False, repr=False)
 
     def __post_init__(self):
@@ -76,12 +88,21 @@ class SequentialAudit:
                                     "--sequential")
         if not 0.0 < self.alpha < 1.0:
             raise ValueError(f"alpha must be in (0, 1), got {self.alpha}")
-        if not self.lambdas or any(not 0.0 < lam <= 1.0 for lam in self.lambdas):
-            raise ValueError(f"lambdas must be in (0, 1], got {self.lambdas}")
+        if self.lambdas is None:
+            self.lambdas = tuple(getattr(self.detector, "SEQUENTIAL_LAMBDAS", LAMBDAS))
+        if self.null is None:
+            self.null = getattr(self.detector, "SEQUENTIAL_NULL", "predictive")
+        if not self.lambdas or any(not 0.0 < lam <= MAX_LAMBDA for lam in self.lambdas):
+            raise ValueError(f"lambdas must be in (0, {MAX_LAMBDA:g}], got {self.lambdas}")
+        if self.null not in NULLS:
+            raise ValueError(f"null must be one of {NULLS}, got {self.null!r}")
         groups = self.detector.sequential_blocks()
         per_group = np.stack([group_log_mgf(x, self.lambdas) for x in groups])  # [K, L, C]
         k, n_l, n_c = per_group.shape
-        self.psi_LC = honest_allowance(per_group.reshape(k, n_l * n_c), self.alpha).reshape(n_l, n_c)
+        if self.null == "worst-group":
+            self.psi_LC = per_group.max(axis=0)
+        else:
+            self.psi_LC = honest_allowance(per_group.reshape(k, n_l * n_c), self.alpha).reshape(n_l, n_c)
 
     @property
     def log_threshold(self) -> float:

@@ -1,0 +1,134 @@
+"""The temperature-0 detector (verinfer.detect.greedy): its score, its null (floored where honest
+runs agree exactly), its fixed-size and sequential verdicts beside the calibrated mismatch-rate
+test, and its file."""
+
+import json
+import math
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from verinfer.detect.calibrate import calibrate
+from verinfer.detect.clipped_mean import ClippedMeanDetector
+from verinfer.detect.greedy import (FLOOR, GreedyDetector, floor_mismatches, greedy_scores, mismatch_floor,
+                                    tie_clip_of)
+from verinfer.detect.registry import load_detector, make_detector
+from verinfer.detect.sequential import SequentialAudit, group_log_mgf
+from verinfer.errors import VerinferError
+
+CLAIM_LEN = 40
+
+
+def stream(provider: str, n_claims: int, rate: float, scale: float, rng, start: int = 0) -> pa.Table:
+    """Greedy scores of n_claims claims: each token a mismatch with probability `rate`, its margin
+    exponential with mean `scale` (honest near-ties: a few hundredths of a logit)."""
+    n = n_claims * CLAIM_LEN
+    mism = rng.random(n) < rate
+    margin = np.where(mism, rng.exponential(scale, n) + 1e-4, 0.0)
+    ids = np.repeat([f"{provider}-{start + i}" for i in range(n_claims)], CLAIM_LEN)
+    return pa.table({"claim_id": ids, "provider": np.repeat(provider, n), "margin": margin, "exact_match": ~mism,
+                     "cross_entropy": np.full(n, 0.5)})
+
+
+@pytest.fixture(scope="module")
+def honest():
+    rng = np.random.default_rng(0)
+    return pa.concat_tables([stream("h1", 200, 0.015, 0.05, rng), stream("h2", 200, 0.02, 0.05, rng)])
+
+
+@pytest.fixture(scope="module")
+def det(honest):
+    return calibrate(honest, ["h1", "h2"], detector="greedy", seed=0)
+
+
+def test_score_counts_each_mismatch_and_its_margin_up_to_the_cap():
+    m = np.array([0.0, 0.1, 0.5, 1.0, 3.0, np.inf])
+    exact = np.array([True, False, False, False, False, False])
+    assert greedy_scores(m, exact, 1.0).tolist() == [0.0, FLOOR + (1 - FLOOR) * 0.1, 0.75, 1.0, 1.0, 1.0]
+    assert greedy_scores(m, exact, 1.0, floor=1.0).tolist() == [0.0, 1, 1, 1, 1, 1]  # floor 1: the mismatch count
+    assert tie_clip_of(np.array([0, 0.1, 0.2, 0.3, 0.4]), np.array([True, False, False, False, False]), 0.5) == 0.25
+    assert tie_clip_of(np.zeros(3), np.ones(3, bool)) == 1.0  # no honest mismatch: one logit
+
+
+def test_fit_caps_margins_where_honest_near_ties_end(det, honest):
+    m = honest["margin"].to_numpy()
+    assert det.tie_clip_ == pytest.approx(np.quantile(m[m > 0], det.tie_quantile))
+    assert det.clip_ == 1.0 and det.floored_claims_ == [0, 0]
+    assert "greedy" in det.summary() and det.calibration_.heldout.batches > 0
+
+
+def test_verdicts_beside_the_mismatch_rate_test(det, honest):
+    """A vendor with 2x the honest mismatch rate at larger margins is flagged by both tests, by the
+    greedy one with more certainty and in fewer claims; fresh honest claims pass both."""
+    mm = calibrate(honest, ["h1", "h2"], detector="clipped-mean", score_name="exact_match", seed=0)
+    rng = np.random.default_rng(1)
+    vendor = stream("v", 60, 0.035, 0.6, rng)
+    g, m = det.verdict(vendor), mm.verdict(vendor)
+    assert g.flagged and m.flagged and g.p_value < m.p_value
+    seq_g = SequentialAudit(det, alpha=0.01).verdict(vendor)
+    seq_m = SequentialAudit(mm, alpha=0.01, lambdas=det.SEQUENTIAL_LAMBDAS, null=det.SEQUENTIAL_NULL).verdict(vendor)
+    assert seq_g.flagged and (not seq_m.flagged or seq_g.extra["decided_at_tokens"] <= seq_m.extra["decided_at_tokens"])
+    fresh = stream("h1", 60, 0.015, 0.05, rng, start=1000)
+    assert not det.verdict(fresh).flagged and not SequentialAudit(det, alpha=0.01).verdict(fresh).flagged
+
+
+def test_false_positive_rate_on_fresh_honest_batches(det):
+    rng = np.random.default_rng(2)
+    flagged = [det.verdict(stream("h2", 10, 0.02, 0.05, rng, start=10 * k)).flagged for k in range(300)]
+    assert np.mean(flagged) <= 0.03  # target 0.01; 300 batches: 9 would be a 3x excess
+
+
+def test_sequential_null_is_the_worst_calibrated_configuration(det):
+    audit = SequentialAudit(det, alpha=0.01)
+    per_group = np.stack([group_log_mgf(x, audit.lambdas) for x in det.sequential_blocks()])
+    assert audit.null == "worst-group" and audit.lambdas == det.SEQUENTIAL_LAMBDAS
+    np.testing.assert_array_equal(audit.psi_LC, per_group.max(axis=0))
+    wider = SequentialAudit(det, alpha=0.01, null="predictive")  # the glrt's default: a new configuration's bound
+    assert (wider.psi_LC >= audit.psi_LC).all()
+
+
+def test_a_null_without_mismatches_is_floored_not_refused():
+    """Every honest run agrees exactly (the shipped testbed): the null gets b mismatching claims per
+    configuration, so a vendor without mismatches passes and one mismatching in most claims is flagged."""
+    rng = np.random.default_rng(3)
+    exact = pa.concat_tables([stream("h1", 64, 0.0, 0.05, rng), stream("h2", 64, 0.0, 0.05, rng)])
+    with pytest.raises(VerinferError, match="degenerate honest null"):  # the clipped mean refuses it
+        calibrate(exact, ["h1", "h2"], detector="clipped-mean", seed=0)
+    det = calibrate(exact, ["h1", "h2"], detector="greedy", seed=0)
+    b = mismatch_floor(0.01)
+    assert b == math.ceil(-math.log(0.001)) == 7 and det.floored_claims_ == [b, b]
+    assert "floored" in det.summary() and any("fewer than 7 mismatching claims" in w for w in det.warnings_)
+    assert not det.verdict(stream("v", 30, 0.0, 0.05, rng)).flagged
+    bad = stream("v", 30, 0.05, 0.5, rng)   # ~2 mismatches per claim
+    assert det.verdict(bad).flagged and SequentialAudit(det, alpha=0.01).verdict(bad).flagged
+    one = stream("v", 30, 0.0, 0.05, rng)
+    one = one.set_column(3, "exact_match", pa.array(np.arange(one.num_rows) != 5))  # one mismatch in 1,200 tokens
+    assert not det.verdict(one).flagged
+
+
+def test_floor_tops_up_each_group_to_b_mismatching_claims():
+    w = np.zeros(12)
+    w[0] = 0.7                                   # group 0, claim a: already mismatching
+    labels = np.array([0] * 6 + [1] * 6)
+    claims = np.array(list("aabbcc") + list("ddeeff"))
+    out, added = floor_mismatches(w, labels, claims, 2)
+    assert added == [1, 2] and out.tolist() == [0.7, 0, 1, 0, 0, 0, 1, 0, 1, 0, 0, 0]
+
+
+def test_file_round_trip_and_edits_refused(det, tmp_path, honest):
+    path = tmp_path / "greedy.json"
+    det.save(path)
+    back = load_detector(path)
+    assert isinstance(back, GreedyDetector) and back.tie_clip_ == det.tie_clip_
+    assert back.verdict(honest).to_dict() == det.verdict(honest).to_dict()
+    doc = json.loads(path.read_text())
+    for key, value in (("tie_clip_", -1.0), ("zero_null_floor_", 3), ("clip_", 2.0)):
+        bad = json.loads(json.dumps(doc))
+        bad["fitted"][key] = value
+        path.write_text(json.dumps(bad))
+        with pytest.raises(VerinferError, match="malformed detector|inconsistent detector"):
+            load_detector(path)
+    with pytest.raises(VerinferError, match="fixed"):
+        make_detector("greedy", score_name="cross_entropy")
+    assert isinstance(make_detector("greedy", floor=1.0), ClippedMeanDetector)
