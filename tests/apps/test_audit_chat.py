@@ -193,3 +193,27 @@ def test_log_audits_end_to_end(servers, tmp_path):
 
     mine = pq.read_table(out / "vendors" / "verinfer-testbed-target" / "scores.parquet")
     assert pq.read_table(tmp_path / "s.parquet")["token_id"].equals(mine["token_id"])
+
+
+@pytest.mark.slow
+def test_readme_chat_audit_runs_on_the_shipped_testbed(tmp_path):
+    """README "Auditing chat APIs that return text", as a newcomer runs it: `verinfer serve` honest
+    and misconfigured (4-bit weights) as two vendors, `verinfer audit-vendors` with every default
+    honest configuration and band. The testbed's honest greedy runs agree exactly (no honest
+    mismatch to calibrate on): the greedy detector's floored null still gives verdicts, the honest
+    vendor passes and the 4-bit one is flagged (exit 1)."""
+    launched = {"honest": Launched(tmp_path), "int4": Launched(tmp_path, "--misconfig", "int4")}
+    try:
+        urls = {k: v.ready().base_url for k, v in launched.items()}
+        cfg = write(tmp_path, "".join(f'[[vendor]]\nname = "{k}"\nbase_url = "{u}"\nmodel = "verinfer-testbed-target"\n'
+                                      for k, u in urls.items()))
+        out = tmp_path / "audit"
+        r = CliRunner().invoke(app, ["audit-vendors", str(cfg), "--out", str(out), "--max-tokens", "32"])
+    finally:
+        for s in launched.values():
+            s.stop()
+    assert r.exit_code == 1, r.output
+    doc = json.loads((out / "vendors.json").read_text())
+    rows = {v["name"]: v for v in doc["vendors"]}
+    assert not rows["honest"]["verdict"]["flagged"] and rows["int4"]["verdict"]["flagged"]
+    assert "greedy" in doc["detector"]["summary"]

@@ -132,3 +132,16 @@ def test_file_round_trip_and_edits_refused(det, tmp_path, honest):
     with pytest.raises(VerinferError, match="fixed"):
         make_detector("greedy", score_name="cross_entropy")
     assert isinstance(make_detector("greedy", floor=1.0), ClippedMeanDetector)
+
+
+def test_fixed_size_tokens_to_flag_is_the_first_flagged_prefix(det):
+    from verinfer.detect.metrics import fixed_tokens_to_flag
+
+    rng = np.random.default_rng(4)
+    vendor = pa.concat_tables([stream("h1", 20, 0.015, 0.05, rng, start=5000), stream("v", 40, 0.2, 1.0, rng)])
+    tokens, claims = fixed_tokens_to_flag(det, vendor, (5, 10, 20, 25, 30, 40, 60))
+    assert claims > 20 and tokens == claims * CLAIM_LEN            # not within the honest head
+    assert det.verdict(vendor.slice(0, tokens)).flagged
+    prev = max(k for k in (5, 10, 20, 25, 30, 40, 60) if k < claims)
+    assert not det.verdict(vendor.slice(0, prev * CLAIM_LEN)).flagged
+    assert fixed_tokens_to_flag(det, stream("h1", 20, 0.015, 0.05, rng, start=9000), (5, 10, 20)) == (None, None)

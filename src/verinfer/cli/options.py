@@ -189,9 +189,10 @@ FPR_BATCH_TOKENS = typer.Option(250, min=1, help="Tokens per held-out batch of t
                                                  "honest file's claims, each audited by a detector fit on the other "
                                                  "four).")
 DETECTOR_KIND = typer.Option("clipped-mean", "--detector",
-                             help="clipped-mean | glrt | likelihood-ratio (detect.DETECTORS): clipped-mean (one "
-                                  "--score column), glrt (perturbation GLRT, the detection lab's `best`; needs scores "
-                                  "from `verinfer score --gaps`)")
+                             help="clipped-mean | greedy | glrt | likelihood-ratio (detect.DETECTORS): clipped-mean "
+                                  "(one --score column), greedy (temperature-0 claims: each mismatch counted, plus its "
+                                  "margin up to where honest near-ties end), glrt (perturbation GLRT, the detection "
+                                  "lab's `best`; needs scores from `verinfer score --gaps`)")
 
 # -- audit ----------------------------------------------------------------------------------------
 AUDIT_INPUTS_ARG = typer.Argument(..., help="Scores Parquet or claims JSONL files.")

@@ -138,3 +138,19 @@ def tokens_to_detect(auc_by_batch: Mapping, target: float = 0.99) -> int | None:
     strings (curves read back from JSON); None values (batch size not evaluated) are skipped."""
     hits = [int(b) for b, auc in auc_by_batch.items() if auc is not None and auc >= target]
     return min(hits) if hits else None
+
+
+def fixed_tokens_to_flag(det, table, claim_counts: Iterable[int]) -> tuple[int | None, int | None]:
+    """(tokens, claims) of the first prefix of whole claims, in stream order, at which a fixed-size
+    test flags (det.verdict of the first k claims, k in claim_counts ascending); (None, None) if
+    none does. A measure of a fixed-size test's power at each size, not a stopping rule: looking
+    at every size is not anytime-valid (`detect.sequential` is)."""
+    ids = np.asarray(table["claim_id"].to_pylist() if hasattr(table["claim_id"], "to_pylist") else table["claim_id"])
+    ends = np.flatnonzero(np.r_[ids[1:] != ids[:-1], True]) + 1      # row index after each claim
+    for k in sorted(set(int(c) for c in claim_counts)):
+        if k > ends.size:
+            break
+        n = int(ends[k - 1])
+        if det.verdict(table.slice(0, n) if hasattr(table, "slice") else {c: v[:n] for c, v in table.items()}).flagged:
+            return n, k
+    return None, None
