@@ -245,6 +245,9 @@ def recut_fidelity(args) -> dict:
         r = {"tokens": 0, "equal": 0, "max_excess_margin": 0.0, "claims_differing": 0, "claims": len(claims)}
         for c in claims:
             (ti, tm), (di, dm) = rows[("true", c.id)], rows[("derived", c.id)]
+            if c.stop_strings:  # cut by a stop string: the text's tokens only (the ids after it are not claimed)
+                k = sum(1 for a, _ in byte_spans(ti, tb) if a < len(c.chat["text"].encode()))
+                ti, tm = ti[:k], tm[:k]
             n, eq, ex = compare_margins(ti, tm, di, dm, tb)
             r["tokens"] += n
             r["equal"] += eq

@@ -122,6 +122,7 @@ def test_greedy_mode_places_the_endpoint_among_reference_bands(int4_server, tmp_
     assert report["verdict"]["nearest_band"] in report["reference_bands"]
     assert "Nearest band" in (out / "report.md").read_text()
     assert (r.exit_code == 1) == report["verdict"]["flagged"]
+    assert report["verdict"]["score"] == "greedy"  # temperature-0 claims get the greedy detector (detect/greedy.py)
 
 
 def test_collection_stops_sending_requests_once_decided(honest_server, tmp_path):

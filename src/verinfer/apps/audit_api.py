@@ -68,6 +68,7 @@ BANDS = {"bf16": "honest-bf16-b8", "fp8-kv": "fp8-kv", "int4": "int4"}  # refere
 CALIB_SEED_OFFSET = 1_000_003  # calibration prompts: another sample of the same distribution
 DETECTOR = "clipped-mean"  # on the margin; its clip_ also clips the margin `summarize` reports
 SEQUENTIAL_DETECTOR = "glrt"  # the e-process of --sequential runs on its per-token evidence
+GREEDY_DETECTOR = "greedy"  # temperature-0 claims: mismatches counted, margins capped where honest near-ties end
 RECOGNISE_MIN = 0.75  # auto mode: a noise backend is recognised when it reproduces this share of the probe
 PLAIN_NOISES = tuple(n for n in NOISE_BACKENDS.names() if n != "speculative-keyed")  # what an endpoint can sample with
 
@@ -124,6 +125,10 @@ class ApiAuditConfig:
     @property
     def detector_name(self) -> str:
         return SEQUENTIAL_DETECTOR if self.sequential else DETECTOR
+
+    def detector_for(self, mode: str) -> str:
+        """The detector of an audit in `mode`: greedy claims get the greedy detector (detect.greedy)."""
+        return GREEDY_DETECTOR if mode == "greedy" and not self.sequential else self.detector_name
 
 
 @dataclass
@@ -258,7 +263,7 @@ def _detector_meta(cfg: ApiAuditConfig, mode: str, info) -> dict:
     meta = {"mode": mode, "model_weights_sha256": info.weights_sha256, "max_tokens": cfg.max_tokens,
             "temperature": cfg.temperature if mode == "seeded" else 0.0, "top_k": cfg.top_k, "top_p": cfg.top_p,
             "min_p": cfg.min_p, "noise": cfg.noise, "honest": list(cfg.honest), "verifier_matmul": cfg.matmul}
-    return {**meta, "detector": cfg.detector_name} if cfg.sequential else meta
+    return {**meta, "detector": cfg.detector_for(mode)} if cfg.sequential or mode == "greedy" else meta
 
 
 def _detector_path(cfg: ApiAuditConfig) -> Path:
@@ -285,8 +290,9 @@ def reusable_detector(cfg: ApiAuditConfig, modes: tuple[str, ...], info,
         raise VerinferError(f"this detector was calibrated for other settings ({diff})",
                             where=str(det_path), fix="pass another --detector path (it is created if missing)")
     det = load_detector(det_path)
-    if det.NAME != cfg.detector_name:
-        raise VerinferError(f"audit-api{' --sequential' if cfg.sequential else ''} uses {cfg.detector_name} "
+    want = cfg.detector_for(old["mode"])
+    if det.NAME != want:
+        raise VerinferError(f"audit-api{' --sequential' if cfg.sequential else ''} in {old['mode']} mode uses {want} "
                             f"detectors, this is a {det.NAME} detector", where=str(det_path),
                             fix="pass another --detector path (it is created if missing)")
     return det
@@ -294,7 +300,8 @@ def reusable_detector(cfg: ApiAuditConfig, modes: tuple[str, ...], info,
 
 def calibrated_detector(cfg: ApiAuditConfig, mode: str, info, engine, score_fn,
                         show_progress: bool = True) -> tuple[Detector, dict]:
-    """A clipped-mean margin detector (glrt with cfg.sequential) fit on verinfer's honest runs; loaded from cfg.detector if it
+    """A clipped-mean margin detector (glrt with cfg.sequential, greedy in greedy mode) fit on
+    verinfer's honest runs; loaded from cfg.detector if it
     exists and was made for the same model and settings (`reusable_detector`), else fit and saved
     there."""
     det = reusable_detector(cfg, (mode,), info)
@@ -311,7 +318,7 @@ def calibrated_detector(cfg: ApiAuditConfig, mode: str, info, engine, score_fn,
     t1 = time.perf_counter()
     spaths = [score_fn(p, p.with_suffix(".parquet")) for p in paths]
     table = load_score_tables(spaths)
-    det = calibrate(table, list(cfg.honest), detector=cfg.detector_name, target_fpr=cfg.target_fpr, seed=cfg.seed)
+    det = calibrate(table, list(cfg.honest), detector=cfg.detector_for(mode), target_fpr=cfg.target_fpr, seed=cfg.seed)
     det.save(det_path)
     atomic_write_text(meta_path, json.dumps(meta, indent=1))
     return det, {"calibration_generate_s": t1 - t0, "calibration_score_s": time.perf_counter() - t1}
@@ -337,7 +344,7 @@ def summarize(table, det: Detector, n_boot: int = 1000, seed: int = 0) -> dict:
     claims. Cross-entropy is averaged over finite values (a claimed token the verifier's filters
     exclude has +inf; their count is `n_filtered_out`)."""
     ids = np.asarray(table["claim_id"].to_pylist())
-    margin = np.minimum(divergence(table, "margin"), det.clip_)
+    margin = np.minimum(divergence(table, "margin"), getattr(det, "tie_clip_", None) or det.clip_)
     xent = divergence(table, "cross_entropy")
     em = divergence(table, "exact_match")
     _, inv = np.unique(ids, return_inverse=True)

@@ -169,6 +169,10 @@ class GreedyDetector(ClippedMeanDetector):
                                   "tokens are treated as independent (design effect 1); calibrate on more claims")
         return self
 
+    def verdict(self, table, max_tokens: int | None = None):
+        """The clipped-mean verdict of s, named as the greedy score with its near-tie cap."""
+        return super().verdict(table, max_tokens).without("clip").with_(score="greedy", tie_clip=self.tie_clip_)
+
     def summary(self) -> str:
         text = (f"greedy: mismatches counted {self.floor:g} + up to {1 - self.floor:g} for a margin capped at "
                 f"{self.tie_clip_:.3g} logits (q={self.tie_quantile} of honest mismatches), FPR {self.target_fpr}")
