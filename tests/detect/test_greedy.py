@@ -31,22 +31,26 @@ def stream(provider: str, n_claims: int, rate: float, scale: float, rng, start: 
                      "cross_entropy": np.full(n, 0.5)})
 
 
+HONEST = {"h1": 0.015, "h2": 0.02, "h3": 0.016, "h4": 0.018, "h5": 0.017}  # five honest configurations' rates
+
+
 @pytest.fixture(scope="module")
 def honest():
     rng = np.random.default_rng(0)
-    return pa.concat_tables([stream("h1", 200, 0.015, 0.05, rng), stream("h2", 200, 0.02, 0.05, rng)])
+    return pa.concat_tables([stream(h, 200, r, 0.05, rng) for h, r in HONEST.items()])
 
 
 @pytest.fixture(scope="module")
 def det(honest):
-    return calibrate(honest, ["h1", "h2"], detector="greedy", seed=0)
+    return calibrate(honest, list(HONEST), detector="greedy", seed=0)
 
 
 def test_score_counts_each_mismatch_and_its_margin_up_to_the_cap():
-    m = np.array([0.0, 0.1, 0.5, 1.0, 3.0, np.inf])
-    exact = np.array([True, False, False, False, False, False])
-    assert greedy_scores(m, exact, 1.0).tolist() == [0.0, FLOOR + (1 - FLOOR) * 0.1, 0.75, 1.0, 1.0, 1.0]
-    assert greedy_scores(m, exact, 1.0, floor=1.0).tolist() == [0.0, 1, 1, 1, 1, 1]  # floor 1: the mismatch count
+    m = np.array([0.0, 0.0, 0.1, 1.0, 1.5, 2.0, 3.0, np.inf])
+    exact = np.array([True, False, False, False, False, False, False, False])
+    # inside the honest near-tie zone (m <= c) a mismatch counts FLOOR; beyond it the margin adds, full at 2c
+    assert greedy_scores(m, exact, 1.0).tolist() == [0.0, FLOOR, FLOOR, FLOOR, FLOOR + (1 - FLOOR) * 0.5, 1.0, 1.0, 1.0]
+    assert greedy_scores(m, exact, 1.0, floor=1.0).tolist() == [0.0, 1, 1, 1, 1, 1, 1, 1]  # floor 1: the count
     assert tie_clip_of(np.array([0, 0.1, 0.2, 0.3, 0.4]), np.array([True, False, False, False, False]), 0.5) == 0.25
     assert tie_clip_of(np.zeros(3), np.ones(3, bool)) == 1.0  # no honest mismatch: one logit
 
@@ -54,23 +58,38 @@ def test_score_counts_each_mismatch_and_its_margin_up_to_the_cap():
 def test_fit_caps_margins_where_honest_near_ties_end(det, honest):
     m = honest["margin"].to_numpy()
     assert det.tie_clip_ == pytest.approx(np.quantile(m[m > 0], det.tie_quantile))
-    assert det.clip_ == 1.0 and det.floored_claims_ == [0, 0]
+    assert det.clip_ == 1.0 and det.floored_claims_ == [0] * 5
+    means = np.array([g.mean() for g in det._groups()])          # a new configuration's prediction bound
+    assert det.allowance() == pytest.approx(means.mean() + 3.747 * means.std(ddof=1) * math.sqrt(1.2) - means.max(),
+                                            rel=1e-3)
+    assert det.threshold(400) == pytest.approx(ClippedMeanDetector.threshold(det, 400) + det.allowance())
     assert "greedy" in det.summary() and det.calibration_.heldout.batches > 0
 
 
+@pytest.mark.slow  # ~10 s: resampled nulls of 8,000-token batches
 def test_verdicts_beside_the_mismatch_rate_test(det, honest):
-    """A vendor with 2x the honest mismatch rate at larger margins is flagged by both tests, by the
-    greedy one with more certainty and in fewer claims; fresh honest claims pass both."""
-    mm = calibrate(honest, ["h1", "h2"], detector="clipped-mean", score_name="exact_match", seed=0)
+    """A vendor with 2.5x the honest mismatch rate, its extra ones at larger margins, is flagged by both
+    tests, by the greedy one with more certainty and in fewer claims; an honest configuration with
+    more near-ties than any calibrated one (a real server's kernels) passes both."""
+    mm = calibrate(honest, list(HONEST), detector="greedy", floor=1.0, seed=0)   # the mismatch count
     rng = np.random.default_rng(1)
-    vendor = stream("v", 60, 0.035, 0.6, rng)
+    def vendor(near_ties: float, larger: float):
+        t = pa.concat_tables([stream("v", 100, near_ties, 0.05, rng), stream("v", 100, larger, 0.6, rng, start=100)])
+        return t.take(np.argsort(np.repeat(np.r_[np.arange(100) * 2, np.arange(100) * 2 + 1], CLAIM_LEN),
+                                 kind="stable"))   # the two kinds of claims interleaved
+
+    weak = vendor(0.017, 0.025)         # 1.2x the honest rate: the count cannot tell, the margins can
+    assert det.verdict(weak).flagged and not mm.verdict(weak).flagged
+    vendor = vendor(0.03, 0.05)
     g, m = det.verdict(vendor), mm.verdict(vendor)
     assert g.flagged and m.flagged and g.p_value < m.p_value
     seq_g = SequentialAudit(det, alpha=0.01).verdict(vendor)
-    seq_m = SequentialAudit(mm, alpha=0.01, lambdas=det.SEQUENTIAL_LAMBDAS, null=det.SEQUENTIAL_NULL).verdict(vendor)
+    seq_m = SequentialAudit(mm, alpha=0.01).verdict(vendor)
     assert seq_g.flagged and (not seq_m.flagged or seq_g.extra["decided_at_tokens"] <= seq_m.extra["decided_at_tokens"])
-    fresh = stream("h1", 60, 0.015, 0.05, rng, start=1000)
-    assert not det.verdict(fresh).flagged and not SequentialAudit(det, alpha=0.01).verdict(fresh).flagged
+    real = stream("h9", 200, 0.024, 0.05, rng)     # 1.2x the worst calibrated configuration's near-ties
+    for d in (det, mm):
+        assert not d.verdict(real).flagged and not SequentialAudit(d, alpha=0.01).verdict(real).flagged
+    assert calibrate(honest, list(HONEST), detector="greedy", null="worst-group", seed=0).verdict(real).flagged
 
 
 def test_false_positive_rate_on_fresh_honest_batches(det):
@@ -79,13 +98,20 @@ def test_false_positive_rate_on_fresh_honest_batches(det):
     assert np.mean(flagged) <= 0.03  # target 0.01; 300 batches: 9 would be a 3x excess
 
 
-def test_sequential_null_is_the_worst_calibrated_configuration(det):
+def test_sequential_null_is_the_detectors(det):
+    """The e-process bets on the calibrated configurations' own claim distribution, against the
+    null the fixed-size test uses: a new configuration's prediction bound (or the worst one's)."""
     audit = SequentialAudit(det, alpha=0.01)
     per_group = np.stack([group_log_mgf(x, audit.lambdas) for x in det.sequential_blocks()])
-    assert audit.null == "worst-group" and audit.lambdas == det.SEQUENTIAL_LAMBDAS
-    np.testing.assert_array_equal(audit.psi_LC, per_group.max(axis=0))
-    wider = SequentialAudit(det, alpha=0.01, null="predictive")  # the glrt's default: a new configuration's bound
-    assert (wider.psi_LC >= audit.psi_LC).all()
+    assert audit.null == "shifted" and audit.lambdas == det.SEQUENTIAL_LAMBDAS
+    worst = SequentialAudit(det, alpha=0.01, null="worst-group")
+    np.testing.assert_array_equal(worst.psi_LC, per_group.max(axis=0))
+    # the worst configuration's claims moved up by the fixed-size test's allowance, per claim
+    shift = det.allowance() * CLAIM_LEN
+    assert det.sequential_shift() == pytest.approx([shift])
+    np.testing.assert_allclose(audit.psi_LC, worst.psi_LC + np.asarray(audit.lambdas)[:, None] * shift)
+    wider = SequentialAudit(det, alpha=0.01, null="predictive")   # each bet's own prediction bound
+    assert (wider.psi_LC >= worst.psi_LC).all()
 
 
 def test_a_null_without_mismatches_is_floored_not_refused():
@@ -97,7 +123,7 @@ def test_a_null_without_mismatches_is_floored_not_refused():
         calibrate(exact, ["h1", "h2"], detector="clipped-mean", seed=0)
     det = calibrate(exact, ["h1", "h2"], detector="greedy", seed=0)
     b = mismatch_floor(0.01)
-    assert b == math.ceil(-math.log(0.001)) == 7 and det.floored_claims_ == [b, b]
+    assert b == math.ceil(-math.log(0.001)) == 7 and det.floored_claims_ == [b, b] and det.allowance() == 0
     assert "floored" in det.summary() and any("fewer than 7 mismatching claims" in w for w in det.warnings_)
     assert not det.verdict(stream("v", 30, 0.0, 0.05, rng)).flagged
     bad = stream("v", 30, 0.05, 0.5, rng)   # ~2 mismatches per claim

