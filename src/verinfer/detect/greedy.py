@@ -93,8 +93,8 @@ def floor_mismatches(w: np.ndarray, labels: np.ndarray, claims: np.ndarray, b: i
     for k in range(int(labels.max()) + 1):
         rows = np.flatnonzero(labels == k)
         ck = claims[rows]
-        uniq, first = np.unique(ck, return_index=True)
-        sums = np.bincount(np.unique(ck, return_inverse=True)[1], weights=w[rows])
+        _, first, inv = np.unique(ck, return_index=True, return_inverse=True)
+        sums = np.bincount(inv.ravel(), weights=w[rows])
         clean = np.sort(first[sums == 0])
         need = max(0, b - int(np.count_nonzero(sums > 0)))
         w[rows[clean[:need]]] = 1.0
