@@ -67,7 +67,9 @@ def test_mixed_speculative_and_plain_claims_are_refused(claims_file, tmp_path):
 def test_calibrate_then_audit_files(claims_file, tmp_path):
     generate("wrong-seed", TARGET_DIR, tmp_path / "w.jsonl", n=6, max_tokens=24, show_progress=False)
     honest = score_file(claims_file, TARGET_DIR, tmp_path / "h.parquet", draft_dir=DRAFT_DIR, show_progress=False)
-    res = calibrate_files([honest.out], tmp_path / "det.json", fpr_batch_tokens=50)
+    # the greedy detector: on machines where the verifier replays these claims exactly (no honest
+    # margin above 0) its null is floored, where the clipped mean's is degenerate (an error)
+    res = calibrate_files([honest.out], tmp_path / "det.json", detector="greedy", fpr_batch_tokens=50)
     assert res.honest == ["honest-bf16-b8"] and (tmp_path / "det.json").is_file()
     out = audit_files([tmp_path / "w.jsonl"], [tmp_path / "det.json"], model_dir=TARGET_DIR,
                       json_out=tmp_path / "v.json")

@@ -36,9 +36,13 @@ def test_recut_restores_the_models_ids(setup):
         ids = list(d.output_token_ids)
         text_ids = ids[:-1] if d.finish_reason == "stop" else ids
         c = Claim.from_chat(f"c{i}", "m", m, retok.tokenizer.decode(text_ids), d.finish_reason, GREEDY, retok)
-        other, _ = split_segmentation(retok, c.output_token_ids)  # a provider-side cut the model did not take
+        try:
+            other, _ = split_segmentation(retok, c.output_token_ids)  # a provider-side cut the model did not take
+        except AssertionError:
+            continue  # a reply of single-byte tokens ("0x0000..."; which reply depends on the machine's kernels)
         claims.append(Claim(c.id, c.model, c.prompt_token_ids, other, c.sampling, extra=c.extra))
         truth.append(ids)
+    assert len(claims) >= 2
     naive = score_chunk(claims, engine)
     recut = score_chunk(claims, engine, retokenizer=retok)
     true_ids = score_chunk([Claim(c.id, c.model, c.prompt_token_ids, ids, c.sampling)

@@ -103,13 +103,15 @@ def test_sequential_null_is_the_detectors(det):
     null the fixed-size test uses: a new configuration's prediction bound (or the worst one's)."""
     audit = SequentialAudit(det, alpha=0.01)
     per_group = np.stack([group_log_mgf(x, audit.lambdas) for x in det.sequential_blocks()])
-    assert audit.null == "shifted" and audit.lambdas == det.SEQUENTIAL_LAMBDAS
+    assert audit.null == "scaled" and audit.lambdas == det.SEQUENTIAL_LAMBDAS
     worst = SequentialAudit(det, alpha=0.01, null="worst-group")
     np.testing.assert_array_equal(worst.psi_LC, per_group.max(axis=0))
-    # the worst configuration's claims moved up by the fixed-size test's allowance, per claim
-    shift = det.allowance() * CLAIM_LEN
-    assert det.sequential_shift() == pytest.approx([shift])
-    np.testing.assert_allclose(audit.psi_LC, worst.psi_LC + np.asarray(audit.lambdas)[:, None] * shift)
+    # the worst configuration's event rate raised by the fixed-size test's allowance: its log-MGF
+    # scaled by 1 + A L / m, never below the same mean moved up by A L
+    shift, m = det.allowance() * CLAIM_LEN, max(float(np.mean(c)) for c in det.claim_sums_)
+    assert det.sequential_scale() == pytest.approx([1 + shift / m])
+    np.testing.assert_allclose(audit.psi_LC, worst.psi_LC * (1 + shift / m))
+    assert (audit.psi_LC >= worst.psi_LC + np.asarray(audit.lambdas)[:, None] * shift - 1e-12).all()
     wider = SequentialAudit(det, alpha=0.01, null="predictive")   # each bet's own prediction bound
     assert (wider.psi_LC >= worst.psi_LC).all()
 
@@ -140,6 +142,23 @@ def test_floor_tops_up_each_group_to_b_mismatching_claims():
     claims = np.array(list("aabbcc") + list("ddeeff"))
     out, added = floor_mismatches(w, labels, claims, 2)
     assert added == [1, 2] and out.tolist() == [0.7, 0, 1, 0, 0, 0, 1, 0, 1, 0, 0, 0]
+
+
+def test_a_null_whose_margins_never_reach_twice_c_loads(tmp_path):
+    """Honest near-ties bunched (no margin reaches 2c): the null's largest score is below the cap 1,
+    and the file still loads; a floor edited in the file is refused."""
+    rng = np.random.default_rng(5)
+    t = pa.concat_tables([stream(h, 100, r, 0.05, rng) for h, r in HONEST.items()])
+    t = t.set_column(2, "margin", pa.array(np.where(t["margin"].to_numpy() > 0, 0.1, 0.0)))
+    det = calibrate(t, list(HONEST), detector="greedy", seed=0)
+    assert det.null_sample_.max() < 1.0 and det.tie_clip_ == pytest.approx(0.1)
+    det.save(tmp_path / "g.json")
+    assert load_detector(tmp_path / "g.json").tie_clip_ == det.tie_clip_
+    doc = json.loads((tmp_path / "g.json").read_text())
+    doc["config"]["floor"] = 0.3
+    (tmp_path / "g.json").write_text(json.dumps(doc))
+    with pytest.raises(VerinferError, match="floor"):
+        load_detector(tmp_path / "g.json")
 
 
 def test_file_round_trip_and_edits_refused(det, tmp_path, honest):

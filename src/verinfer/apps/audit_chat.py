@@ -367,10 +367,12 @@ def collect_vendor(endpoint: ChatEndpoint, cfg: ChatAuditConfig, conversations: 
         else:
             atomic_write_json(mpath, _collect_manifest(endpoint, cfg, conversations))
         rpath = out / "requests.json"  # requests sent so far (paid for), claims or not
-        state = json.loads(rpath.read_text())["requests_sent"] if rpath.is_file() else len(claims)
+        saved = json.loads(rpath.read_text()) if rpath.is_file() else {}
+        state = saved.get("requests_sent", len(claims))
+        no_claim = list(saved.get("no_claim", []))  # replies cut before any text: answered, never re-sent
         if stop is not None and claims and stop(claims):
             return claims, state
-        done = {c.id for c in claims}
+        done = {c.id for c in claims} | {f"{endpoint.name}-{i:05d}" for i in no_claim}
         todo = [i for i in range(len(conversations)) if f"{endpoint.name}-{i:05d}" not in done]
         if progress:
             progress(len(conversations) - len(todo))
@@ -392,8 +394,10 @@ def collect_vendor(endpoint: ChatEndpoint, cfg: ChatAuditConfig, conversations: 
                                         vocab_size=info.vocab_size)
                     if claim is not None:
                         claims.append(claim)
+                    else:
+                        no_claim.append(i)
                     write_claims(path, claims)
-                    atomic_write_json(rpath, {"requests_sent": sent})
+                    atomic_write_json(rpath, {"requests_sent": sent, "no_claim": no_claim})
                     if progress:
                         progress(1)
                     if stop is not None and stop(claims):
@@ -407,7 +411,7 @@ def collect_vendor(endpoint: ChatEndpoint, cfg: ChatAuditConfig, conversations: 
                     f.cancel()
                 raise EndpointError(f"{e.what} ({len(claims)} of {len(conversations)} replies saved in {path}; rerun "
                                     "to resume)", where=e.where, fix=e.fix) from e
-        atomic_write_json(rpath, {"requests_sent": sent})
+        atomic_write_json(rpath, {"requests_sent": sent, "no_claim": no_claim})
     return claims, sent
 
 
@@ -531,6 +535,9 @@ class ChatAudit:
         tokens, requests = _decided(mv.extra.get("decided_at_tokens"), ends)
         row.mismatch_test = {"flagged": mv.flagged, "p_value": mv.p_value, "tokens_to_decide": tokens,
                              "requests_to_decide": requests,
+                             # requests stopped once verinfer's verdict decided: the test saw only those replies
+                             "cut_short": bool(self.cfg.sequential and row.verdict["flagged"]
+                                               and sent < len(self.conversations)),
                              "fixed_n": {"flagged": fixed.flagged, "p_value": fixed.p_value, "n_tokens": fixed.n_tokens}}
         row.retokenized = float(np.mean([c.derived for c in claims]))
         row.resegmented, row.drift = resegmentation(claims, table)

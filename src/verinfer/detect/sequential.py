@@ -33,7 +33,7 @@ rate on held-out honest configurations streamed claim by claim.
 The mixture over C L components costs log(C L) nats against the best single one; a provider
 whose evidence exceeds the allowance in some column makes that component grow exponentially.
 
-null="worst-group" (a detector's `SEQUENTIAL_NULL`; the greedy detector's): psi_c(lambda) =
+null="worst-group" (a detector's `SEQUENTIAL_NULL`): psi_c(lambda) =
 max_k psi_kc(lambda), the worst calibrated honest configuration's own log-MGF, the composite
 null its fixed-size test uses (flagged above the worst group's quantile). The guarantee is then
 stated for providers whose claims' log-MGF is at most the worst calibrated configuration's at
@@ -42,13 +42,14 @@ likelihood ratio of that null exponentially tilted by lambda against it), and it
 close to the fixed-size test's at the same tokens. A detector may also name its bets
 (`SEQUENTIAL_LAMBDAS`, on the scale of a claim's summed evidence).
 
-null="shifted" (the greedy detector's default): psi_c(lambda) = max_k psi_kc(lambda) + lambda
-s_c, s_c = `detector.sequential_shift()`, what a new honest configuration may add to a claim's
-mean evidence (the fixed-size test's between-configuration allowance times the calibration's mean
-claim length). The null is the worst calibrated configuration's claim distribution moved up by
-that much, the same composite null as the fixed-size test's; the guarantee holds for providers
-whose claims' log-MGF is at most that at every bet. "predictive" bounds each bet's log-MGF by its
-own prediction bound over the groups instead, wider at large bets where the groups' tails differ.
+null="scaled" (the greedy detector's default): psi_c(lambda) = f_c max_k psi_kc(lambda), f_c =
+`detector.sequential_scale()`, the factor by which a new honest configuration may raise the
+worst calibrated one's rate of evidence events (1 + the fixed-size test's between-configuration
+allowance over the worst configuration's mean). For claims whose evidence is a compound Poisson
+sum of rare events (a greedy claim's near-ties) that is the worst configuration with its event
+rate raised by f_c, and it bounds every mean shift of the same size (log-MGF >= lambda x mean);
+the guarantee holds for providers whose claims' log-MGF is at most f_c psi_worst at every bet.
+"predictive" bounds each bet's log-MGF by its own prediction bound over the groups instead.
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ from verinfer.detect.verdict import Verdict
 from verinfer.errors import VerinferError
 
 LAMBDAS = tuple(2.0 ** -k for k in range(9, -1, -1))  # 1/512 .. 1: a claim's sum is ~its length x a token's
-NULLS = ("predictive", "worst-group", "shifted")
+NULLS = ("predictive", "worst-group", "scaled")
 MAX_LAMBDA = 4.0
 CHUNK = 4096  # tokens per block of the running sums (bounds memory at CHUNK x L x C)
 
@@ -109,9 +110,8 @@ class SequentialAudit:
         k, n_l, n_c = per_group.shape
         if self.null == "worst-group":
             self.psi_LC = per_group.max(axis=0)
-        elif self.null == "shifted":
-            lam_L = np.asarray(self.lambdas, dtype=np.float64)[:, None]
-            self.psi_LC = per_group.max(axis=0) + lam_L * np.asarray(self.detector.sequential_shift(), np.float64)
+        elif self.null == "scaled":
+            self.psi_LC = per_group.max(axis=0) * np.asarray(self.detector.sequential_scale(), np.float64)
         else:
             self.psi_LC = honest_allowance(per_group.reshape(k, n_l * n_c), self.alpha).reshape(n_l, n_c)
 
