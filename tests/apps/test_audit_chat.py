@@ -201,14 +201,18 @@ def test_readme_chat_audit_runs_on_the_shipped_testbed(tmp_path):
     and misconfigured (4-bit weights) as two vendors, `verinfer audit-vendors` with every default
     honest configuration and band. The testbed's honest greedy runs agree exactly (no honest
     mismatch to calibrate on): the greedy detector's floored null still gives verdicts, the honest
-    vendor passes and the 4-bit one is flagged (exit 1)."""
+    vendor passes and the 4-bit one is flagged (exit 1). --no-sequential: every reply is collected and
+    judged once; with the sequential stop the in-stream replay (claim by claim) flagged int4 after 34
+    requests where the final replay of the same claims in one batch did not (the replay is not batch
+    invariant on every machine, and a floored null makes one near-tie count): issue 44's scored-once core."""
     launched = {"honest": Launched(tmp_path), "int4": Launched(tmp_path, "--misconfig", "int4")}
     try:
         urls = {k: v.ready().base_url for k, v in launched.items()}
         cfg = write(tmp_path, "".join(f'[[vendor]]\nname = "{k}"\nbase_url = "{u}"\nmodel = "verinfer-testbed-target"\n'
                                       for k, u in urls.items()))
         out = tmp_path / "audit"
-        r = CliRunner().invoke(app, ["audit-vendors", str(cfg), "--out", str(out), "--max-tokens", "32"])
+        r = CliRunner().invoke(app, ["audit-vendors", str(cfg), "--out", str(out), "--n", "128", "--max-tokens", "32",
+                                     "--no-sequential"])
     finally:
         for s in launched.values():
             s.stop()
