@@ -453,7 +453,9 @@ def main() -> None:
     if res.html is not None:
         import shutil
 
-        shutil.copy(res.html, RESULTS.with_suffix(".html"))
+        html = res.html.read_text(encoding="utf-8")  # results name models and repo-relative files, never machine paths
+        html = html.replace(str(Path(args.model_dir)), "smollm2-135m-instruct").replace(str(CACHE), "benchmarks/.cache/audit_wild")
+        RESULTS.with_suffix(".html").write_text(html, encoding="utf-8")
         png = res.html.with_name(res.html.stem + "_bands.png")
         if png.is_file():
             shutil.copy(png, RESULTS.with_name("audit_wild_bands.png"))
