@@ -96,3 +96,30 @@ def test_greedy_tokens_fused_equal_native(models):
     assert any(o.drafted < 6 * o.target_forwards for o in outs)
     for o in outs:
         assert o.accepted <= o.drafted and o.output_token_ids[-1] in nl
+
+
+def test_split_k_matches_the_library_kernel_for_one_row_and_many_and_a_reference_sum_between():
+    """matmul='split-k' (CUTLASS's serial split-K): one row and 16+ rows are the library GEMM bit for
+    bit; 2..15 rows equal the serial epilogue written out by hand, and a
+    row's bits then depend on how many rows share the GEMM (what makes batching visible on CPUs whose
+    bf16 GEMMs are row-invariant)."""
+    import torch.nn.functional as F
+
+    from verinfer.numerics.kernels import split_k_linear, split_k_parts
+
+    assert [split_k_parts(m) for m in (1, 2, 7, 8, 15, 16, 300)] == [1, 4, 4, 2, 2, 1, 1]
+    g = torch.Generator().manual_seed(0)
+    W = (torch.randn(96, 64, generator=g) * 0.1).bfloat16()
+    b = (torch.randn(96, generator=g) * 0.1).bfloat16()
+    x = torch.randn(16, 64, generator=g).bfloat16()
+    k = LlamaLM.from_pretrained(TARGET_DIR, dtype=torch.bfloat16, matmul="split-k").kernels
+    k.w, k.wsplit = {"w.weight": W, "w.bias": b}, {"w.weight": W.float(), "w.bias": b.float()}
+    assert torch.equal(k.linear(x[:1], "w.weight"), F.linear(x[:1], W, b))
+    assert torch.equal(k.linear(x, "w.weight"), F.linear(x, W, b))
+    eight = k.linear(x[:8], "w.weight")
+    by_hand = (x[:8].float()[:, :32] @ W.float()[:, :32].T + b.float()).bfloat16()
+    by_hand = (by_hand.float() + x[:8].float()[:, 32:] @ W.float()[:, 32:].T).bfloat16()
+    assert torch.equal(eight, by_hand)
+    assert torch.equal(split_k_linear(x[:8], W.float(), b.float(), 2), eight)
+    alone = torch.cat([k.linear(x[i : i + 1], "w.weight") for i in range(8)])
+    assert 0 < (eight != alone).float().mean().item() < 0.5

@@ -25,7 +25,8 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 QUANT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-MATMULS = ("native", "fp32")  # Numerics.matmul: the dtype's own kernels, or fp32 GEMMs on dtype-rounded operands
+MATMULS = ("native", "fp32", "split-k")  # Numerics.matmul: the dtype's own kernels, fp32 GEMMs on dtype-rounded
+# operands, or a GPU library's split-K for GEMMs of a few rows (numerics/kernels.split_k_parts)
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,8 @@ class Numerics:
     # take the `dtype`-rounded operands, compute in fp32 and round their outputs back to `dtype`:
     # what a bf16 kernel with fp32 accumulation computes, in another summation order (honest
     # noise), and about 2x faster than bf16 GEMMs on CPUs without AMX. Activations stay `dtype`.
+    # "split-k": native, except that GEMMs of 2..15 rows split their reduction as GPU libraries do
+    # for small batches: batch effects on every CPU (the testbed's serving engines use it).
     matmul: str = "native"
 
     def __post_init__(self):

@@ -6,7 +6,11 @@ where implementations differ in their last bits.
 - `Native(matmul)`: PyTorch's kernels at the weights' dtype. matmul='fp32' computes linear layers
   and attention in fp32 from the dtype-rounded operands and rounds outputs back (Numerics.matmul),
   running the linear layers of one input (q/k/v, gate/up) as one GEMM over concatenated weights.
-  The default of every command.
+  matmul='split-k' emulates a GPU GEMM library's split-K (`split_k_parts`): a GEMM of a few rows
+  (2-15, a batched decode step, a short prefill chunk) splits its reduction into parts whose sums
+  are written in the dtype between parts (CUTLASS's serial split-K), so a row's bits depend on how many rows share its GEMM on every CPU (bf16
+  GEMMs with AMX or AVX512-BF16 are row-invariant: there batching alone changed nothing). One row
+  and 16+ rows run the library kernel, bitwise Native's. The default of every command is 'native'.
 - `Fused()`: Native plus q/k/v and gate/up as ONE GEMM each at any dtype (weights concatenated once,
   biases too). Fewer, bigger calls (faster decode on CPU) but not bitwise equal to Native: a GEMM's
   per-column sums may take another order when the output width changes (measured on this CPU: the
@@ -40,6 +44,27 @@ from verinfer.registry import Registry
 
 ROW_TILE = 64
 QUERY_TILE = 8
+SPLIT_K_MAX_ROWS = 15  # matmul='split-k': GEMMs of 2..15 rows split K; 1 row and 16+ rows do not
+
+
+def split_k_parts(rows: int) -> int:
+    """How many parts matmul='split-k' cuts a GEMM's reduction into, by its row count: a GPU library
+    splits K when the rows are too few to fill the device (4 parts below 8 rows, 2 up to 15), and
+    not for one row here, so that a request decoded alone keeps the library kernel's bits."""
+    if rows <= 1 or rows > SPLIT_K_MAX_ROWS:
+        return 1
+    return 4 if rows < 8 else 2
+
+
+def split_k_linear(x, W32, b32, parts: int):
+    """F.linear with the reduction over the input axis cut into `parts` contiguous parts, as CUTLASS's
+    serial split-K: each part is an fp32 GEMM whose epilogue adds the partial output already written
+    (in x's dtype) and writes the sum back in x's dtype; the bias comes with the first part."""
+    xs, Ws = x.float().tensor_split(parts, dim=-1), W32.tensor_split(parts, dim=1)
+    y = F.linear(xs[0], Ws[0], b32).to(x.dtype)
+    for xp, Wp in zip(xs[1:], Ws[1:]):
+        y = (y.float() + F.linear(xp, Wp)).to(x.dtype)
+    return y
 
 
 class ModelShape(Protocol):
@@ -92,11 +117,12 @@ class Native:
     name = "native"
 
     def __init__(self, matmul: str = "native"):
-        if matmul not in ("native", "fp32"):
-            raise ValueError(f"matmul must be 'native' or 'fp32', got {matmul!r}")
+        if matmul not in ("native", "fp32", "split-k"):
+            raise ValueError(f"matmul must be 'native', 'fp32' or 'split-k', got {matmul!r}")
         self.matmul = matmul
         self.w: dict[str, torch.Tensor] = {}
         self.w32: dict[str, torch.Tensor] | None = None
+        self.wsplit: dict[str, torch.Tensor] | None = None  # matmul='split-k': fp32 copies for split GEMMs
         self.cat: dict[tuple[str, ...], tuple[torch.Tensor, torch.Tensor | None]] = {}
 
     def __repr__(self) -> str:
@@ -111,6 +137,8 @@ class Native:
         dtype = k.w["embed_tokens.weight"].dtype
         upcast = k.matmul == "fp32" and dtype != torch.float32
         k.w32 = {n: t.float() for n, t in k.w.items() if t.ndim == 2 or n.endswith(".bias")} if upcast else None
+        k.wsplit = ({n: t.float() for n, t in k.w.items() if t.ndim == 2 or n.endswith(".bias")}
+                    if k.matmul == "split-k" else None)
         k.on_bind()
         return k
 
@@ -125,6 +153,8 @@ class Native:
     def linear(self, x, name: str):
         if self.w32 is not None:  # matmul='fp32'
             return F.linear(x.float(), self.w32[name], self.w32.get(_bias_name(name))).to(x.dtype)
+        if self.wsplit is not None and (parts := split_k_parts(x.numel() // x.shape[-1])) > 1:
+            return split_k_linear(x, self.wsplit[name], self.wsplit.get(_bias_name(name)), parts)
         return F.linear(x, self.w[name], self.w.get(_bias_name(name)))
 
     def linears(self, x, names: tuple[str, ...]):
@@ -149,6 +179,8 @@ class Native:
         """lm_head, fp32 logits (under matmul='fp32' rounded to the dtype first, as a native head's)."""
         if self.w32 is not None:
             return F.linear(x_ND.float(), self.w32["lm_head.weight"]).to(x_ND.dtype).float()
+        if self.wsplit is not None and (parts := split_k_parts(x_ND.numel() // x_ND.shape[-1])) > 1:
+            return split_k_linear(x_ND, self.wsplit["lm_head.weight"], None, parts).float()
         return F.linear(x_ND, self.w["lm_head.weight"]).float()
 
     # --- attention ---------------------------------------------------------------------
@@ -217,7 +249,9 @@ class Tiled(Native):
         return _tiled_linear(x, self.w[name], self.w.get(_bias_name(name)), self.row_tile)
 
     def logits(self, x_ND):
-        return self.linear(x_ND, "lm_head.weight").float()
+        if self.wsplit is not None and (parts := split_k_parts(x_ND.numel() // x_ND.shape[-1])) > 1:
+            return split_k_linear(x_ND, self.wsplit["lm_head.weight"], None, parts).float()
+        return F.linear(x_ND, self.w["lm_head.weight"]).float()
 
     def attention(self, q_BHTE, k_BGSE, v_BGSE, mask_BTS):
         B, H, T, E = q_BHTE.shape
@@ -454,7 +488,9 @@ class FixedShape(Native):
         return y.reshape(*lead, W.shape[0])
 
     def logits(self, x_ND):
-        return self.linear(x_ND, "lm_head.weight").float()
+        if self.wsplit is not None and (parts := split_k_parts(x_ND.numel() // x_ND.shape[-1])) > 1:
+            return split_k_linear(x_ND, self.wsplit["lm_head.weight"], None, parts).float()
+        return F.linear(x_ND, self.w["lm_head.weight"]).float()
 
     def attention(self, q_BHTE, k_BGSE, v_BGSE, mask_BTS):
         B, H, T, E = q_BHTE.shape

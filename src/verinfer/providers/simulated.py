@@ -48,8 +48,10 @@ class ProviderConfig:
 DEFAULT_SPEC = dict(temperature=1.0, top_k=50, top_p=0.95, min_p=0.0, noise="vllm-cpu")
 
 HONEST: Registry[ProviderConfig] = Registry("honest provider", {
-    "honest-bf16-b8": ProviderConfig("honest-bf16-b8", Numerics(dtype="bf16"), batch_size=8,
-                                     description="bf16, sdpa, batches of 8 mixed-length requests"),
+    # split-K GEMMs (numerics/kernels.split_k_parts), as `verinfer serve` and a GPU server: its batch
+    # effects do not depend on the CPU (bf16 GEMMs with AMX are row-invariant).
+    "honest-bf16-b8": ProviderConfig("honest-bf16-b8", Numerics(dtype="bf16", matmul="split-k"), batch_size=8,
+                                     description="bf16, sdpa, batches of 8 mixed-length requests, split-K GEMMs"),
     "honest-bf16-b1": ProviderConfig("honest-bf16-b1", Numerics(dtype="bf16"), batch_size=1,
                                      description="bf16, one request at a time"),
     "honest-fp32-b4": ProviderConfig("honest-fp32-b4", Numerics(dtype="fp32"), batch_size=4,
@@ -57,7 +59,8 @@ HONEST: Registry[ProviderConfig] = Registry("honest provider", {
     "honest-bf16-eager-t1": ProviderConfig("honest-bf16-eager-t1", Numerics(dtype="bf16", attn="eager", threads=1),
                                            batch_size=16, description="bf16, eager attention, 1 thread, batches of 16"),
     # Chunks of 13, not 16: CPU GEMMs tile rows in blocks of 16, so chunks of 16 tokens reproduced
-    # unchunked prefill bitwise (all 128 demo claims equal to honest-bf16-b8).
+    # unchunked prefill bitwise (all 128 demo claims equal to honest-bf16-b8 with library GEMMs). On
+    # CPUs with AMX bf16 GEMMs are row-invariant and chunks of 13 reproduced it too (24 of 24 claims).
     # tests/providers/test_simulated.py checks that every honest configuration differs.
     "honest-bf16-chunk13": ProviderConfig("honest-bf16-chunk13", Numerics(dtype="bf16", prefill_chunk=13),
                                           batch_size=8, description="bf16, prompts prefilled in chunks of 13 tokens"),

@@ -25,7 +25,7 @@ from verinfer.errors import ModelError
 from verinfer.models.load import ModelInfo, load_model, load_tokenizer, model_info
 from verinfer.numerics import Numerics
 
-HONEST_NUMERICS = Numerics(dtype="bf16", attn="sdpa")
+HONEST_NUMERICS = Numerics(dtype="bf16", attn="sdpa", matmul="split-k")  # batch effects as on a GPU
 MAX_MODELS = 8
 
 
