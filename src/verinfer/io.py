@@ -307,13 +307,40 @@ class ResumableParts:
     def done(self, k: int) -> bool:
         return self.path(k).is_file()
 
-    def write(self, k: int, write_fn: Callable[[Path], None]) -> Path:
+    def write(self, k: int, write_fn: Callable[[Path], None], meta: dict | None = None) -> Path:
+        """Part k, written atomically; `meta` (what the part holds, e.g. its inputs' key) beside it,
+        written first so that a part on disk always has the meta it was made with."""
+        if meta is not None:
+            atomic_write_json(self._meta_path(k), meta)
         return atomic_write(self.path(k), write_fn)
+
+    def meta(self, k: int) -> dict | None:
+        """The meta written with part k (None: no such part, or one written without meta)."""
+        if not self.done(k) or not self._meta_path(k).is_file():
+            return None
+        try:
+            return json.loads(self._meta_path(k).read_text())
+        except (OSError, json.JSONDecodeError):
+            return None
+
+    def _meta_path(self, k: int) -> Path:
+        return self.dir / f"part-{k:05d}.meta.json"
 
     def discard(self, k: int) -> None:
         """Forget a part that turned out unreadable (a killed run's leftovers are never half files,
         but a disk fault can still leave one)."""
         self.path(k).unlink(missing_ok=True)
+        self._meta_path(k).unlink(missing_ok=True)
 
-    def finish(self) -> None:
-        shutil.rmtree(self.dir, ignore_errors=True)
+    def discard_from(self, k: int) -> None:
+        """Forget part k and every later one (their inputs no longer follow the finished parts)."""
+        for p in self.dir.glob(f"part-*{self.suffix}"):
+            i = int(p.name[len("part-"):len("part-") + 5])
+            if i >= k:
+                self.discard(i)
+
+    def finish(self, keep: bool = False) -> None:
+        """The job's output is written: remove the parts (keep=True: leave them for a later run
+        over grown inputs, whose finished parts it then reuses)."""
+        if not keep:
+            shutil.rmtree(self.dir, ignore_errors=True)

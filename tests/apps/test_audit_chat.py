@@ -99,7 +99,18 @@ def servers(tmp_path_factory):
 
 @pytest.mark.slow
 def test_vendors_side_by_side(servers, tmp_path, monkeypatch):
+    """...and each vendor claim is replayed exactly once (issue 44): the stop rule's replays are the
+    parts the final verdict reads."""
+    from verinfer.audit import replay
+
     monkeypatch.setenv("HONEST_VENDOR_KEY", "sk-never-written-anywhere")
+    real, replayed = replay.score_chunk, []
+
+    def counting(claims, *a, **kw):
+        replayed.extend(c.id for c in claims)
+        return real(claims, *a, **kw)
+
+    monkeypatch.setattr(replay, "score_chunk", counting)
     cfg = write(tmp_path, f'''
 [[vendor]]
 name = "honest"
@@ -132,6 +143,10 @@ max_retries = 0
     assert not rows["honest"]["mismatch_test"]["flagged"] and not rows["honest"]["mismatch_test"]["fixed_n"]["flagged"]
     assert rows["dead"]["verdict"] is None and "cannot reach" in rows["dead"]["error"]
     assert set(doc["bands"]) == {"bf16", "int4"}
+    saved = {json.loads(line)["id"] for v in ("honest", "small-model")
+             for line in (out / "vendors" / v / "claims.jsonl").read_text().splitlines()}
+    vendor_ids = [i for i in replayed if i in saved]
+    assert sorted(vendor_ids) == sorted(saved) and len(saved) >= 24 + small["requests_to_decide"], replayed
     for f in out.rglob("*"):  # the key is read from the environment, never written
         if f.is_file():
             assert b"sk-never-written-anywhere" not in f.read_bytes(), f
@@ -144,6 +159,7 @@ max_retries = 0
     r2 = CliRunner().invoke(app, ["audit-vendors", str(cfg), "--out", str(out), *ARGS])
     again = {v["name"]: v for v in json.loads((out / "vendors.json").read_text())["vendors"]}
     assert again["honest"]["verdict"]["flagged"] is False and again["honest"]["n_requests"] == 24, r2.output
+    assert [i for i in replayed if i in saved] == vendor_ids  # nothing replayed again
     assert (out / "vendors" / "honest" / "claims.jsonl").read_text() == claims
 
 

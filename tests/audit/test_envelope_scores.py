@@ -37,5 +37,5 @@ def test_score_gaps_envelope_equals_the_labs_envelope(tmp_path):
     # the envelope explains more honest tokens than the primary replay alone
     assert (t[ENVELOPE_PREFIX + "gap_s0.01"].to_numpy() > 0).sum() <= (t["gap_s0.01"].to_numpy() > 0).sum()
     with pytest.raises(Exception, match="Ray pool"):
-        score_claims(claims, object(), tmp_path / "r.parquet", gaps=True, references=refs, claims_sha="x",
+        score_claims(claims, object(), tmp_path / "r.parquet", gaps=True, references=refs,
                      chunk_claims=4)

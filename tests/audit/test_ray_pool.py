@@ -19,7 +19,6 @@ from verinfer.audit.ray_pool import RayReplayPool  # noqa: E402
 from verinfer.audit.replay import score_claims  # noqa: E402
 from verinfer.claims import iter_claims  # noqa: E402
 from verinfer.errors import VerinferError  # noqa: E402
-from verinfer.io import sha256_files  # noqa: E402
 from verinfer.models.testbed import TARGET_DIR  # noqa: E402
 
 CHUNK = 16  # claims per part: 6 parts of 90 claims
@@ -57,14 +56,14 @@ def reference(claims, tmp_path_factory):
     """The single-process result at the workers' numerics (1 torch thread)."""
     out = tmp_path_factory.mktemp("ref") / "local.parquet"
     engine = verifier_engine(TARGET_DIR, VERIFIER_NUMERICS.with_(threads=1))
-    score_claims(iter_claims(claims), engine, out, claims_sha=sha256_files([claims]), chunk_claims=CHUNK)
+    score_claims(iter_claims(claims), engine, out, chunk_claims=CHUNK)
     return pq.read_table(out)
 
 
 def pool_score(claims, out, workers, on_part=None):
     pool = RayReplayPool(str(TARGET_DIR), VERIFIER_NUMERICS, workers=workers, threads=1)
     with pool:
-        score_claims(iter_claims(claims), pool, out, claims_sha=sha256_files([claims]), chunk_claims=CHUNK,
+        score_claims(iter_claims(claims), pool, out, chunk_claims=CHUNK,
                      on_part=on_part(pool) if on_part else None)
     return pq.read_table(out)
 

@@ -267,11 +267,10 @@ def test_retries_then_resumes_without_refetching(claims, stub, remote, tmp_path)
     from verinfer.audit.remote_reference import RemoteReference
     from verinfer.audit.replay import score_claims
     from verinfer.claims import iter_claims
-    from verinfer.io import sha256_files
 
     ref = RemoteReference.for_model_dir(stub.url, "testbed", TARGET_DIR, logprobs=K, concurrency=2)
     out = tmp_path / "r.parquet"
-    kw = dict(claims_sha=sha256_files([claims]), chunk_claims=8, gaps=True)
+    kw = dict(chunk_claims=8, gaps=True)
 
     def stop(k):
         raise KeyboardInterrupt

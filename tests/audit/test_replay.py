@@ -101,9 +101,7 @@ def test_streamed_claims_and_small_batches_score_the_same(tiny_llama_dir, verifi
     claims = run_provider(ProviderConfig("h", FP32, batch_size=4), tiny_llama_dir, _prompts(10), SPEC)
     whole = score_claims(claims, verifier, tmp_path / "a.parquet").table()
     monkeypatch.setattr(replay_mod, "LOGITS_BUDGET", 20 * verifier.model.config.vocab_size)  # <= 20 rows a batch
-    with pytest.raises(ValueError, match="claims_sha"):
-        score_claims(iter(claims), verifier, tmp_path / "b.parquet")
-    r = score_claims(iter(claims), verifier, tmp_path / "b.parquet", claims_sha="x", chunk_claims=3)
+    r = score_claims(iter(claims), verifier, tmp_path / "b.parquet", chunk_claims=3)
     assert (r.claims, r.tokens) == (10, sum(len(c.output_token_ids) for c in claims))
     got = r.table()
     # cross-entropy's log-normalizer is summed over the top-k block, or over the whole vocabulary
@@ -113,3 +111,36 @@ def test_streamed_claims_and_small_batches_score_the_same(tiny_llama_dir, verifi
         if c != "cross_entropy":
             assert got[c].equals(whole[c]), c
     np.testing.assert_allclose(got["cross_entropy"].to_numpy(), whole["cross_entropy"].to_numpy(), rtol=1e-6)
+
+
+def test_a_grown_claims_file_replays_only_its_new_claims(tiny_llama_dir, verifier, tmp_path, monkeypatch):
+    """keep_parts: a sequential audit scores its claims file as it grows. Each call replays only the
+    claims no finished part holds (parts are named by their claims, `part_key`), the final table has
+    every claim once, in order, bitwise the rows each part gave; a part whose claims changed is
+    replayed again, with every part after it."""
+    claims = run_provider(ProviderConfig("h", FP32, batch_size=4), tiny_llama_dir, _prompts(10), SPEC)
+    real, replayed = replay_mod.score_chunk, []
+
+    def counting(chunk, *a, **kw):
+        replayed.append([c.id for c in chunk])
+        return real(chunk, *a, **kw)
+
+    monkeypatch.setattr(replay_mod, "score_chunk", counting)
+    out = tmp_path / "s.parquet"
+    first = score_claims(claims[:5], verifier, out, chunk_claims=3, keep_parts=True)
+    assert replayed == [[c.id for c in claims[:3]], [c.id for c in claims[3:5]]] and len(first.new_parts) == 2
+    rows5 = first.table()
+    grown = score_claims(claims[:10], verifier, out, chunk_claims=3, keep_parts=True)
+    assert replayed[2:] == [[c.id for c in claims[5:8]], [c.id for c in claims[8:10]]]
+    assert grown.claims == 10 and len(grown.new_parts) == 2
+    t = grown.table()
+    assert t.slice(0, rows5.num_rows).equals(rows5)
+    assert t.slice(rows5.num_rows).equals(grown.new_table())
+    assert t["claim_id"].unique().to_pylist() == [c.id for c in claims]
+    score_claims(claims[:10], verifier, out, chunk_claims=3, keep_parts=True)
+    assert len(replayed) == 4  # nothing new: nothing replayed
+    changed = claims[:4] + [claims[5]] + claims[5:10]
+    score_claims(changed, verifier, out, chunk_claims=3)
+    # parts [0:3] kept; the part at [3:5] now holds other claims: it and every later part replayed
+    assert replayed[4:] == [[c.id for c in changed[3:5]], [c.id for c in changed[5:8]], [c.id for c in changed[8:11]]]
+    assert not out.with_name(out.name + ".parts").exists()  # keep_parts=False: the parts are removed

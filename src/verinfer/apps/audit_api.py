@@ -36,7 +36,6 @@ requests stop once it flags (the false-positive rate stays at most target_fpr wh
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable
 import json
 import time
 from dataclasses import asdict, dataclass, field, replace
@@ -52,7 +51,7 @@ from verinfer.claims import Claim, read_claims, write_claims
 from verinfer.io import atomic_write_json, atomic_write_text, check_manifest, check_writable, exclusive_lock
 from verinfer.progress import progress_bar
 from verinfer.detect import Detector, load_detector
-from verinfer.detect.sequential import SequentialAudit
+from verinfer.detect.sequential import SequentialAudit, StreamingAudit
 from verinfer.detect.calibrate import calibrate
 from verinfer.detect.verdict import Verdict
 from verinfer.providers.openai_http import Endpoint, EndpointError, openai_client, probe_seed_replies, request_completion
@@ -410,17 +409,23 @@ def audit_api(cfg: ApiAuditConfig, *, show_progress: bool = True) -> ApiAuditRes
                             "claims", where=cfg.base_url, fix="audit it without --sequential (greedy mode)")
     reusable_detector(cfg, (mode,), info)  # auto: the probe decided the mode and the noise
 
-    def score_fn(cpath: Path, spath: Path) -> Path:
-        if not spath.is_file():
-            score(cpath, cfg.model_dir, spath, engine=engine, show_progress=show_progress, gaps=cfg.sequential)
+    refs = reference_engines(cfg.model_dir, engine, cfg.device) if cfg.sequential else None
+
+    def score_fn(cpath: Path, spath: Path, claims: list[Claim] | None = None) -> Path:
+        """The one replay of a claims file. `claims`: the file's claims so far, as a sequential audit's
+        stop rule has them: the parts are kept, so claims collected later replay alone and the final
+        call (claims None) replays nothing."""
+        if claims is not None or not spath.is_file() or spath.stat().st_mtime < cpath.stat().st_mtime:
+            score(cpath, cfg.model_dir, spath, engine=engine, show_progress=show_progress and claims is None,
+                  gaps=cfg.sequential, claims=claims, keep_parts=claims is not None,
+                  references=refs)
         return spath
 
     det, ctimes, stop = None, {}, None
     if cfg.sequential:  # calibrate first: each answer is judged as it arrives
         det, ctimes = calibrated_detector(cfg, mode, info, engine, score_fn, show_progress)
-        refs = reference_engines(cfg.model_dir, engine, cfg.device)
-        stop = StreamingAudit(SequentialAudit(det, alpha=cfg.target_fpr),
-                              lambda new: score_chunk(new, engine, gaps=True, references=refs))
+        stop = StreamingAudit(SequentialAudit(det, alpha=cfg.target_fpr), lambda claims: load_score_tables(
+            [score_fn(out / "claims.jsonl", out / "scores.parquet", claims)]))
     t_calib = time.perf_counter()
     with progress_bar(f"audit-api: requests to {cfg.base_url}", len(prompts), show_progress) as adv:
         claims_path, claims = collect_claims(client, cfg, mode, prompts, info.name, adv, stop=stop)
@@ -453,29 +458,6 @@ def audit_api(cfg: ApiAuditConfig, *, show_progress: bool = True) -> ApiAuditRes
     atomic_write_text(out / "report.md", render_markdown(report))
     return ApiAuditResult(verdict, mode, claims_path, scores_path, rpath, len(claims), int(table.num_rows), exact,
                           bands, timings)
-
-
-class StreamingAudit:
-    """The stop rule of a collection (`collect_claims` here, `audit_chat.collect_vendor`): replays
-    each new claim with `score(claims) -> score table`, extends the evidence stream and says whether
-    the e-process has reached 1/alpha (anytime-valid)."""
-
-    def __init__(self, audit: SequentialAudit, score: Callable[[list[Claim]], pa.Table]):
-        self.audit, self.score = audit, score
-        self.seen, self.evidence, self.claims, self.n_claims = 0, [], [], 0
-
-    def __call__(self, claims: list[Claim]) -> bool:
-        new = claims[self.seen :]
-        if new:
-            x, labels = self.audit.detector.sequential_evidence(self.score(new))
-            labels = np.zeros(len(x), dtype=np.int64) if labels is None else labels
-            self.evidence.append(x)
-            self.claims.append(labels + self.n_claims)       # labels unique across chunks
-            self.n_claims += int(labels.max(initial=-1)) + 1
-            self.seen = len(claims)
-        if not self.evidence:
-            return False
-        return self.audit.stopping_time(np.concatenate(self.evidence), np.concatenate(self.claims)) is not None
 
 
 def render_markdown(r: dict) -> str:

@@ -46,16 +46,14 @@ import pyarrow as pa
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from verinfer import __version__
-from verinfer.apps.audit_api import StreamingAudit
 from verinfer.apps.pipeline import VERIFIER_NUMERICS, score, verifier_engine
-from verinfer.audit.replay import score_chunk
 from verinfer.claims import Claim, read_claims, write_claims
 from verinfer.detect.calibrate import calibrate
 from verinfer.detect.base import Detector
 from verinfer.detect.greedy import GreedyDetector
 from verinfer.detect.registry import load_detector
 from verinfer.detect.base import block_sizes
-from verinfer.detect.sequential import SequentialAudit
+from verinfer.detect.sequential import SequentialAudit, StreamingAudit
 from verinfer.errors import VerinferError
 from verinfer.io import atomic_write_json, atomic_write_text, check_manifest, check_writable, exclusive_lock
 from verinfer.models.load import model_info
@@ -434,10 +432,13 @@ class ChatAudit:
         self.calibration = None       # (conversations, max_tokens) to calibrate on; None: fresh prompts
         self.timings: dict = {}
 
-    def score_file(self, claims_path: Path, out: Path) -> Path:
-        if not out.is_file():
-            score(claims_path, self.cfg.model_dir, out, engine=self.engine, show_progress=self.show,
-                  retokenizer=self.retok)
+    def score_file(self, claims_path: Path, out: Path, claims: list[Claim] | None = None) -> Path:
+        """The one replay of a claims file (skipped when `out` is newer). `claims`: the file's claims
+        so far, as a sequential audit's stop rule has them: the parts are kept, so claims collected
+        later replay alone and the final call (claims None) replays nothing."""
+        if claims is not None or not out.is_file() or out.stat().st_mtime < claims_path.stat().st_mtime:
+            score(claims_path, self.cfg.model_dir, out, engine=self.engine, show_progress=self.show and claims is None,
+                  retokenizer=self.retok, claims=claims, keep_parts=claims is not None)
         return out
 
     def _local(self, names: dict[str, Band], sub: str, conv: list[list[dict]],
@@ -499,8 +500,8 @@ class ChatAudit:
         row = VendorResult(endpoint.name, endpoint.base_url, endpoint.model)
         out = self.out / "vendors" / endpoint.name
         seq = SequentialAudit(det, alpha=self.cfg.target_fpr)
-        stop = (StreamingAudit(seq, lambda new: score_chunk(new, self.engine, retokenizer=self.retok))
-                if self.cfg.sequential else None)
+        stop = (StreamingAudit(seq, lambda claims: load_score_tables(
+            [self.score_file(out / "claims.jsonl", out / "scores.parquet", claims)])) if self.cfg.sequential else None)
         try:
             with progress_bar(f"{endpoint.name}: requests", len(self.conversations), self.show) as adv:
                 claims, sent = collect_vendor(endpoint, self.cfg, self.conversations, self.retok, out, adv, stop)
@@ -515,10 +516,7 @@ class ChatAudit:
         the anytime-valid verdict over the claims in order, the fixed-size one beside it, the
         calibrated mismatch-rate test on the same claims, the summary, the nearest band, what
         deciding cost, and how the claims' tokens were obtained."""
-        spath = out / "scores.parquet"
-        if spath.is_file() and spath.stat().st_mtime < (out / "claims.jsonl").stat().st_mtime:
-            spath.unlink()  # more claims since it was scored
-        table = load_score_tables([self.score_file(out / "claims.jsonl", spath)])
+        table = load_score_tables([self.score_file(out / "claims.jsonl", out / "scores.parquet")])
         v = SequentialAudit(det, alpha=self.cfg.target_fpr).verdict(table)
         point = summarize(table, margin_clip(det), seed=self.cfg.seed)
         row.verdict = v.with_(provider=row.name, fixed_n=det.verdict(table).to_dict()).to_dict()

@@ -34,7 +34,7 @@ import pyarrow as pa
 import torch
 
 from verinfer.claims import Claim
-from verinfer.io import ResumableParts, chunked
+from verinfer.io import ResumableParts
 from verinfer.engine.engine import Engine, Replay
 from verinfer.errors import VerinferError
 from verinfer.retokenize import Retokenizer
@@ -157,15 +157,23 @@ def scores_table(claims: list[Claim], replays: list[Replay], sigma: float = DEFA
     return table
 
 
-def _manifest(claims_sha: str, model_sha: str, numerics: dict, sigma: float, chunk: int, gaps: bool = False,
-              references=()) -> dict:
-    m = {"claims_sha256": claims_sha, "model_weights_sha256": model_sha, "numerics": numerics,
-         "sigma": sigma, "chunk_claims": chunk, "format": 2}
+def _manifest(model_sha: str, numerics: dict, sigma: float, chunk: int, gaps: bool = False, references=()) -> dict:
+    """What every part of a scores job shares; each part's own claims are named by its `part_key`."""
+    m = {"model_weights_sha256": model_sha, "numerics": numerics, "sigma": sigma, "chunk_claims": chunk, "format": 3}
     if gaps:
         m["gaps"] = list(GAP_TEMPERATURE_FACTORS)
     if references:
         m["references"] = sorted(references)
     return m
+
+
+def part_key(chunk: list[Claim]) -> str:
+    """The identity of a part's claims (sha256 of their JSON, 16 hex digits): a finished part is
+    reused wherever the same claims come at the same place of a file, however the file has grown."""
+    h = hashlib.sha256()
+    for c in chunk:
+        h.update(json.dumps(c.to_json(), sort_keys=True).encode())
+    return h.hexdigest()[:16]
 
 
 @dataclass(frozen=True)
@@ -175,9 +183,14 @@ class Scored:
     path: Path
     claims: int
     tokens: int
+    new_parts: tuple[Path, ...] = ()  # the parts this call replayed (the others were finished before)
 
     def table(self) -> pa.Table:
         return read_scores(self.path)
+
+    def new_table(self) -> pa.Table:
+        """The rows of the claims this call replayed, in order (with keep_parts=True)."""
+        return pa.concat_tables([read_part(p) for p in self.new_parts]) if self.new_parts else None
 
 
 def score_chunk(claims: list[Claim], engine: Engine, *, sigma: float = DEFAULT_SIGMA, fps: list | None = None,
@@ -317,17 +330,20 @@ def model_config(engine):
     return engine.model.config if isinstance(engine, Engine) else engine.config
 
 
-def score_claims(claims: Iterable[Claim], engine, out: str | Path, *, claims_sha: str | None = None,
-                 model_sha: str = "", sigma: float = DEFAULT_SIGMA, chunk_claims: int | None = None,
+def score_claims(claims: Iterable[Claim], engine, out: str | Path, *, model_sha: str = "",
+                 sigma: float = DEFAULT_SIGMA, chunk_claims: int | None = None,
                  batch_tokens: int | None = None, logits_budget: int | None = None, progress=None,
                  gaps: bool = False, on_part: Callable[[int], None] | None = None,
                  provenance: Provenance | None = None, references: dict | None = None, info=None,
                  check: Callable[[list[Claim]], None] | None = None,
-                 retokenizer: Retokenizer | None = None) -> Scored:
-    """Score every claim into `out` (Parquet), resuming finished chunks of an earlier run
+                 retokenizer: Retokenizer | None = None, keep_parts: bool = False) -> Scored:
+    """Score every claim into `out` (Parquet), resuming the finished parts of an earlier run
     (verinfer.io.ResumableParts: `<out>.parts/`, under a lock on `out`, so a second writer of the
-    same output is refused). gaps: add the signed-gap columns (see `scores_table`); with references
-    (name -> (Reference, Engine), an Engine only) also their envelope (`score_chunk`).
+    same output is refused). A part is reused where the same claims (its `part_key`) come at the
+    same place: a file that has grown since (a sequential audit's claims as they arrive) replays
+    only its new claims. keep_parts: leave the parts for such a later call (`Scored.new_parts`
+    are those this call replayed). gaps: add the signed-gap columns (see `scores_table`); with
+    references (name -> (Reference, Engine), an Engine only) also their envelope (`score_chunk`).
 
     engine: an Engine (parts scored here, one after another), an `audit.ray_pool.RayReplayPool`
     (parts scored by its actors, written here as they return: the same parts, bitwise) or an
@@ -337,52 +353,56 @@ def score_claims(claims: Iterable[Claim], engine, out: str | Path, *, claims_sha
     schema metadata; or info (the model's `models.load.ModelInfo`): the provenance of this engine's
     numerics and device and the noise backends of the claims scored.
 
-    claims may be a stream (`claims.iter_claims`), read once, `chunk_claims` at a time: each chunk
-    is checked (`check(chunk)`, then its fingerprints) just before it is scored, so bad input stops
-    the run with the finished parts kept; then `claims_sha` (of the file; identifies the job for
-    resuming) is required. retokenizer: claims derived from text are re-cut where the reference
-    segments their text differently (`recut_claims`). progress(n): called with the claims of each finished part. chunk_claims,
-    batch_tokens, logits_budget: `replay_batch_size` of the engine's device unless given."""
+    claims may be a stream (`claims.iter_claims`), read once, part by part: each part is checked
+    (`check(chunk)`, then its fingerprints) just before it is scored, so bad input stops the run
+    with the finished parts kept. retokenizer: claims derived from text are re-cut where the
+    reference segments their text differently (`recut_claims`). progress(n): called with the
+    claims of each finished part. chunk_claims (claims in a new part), batch_tokens, logits_budget:
+    `replay_batch_size` of the engine's device unless given."""
     out = Path(out)
     chunk_claims = chunk_claims or replay_batch_size(engine.device)[0]
-    if claims_sha is None:
-        if not isinstance(claims, (list, tuple)):
-            raise ValueError("score_claims: pass claims_sha (e.g. the claims file's sha256) with a stream of claims")
-        claims_sha = hashlib.sha256("".join(json.dumps(c.to_json()) for c in claims).encode()).hexdigest()[:16]
     references = references if gaps else None
     if references and not isinstance(engine, Engine):
         raise VerinferError("the honest-reference replays of --gaps run in this process, not on a Ray pool",
                             fix="score with --gaps without --workers / --ray-address")
-    manifest = _manifest(claims_sha, model_sha, engine.numerics.to_dict(), sigma, chunk_claims, gaps, references or ())
+    manifest = _manifest(model_sha, engine.numerics.to_dict(), sigma, chunk_claims, gaps, references or ())
     if retokenizer is not None:
         manifest["recut"] = True
     config = model_config(engine)
     schema = scores_schema(gaps, bool(references), getattr(engine, "extra_fields", ()))
     count = dict(parts=0, claims=0, tokens=0)
     claims_of: dict[int, int] = {}
+    keys: dict[int, str] = {}
     noise: set[str] = set()
     kwargs = dict(sigma=sigma, gaps=gaps, batch_tokens=batch_tokens, logits_budget=logits_budget,
                   retokenizer=retokenizer)
+    new: list[Path] = []
     with ResumableParts(out, manifest) as parts:
         def jobs() -> Iterator[tuple]:
             """(k, claims, fingerprints, layer) of every part not finished by an earlier run."""
-            first_fp = None
-            for k, chunk in enumerate(chunked(claims, chunk_claims)):
+            first_fp, it, k = None, iter(claims), 0
+            while True:
+                known = parts.meta(k)  # a finished part: reused if the same claims come here again
+                chunk = list(itertools.islice(it, known["claims"] if known else chunk_claims))
+                if not chunk:
+                    return
                 if check is not None:
                     check(chunk)
                 noise.update(c.sampling.noise for c in chunk)
-                tokens = sum(len(c.output_token_ids) for c in chunk)
-                count["parts"], count["claims"], count["tokens"] = k + 1, count["claims"] + len(chunk), \
-                    count["tokens"] + tokens
+                count["parts"], count["claims"] = k + 1, count["claims"] + len(chunk)
+                count["tokens"] += sum(len(c.output_token_ids) for c in chunk)
                 fps, layer, first_fp = fingerprints_of(chunk, config, first_fp)
-                if parts.done(k) and not part_is_readable(parts.path(k)):
-                    parts.discard(k)  # truncated by a killed writer: recompute it
+                keys[k] = part_key(chunk)
+                if parts.done(k) and (known is None or known != {"claims": len(chunk), "key": keys[k]}
+                                      or not part_is_readable(parts.path(k))):
+                    parts.discard_from(k)  # other claims here (or a truncated part): this and later ones
                 if parts.done(k):
                     if progress is not None:
                         progress(len(chunk))
-                    continue
-                claims_of[k] = len(chunk)
-                yield k, chunk, fps, layer
+                else:
+                    claims_of[k] = len(chunk)
+                    yield k, chunk, fps, layer
+                k += 1
 
         if isinstance(engine, Engine):
             results = ((k, score_chunk(chunk, engine, fps=fps, layer=layer, references=references, **kwargs))
@@ -390,7 +410,7 @@ def score_claims(claims: Iterable[Claim], engine, out: str | Path, *, claims_sha
         else:
             results = engine.map_parts(jobs(), **kwargs)
         for k, t in results:
-            parts.write(k, lambda tmp: write_part(t, tmp))
+            new.append(parts.write(k, lambda tmp: write_part(t, tmp), {"claims": claims_of[k], "key": keys[k]}))
             del t
             if progress is not None:
                 progress(claims_of.pop(k))
@@ -400,5 +420,5 @@ def score_claims(claims: Iterable[Claim], engine, out: str | Path, *, claims_sha
         if provenance is None and info is not None:
             provenance = make_provenance(info, engine.numerics, engine.device, noise)
         write_scores(out, (read_part(parts.path(k)) for k in range(count["parts"])), schema, provenance)
-        parts.finish()
-    return Scored(out, count["claims"], count["tokens"])
+        parts.finish(keep=keep_parts)
+    return Scored(out, count["claims"], count["tokens"], tuple(sorted(new)))

@@ -174,3 +174,24 @@ class SequentialAudit:
         """The first t (1-based) with log_e[t - 1] >= log(1/alpha), None if none."""
         hit = np.flatnonzero(log_e >= self.log_threshold)
         return int(hit[0]) + 1 if hit.size else None
+
+
+class StreamingAudit:
+    """The stop rule of a collection (`collect_claims` of audit-api, `collect_vendor` of the chat
+    audits): after each new claim, `scores(claims)` gives the score table of every claim so far,
+    and the e-process over it says whether the audit has reached 1/alpha (anytime-valid).
+
+    `scores` is the audit's one replay (`apps.pipeline.score` over the growing claims file with its
+    parts kept): it replays only the claims it has not scored before, and the final verdict reads
+    the same parts, so every claim is replayed once. `decided` holds the last answer."""
+
+    def __init__(self, audit: SequentialAudit, scores):
+        self.audit, self.scores = audit, scores
+        self.seen, self.decided = 0, False
+
+    def __call__(self, claims: list) -> bool:
+        if len(claims) != self.seen:
+            self.seen = len(claims)
+            self.decided = self.audit.stopping_time(*self.audit.detector.sequential_evidence(self.scores(claims))) \
+                is not None
+        return self.decided
