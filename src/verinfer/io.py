@@ -339,8 +339,6 @@ class ResumableParts:
             if i >= k:
                 self.discard(i)
 
-    def finish(self, keep: bool = False) -> None:
-        """The job's output is written: remove the parts (keep=True: leave them for a later run
-        over grown inputs, whose finished parts it then reuses)."""
-        if not keep:
-            shutil.rmtree(self.dir, ignore_errors=True)
+    def finish(self) -> None:
+        """The job's output is written: remove the parts."""
+        shutil.rmtree(self.dir, ignore_errors=True)

@@ -138,8 +138,11 @@ max_retries = 0
     small = rows["small-model"]
     assert small["verdict"]["flagged"] and small["requests_to_decide"] <= small["n_requests"] < 24
     assert small["tokens_to_decide"] <= small["n_tokens"] and small["exact_match"] < 0.95
-    mm = small["mismatch_test"]  # the calibrated mismatch-rate test beside it: flags too, never sooner
-    assert mm["fixed_n"]["flagged"] and (mm["tokens_to_decide"] is None or mm["tokens_to_decide"] >= small["tokens_to_decide"])
+    # the calibrated mismatch-rate test beside it, on the same few claims: never stronger (its fixed-size
+    # p-value at least verinfer's; measured 0.015 against 3.4e-5 on 5 replies), never sooner
+    mm = small["mismatch_test"]
+    assert mm["fixed_n"]["p_value"] >= small["verdict"]["fixed_n"]["p_value"], json.dumps(small)
+    assert (mm["tokens_to_decide"] is None or mm["tokens_to_decide"] >= small["tokens_to_decide"])
     assert not rows["honest"]["mismatch_test"]["flagged"] and not rows["honest"]["mismatch_test"]["fixed_n"]["flagged"]
     assert rows["dead"]["verdict"] is None and "cannot reach" in rows["dead"]["error"]
     assert set(doc["bands"]) == {"bf16", "int4"}

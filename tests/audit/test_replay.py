@@ -1,4 +1,5 @@
 import numpy as np
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
@@ -114,10 +115,13 @@ def test_streamed_claims_and_small_batches_score_the_same(tiny_llama_dir, verifi
 
 
 def test_a_grown_claims_file_replays_only_its_new_claims(tiny_llama_dir, verifier, tmp_path, monkeypatch):
-    """keep_parts: a sequential audit scores its claims file as it grows. Each call replays only the
-    claims no finished part holds (parts are named by their claims, `part_key`), the final table has
-    every claim once, in order, bitwise the rows each part gave; a part whose claims changed is
-    replayed again, with every part after it."""
+    """growing=True: a sequential audit scores its claims file as it grows (StreamRows). Each call
+    replays only the claims no finished part holds (parts are named by their claims, `part_key`)
+    and returns the rows it had not returned; the final call (growing=False) replays nothing and
+    writes every claim once, in order, bitwise the rows the parts gave; a part whose claims changed
+    is replayed again, with every part after it."""
+    from verinfer.audit.replay import StreamRows
+
     claims = run_provider(ProviderConfig("h", FP32, batch_size=4), tiny_llama_dir, _prompts(10), SPEC)
     real, replayed = replay_mod.score_chunk, []
 
@@ -127,20 +131,20 @@ def test_a_grown_claims_file_replays_only_its_new_claims(tiny_llama_dir, verifie
 
     monkeypatch.setattr(replay_mod, "score_chunk", counting)
     out = tmp_path / "s.parquet"
-    first = score_claims(claims[:5], verifier, out, chunk_claims=3, keep_parts=True)
-    assert replayed == [[c.id for c in claims[:3]], [c.id for c in claims[3:5]]] and len(first.new_parts) == 2
-    rows5 = first.table()
-    grown = score_claims(claims[:10], verifier, out, chunk_claims=3, keep_parts=True)
+    rows = StreamRows(lambda cs: score_claims(cs, verifier, out, chunk_claims=3, growing=True))
+    first = rows(claims[:5])
+    assert replayed == [[c.id for c in claims[:3]], [c.id for c in claims[3:5]]] and not out.exists()
+    second = rows(claims[:10])
     assert replayed[2:] == [[c.id for c in claims[5:8]], [c.id for c in claims[8:10]]]
-    assert grown.claims == 10 and len(grown.new_parts) == 2
-    t = grown.table()
-    assert t.slice(0, rows5.num_rows).equals(rows5)
-    assert t.slice(rows5.num_rows).equals(grown.new_table())
+    assert rows(claims[:10]) is None and len(replayed) == 4  # nothing new: nothing replayed, no rows
+    final = score_claims(claims[:10], verifier, out, chunk_claims=3)
+    assert len(replayed) == 4 and final.claims == 10
+    t = final.table()
+    assert t.equals(pa.concat_tables([first, second]))
     assert t["claim_id"].unique().to_pylist() == [c.id for c in claims]
-    score_claims(claims[:10], verifier, out, chunk_claims=3, keep_parts=True)
-    assert len(replayed) == 4  # nothing new: nothing replayed
+    assert not out.with_name(out.name + ".parts").exists()  # written: the parts are removed
+    score_claims(claims[:5], verifier, out, chunk_claims=3, growing=True)
     changed = claims[:4] + [claims[5]] + claims[5:10]
     score_claims(changed, verifier, out, chunk_claims=3)
-    # parts [0:3] kept; the part at [3:5] now holds other claims: it and every later part replayed
-    assert replayed[4:] == [[c.id for c in changed[3:5]], [c.id for c in changed[5:8]], [c.id for c in changed[8:11]]]
-    assert not out.with_name(out.name + ".parts").exists()  # keep_parts=False: the parts are removed
+    # part [0:3] kept; the part at [3:5] now holds other claims: it and every later one replayed
+    assert replayed[6:] == [[c.id for c in changed[3:5]], [c.id for c in changed[5:8]], [c.id for c in changed[8:11]]]

@@ -45,7 +45,7 @@ import numpy as np
 import pyarrow as pa
 
 from verinfer.apps.pipeline import VERIFIER_NUMERICS, reference_engines, score, verifier_engine
-from verinfer.audit.replay import score_chunk
+from verinfer.audit.replay import StreamRows, score_chunk
 from verinfer.models.prompts import prompts_for
 from verinfer.claims import Claim, read_claims, write_claims
 from verinfer.io import atomic_write_json, atomic_write_text, check_manifest, check_writable, exclusive_lock
@@ -411,26 +411,26 @@ def audit_api(cfg: ApiAuditConfig, *, show_progress: bool = True) -> ApiAuditRes
 
     refs = reference_engines(cfg.model_dir, engine, cfg.device) if cfg.sequential else None
 
-    def score_fn(cpath: Path, spath: Path, claims: list[Claim] | None = None) -> Path:
-        """The one replay of a claims file. `claims`: the file's claims so far, as a sequential audit's
-        stop rule has them: the parts are kept, so claims collected later replay alone and the final
-        call (claims None) replays nothing."""
-        if claims is not None or not spath.is_file() or spath.stat().st_mtime < cpath.stat().st_mtime:
-            score(cpath, cfg.model_dir, spath, engine=engine, show_progress=show_progress and claims is None,
-                  gaps=cfg.sequential, claims=claims, keep_parts=claims is not None,
-                  references=refs)
+    def score_fn(cpath: Path, spath: Path, keep_parts: bool = False) -> Path:
+        """The replay of a claims file (skipped when `spath` is newer; the parts a sequential
+        audit's stop rule replayed are read, not replayed again). keep_parts: the endpoint's
+        claims, which a resumed audit extends."""
+        if not spath.is_file() or spath.stat().st_mtime < cpath.stat().st_mtime:
+            score(cpath, cfg.model_dir, spath, engine=engine, show_progress=show_progress, gaps=cfg.sequential,
+                  references=refs, keep_parts=keep_parts)
         return spath
 
     det, ctimes, stop = None, {}, None
     if cfg.sequential:  # calibrate first: each answer is judged as it arrives
         det, ctimes = calibrated_detector(cfg, mode, info, engine, score_fn, show_progress)
-        stop = StreamingAudit(SequentialAudit(det, alpha=cfg.target_fpr), lambda claims: load_score_tables(
-            [score_fn(out / "claims.jsonl", out / "scores.parquet", claims)]))
+        stop = StreamingAudit(SequentialAudit(det, alpha=cfg.target_fpr), StreamRows(lambda claims: score(
+            out / "claims.jsonl", cfg.model_dir, out / "scores.parquet", engine=engine, show_progress=False, gaps=True,
+            references=refs, claims=claims, growing=True)))
     t_calib = time.perf_counter()
     with progress_bar(f"audit-api: requests to {cfg.base_url}", len(prompts), show_progress) as adv:
         claims_path, claims = collect_claims(client, cfg, mode, prompts, info.name, adv, stop=stop)
     t_collect = time.perf_counter()
-    scores_path = score_fn(claims_path, out / "scores.parquet")
+    scores_path = score_fn(claims_path, out / "scores.parquet", keep_parts=cfg.sequential)
     t_score = time.perf_counter()
     if det is None:
         det, ctimes = calibrated_detector(cfg, mode, info, engine, score_fn, show_progress)

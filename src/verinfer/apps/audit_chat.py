@@ -46,6 +46,7 @@ import pyarrow as pa
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from verinfer import __version__
+from verinfer.audit.replay import StreamRows
 from verinfer.apps.pipeline import VERIFIER_NUMERICS, score, verifier_engine
 from verinfer.claims import Claim, read_claims, write_claims
 from verinfer.detect.calibrate import calibrate
@@ -432,14 +433,20 @@ class ChatAudit:
         self.calibration = None       # (conversations, max_tokens) to calibrate on; None: fresh prompts
         self.timings: dict = {}
 
-    def score_file(self, claims_path: Path, out: Path, claims: list[Claim] | None = None) -> Path:
-        """The one replay of a claims file (skipped when `out` is newer). `claims`: the file's claims
-        so far, as a sequential audit's stop rule has them: the parts are kept, so claims collected
-        later replay alone and the final call (claims None) replays nothing."""
-        if claims is not None or not out.is_file() or out.stat().st_mtime < claims_path.stat().st_mtime:
-            score(claims_path, self.cfg.model_dir, out, engine=self.engine, show_progress=self.show and claims is None,
-                  retokenizer=self.retok, claims=claims, keep_parts=claims is not None)
+    def score_file(self, claims_path: Path, out: Path, keep_parts: bool = False) -> Path:
+        """The replay of a claims file (skipped when `out` is newer; the parts a sequential audit's
+        stop rule replayed are read, not replayed again). keep_parts: a vendor's claims, which a
+        resumed audit extends (its stop rule then reads the parts instead of replaying them)."""
+        if not out.is_file() or out.stat().st_mtime < claims_path.stat().st_mtime:
+            score(claims_path, self.cfg.model_dir, out, engine=self.engine, show_progress=self.show,
+                  retokenizer=self.retok, keep_parts=keep_parts)
         return out
+
+    def stream_rows(self, claims_path: Path, out: Path) -> StreamRows:
+        """The stop rule's replay of a claims file as it grows: its parts are `score_file`'s."""
+        return StreamRows(lambda claims: score(claims_path, self.cfg.model_dir, out, engine=self.engine,
+                                               show_progress=False, retokenizer=self.retok, claims=claims,
+                                               growing=True))
 
     def _local(self, names: dict[str, Band], sub: str, conv: list[list[dict]],
                max_tokens: list[int] | None = None, engine: str = "verinfer") -> dict[str, pa.Table]:
@@ -500,8 +507,8 @@ class ChatAudit:
         row = VendorResult(endpoint.name, endpoint.base_url, endpoint.model)
         out = self.out / "vendors" / endpoint.name
         seq = SequentialAudit(det, alpha=self.cfg.target_fpr)
-        stop = (StreamingAudit(seq, lambda claims: load_score_tables(
-            [self.score_file(out / "claims.jsonl", out / "scores.parquet", claims)])) if self.cfg.sequential else None)
+        stop = (StreamingAudit(seq, self.stream_rows(out / "claims.jsonl", out / "scores.parquet"),
+                               every=endpoint.concurrency) if self.cfg.sequential else None)
         try:
             with progress_bar(f"{endpoint.name}: requests", len(self.conversations), self.show) as adv:
                 claims, sent = collect_vendor(endpoint, self.cfg, self.conversations, self.retok, out, adv, stop)
@@ -516,7 +523,7 @@ class ChatAudit:
         the anytime-valid verdict over the claims in order, the fixed-size one beside it, the
         calibrated mismatch-rate test on the same claims, the summary, the nearest band, what
         deciding cost, and how the claims' tokens were obtained."""
-        table = load_score_tables([self.score_file(out / "claims.jsonl", out / "scores.parquet")])
+        table = load_score_tables([self.score_file(out / "claims.jsonl", out / "scores.parquet", keep_parts=True)])
         v = SequentialAudit(det, alpha=self.cfg.target_fpr).verdict(table)
         point = summarize(table, margin_clip(det), seed=self.cfg.seed)
         row.verdict = v.with_(provider=row.name, fixed_n=det.verdict(table).to_dict()).to_dict()

@@ -80,7 +80,7 @@ def score(claims_path: str | Path, model_dir: str | Path, out: str | Path, *, en
           model_names: tuple[str, ...] = (), workers: int | None = None, ray_address: str | None = None,
           worker_threads: int = 1, reference_url: str | None = None, reference_model: str | None = None,
           reference_logprobs: int = 20, reference_concurrency: int = 4, reference_protocol: str = "prompt_logprobs",
-          claims=None, retokenizer: Retokenizer | None = None, keep_parts: bool = False,
+          claims=None, retokenizer: Retokenizer | None = None, growing: bool = False, keep_parts: bool = False,
           references: dict | None = None) -> Scored:
     """Replay and score every claim (one Parquet row per token). matmul: the verifier's
     Numerics.matmul when no engine is given ('fp32' is the faster bf16-faithful path on CPU).
@@ -98,8 +98,9 @@ def score(claims_path: str | Path, model_dir: str | Path, out: str | Path, *, en
     the model's tokenizer); model_dir then needs only the model's config.json (and its tokenizer for "echo"). claims: the stream of the file's
     claims when the caller has started reading it (`score_file` peeks at the first claim).
     Claims derived from chat text are re-cut where the reference segments the text differently
-    (`audit.replay.recut_claims`), with `retokenizer` or the model's own tokenizer. keep_parts: keep
-    the replayed parts for a later call over the grown file (`score_claims`; a sequential audit)."""
+    (`audit.replay.recut_claims`), with `retokenizer` or the model's own tokenizer. growing: the
+    claims so far of a file still being collected (`score_claims`; a sequential audit's stop rule);
+    keep_parts: keep the parts of a file a later command may extend."""
     check_writable(out, "scores file", inputs=[claims_path])  # locked while written: ResumableParts
     info = model_info(model_dir)
     if reference_url is not None:
@@ -124,7 +125,7 @@ def score(claims_path: str | Path, model_dir: str | Path, out: str | Path, *, en
                              threads=worker_threads, device=device, address=ray_address)
         with pool:
             return score(claims_path, model_dir, out, engine=pool, show_progress=show_progress, gaps=gaps,
-                         model_names=model_names, claims=claims, keep_parts=keep_parts)
+                         model_names=model_names, claims=claims, growing=growing, keep_parts=keep_parts)
     engine = engine or verifier_engine(model_dir, VERIFIER_NUMERICS.with_(matmul=matmul), device=device)
 
     def check(chunk: list[Claim]) -> None:
@@ -137,7 +138,7 @@ def score(claims_path: str | Path, model_dir: str | Path, out: str | Path, *, en
     n_lines = len(claims) if isinstance(claims, list) else sha256_and_lines(claims_path)[1]
     with progress_bar(f"score {Path(claims_path).name} (claims)", n_lines, show_progress) as adv:
         return score_claims(claims if claims is not None else iter_claims(claims_path), engine, out,
-                            model_sha=info.weights_sha256, progress=adv, keep_parts=keep_parts,
+                            model_sha=info.weights_sha256, progress=adv, growing=growing, keep_parts=keep_parts,
                             gaps=gaps, info=info, check=check, retokenizer=retokenizer,
                             references=references or (reference_engines(model_dir, engine, device)
                                                       if gaps and isinstance(engine, Engine) else None))

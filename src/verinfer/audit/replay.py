@@ -184,13 +184,26 @@ class Scored:
     claims: int
     tokens: int
     new_parts: tuple[Path, ...] = ()  # the parts this call replayed (the others were finished before)
+    parts: tuple[Path, ...] = ()      # growing=True: every part, in claim order (`path` is not written)
 
     def table(self) -> pa.Table:
+        if self.parts and not self.path.is_file():
+            return pa.concat_tables([read_part(p) for p in self.parts])
         return read_scores(self.path)
 
-    def new_table(self) -> pa.Table:
-        """The rows of the claims this call replayed, in order (with keep_parts=True)."""
-        return pa.concat_tables([read_part(p) for p in self.new_parts]) if self.new_parts else None
+
+class StreamRows:
+    """The rows of a growing claims file's claims, each claim replayed once: `scores(claims)` is a
+    `score_claims(..., growing=True)` over the claims so far (it replays the claims no part holds
+    yet); each call returns the rows of the parts it has not returned before (None: none)."""
+
+    def __init__(self, scores: Callable[[list[Claim]], Scored]):
+        self.scores, self.returned = scores, 0
+
+    def __call__(self, claims: list[Claim]) -> pa.Table | None:
+        parts = self.scores(claims).parts
+        new, self.returned = parts[self.returned:], len(parts)
+        return pa.concat_tables([read_part(p) for p in new]) if new else None
 
 
 def score_chunk(claims: list[Claim], engine: Engine, *, sigma: float = DEFAULT_SIGMA, fps: list | None = None,
@@ -336,13 +349,15 @@ def score_claims(claims: Iterable[Claim], engine, out: str | Path, *, model_sha:
                  gaps: bool = False, on_part: Callable[[int], None] | None = None,
                  provenance: Provenance | None = None, references: dict | None = None, info=None,
                  check: Callable[[list[Claim]], None] | None = None,
-                 retokenizer: Retokenizer | None = None, keep_parts: bool = False) -> Scored:
+                 retokenizer: Retokenizer | None = None, growing: bool = False,
+                 keep_parts: bool = False) -> Scored:
     """Score every claim into `out` (Parquet), resuming the finished parts of an earlier run
     (verinfer.io.ResumableParts: `<out>.parts/`, under a lock on `out`, so a second writer of the
     same output is refused). A part is reused where the same claims (its `part_key`) come at the
     same place: a file that has grown since (a sequential audit's claims as they arrive) replays
-    only its new claims. keep_parts: leave the parts for such a later call (`Scored.new_parts`
-    are those this call replayed). gaps: add the signed-gap columns (see `scores_table`); with
+    only its new claims. growing: the claims so far of a file still being collected: the parts
+    are kept for the next call and `out` is not written (`Scored.parts`; a later call without
+    growing writes it and removes them, unless keep_parts: a file a later command may extend). gaps: add the signed-gap columns (see `scores_table`); with
     references (name -> (Reference, Engine), an Engine only) also their envelope (`score_chunk`).
 
     engine: an Engine (parts scored here, one after another), an `audit.ray_pool.RayReplayPool`
@@ -419,6 +434,10 @@ def score_claims(claims: Iterable[Claim], engine, out: str | Path, *, model_sha:
 
         if provenance is None and info is not None:
             provenance = make_provenance(info, engine.numerics, engine.device, noise)
-        write_scores(out, (read_part(parts.path(k)) for k in range(count["parts"])), schema, provenance)
-        parts.finish(keep=keep_parts)
+        every = tuple(parts.path(k) for k in range(count["parts"]))
+        if growing:
+            return Scored(out, count["claims"], count["tokens"], tuple(sorted(new)), every)
+        write_scores(out, (read_part(p) for p in every), schema, provenance)
+        if not keep_parts:
+            parts.finish()
     return Scored(out, count["claims"], count["tokens"], tuple(sorted(new)))
