@@ -280,6 +280,15 @@ def test_only_openai_client_builds_the_openai_client():
                                      "(`new_client`; openai errors become EndpointError in `endpoint_errors`)")
 
 
+def test_openai_client_sits_below_every_layer_that_uses_it():
+    """openai_client.py is not in pyproject's import-linter layers (providers and audit, both its
+    callers, are independent siblings of one layer): of verinfer it may import errors only."""
+    tree = ast.parse((SRC / "openai_client.py").read_text())
+    imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module} | \
+               {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    assert {m for m in imported if m.split(".")[0] == "verinfer"} == {"verinfer.errors"}
+
+
 # --- the checkers on snippets: what they flag and what they leave alone ------------------------------
 
 def _lines(check, code: str) -> list[int]:
