@@ -5,7 +5,10 @@
     `warnings_`, ...) is assigned outside src/verinfer/detect/;
 (c) no module outside src/verinfer/scores.py writes Parquet (io.py may hold a generic atomic
     writer, if scores.py is what calls it), and none defines the score columns (a pyarrow schema
-    or field naming one, a collection naming all of them, or one of the contract's constants).
+    or field naming one, a collection naming all of them, or one of the contract's constants);
+(d) the official openai client is built (`OpenAI(...)`, `AsyncOpenAI(...)`) and the `openai`
+    package imported only in src/verinfer/openai_client.py, so one factory and one error mapping
+    serve every caller (issue 44).
 
 A failing check lists each offence as file:line. The checks on src/ are xfail while the issue 30
 refactor is in flight (the lead removes the marks once it lands); the tests of the checkers on
@@ -28,6 +31,7 @@ SCORE_NAMES = frozenset({"margin", "likelihood", "exact_match", "cross_entropy"}
 CONTRACT_NAMES = frozenset({"SCORE_SCHEMA", "SCORES", "ACTIVATION_SCORES", "ALL_SCORES",
                             "GAP_TEMPERATURE_FACTORS", "GAP_TOP_P_SLACK", "ENVELOPE_PREFIX"})
 PARQUET_WRITERS = frozenset({"write_table", "ParquetWriter", "write_to_dataset"})
+OPENAI_CLIENTS = frozenset({"OpenAI", "AsyncOpenAI"})
 IN_FLIGHT = lambda f: f  # noqa: E731  (the refactor has landed: the checks hold)
 
 
@@ -184,6 +188,25 @@ def score_column_definitions(tree: ast.AST) -> list[tuple[int, str]]:
     return out
 
 
+def openai_uses(tree: ast.AST) -> list[tuple[int, str]]:
+    """`import openai` / `from openai import ...` (any submodule, any alias), and every call of a
+    name or attribute `OpenAI` / `AsyncOpenAI` (`openai.OpenAI(...)`, `OpenAI(...)`, an alias of
+    either imported from openai)."""
+    out, aliases = [], set(OPENAI_CLIENTS)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, f"import {a.name}") for a in node.names if a.name.split(".")[0] == "openai"]
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "openai" and not node.level:
+            out.append((node.lineno, f"from {node.module} import ..."))
+            aliases |= {a.asname for a in node.names if a.name in OPENAI_CLIENTS and a.asname}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            name = _dotted(node.func)
+            if name is not None and name.split(".")[-1] in aliases:
+                out.append((node.lineno, f"{name}(...) builds an openai client"))
+    return out
+
+
 # --- the source ---------------------------------------------------------------------------------
 
 def _modules(under: Path = SRC):
@@ -191,8 +214,8 @@ def _modules(under: Path = SRC):
         yield path, ast.parse(path.read_text(), filename=str(path))
 
 
-def _where(path: Path, offences: list[tuple[int, str]]) -> list[str]:
-    rel = path.relative_to(ROOT).as_posix()
+def _where(path: Path, offences: list[tuple[int, str]], root: Path = ROOT) -> list[str]:
+    rel = path.relative_to(root).as_posix()
     return [f"{rel}:{line}: {what}" for line, what in sorted(offences)]
 
 
@@ -246,6 +269,24 @@ def test_only_scores_defines_the_score_columns():
     found = [w for path, tree in _modules() if path != scores_py
              for w in _where(path, score_column_definitions(tree))]
     assert not found, _report(found, "only src/verinfer/scores.py defines score column names and the schema")
+
+
+@IN_FLIGHT
+def test_only_openai_client_builds_the_openai_client():
+    factory = SRC / "openai_client.py"
+    assert _lines(openai_uses, factory.read_text()) != []  # the factory itself is seen: the check reads it
+    found = [w for path, tree in _modules() if path != factory for w in _where(path, openai_uses(tree))]
+    assert not found, _report(found, "only src/verinfer/openai_client.py imports openai and builds its client "
+                                     "(`new_client`; openai errors become EndpointError in `endpoint_errors`)")
+
+
+def test_openai_client_sits_below_every_layer_that_uses_it():
+    """openai_client.py is not in pyproject's import-linter layers (providers and audit, both its
+    callers, are independent siblings of one layer): of verinfer it may import errors only."""
+    tree = ast.parse((SRC / "openai_client.py").read_text())
+    imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module} | \
+               {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    assert {m for m in imported if m.split(".")[0] == "verinfer"} == {"verinfer.errors"}
 
 
 # --- the checkers on snippets: what they flag and what they leave alone ------------------------------
@@ -348,3 +389,31 @@ def f():
     SCORES = ("margin",)
 """
     assert _lines(score_column_definitions, clean) == []
+
+
+def test_openai_uses_flag_every_construction_and_import_and_nothing_else(tmp_path):
+    flagged = """
+import openai
+import openai.types as ot
+from openai import OpenAI as Client, APIStatusError
+client = openai.OpenAI(base_url=u)
+c = OpenAI()
+c = Client(api_key=k)
+a = openai.AsyncOpenAI()
+x = sdk.OpenAI()
+"""
+    assert _lines(openai_uses, flagged) == [2, 3, 4, 5, 6, 7, 8, 9]
+    clean = """
+from verinfer.openai_client import new_client, endpoint_errors
+client = new_client(url, timeout=1.0, max_retries=2)
+cmd = "python -m vllm.entrypoints.openai.api_server"
+from .openai import helper
+OpenAIish()
+x = client.OpenAI
+"""
+    assert _lines(openai_uses, clean) == []
+    planted = tmp_path / "pkg" / "rogue.py"  # the src/ scan finds a construction in any file under it
+    planted.parent.mkdir()
+    planted.write_text("def f(openai):\n    return openai.OpenAI(base_url='http://x/v1')\n")
+    assert [w for path, tree in _modules(tmp_path) for w in _where(path, openai_uses(tree), tmp_path)] == \
+        ["pkg/rogue.py:2: openai.OpenAI(...) builds an openai client"]

@@ -24,23 +24,10 @@ from pathlib import Path
 from verinfer.apps.audit_chat import (ChatAuditConfig, ChatAuditResult, VendorResult, audit_vendors as _audit_vendors,
                                       audit_endpoint as _audit_endpoint, audit_log as _audit_log, read_vendors)
 from verinfer.audit.replay import Scored
+from verinfer.models.catalog import trusted_model_dir
 from verinfer.providers.chat_http import ChatEndpoint
 
 DEFAULT_OUT = Path("runs/audit-chat")
-
-
-def trusted_model_dir(trusted_model: str | Path | None) -> Path:
-    """A directory, a catalog name (its verified cached conversion), or None (the testbed target)."""
-    if trusted_model is None:
-        from verinfer.models.testbed import TARGET_DIR
-
-        return TARGET_DIR
-    p = Path(trusted_model)
-    if p.is_dir():
-        return p
-    from verinfer.models.catalog import resolve_model
-
-    return resolve_model(str(trusted_model))
 
 
 def _config(trusted_model, out_dir, settings: dict) -> ChatAuditConfig:

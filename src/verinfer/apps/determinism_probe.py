@@ -36,10 +36,11 @@ from concurrent.futures import ThreadPoolExecutor, wait, FIRST_EXCEPTION
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from verinfer.errors import VerinferError, api_error_message
+from verinfer.errors import VerinferError
 from verinfer.io import atomic_write_json, atomic_write_text, output
+from verinfer.openai_client import EndpointError, endpoint_errors
 from verinfer.progress import progress_bar
-from verinfer.providers.openai_http import Endpoint, EndpointError, openai_client
+from verinfer.providers.openai_http import Endpoint, openai_client
 from verinfer.report.probe import probe_markdown, write_probe_html
 
 NEAR_TIE = 1.0                        # logits: a flip at a smaller reference margin is a near-tie
@@ -287,8 +288,6 @@ class Client:
 
     def complete(self, job: Job, request: str) -> dict:
         """choices[0] of the reply to `job` as JSON."""
-        import openai
-
         kw = dict(model=self.endpoint.model, prompt=job.prompt, max_tokens=job.max_tokens,
                   temperature=job.temperature, logprobs=TOP_LOGPROBS)
         if job.seed is not None:
@@ -296,25 +295,22 @@ class Client:
         if self.token_ids:
             kw["extra_body"] = {"return_token_ids": True}
         url = self.endpoint.base_url
-        try:
+        with endpoint_errors(request, url, status_fix=self.status_fix,
+                             reach_fix="start the server or check --base-url (an OpenAI-compatible API ending in /v1)"):
             reply = self.client.completions.create(**kw).model_dump()
-        except (openai.APIConnectionError, openai.APITimeoutError) as e:
-            raise EndpointError(f"{request}: cannot reach {url} ({type(e).__name__}: {e})", where=url,
-                                fix="start the server or check --base-url (an OpenAI-compatible API ending in "
-                                    "/v1)") from e
-        except openai.NotFoundError as e:
-            raise EndpointError(f"{request}: HTTP 404: {api_error_message(e)}", where=url,
-                                fix=f"check --model: {self.served_hint()}") from e
-        except openai.APIStatusError as e:
-            msg = api_error_message(e)
-            fix = ("the endpoint refuses `logprobs`: probe one that returns top logprobs on /v1/completions "
-                   "(vLLM: --max-logprobs 2 or more)" if "logprob" in msg.lower() else
-                   "check --model and that the endpoint serves /v1/completions")
-            raise EndpointError(f"{request}: HTTP {e.status_code}: {msg}", where=url, fix=fix) from e
         if not reply.get("choices"):
             raise EndpointError(f"{request}: the reply holds no choices", where=url,
                                 fix="probe an OpenAI-compatible completions endpoint")
         return reply["choices"][0]
+
+    def status_fix(self, status: int, msg: str) -> str:
+        """What to do about an HTTP error: the model names served (404), top logprobs refused."""
+        if status == 404:
+            return f"check --model: {self.served_hint()}"
+        if "logprob" in msg.lower():
+            return ("the endpoint refuses `logprobs`: probe one that returns top logprobs on /v1/completions "
+                    "(vLLM: --max-logprobs 2 or more)")
+        return "check --model and that the endpoint serves /v1/completions"
 
     def served_hint(self) -> str:
         """The models the endpoint lists (/v1/models), or why they are unknown."""

@@ -65,8 +65,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from verinfer.audit.replay import recut_claims, replay_batch_size, scores_table
 from verinfer.claims import Claim
 from verinfer.engine.engine import Replay
-from verinfer.errors import VerinferError, api_error_message
+from verinfer.errors import VerinferError
 from verinfer.models.llama import LlamaConfig
+from verinfer.openai_client import endpoint_errors, new_client
 from verinfer.retokenize import Retokenizer
 from verinfer.sampling.params import SamplingParams
 from verinfer.scores import CROSS_ENTROPY, DEFAULT_SIGMA, REMOTE_FIELDS
@@ -225,35 +226,25 @@ class RemoteReference:
     @property
     def client(self):
         if self._client is None:
-            try:
-                import openai
-            except ImportError as e:  # pragma: no cover - the [server] extra brings it
-                raise VerinferError("the `openai` package is not installed",
-                                    fix='pip install -e ".[server]" (it has the official openai client)') from e
-            self._client = openai.OpenAI(base_url=self.url, api_key=self.api_key, timeout=self.timeout,
-                                         max_retries=self.retries)
+            self._client = new_client(self.url, self.api_key, timeout=self.timeout, max_retries=self.retries)
         return self._client
 
     # --- the server ---------------------------------------------------------------------------
     def fetch(self, claim: Claim) -> list[dict[int, float]]:
         """The prompt logprobs rows of the claim's output tokens ([T] dicts token id -> logprob),
         validated; a ReferenceServerError naming the server and the claim otherwise."""
-        import openai
-
         ids = list(claim.prompt_token_ids) + list(claim.output_token_ids)
         where = f"{self.url} (claim {claim.id!r}{', ' + claim.source if claim.source else ''})"
         ask = ({"prompt_logprobs": self.logprobs} if self.protocol == "prompt_logprobs"
                else {"echo": True, "logprobs": self.logprobs})
-        try:
+        with endpoint_errors(None, where, target=f"the reference server after {self.retries} retries",
+                             reach_fix=f"check --reference-url or start the server ({START_SERVER}); rerun the same "
+                                       "command to resume: finished parts are kept",
+                             answered="the server answered ", special=self._special_status,
+                             status_fix="check the server's log; a context longer than its --max-model-len needs a "
+                                        "larger one", error=ReferenceServerError):
             raw = self.client.completions.with_raw_response.create(
                 model=self.model, prompt=ids, max_tokens=1, temperature=0.0, extra_body=ask)
-        except (openai.APIConnectionError, openai.APITimeoutError) as e:
-            raise ReferenceServerError(f"cannot reach the reference server after {self.retries} retries "
-                                 f"({type(e).__name__}: {e})", where=where,
-                                 fix=f"check --reference-url or start the server ({START_SERVER}); rerun the same "
-                                     "command to resume: finished parts are kept") from None
-        except openai.APIStatusError as e:
-            raise self._status_error(e, where) from None
         if self.protocol == "echo":
             return self._echo_rows(raw.http_response.content, claim, where)
         return self._rows(raw.http_response.content, claim, where)
@@ -307,18 +298,18 @@ class RemoteReference:
         i = self.token_bytes.id_of(raw)
         return i if i is not None else self.token_bytes.special_id(text)
 
-    def _status_error(self, e, where: str) -> ReferenceServerError:
-        msg = api_error_message(e)
-        if e.status_code == 404 or "does not exist" in msg:
+    def _special_status(self, status: int, msg: str) -> tuple[str, str] | None:
+        """(what, fix) of the HTTP errors a reference server gives when misused: the model it does
+        not serve, more prompt logprobs than its --max-logprobs; None for the others."""
+        if status == 404 or "does not exist" in msg:
             served = self.served_models()
-            return ReferenceServerError(f"the server does not serve model {self.model!r} (HTTP {e.status_code}: {msg})",
-                                  where=where, fix=f"pass --reference-model one of: {', '.join(served) or '(none listed)'}")
+            return (f"the server does not serve model {self.model!r} (HTTP {status}: {msg})",
+                    f"pass --reference-model one of: {', '.join(served) or '(none listed)'}")
         if "max allowed" in msg or "max_logprobs" in msg:
-            return ReferenceServerError(f"the server refuses {self.logprobs} prompt logprobs (HTTP {e.status_code}: {msg})",
-                                  where=where, fix=f"restart it with --max-logprobs {self.logprobs} (or more), or pass "
-                                                   "--reference-logprobs within its limit")
-        return ReferenceServerError(f"the server answered HTTP {e.status_code}: {msg}", where=where,
-                              fix="check the server's log; a context longer than its --max-model-len needs a larger one")
+            return (f"the server refuses {self.logprobs} prompt logprobs (HTTP {status}: {msg})",
+                    f"restart it with --max-logprobs {self.logprobs} (or more), or pass --reference-logprobs within "
+                    "its limit")
+        return None
 
     def served_models(self) -> list[str]:
         try:

@@ -168,21 +168,12 @@ def command(group: typer.Typer, *args, **kwargs):
     return lambda fn: group.command(*args, cls=Command, **kwargs)(_exit_codes(fn))
 
 
-def _default_model() -> Path:
-    from verinfer.models.testbed import TARGET_DIR
-
-    return TARGET_DIR
-
-
 def _model_dir(opt: str | None) -> Path:
-    """What every --model option means: None -> the testbed target; a directory -> itself; a
-    catalog name or alias -> its verified cached conversion (ModelError with the `verinfer models
-    get NAME` to run when it is not cached)."""
-    if opt is None:
-        return _default_model()
-    from verinfer.models.catalog import resolve_model
+    """What every --model option means (`models.catalog.trusted_model_dir`): None -> the testbed
+    target; a directory -> itself; a catalog name or alias -> its verified cached conversion."""
+    from verinfer.models.catalog import trusted_model_dir
 
-    return resolve_model(opt)
+    return trusted_model_dir(opt)
 
 
 @command(app)

@@ -381,6 +381,18 @@ def resolve_model(name_or_dir: str | Path, cache: str | Path | None = None, *, f
     return final
 
 
+def trusted_model_dir(name_or_dir: str | Path | None) -> Path:
+    """What every --model option and every `trusted_model=` argument of the Python API means:
+    None -> the shipped testbed target; a directory -> itself; a catalog name or alias -> its
+    verified cached conversion (`resolve_model`: a ModelError with the `verinfer models get NAME`
+    to run when it is not cached)."""
+    if name_or_dir is None:
+        from verinfer.models.testbed import TARGET_DIR  # imports torch: only when it is asked for
+
+        return TARGET_DIR
+    return resolve_model(name_or_dir)
+
+
 def list_models(cache: str | Path | None = None) -> list[dict]:
     """One row per catalog entry: name, aliases, path, status (cached | not cached | corrupt: why)."""
     rows = []

@@ -25,8 +25,9 @@ from dataclasses import dataclass, field
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from verinfer.errors import VerinferError, api_error_message
-from verinfer.providers.openai_http import EndpointError, TokenId, _short
+from verinfer.errors import VerinferError
+from verinfer.openai_client import EndpointError, endpoint_errors, new_client
+from verinfer.providers.openai_http import TokenId, _short
 from verinfer.sampling.params import SamplingParams
 
 RESERVED = ("model", "messages", "max_tokens", "temperature", "top_p", "seed", "n", "stream")
@@ -64,13 +65,7 @@ class ChatEndpoint:
         return key
 
     def client(self):
-        try:
-            import openai
-        except ImportError as e:  # pragma: no cover - the [server] extra brings it
-            raise VerinferError("the `openai` package is not installed",
-                                fix='pip install -e ".[server]" (the [server] extra has the official openai client)') from e
-        return openai.OpenAI(base_url=self.base_url, api_key=self.api_key(), timeout=self.timeout,
-                             max_retries=self.max_retries)
+        return new_client(self.base_url, self.api_key(), timeout=self.timeout, max_retries=self.max_retries)
 
     def public(self) -> dict:
         """What may be written into outputs (the key's variable name, never its value)."""
@@ -162,16 +157,10 @@ def parse_chat_reply(body: bytes, where: str, request: str) -> ChatReply:
 def request_chat(client, endpoint: ChatEndpoint, messages: list[dict], params: SamplingParams,
                  request: str = "request") -> ChatReply:
     """One chat completion, validated (`parse_chat_reply`); `request` names it in errors."""
-    import openai
-
     body = chat_request(endpoint, messages, params)
     known = {k: body.pop(k) for k in ("model", "messages", "max_tokens", "temperature", "top_p", "seed") if k in body}
-    try:
+    with endpoint_errors(request, endpoint.name, target=endpoint.base_url,
+                         reach_fix="check the vendor's base URL; rerun the same command to resume",
+                         status_fix="check the vendor's model name, key and extra fields"):
         raw = client.chat.completions.with_raw_response.create(**known, extra_body=body or None)
-    except (openai.APIConnectionError, openai.APITimeoutError) as e:
-        raise EndpointError(f"{request}: cannot reach {endpoint.base_url} ({type(e).__name__})", where=endpoint.name,
-                            fix="check the vendor's base URL; rerun the same command to resume") from e
-    except openai.APIStatusError as e:
-        raise EndpointError(f"{request}: HTTP {e.status_code}: {api_error_message(e)}", where=endpoint.name,
-                            fix="check the vendor's model name, key and extra fields") from e
     return parse_chat_reply(raw.http_response.content, endpoint.name, request)

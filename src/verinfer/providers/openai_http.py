@@ -15,12 +15,8 @@ from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
 
-from verinfer.errors import VerinferError, api_error_message
+from verinfer.openai_client import EndpointError, endpoint_errors, new_client
 from verinfer.sampling.params import SamplingParams
-
-
-class EndpointError(VerinferError):
-    """The endpoint could not be reached or answered something unusable."""
 
 
 @dataclass(frozen=True)
@@ -34,13 +30,8 @@ class Endpoint:
 
 
 def openai_client(endpoint: Endpoint):
-    try:
-        import openai
-    except ImportError as e:  # pragma: no cover - the [server] extra brings it
-        raise VerinferError("the `openai` package is not installed",
-                            fix='pip install -e ".[server]" (the [server] extra has the official openai client)') from e
-    return openai.OpenAI(base_url=endpoint.base_url, api_key=endpoint.api_key, timeout=endpoint.timeout,
-                         max_retries=endpoint.max_retries)
+    """The official client for the endpoint (`openai_client.new_client`)."""
+    return new_client(endpoint.base_url, endpoint.api_key, timeout=endpoint.timeout, max_retries=endpoint.max_retries)
 
 
 TokenId = Annotated[StrictInt, Field(ge=0)]
@@ -140,8 +131,6 @@ def request_completion(client, cfg: Endpoint, prompt: list[int], params: Samplin
     """One completion; returns (prompt ids, output ids, finish reason) as the endpoint reports them,
     validated (`parse_reply`) and checked against the trusted model's vocab_size and the request
     (`check_token_reply`). `request` names it in errors (e.g. 'request 3 (claim api-00003)')."""
-    import openai
-
     extra = {"return_token_ids": True}
     if params.top_k > 0:
         extra["top_k"] = params.top_k
@@ -153,14 +142,10 @@ def request_completion(client, cfg: Endpoint, prompt: list[int], params: Samplin
                   top_p=params.top_p, extra_body=extra)
     if params.seed is not None:
         kwargs["seed"] = params.seed
-    try:
+    with endpoint_errors(request, cfg.base_url, answered="the endpoint answered ",
+                         reach_fix="start the server or check --base-url; rerun the same command to resume",
+                         status_fix="check --model and the sampling options the endpoint accepts"):
         raw = client.completions.with_raw_response.create(**kwargs)
-    except (openai.APIConnectionError, openai.APITimeoutError) as e:
-        raise EndpointError(f"{request}: cannot reach {cfg.base_url} ({type(e).__name__}: {e})", where=cfg.base_url,
-                            fix="start the server or check --base-url; rerun the same command to resume") from e
-    except openai.APIStatusError as e:
-        raise EndpointError(f"{request}: the endpoint answered HTTP {e.status_code}: {api_error_message(e)}",
-                            where=cfg.base_url, fix="check --model and the sampling options the endpoint accepts") from e
     reply = parse_reply(raw.http_response.content, cfg.base_url, request)
     choice = reply.choices[0]
     if choice.token_ids is None:
