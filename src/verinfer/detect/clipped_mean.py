@@ -193,7 +193,7 @@ class ClippedMeanDetector(Detector):
         return v
 
     # -- fitting ---------------------------------------------------------------------------------
-    def fit(self, table, groups=None) -> "ClippedMeanDetector":
+    def _fit(self, table, groups=None) -> None:
         """Learn clip_, null_sample_, null_group_sizes_, null_mean_, null_std_, n_train_ from honest
         (train) rows. `groups` (one label per token row, e.g. the honest configuration) makes the
         null stratified: each honest configuration keeps its own resampled null, and the threshold
@@ -224,7 +224,6 @@ class ClippedMeanDetector(Detector):
                 self.warnings_.append(f"{len(few)} honest group(s) hold fewer than {MIN_CLAIMS_FOR_DEFF} claims: their "
                                       "tokens are treated as independent (design effect 1), which understates the "
                                       "spread of whole-claim batches; calibrate on more claims")
-        return self
 
     def _fit_warnings(self, v: np.ndarray, w: np.ndarray, clip: float) -> list[str]:
         out = []

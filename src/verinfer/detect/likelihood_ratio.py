@@ -98,7 +98,7 @@ class LikelihoodRatioDetector(Detector):
         return ("margin", "exact_match", "cross_entropy") + (("logit_gap",) if self.use_direction else ())
 
     # -- fitting ---------------------------------------------------------------------------------
-    def fit(self, table, groups=None, alternatives=()) -> "LikelihoodRatioDetector":
+    def _fit(self, table, groups=None, alternatives=()) -> None:
         """Learn margin_edges_, ce_edges_, p0_, p1_, weights_ and the honest null null_ from honest
         (train) tokens; `alternatives`: score tables of misconfigured train tokens (optional);
         `groups`: one label per honest token for a stratified null (None: one pooled null)."""
@@ -129,7 +129,6 @@ class LikelihoodRatioDetector(Detector):
                                 std=float(w.std(ddof=1)) if w.size > 1 else 0.0)
         else:
             self.null_.fit_null(w, groups, clip=float(np.inf))
-        return self
 
     def _null_detector(self) -> ClippedMeanDetector:
         return ClippedMeanDetector(score_name="likelihood", clip_quantile=1.0, target_fpr=self.target_fpr,
