@@ -6,7 +6,9 @@
     detector's fitted attributes are set by its own methods: fit, from_json);
 (c) no module outside src/verinfer/scores.py writes Parquet (io.py may hold a generic atomic
     writer, if scores.py is what calls it), and none defines the score columns (a pyarrow schema
-    or field naming one, a collection naming all of them, or one of the contract's constants).
+    or field naming one, a collection naming all of them, or one of the contract's constants);
+(d) the version is written once in the code (src/verinfer/_version.py, equal to pyproject.toml's
+    static version) and no module imports it from the package root (an import up the layers).
 
 A failing check lists each offence as file:line. The checks on src/ are xfail while the issue 30
 refactor is in flight (the lead removes the marks once it lands); the tests of the checkers on
@@ -15,6 +17,7 @@ small snippets, at the end, are not: they keep the checks precise (no false posi
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -30,6 +33,9 @@ CONTRACT_NAMES = frozenset({"SCORE_SCHEMA", "SCORES", "ACTIVATION_SCORES", "ALL_
                             "GAP_TEMPERATURE_FACTORS", "GAP_TOP_P_SLACK", "ENVELOPE_PREFIX"})
 PARQUET_WRITERS = frozenset({"write_table", "ParquetWriter", "write_to_dataset"})
 IN_FLIGHT = lambda f: f  # noqa: E731  (the refactor has landed: the checks hold)
+# The apps the lead converts (issue 44); each check below that names it skips these files until then.
+ALLOW_UNTIL_CORE = {"src/verinfer/apps/audit_api.py", "src/verinfer/apps/files.py", "src/verinfer/apps/audit_chat.py",
+                    "src/verinfer/apps/pipeline.py"}
 
 
 # --- the checkers: each takes a parsed module and returns (line, what) of every offence -------------
@@ -191,6 +197,14 @@ def score_column_definitions(tree: ast.AST) -> list[tuple[int, str]]:
     return out
 
 
+def version_from_the_root(tree: ast.AST) -> list[tuple[int, str]]:
+    """`from verinfer import __version__` (also aliased; relative `from . import` at the root)."""
+    return [(node.lineno, "__version__ imported from the package root (import it from verinfer._version)")
+            for node in ast.walk(tree)
+            if isinstance(node, ast.ImportFrom) and any(a.name == "__version__" for a in node.names)
+            and (node.module == "verinfer" and node.level == 0 or node.module is None and node.level >= 1)]
+
+
 # --- the source ---------------------------------------------------------------------------------
 
 def _modules(under: Path = SRC):
@@ -198,8 +212,12 @@ def _modules(under: Path = SRC):
         yield path, ast.parse(path.read_text(), filename=str(path))
 
 
+def _rel(path: Path) -> str:
+    return path.relative_to(ROOT).as_posix()
+
+
 def _where(path: Path, offences: list[tuple[int, str]]) -> list[str]:
-    rel = path.relative_to(ROOT).as_posix()
+    rel = _rel(path)
     return [f"{rel}:{line}: {what}" for line, what in sorted(offences)]
 
 
@@ -253,6 +271,17 @@ def test_only_scores_defines_the_score_columns():
     found = [w for path, tree in _modules() if path != scores_py
              for w in _where(path, score_column_definitions(tree))]
     assert not found, _report(found, "only src/verinfer/scores.py defines score column names and the schema")
+
+
+def test_the_version_is_written_once_and_read_from_verinfer_version():
+    from verinfer import __version__
+    from verinfer._version import __version__ as version
+
+    project = (ROOT / "pyproject.toml").read_text().split("[project]", 1)[1].split("\n[", 1)[0]
+    assert re.search(r'^version = "([^"]+)"$', project, re.M).group(1) == version == __version__
+    found = [w for path, tree in _modules() if _rel(path) not in ALLOW_UNTIL_CORE
+             for w in _where(path, version_from_the_root(tree))]
+    assert not found, _report(found, "modules read the version from verinfer._version, not the package root")
 
 
 # --- the checkers on snippets: what they flag and what they leave alone ------------------------------
@@ -364,3 +393,20 @@ def f():
     SCORES = ("margin",)
 """
     assert _lines(score_column_definitions, clean) == []
+
+
+def test_version_from_the_root_flags_the_root_not_the_module():
+    flagged = """
+from verinfer import __version__
+from verinfer import api, __version__ as v
+from . import __version__
+"""
+    assert _lines(version_from_the_root, flagged) == [2, 3, 4]
+    clean = """
+from verinfer._version import __version__
+from torch import __version__
+import verinfer
+v = verinfer.__version__
+from .x import __version__
+"""
+    assert _lines(version_from_the_root, clean) == []

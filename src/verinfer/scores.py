@@ -50,7 +50,7 @@ import pyarrow.parquet as pq
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from scipy.special import log_ndtr
 
-from verinfer import __version__
+from verinfer._version import __version__
 from verinfer.errors import VerinferError
 from verinfer.io import atomic_write
 

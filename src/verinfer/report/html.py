@@ -23,7 +23,7 @@ import jinja2
 import numpy as np
 import pyarrow as pa
 
-from verinfer import __version__
+from verinfer._version import __version__
 from verinfer.scores import CROSS_ENTROPY, MARGIN, SCORES, divergence
 from verinfer.detect.metrics import auc_vs_tokens, tokens_to_detect
 from verinfer.detect.verdict import Verdict
