@@ -7,7 +7,12 @@
 (c) no module outside src/verinfer/scores.py writes Parquet (io.py may hold a generic atomic
     writer, if scores.py is what calls it), and none defines the score columns (a pyarrow schema
     or field naming one, a collection naming all of them, or one of the contract's constants);
-(d) the version is written once in the code (src/verinfer/_version.py, equal to pyproject.toml's
+(d) no module outside src/verinfer/scores.py reads a score column by a string literal (`t["margin"]`,
+    `t.column("margin")`, `score_column(t, "margin")`, `"margin" in t.column_names`, ...): it names
+    the column by the constant scores.py exports (`t[MARGIN]`); the apps the lead converts are
+    allowed until then (ALLOW_UNTIL_CORE), and code reading a dict that only shares a key name with a
+    column is named, with the reason, in NOT_SCORE_TABLES;
+(e) the version is written once in the code (src/verinfer/_version.py, equal to pyproject.toml's
     static version) and no module imports it from the package root (an import up the layers).
 
 A failing check lists each offence as file:line. The checks on src/ are xfail while the issue 30
@@ -22,6 +27,8 @@ from pathlib import Path
 
 import pytest
 
+from verinfer import scores
+
 ROOT = Path(__file__).resolve().parents[1]
 SRC = ROOT / "src" / "verinfer"
 
@@ -32,10 +39,24 @@ SCORE_NAMES = frozenset({"margin", "likelihood", "exact_match", "cross_entropy"}
 CONTRACT_NAMES = frozenset({"SCORE_SCHEMA", "SCORES", "ACTIVATION_SCORES", "ALL_SCORES",
                             "GAP_TEMPERATURE_FACTORS", "GAP_TOP_P_SLACK", "ENVELOPE_PREFIX"})
 PARQUET_WRITERS = frozenset({"write_table", "ParquetWriter", "write_to_dataset"})
+# Every column name of the scores contract, read from scores.py: the score table's (with the signed
+# gaps, their envelope and a remote reference's fields) and the features table's that detectors read.
+SCORE_COLUMNS = frozenset(scores.schema(gaps=True, envelope=True, extra=scores.REMOTE_FIELDS).names) | {
+    scores.GAP, scores.GAP_FEATURE, scores.gap_column(scores.GAP_TOP_P_SLACK), scores.LOGIT_GAP}
+# Calls that take column names: any whose name holds "column" (`column`, `score_column`,
+# `append_column`, `drop_columns`, a module's `_columns` helper, ...), and these.
+COLUMN_CALLS = frozenset({"divergence", "field", "get_field_index", "select", "drop", "sort_by", "group_by"})
 IN_FLIGHT = lambda f: f  # noqa: E731  (the refactor has landed: the checks hold)
 # The apps the lead converts (issue 44); each check below that names it skips these files until then.
 ALLOW_UNTIL_CORE = {"src/verinfer/apps/audit_api.py", "src/verinfer/apps/files.py", "src/verinfer/apps/audit_chat.py",
                     "src/verinfer/apps/pipeline.py"}
+# Code whose subscripts share a key name with a score column but read no score table: "file" (all of
+# it) or "file::function" -> why.
+NOT_SCORE_TABLES = {
+    "src/verinfer/report/probe.py": "the determinism probe's JSON: its flips' `position` and `margin` (top-2)",
+    "src/verinfer/cli/render.py::probe": "the probe's flip rows (report.probe.flip_rows)",
+    "src/verinfer/report/html.py::summarize": "the verdict views' `provider` (a Verdict field, VERDICT_KEYS)",
+}
 
 
 # --- the checkers: each takes a parsed module and returns (line, what) of every offence -------------
@@ -197,6 +218,34 @@ def score_column_definitions(tree: ast.AST) -> list[tuple[int, str]]:
     return out
 
 
+def _column_literals(node: ast.AST) -> list[str]:
+    """Score column names written as a string literal in `node` or as an element of a literal list/tuple/set."""
+    elts = node.elts if isinstance(node, (ast.List, ast.Tuple, ast.Set)) else [node]
+    return [e.value for e in elts if isinstance(e, ast.Constant) and isinstance(e.value, str) and e.value in SCORE_COLUMNS]
+
+
+def score_column_literals(tree: ast.AST, skip_functions: frozenset[str] = frozenset()) -> list[tuple[int, str]]:
+    """Score columns read by a literal name: `x["margin"]` (a load, not a dict being filled),
+    `x.column("margin")` and other column-taking calls (COLUMN_CALLS, any name holding "column"),
+    `"margin" in x` / `not in`. Functions named in `skip_functions` are not read."""
+    skipped = {id(n) for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
+               and f.name in skip_functions for n in ast.walk(f)}
+    out = []
+    for node in ast.walk(tree):
+        if id(node) in skipped:
+            continue
+        if isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Load):
+            out += [(node.lineno, f"[{c!r}]") for c in _column_literals(node.slice)]
+        elif isinstance(node, ast.Call):
+            name = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
+            if "column" in name or name in COLUMN_CALLS:
+                args = [*node.args, *(k.value for k in node.keywords)]
+                out += [(node.lineno, f"{name}(...{c!r}...)") for a in args for c in _column_literals(a)]
+        elif isinstance(node, ast.Compare) and any(isinstance(op, (ast.In, ast.NotIn)) for op in node.ops):
+            out += [(node.lineno, f"{c!r} in ...") for c in _column_literals(node.left)]
+    return [(line, f"score column {what} by a literal (use the constant of verinfer.scores)") for line, what in out]
+
+
 def version_from_the_root(tree: ast.AST) -> list[tuple[int, str]]:
     """`from verinfer import __version__` (also aliased; relative `from . import` at the root)."""
     return [(node.lineno, "__version__ imported from the package root (import it from verinfer._version)")
@@ -271,6 +320,17 @@ def test_only_scores_defines_the_score_columns():
     found = [w for path, tree in _modules() if path != scores_py
              for w in _where(path, score_column_definitions(tree))]
     assert not found, _report(found, "only src/verinfer/scores.py defines score column names and the schema")
+
+
+def test_score_columns_are_read_by_the_constants_of_scores():
+    found = []
+    for path, tree in _modules():
+        rel = _rel(path)
+        if path == SRC / "scores.py" or rel in ALLOW_UNTIL_CORE or rel in NOT_SCORE_TABLES:
+            continue
+        skip = frozenset(k.partition("::")[2] for k in NOT_SCORE_TABLES if k.partition("::")[0] == rel)
+        found += _where(path, score_column_literals(tree, skip))
+    assert not found, _report(found, "score columns are named by the constants of src/verinfer/scores.py")
 
 
 def test_the_version_is_written_once_and_read_from_verinfer_version():
@@ -410,3 +470,31 @@ v = verinfer.__version__
 from .x import __version__
 """
     assert _lines(version_from_the_root, clean) == []
+
+
+def test_score_column_literals_flag_reads_not_the_constants_or_other_keys():
+    flagged = """
+m = table["margin"]
+ids = t.column("claim_id").to_pylist()
+ce = score_column(table, "cross_entropy")
+v = divergence(cols, name="exact_match")
+sub = t.select(["provider", "position"])
+if "fp_l2" not in t.column_names:
+    pass
+env = t["env_gap_s0.01"]
+x = pc.field("gap_0") > 0
+cols = _columns(table, ["provider", *SCORES])
+"""
+    assert _lines(score_column_literals, flagged) == [2, 3, 4, 5, 6, 6, 7, 9, 10, 11]
+    clean = """
+from verinfer.scores import MARGIN
+m = table[MARGIN]
+d["provider"] = name
+row = {"margin": m, "provider": p}
+x = f["condition"]
+y = t["spec_score"]
+z = options.get("margin")
+"""
+    assert _lines(score_column_literals, clean) == []
+    skipped = "def probe(r):\n    return r['position']\ndef audit(t):\n    return t['margin']\n"
+    assert sorted(line for line, _ in score_column_literals(ast.parse(skipped), frozenset({"probe"}))) == [4]

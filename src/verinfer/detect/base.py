@@ -34,7 +34,7 @@ from verinfer.detect.tail import MIN_RESAMPLED_HITS, compress, mean_tail
 from verinfer.detect.verdict import Verdict
 from verinfer.errors import VerinferError
 from verinfer.io import atomic_write_text
-from verinfer.scores import Provenance
+from verinfer.scores import CLAIM_ID, Provenance
 
 D = TypeVar("D", bound="Detector")
 
@@ -128,9 +128,9 @@ def stratified_subsample(x: np.ndarray, labels: np.ndarray, cap_total: int, seed
 
 def claim_labels(table, n: int) -> np.ndarray | None:
     """Integer claim labels of a table's rows (from `claim_id`, in row order), None without the column."""
-    if "claim_id" not in column_names(table):
+    if CLAIM_ID not in column_names(table):
         return None
-    col = table["claim_id"]
+    col = table[CLAIM_ID]
     ids = np.asarray(col.to_pylist() if hasattr(col, "to_pylist") else col)
     if ids.size != n:
         raise ValueError(f"claim_id has {ids.size} rows for {n} scored tokens")

@@ -51,7 +51,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from scipy.stats import norm
 
 from verinfer.detect.clipping import clip_at_quantile, winsorize
-from verinfer.scores import ALL_SCORES, ACTIVATION_SCORES, divergence
+from verinfer.scores import ALL_SCORES, ACTIVATION_SCORES, MARGIN, divergence
 from verinfer.detect.base import (Detector, claim_labels, decision_text, decode_f8, encode_f8, group_labels, head,
                                   stratified_subsample)
 from verinfer.detect.tail import MIN_RESAMPLED_HITS, chernoff_bound, compress, mean_tail, tilt
@@ -161,7 +161,7 @@ class ClippedMeanDetector(Detector):
     JSON_NAMES = {"score_name": "score"}
     FITTED_MODEL = _Fitted
 
-    score_name: str = "margin"
+    score_name: str = MARGIN
     clip_quantile: float = 0.999
 
     def __post_init__(self):

@@ -128,7 +128,7 @@ class GreedyDetector(ClippedMeanDetector):
     floor: float = FLOOR
     tie_quantile: float = TIE_QUANTILE
     null: str = "predictive"
-    score_name: str = "margin"
+    score_name: str = MARGIN
     clip_quantile: float = 1.0
 
     def __post_init__(self):
@@ -190,7 +190,7 @@ class GreedyDetector(ClippedMeanDetector):
         t = self.token_rows(table)
         margin, exact = np.asarray(t[MARGIN], dtype=np.float64), np.asarray(t[EXACT_MATCH], dtype=bool)
         if np.isnan(margin).any():
-            raise ValueError("score column 'margin' contains NaN scores")
+            raise ValueError(f"score column {MARGIN!r} contains NaN scores")
         return margin, exact
 
     def values(self, table) -> np.ndarray:
