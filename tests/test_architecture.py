@@ -221,7 +221,8 @@ def score_column_definitions(tree: ast.AST) -> list[tuple[int, str]]:
 def _column_literals(node: ast.AST) -> list[str]:
     """Score column names written as a string literal in `node` or as an element of a literal list/tuple/set."""
     elts = node.elts if isinstance(node, (ast.List, ast.Tuple, ast.Set)) else [node]
-    return [e.value for e in elts if isinstance(e, ast.Constant) and isinstance(e.value, str) and e.value in SCORE_COLUMNS]
+    return [e.value for e in elts
+            if isinstance(e, ast.Constant) and isinstance(e.value, str) and e.value in SCORE_COLUMNS]
 
 
 def score_column_literals(tree: ast.AST, skip_functions: frozenset[str] = frozenset()) -> list[tuple[int, str]]:

@@ -7,8 +7,9 @@ giving its fit what `verinfer audit` reads from the detector file (`detect.recor
 (the model and settings that replayed the honest scores, from the table's schema metadata,
 `verinfer.scores.PARQUET_KEY`), the calibration (tokens and claims per honest provider, and the
 false-positive rate on held-out honest claims, `heldout_fpr`) and warnings (appended to the fit's
-own); the detector sets `provenance_`, `calibration_` and `warnings_` in its `fit`. `split_claims` splits honest claims into a calibration part and an audited part
-(the demo); `claim_folds` / `claim_batches` deal claims into folds and batches of whole claims.
+own): the detector's `fit` sets them as `provenance_`, `calibration_` and `warnings_`.
+`split_claims` splits honest claims into a calibration part and an audited part (the demo);
+`claim_folds` / `claim_batches` deal claims into folds and batches of whole claims.
 """
 
 from __future__ import annotations
