@@ -2,13 +2,21 @@
 
 (a) no function in src/verinfer/cli/ is longer than 40 lines (first decorator to last line);
 (b) no fitted attribute of a detector (a name ending in `_`: `provenance_`, `calibration_`,
-    `warnings_`, ...) is assigned outside src/verinfer/detect/;
+    `warnings_`, ...) is assigned outside src/verinfer/detect/, and inside it only on `self` (a
+    detector's fitted attributes are set by its own methods: fit, from_json);
 (c) no module outside src/verinfer/scores.py writes Parquet (io.py may hold a generic atomic
     writer, if scores.py is what calls it), and none defines the score columns (a pyarrow schema
     or field naming one, a collection naming all of them, or one of the contract's constants);
 (d) the official openai client is built (`OpenAI(...)`, `AsyncOpenAI(...)`) and the `openai`
     package imported only in src/verinfer/openai_client.py, so one factory and one error mapping
     serve every caller (issue 44).
+(e) no module outside src/verinfer/scores.py reads a score column by a string literal (`t["margin"]`,
+    `t.column("margin")`, `score_column(t, "margin")`, `"margin" in t.column_names`, ...): it names
+    the column by the constant scores.py exports (`t[MARGIN]`); the apps the lead converts are
+    allowed until then (ALLOW_UNTIL_CORE), and code reading a dict that only shares a key name with a
+    column is named, with the reason, in NOT_SCORE_TABLES;
+(f) the version is written once in the code (src/verinfer/_version.py, equal to pyproject.toml's
+    static version) and no module imports it from the package root (an import up the layers).
 
 A failing check lists each offence as file:line. The checks on src/ are xfail while the issue 30
 refactor is in flight (the lead removes the marks once it lands); the tests of the checkers on
@@ -17,9 +25,12 @@ small snippets, at the end, are not: they keep the checks precise (no false posi
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
+
+from verinfer import scores
 
 ROOT = Path(__file__).resolve().parents[1]
 SRC = ROOT / "src" / "verinfer"
@@ -32,7 +43,24 @@ CONTRACT_NAMES = frozenset({"SCORE_SCHEMA", "SCORES", "ACTIVATION_SCORES", "ALL_
                             "GAP_TEMPERATURE_FACTORS", "GAP_TOP_P_SLACK", "ENVELOPE_PREFIX"})
 PARQUET_WRITERS = frozenset({"write_table", "ParquetWriter", "write_to_dataset"})
 OPENAI_CLIENTS = frozenset({"OpenAI", "AsyncOpenAI"})
+# Every column name of the scores contract, read from scores.py: the score table's (with the signed
+# gaps, their envelope and a remote reference's fields) and the features table's that detectors read.
+SCORE_COLUMNS = frozenset(scores.schema(gaps=True, envelope=True, extra=scores.REMOTE_FIELDS).names) | {
+    scores.GAP, scores.GAP_FEATURE, scores.gap_column(scores.GAP_TOP_P_SLACK), scores.LOGIT_GAP}
+# Calls that take column names: any whose name holds "column" (`column`, `score_column`,
+# `append_column`, `drop_columns`, a module's `_columns` helper, ...), and these.
+COLUMN_CALLS = frozenset({"divergence", "field", "get_field_index", "select", "drop", "sort_by", "group_by"})
 IN_FLIGHT = lambda f: f  # noqa: E731  (the refactor has landed: the checks hold)
+# The apps the lead converts (issue 44); each check below that names it skips these files until then.
+ALLOW_UNTIL_CORE = {"src/verinfer/apps/audit_api.py", "src/verinfer/apps/files.py", "src/verinfer/apps/audit_chat.py",
+                    "src/verinfer/apps/pipeline.py"}
+# Code whose subscripts share a key name with a score column but read no score table: "file" (all of
+# it) or "file::function" -> why.
+NOT_SCORE_TABLES = {
+    "src/verinfer/report/probe.py": "the determinism probe's JSON: its flips' `position` and `margin` (top-2)",
+    "src/verinfer/cli/render.py::probe": "the probe's flip rows (report.probe.flip_rows)",
+    "src/verinfer/report/html.py::summarize": "the verdict views' `provider` (a Verdict field, VERDICT_KEYS)",
+}
 
 
 # --- the checkers: each takes a parsed module and returns (line, what) of every offence -------------
@@ -83,16 +111,22 @@ def _assigned(node: ast.AST) -> list[ast.AST]:
     return flat
 
 
-def fitted_attribute_assignments(tree: ast.AST) -> list[tuple[int, str]]:
-    """`obj.name_ = ...` (also +=, annotated, tuple targets) and `setattr(obj, "name_", ...)`."""
+def _is_self(node: ast.AST) -> bool:
+    return isinstance(node, ast.Name) and node.id == "self"
+
+
+def fitted_attribute_assignments(tree: ast.AST, allow_self: bool = False) -> list[tuple[int, str]]:
+    """`obj.name_ = ...` (also +=, annotated, tuple targets) and `setattr(obj, "name_", ...)`;
+    with `allow_self`, not where obj is `self` itself (`self.null_.x_ = ...` is still flagged)."""
     out = []
     for node in ast.walk(tree):
         for t in _assigned(node):
-            if isinstance(t, ast.Attribute) and _is_fitted(t.attr):
+            if isinstance(t, ast.Attribute) and _is_fitted(t.attr) and not (allow_self and _is_self(t.value)):
                 out.append((t.lineno, f"{_dotted(t) or '...' + t.attr} assigned"))
         if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "setattr"
                 and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant)
-                and isinstance(node.args[1].value, str) and _is_fitted(node.args[1].value)):
+                and isinstance(node.args[1].value, str) and _is_fitted(node.args[1].value)
+                and not (allow_self and _is_self(node.args[0]))):
             out.append((node.lineno, f"setattr(..., {node.args[1].value!r}, ...)"))
     return out
 
@@ -205,6 +239,41 @@ def openai_uses(tree: ast.AST) -> list[tuple[int, str]]:
             if name is not None and name.split(".")[-1] in aliases:
                 out.append((node.lineno, f"{name}(...) builds an openai client"))
     return out
+def _column_literals(node: ast.AST) -> list[str]:
+    """Score column names written as a string literal in `node` or as an element of a literal list/tuple/set."""
+    elts = node.elts if isinstance(node, (ast.List, ast.Tuple, ast.Set)) else [node]
+    return [e.value for e in elts
+            if isinstance(e, ast.Constant) and isinstance(e.value, str) and e.value in SCORE_COLUMNS]
+
+
+def score_column_literals(tree: ast.AST, skip_functions: frozenset[str] = frozenset()) -> list[tuple[int, str]]:
+    """Score columns read by a literal name: `x["margin"]` (a load, not a dict being filled),
+    `x.column("margin")` and other column-taking calls (COLUMN_CALLS, any name holding "column"),
+    `"margin" in x` / `not in`. Functions named in `skip_functions` are not read."""
+    skipped = {id(n) for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
+               and f.name in skip_functions for n in ast.walk(f)}
+    out = []
+    for node in ast.walk(tree):
+        if id(node) in skipped:
+            continue
+        if isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Load):
+            out += [(node.lineno, f"[{c!r}]") for c in _column_literals(node.slice)]
+        elif isinstance(node, ast.Call):
+            name = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
+            if "column" in name or name in COLUMN_CALLS:
+                args = [*node.args, *(k.value for k in node.keywords)]
+                out += [(node.lineno, f"{name}(...{c!r}...)") for a in args for c in _column_literals(a)]
+        elif isinstance(node, ast.Compare) and any(isinstance(op, (ast.In, ast.NotIn)) for op in node.ops):
+            out += [(node.lineno, f"{c!r} in ...") for c in _column_literals(node.left)]
+    return [(line, f"score column {what} by a literal (use the constant of verinfer.scores)") for line, what in out]
+
+
+def version_from_the_root(tree: ast.AST) -> list[tuple[int, str]]:
+    """`from verinfer import __version__` (also aliased; relative `from . import` at the root)."""
+    return [(node.lineno, "__version__ imported from the package root (import it from verinfer._version)")
+            for node in ast.walk(tree)
+            if isinstance(node, ast.ImportFrom) and any(a.name == "__version__" for a in node.names)
+            and (node.module == "verinfer" and node.level == 0 or node.module is None and node.level >= 1)]
 
 
 # --- the source ---------------------------------------------------------------------------------
@@ -214,8 +283,12 @@ def _modules(under: Path = SRC):
         yield path, ast.parse(path.read_text(), filename=str(path))
 
 
+def _rel(path: Path, root: Path = ROOT) -> str:
+    return path.relative_to(root).as_posix()
+
+
 def _where(path: Path, offences: list[tuple[int, str]], root: Path = ROOT) -> list[str]:
-    rel = path.relative_to(root).as_posix()
+    rel = _rel(path, root)
     return [f"{rel}:{line}: {what}" for line, what in sorted(offences)]
 
 
@@ -237,12 +310,12 @@ def test_cli_functions_are_at_most_40_lines():
 
 
 @IN_FLIGHT
-def test_detector_fitted_attributes_are_set_only_in_detect():
+def test_detector_fitted_attributes_are_set_only_by_the_detector():
     detect = SRC / "detect"
-    found = [w for path, tree in _modules() if detect not in path.parents
-             for w in _where(path, fitted_attribute_assignments(tree))]
-    assert not found, _report(found, "a detector's fitted attributes (`name_`) are set inside detect/ "
-                                     "(its fit or detect.calibrate), never from outside")
+    found = [w for path, tree in _modules() for w in _where(
+        path, fitted_attribute_assignments(tree, allow_self=detect in path.parents))]
+    assert not found, _report(found, "a detector's fitted attributes (`name_`) are set by its own methods "
+                                     "(`self.name_ = ...` in detect/: fit, from_json), never from outside")
 
 
 @IN_FLIGHT
@@ -287,6 +360,26 @@ def test_openai_client_sits_below_every_layer_that_uses_it():
     imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module} | \
                {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     assert {m for m in imported if m.split(".")[0] == "verinfer"} == {"verinfer.errors"}
+def test_score_columns_are_read_by_the_constants_of_scores():
+    found = []
+    for path, tree in _modules():
+        rel = _rel(path)
+        if path == SRC / "scores.py" or rel in ALLOW_UNTIL_CORE or rel in NOT_SCORE_TABLES:
+            continue
+        skip = frozenset(k.partition("::")[2] for k in NOT_SCORE_TABLES if k.partition("::")[0] == rel)
+        found += _where(path, score_column_literals(tree, skip))
+    assert not found, _report(found, "score columns are named by the constants of src/verinfer/scores.py")
+
+
+def test_the_version_is_written_once_and_read_from_verinfer_version():
+    from verinfer import __version__
+    from verinfer._version import __version__ as version
+
+    project = (ROOT / "pyproject.toml").read_text().split("[project]", 1)[1].split("\n[", 1)[0]
+    assert re.search(r'^version = "([^"]+)"$', project, re.M).group(1) == version == __version__
+    found = [w for path, tree in _modules() if _rel(path) not in ALLOW_UNTIL_CORE
+             for w in _where(path, version_from_the_root(tree))]
+    assert not found, _report(found, "modules read the version from verinfer._version, not the package root")
 
 
 # --- the checkers on snippets: what they flag and what they leave alone ------------------------------
@@ -325,6 +418,15 @@ getattr(det, "warnings_", [])
 setattr(det, "name", 1)
 """
     assert _lines(fitted_attribute_assignments, clean) == []
+    own = """
+self.clip_ = 1.0
+self.warnings_ += ["x"]
+setattr(self, "null_", [])
+self.null_.clip_ = 2.0
+det.provenance_ = prov
+"""
+    assert _lines(fitted_attribute_assignments, own) == [2, 3, 4, 5, 6]
+    assert sorted(line for line, _ in fitted_attribute_assignments(ast.parse(own), allow_self=True)) == [5, 6]
 
 
 def test_parquet_writes_through_any_alias_and_nothing_else():
@@ -417,3 +519,46 @@ x = client.OpenAI
     planted.write_text("def f(openai):\n    return openai.OpenAI(base_url='http://x/v1')\n")
     assert [w for path, tree in _modules(tmp_path) for w in _where(path, openai_uses(tree), tmp_path)] == \
         ["pkg/rogue.py:2: openai.OpenAI(...) builds an openai client"]
+def test_version_from_the_root_flags_the_root_not_the_module():
+    flagged = """
+from verinfer import __version__
+from verinfer import api, __version__ as v
+from . import __version__
+"""
+    assert _lines(version_from_the_root, flagged) == [2, 3, 4]
+    clean = """
+from verinfer._version import __version__
+from torch import __version__
+import verinfer
+v = verinfer.__version__
+from .x import __version__
+"""
+    assert _lines(version_from_the_root, clean) == []
+
+
+def test_score_column_literals_flag_reads_not_the_constants_or_other_keys():
+    flagged = """
+m = table["margin"]
+ids = t.column("claim_id").to_pylist()
+ce = score_column(table, "cross_entropy")
+v = divergence(cols, name="exact_match")
+sub = t.select(["provider", "position"])
+if "fp_l2" not in t.column_names:
+    pass
+env = t["env_gap_s0.01"]
+x = pc.field("gap_0") > 0
+cols = _columns(table, ["provider", *SCORES])
+"""
+    assert _lines(score_column_literals, flagged) == [2, 3, 4, 5, 6, 6, 7, 9, 10, 11]
+    clean = """
+from verinfer.scores import MARGIN
+m = table[MARGIN]
+d["provider"] = name
+row = {"margin": m, "provider": p}
+x = f["condition"]
+y = t["spec_score"]
+z = options.get("margin")
+"""
+    assert _lines(score_column_literals, clean) == []
+    skipped = "def probe(r):\n    return r['position']\ndef audit(t):\n    return t['margin']\n"
+    assert sorted(line for line, _ in score_column_literals(ast.parse(skipped), frozenset({"probe"}))) == [4]

@@ -48,6 +48,7 @@ def test_register_decorator_names_and_refuses_a_second_entry_of_a_name():
 
 
 def test_the_converted_registries_keep_their_names_and_errors():
+    from verinfer.detect.registry import DETECTORS, FORMATS
     from verinfer.determinism.scheduler import POLICIES
     from verinfer.numerics.kernels import KERNELS, get_kernels
     from verinfer.providers.simulated import HONEST, MISCONFIGURED, PROVIDERS, get_provider
@@ -63,8 +64,11 @@ def test_the_converted_registries_keep_their_names_and_errors():
     assert PROVIDERS.names() == HONEST.names() + MISCONFIGURED.names()
     assert set(KERNELS) == {"native", "fused", "fixed_shape", "tiled", "layercast"} and get_kernels("tiled").name == "tiled"
     assert set(POLICIES) == {"bf16", "batch_invariant", "layercast", "margingate", "margingate_contract", "llm42", "gated_llm42", "best"}
+    assert DETECTORS.names() == ("clipped-mean", "greedy", "glrt", "likelihood-ratio")
+    assert [c.NAME for c in FORMATS.values()] == list(DETECTORS)
     for fn, kind in ((get_backend, "noise backend"), (get_provider, "provider"), (get_kernels, "kernel strategy"),
-                     (POLICIES.get, "determinism policy"), (RELAX.get, "acceptance rule")):
+                     (POLICIES.get, "determinism policy"), (RELAX.get, "acceptance rule"),
+                     (DETECTORS.get, "detector")):
         with pytest.raises(UnknownNameError, match=f"unknown {kind} 'nope'") as e:
             fn("nope")
         assert e.value.fix.startswith("choose one of ")

@@ -50,7 +50,7 @@ import pyarrow.parquet as pq
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from scipy.special import log_ndtr
 
-from verinfer import __version__
+from verinfer._version import __version__
 from verinfer.errors import VerinferError
 from verinfer.io import atomic_write
 
@@ -73,6 +73,7 @@ SCORE_SCHEMA = pa.schema([
 DEFAULT_SIGMA = 0.1  # the likelihood score's noise scale when none is fitted
 
 GAP, GAP_FEATURE = "gap", "gap_0"  # signed gap at the claimed temperature: scores table, features table
+LOGIT_GAP = "logit_gap"  # features table (benchmarks/difr_variants.py): replayed minus claimed token's raw logit
 GAP_TEMPERATURE_FACTORS = (0.8, 0.9, 1.1, 1.2)
 GAP_TOP_P_SLACK = 0.01  # the perturbation GLRT's default top_p_slack
 ENVELOPE_PREFIX = "env_"  # the honest-reference envelope's gap columns

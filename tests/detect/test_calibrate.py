@@ -75,3 +75,25 @@ def test_calibrate_warns_without_a_heldout_fpr_and_refuses_a_missing_provider():
     assert any("no fold of an honest configuration holds 10000 tokens" in w for w in det.warnings_)
     with pytest.raises(ClaimError, match="no scored tokens for honest provider 'nope'"):
         calibrate(t, ["h-a", "nope"])
+
+
+def test_the_record_is_set_by_fit_and_a_plain_refit_clears_it(tmp_path):
+    """provenance_ / calibration_ / extra warnings come in through fit (detect.calibrate gives them);
+    a fit in code records neither, and a refit does not keep a previous fit's record."""
+    from verinfer.detect import load_detector
+    from verinfer.detect.record import Calibration
+
+    t = _table(np.random.default_rng(5)).slice(0, 2000)
+    groups = np.repeat(["h-a", "h-b"], 1000)
+    cal = Calibration(tokens={"h-a": 1000, "h-b": 1000}, claims={"h-a": 40, "h-b": 40})
+    det = make_detector("clipped-mean", random_state=4)
+    assert det.fit(t, groups=groups, provenance=PROV, calibration=cal, warnings=["w"]) is det
+    assert det.provenance_ == PROV and det.calibration_ == cal and det.warnings_[-1] == "w"
+    d = det.to_json()
+    assert d["provenance"] == PROV.model_dump(mode="json") and d["calibration"] == cal.model_dump(mode="json")
+    det.save(tmp_path / "d.json")
+    back = load_detector(tmp_path / "d.json")
+    assert back.provenance_ == PROV and back.calibration_ == cal and back.to_json() == d
+    det.fit(t, groups=groups)
+    assert det.provenance_ is None and det.calibration_ is None and "w" not in det.warnings_
+    assert set(det.to_json()) == {"format", "version", "config", "fitted"}

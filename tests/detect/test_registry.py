@@ -11,7 +11,7 @@ import pytest
 from scipy.stats import norm
 
 from verinfer.detect import DETECTORS, Detector, detector_class, load_detector, make_detector
-from verinfer.errors import VerinferError
+from verinfer.errors import UnknownNameError, VerinferError
 
 PROTOCOL_KEYS = {"flagged", "pooled", "threshold", "p_value", "n_tokens", "target_fpr", "threshold_fpr",
                  "more_tokens_needed", "decision", "score"}
@@ -101,9 +101,11 @@ def test_load_detector_errors(tmp_path):
 
 
 def test_make_detector_errors():
-    with pytest.raises(VerinferError, match="unknown detector 'nope'") as e:
+    with pytest.raises(UnknownNameError, match="unknown detector 'nope'") as e:
         make_detector("nope")
-    assert "clipped-mean" in e.value.fix
+    assert e.value.fix == "choose one of clipped-mean, greedy, glrt, likelihood-ratio"
+    with pytest.raises(UnknownNameError, match="unknown detector 'nope'"):
+        detector_class("nope")
     with pytest.raises(VerinferError, match="takes no option score_name"):
         make_detector("glrt", score_name="fp_l2")
     with pytest.raises(VerinferError, match="clip_quantile"):

@@ -7,7 +7,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pytest
 
-from verinfer import __version__
+from verinfer._version import __version__
 from verinfer.scores import SCORES, likelihood_score
 from verinfer.detect.verdict import Verdict
 from verinfer.report.html import ReportContext, _slug, compute_auc_curves, write_report

@@ -27,7 +27,7 @@ import click
 import typer
 import typer.core
 
-from verinfer import __version__
+from verinfer._version import __version__
 from verinfer.errors import VerinferError
 
 from verinfer.cli import options as O, render

@@ -1,7 +1,8 @@
 """The detector protocol every verinfer detector follows (sklearn style).
 
     det = Detector(**config)              config: plain attributes, fixed once constructed
-    det.fit(table, groups=None)           learn from honest score rows only; learned attributes end in `_`
+    det.fit(table, groups=None)           learn from honest score rows only; learned attributes end in `_`,
+                                          set by the detector's own methods only (fit, from_json)
     det.score(table, max_tokens=None)     the batch statistic of the rows (higher = more divergent)
     det.verdict(table, max_tokens=None)   a `verdict.Verdict`: flagged, pooled (= the statistic),
                                           threshold, p_value, n_tokens, target_fpr, threshold_fpr,
@@ -25,7 +26,7 @@ import json
 from collections.abc import Mapping
 from dataclasses import FrozenInstanceError, dataclass, field, fields
 from pathlib import Path
-from typing import ClassVar
+from typing import ClassVar, TypeVar
 
 import numpy as np
 from verinfer.detect import record
@@ -33,6 +34,9 @@ from verinfer.detect.tail import MIN_RESAMPLED_HITS, compress, mean_tail
 from verinfer.detect.verdict import Verdict
 from verinfer.errors import VerinferError
 from verinfer.io import atomic_write_text
+from verinfer.scores import CLAIM_ID, Provenance
+
+D = TypeVar("D", bound="Detector")
 
 
 def read_detector_json(path: str | Path, fix: str = "refit the detector with `verinfer calibrate`") -> dict:
@@ -124,9 +128,9 @@ def stratified_subsample(x: np.ndarray, labels: np.ndarray, cap_total: int, seed
 
 def claim_labels(table, n: int) -> np.ndarray | None:
     """Integer claim labels of a table's rows (from `claim_id`, in row order), None without the column."""
-    if "claim_id" not in column_names(table):
+    if CLAIM_ID not in column_names(table):
         return None
-    col = table["claim_id"]
+    col = table[CLAIM_ID]
     ids = np.asarray(col.to_pylist() if hasattr(col, "to_pylist") else col)
     if ids.size != n:
         raise ValueError(f"claim_id has {ids.size} rows for {n} scored tokens")
@@ -160,7 +164,7 @@ class Detector(abc.ABC):
     its subsampling and resampling (results are deterministic).
 
     Subclasses are dataclasses whose init fields are the config; they define NAME (registry name),
-    FORMAT / FORMAT_VERSION (the JSON "format" and "version" fields), columns(), fit(),
+    FORMAT / FORMAT_VERSION (the JSON "format" and "version" fields), columns(), _fit() (what fit learns),
     token_scores() (per-token evidence, [N] or [N, C]), statistic_of(evidence), threshold(n),
     verdict(), _fitted_json() / _load_fitted() (the "fitted" part of the JSON)."""
 
@@ -215,10 +219,28 @@ class Detector(abc.ABC):
         return table
 
     # -- fitting and scoring ---------------------------------------------------------------------
-    @abc.abstractmethod
-    def fit(self, table, groups=None) -> "Detector":
-        """Learn from honest rows; `groups` (one label per row of token_rows(table), e.g. the honest
-        configuration) makes the null guard every honest group, not only their pool."""
+    def fit(self: D, table, groups=None, *, provenance: Provenance | None = None,
+            calibration: record.Calibration | None = None, warnings: tuple[str, ...] | list[str] = (),
+            **options) -> D:
+        """Learn from honest rows (`_fit`, with the detector's own `options`); `groups` (one label per
+        row of token_rows(table), e.g. the honest configuration) makes the null guard every honest
+        group, not only their pool. What the detector file records besides the fit (`detect.record`;
+        `detect.calibrate` gives them, a fit in code has neither): `provenance_`, the model and
+        settings that replayed the honest rows, and `calibration_`, its size and held-out FPR.
+        `warnings_`: the fit's own warnings, then `warnings`."""
+        self.warnings_: list[str] = []
+        self._fit(table, groups, **options)
+        self._set_record(provenance, calibration)
+        self.warnings_ = [*self.warnings_, *warnings]
+        return self
+
+    def _fit(self, table, groups=None) -> None:
+        """Set the learned attributes from honest rows (each detector defines it; fit calls it, after
+        which `warnings_` holds what the fit warns about)."""
+        raise NotImplementedError(f"{type(self).__name__} defines no _fit")
+
+    def _set_record(self, provenance: Provenance | None, calibration: record.Calibration | None) -> None:
+        self.provenance_, self.calibration_ = provenance, calibration
 
     @abc.abstractmethod
     def token_scores(self, table) -> np.ndarray:
@@ -307,7 +329,7 @@ class Detector(abc.ABC):
             det._load_fitted(d["fitted"])
         except (KeyError, TypeError, ValueError) as e:
             raise bad(f"malformed detector ({type(e).__name__}: {e})") from e
-        record.load(det, d, where, cls.REFIT)
+        det._set_record(*record.read(d, where, cls.REFIT))
         try:
             det._check_record()
         except ValueError as e:

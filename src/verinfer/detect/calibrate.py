@@ -2,13 +2,14 @@
 
     det = calibrate(table, honest, detector="clipped-mean", seed=0, **options)
 
-fits `DETECTORS[detector]` on every honest token (each honest provider one group of its null) and
-sets, here and nowhere else, what `verinfer audit` reads from the detector file (`detect.record`):
-`provenance_` (the model and settings that replayed the honest scores, from the table's schema
-metadata, `verinfer.scores.PARQUET_KEY`), `calibration_` (tokens and claims per honest provider,
-and the false-positive rate on held-out honest claims, `heldout_fpr`) and `warnings_` (appended to
-the fit's own). `split_claims` splits honest claims into a calibration part and an audited part
-(the demo); `claim_folds` / `claim_batches` deal claims into folds and batches of whole claims.
+fits `DETECTORS[detector]` on every honest token (each honest provider one group of its null),
+giving its fit what `verinfer audit` reads from the detector file (`detect.record`): the provenance
+(the model and settings that replayed the honest scores, from the table's schema metadata,
+`verinfer.scores.PARQUET_KEY`), the calibration (tokens and claims per honest provider, and the
+false-positive rate on held-out honest claims, `heldout_fpr`) and warnings (appended to the fit's
+own): the detector's `fit` sets them as `provenance_`, `calibration_` and `warnings_`.
+`split_claims` splits honest claims into a calibration part and an audited part (the demo);
+`claim_folds` / `claim_batches` deal claims into folds and batches of whole claims.
 """
 
 from __future__ import annotations
@@ -92,17 +93,16 @@ def calibrate(table: pa.Table, honest: list[str], *, detector: str = "clipped-me
         tokens[name], claims[name] = rows.num_rows, len(set(rows[CLAIM_ID].to_pylist()))
     honest_rows = pa.concat_tables(parts)
     fold, order, groups = np.concatenate(fold_of), np.concatenate(order_of), np.asarray(groups)
-    det.fit(honest_rows, groups=groups)
-    det.provenance_ = provenance_of_schema(table.schema, "the honest scores")
-    heldout = heldout_fpr(det, honest_rows, groups, fold, order, folds, fpr_batch_tokens, detector, seed, options)
-    det.calibration_ = record.Calibration(tokens=tokens, claims=claims, heldout=heldout)
-    return det
+    heldout, warnings = heldout_fpr(honest_rows, groups, fold, order, folds, fpr_batch_tokens, detector, seed, options)
+    return det.fit(honest_rows, groups=groups, provenance=provenance_of_schema(table.schema, "the honest scores"),
+                   calibration=record.Calibration(tokens=tokens, claims=claims, heldout=heldout), warnings=warnings)
 
 
-def heldout_fpr(det: Detector, rows: pa.Table, groups: np.ndarray, fold: np.ndarray, order: np.ndarray, folds: int,
-                batch_tokens: int, detector: str, seed: int, options: dict) -> "record.Heldout | None":
-    """`calibrate`'s held-out false-positive rate (None, with a warning in det.warnings_, when a
-    fold's complement is too small to fit or no fold holds a whole batch)."""
+def heldout_fpr(rows: pa.Table, groups: np.ndarray, fold: np.ndarray, order: np.ndarray, folds: int, batch_tokens: int,
+                detector: str, seed: int, options: dict) -> tuple["record.Heldout | None", list[str]]:
+    """`calibrate`'s held-out false-positive rate and what it warns: None, with a warning, when a
+    fold's complement is too small to fit; no batches, with a warning, when no fold holds a whole
+    batch."""
     flagged = batches = 0
     for f in range(folds):
         test = np.flatnonzero(fold == f)
@@ -113,19 +113,14 @@ def heldout_fpr(det: Detector, rows: pa.Table, groups: np.ndarray, fold: np.ndar
         try:
             det_f = make_detector(detector, random_state=seed, **options).fit(rows.take(train), groups=groups[train])
         except (VerinferError, ValueError) as e:
-            _warn(det, f"no held-out FPR: a detector fit without fold {f + 1}/{folds} fails ({e})")
-            return None
+            return None, [f"no held-out FPR: a detector fit without fold {f + 1}/{folds} fails ({e})"]
         for b in (b for bs in per_provider for b in bs):
             flagged += bool(det_f.verdict(rows.take(b)).flagged)
             batches += 1
     if batches == 0:
-        _warn(det, f"no held-out FPR: no fold of an honest configuration holds {batch_tokens} tokens "
-                   f"(calibrate on more claims, or a smaller --fpr-batch-tokens)")
-        return record.Heldout(folds=folds, batch_tokens=batch_tokens, batches=0, flagged=0)
+        return record.Heldout(folds=folds, batch_tokens=batch_tokens, batches=0, flagged=0), [
+            f"no held-out FPR: no fold of an honest configuration holds {batch_tokens} tokens "
+            f"(calibrate on more claims, or a smaller --fpr-batch-tokens)"]
     return record.Heldout(folds=folds, batch_tokens=batch_tokens, batches=batches, flagged=flagged,
                           fpr=flagged / batches, fpr_upper95=float(beta.ppf(0.95, flagged + 1, batches - flagged))
-                          if flagged < batches else 1.0)
-
-
-def _warn(det: Detector, text: str) -> None:
-    det.warnings_ = [*getattr(det, "warnings_", []), text]
+                          if flagged < batches else 1.0), []

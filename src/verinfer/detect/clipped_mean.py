@@ -51,7 +51,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from scipy.stats import norm
 
 from verinfer.detect.clipping import clip_at_quantile, winsorize
-from verinfer.scores import ALL_SCORES, ACTIVATION_SCORES, divergence
+from verinfer.scores import ALL_SCORES, ACTIVATION_SCORES, MARGIN, divergence
 from verinfer.detect.base import (Detector, claim_labels, decision_text, decode_f8, encode_f8, group_labels, head,
                                   stratified_subsample)
 from verinfer.detect.tail import MIN_RESAMPLED_HITS, chernoff_bound, compress, mean_tail, tilt
@@ -161,7 +161,7 @@ class ClippedMeanDetector(Detector):
     JSON_NAMES = {"score_name": "score"}
     FITTED_MODEL = _Fitted
 
-    score_name: str = "margin"
+    score_name: str = MARGIN
     clip_quantile: float = 0.999
 
     def __post_init__(self):
@@ -193,7 +193,7 @@ class ClippedMeanDetector(Detector):
         return v
 
     # -- fitting ---------------------------------------------------------------------------------
-    def fit(self, table, groups=None) -> "ClippedMeanDetector":
+    def _fit(self, table, groups=None) -> None:
         """Learn clip_, null_sample_, null_group_sizes_, null_mean_, null_std_, n_train_ from honest
         (train) rows. `groups` (one label per token row, e.g. the honest configuration) makes the
         null stratified: each honest configuration keeps its own resampled null, and the threshold
@@ -224,7 +224,6 @@ class ClippedMeanDetector(Detector):
                 self.warnings_.append(f"{len(few)} honest group(s) hold fewer than {MIN_CLAIMS_FOR_DEFF} claims: their "
                                       "tokens are treated as independent (design effect 1), which understates the "
                                       "spread of whole-claim batches; calibrate on more claims")
-        return self
 
     def _fit_warnings(self, v: np.ndarray, w: np.ndarray, clip: float) -> list[str]:
         out = []

@@ -196,7 +196,7 @@ class PerturbationGLRTDetector(ColumnStatistics):
         return ENVELOPE_PREFIX if self.envelope else ""
 
     # -- fitting ---------------------------------------------------------------------------------
-    def fit(self, table, groups=None) -> "PerturbationGLRTDetector":
+    def _fit(self, table, groups=None) -> None:
         """Learn sigma0_, eps0_, grid_, mu_, sd_, tau_ and the per-group null samples from honest
         (train) tokens; `groups`: one label per token (its honest configuration) for the
         random-effects null."""
@@ -236,9 +236,8 @@ class PerturbationGLRTDetector(ColumnStatistics):
                           f"honest configuration needs >= {MIN_HONEST_GROUPS} "
                           + ("(with one, the null covers only that configuration)" if len(samples) == 1 else
                              "(with two, their spread is a one-degree-of-freedom guess)")
-                          + ": calibrate on more honest configurations", FewHonestGroupsWarning, stacklevel=2)
+                          + ": calibrate on more honest configurations", FewHonestGroupsWarning, stacklevel=3)
         self._set_null(samples, n_train=len(g), blocks=blocks)
-        return self
 
     def _set_null(self, gap_samples: list, n_train: int, blocks: list | None = None) -> None:
         raw = [self._llr(s, capped=False) for s in gap_samples]  # the perturbation LLR once; capped below

@@ -128,7 +128,7 @@ class GreedyDetector(ClippedMeanDetector):
     floor: float = FLOOR
     tie_quantile: float = TIE_QUANTILE
     null: str = "predictive"
-    score_name: str = "margin"
+    score_name: str = MARGIN
     clip_quantile: float = 1.0
 
     def __post_init__(self):
@@ -190,7 +190,7 @@ class GreedyDetector(ClippedMeanDetector):
         t = self.token_rows(table)
         margin, exact = np.asarray(t[MARGIN], dtype=np.float64), np.asarray(t[EXACT_MATCH], dtype=bool)
         if np.isnan(margin).any():
-            raise ValueError("score column 'margin' contains NaN scores")
+            raise ValueError(f"score column {MARGIN!r} contains NaN scores")
         return margin, exact
 
     def values(self, table) -> np.ndarray:
@@ -199,7 +199,7 @@ class GreedyDetector(ClippedMeanDetector):
             raise VerinferError("the detector is not fitted", fix="call fit(honest_scores) or load a detector file")
         return greedy_scores(*self._raw(table), self.tie_clip_, self.floor)
 
-    def fit(self, table, groups=None) -> "GreedyDetector":
+    def _fit(self, table, groups=None) -> None:
         """c from the honest mismatches' margins, then the null of s per honest group, floored to
         at least `mismatch_floor` mismatching claims per group (module docstring)."""
         margin, exact = self._raw(table)
@@ -234,7 +234,6 @@ class GreedyDetector(ClippedMeanDetector):
         if few:
             self.warnings_.append(f"{len(few)} honest group(s) hold fewer than {MIN_CLAIMS_FOR_DEFF} claims: their "
                                   "tokens are treated as independent (design effect 1); calibrate on more claims")
-        return self
 
     def verdict(self, table, max_tokens: int | None = None):
         """The clipped-mean verdict of s, named as the greedy score with its near-tie cap."""

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from verinfer.scores import score_column
+from verinfer.scores import CROSS_ENTROPY, EXACT_MATCH, LIKELIHOOD, LOGIT_GAP, MARGIN, score_column
 from verinfer.detect.base import Detector, decode_f8, encode_f8
 from verinfer.detect.clipped_mean import ClippedMeanDetector
 from verinfer.detect.verdict import Verdict
@@ -95,10 +95,10 @@ class LikelihoodRatioDetector(Detector):
             raise ValueError(f"generic_mismatch must be in (0, 1), got {self.generic_mismatch}")
 
     def columns(self, table=None) -> tuple[str, ...]:
-        return ("margin", "exact_match", "cross_entropy") + (("logit_gap",) if self.use_direction else ())
+        return (MARGIN, EXACT_MATCH, CROSS_ENTROPY) + ((LOGIT_GAP,) if self.use_direction else ())
 
     # -- fitting ---------------------------------------------------------------------------------
-    def fit(self, table, groups=None, alternatives=()) -> "LikelihoodRatioDetector":
+    def _fit(self, table, groups=None, alternatives=()) -> None:
         """Learn margin_edges_, ce_edges_, p0_, p1_, weights_ and the honest null null_ from honest
         (train) tokens; `alternatives`: score tables of misconfigured train tokens (optional);
         `groups`: one label per honest token for a stratified null (None: one pooled null)."""
@@ -129,10 +129,9 @@ class LikelihoodRatioDetector(Detector):
                                 std=float(w.std(ddof=1)) if w.size > 1 else 0.0)
         else:
             self.null_.fit_null(w, groups, clip=float(np.inf))
-        return self
 
     def _null_detector(self) -> ClippedMeanDetector:
-        return ClippedMeanDetector(score_name="likelihood", clip_quantile=1.0, target_fpr=self.target_fpr,
+        return ClippedMeanDetector(score_name=LIKELIHOOD, clip_quantile=1.0, target_fpr=self.target_fpr,
                                    n_null_batches=self.n_null_batches, random_state=self.random_state)
 
     def _set_bins(self, margin_edges, ce_edges, p0, p1) -> None:
@@ -142,12 +141,12 @@ class LikelihoodRatioDetector(Detector):
 
     def _arrays(self, table) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         self.require_columns(table)
-        m = score_column(table, "margin")
-        em = score_column(table, "exact_match") > 0.5
-        ce = score_column(table, "cross_entropy")
+        m = score_column(table, MARGIN)
+        em = score_column(table, EXACT_MATCH) > 0.5
+        ce = score_column(table, CROSS_ENTROPY)
         if np.isnan(m).any() or np.isnan(ce).any():
             raise ValueError("margin / cross_entropy contain NaN")
-        gap = score_column(table, "logit_gap") if self.use_direction else np.zeros_like(m)
+        gap = score_column(table, LOGIT_GAP) if self.use_direction else np.zeros_like(m)
         return m, em, ce, gap
 
     def _bins(self, table, margin_edges=None, ce_edges=None) -> np.ndarray:

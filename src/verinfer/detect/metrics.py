@@ -21,6 +21,7 @@ import numpy as np
 from sklearn.metrics import roc_auc_score
 
 from verinfer.detect.clipping import clip_at_quantile, tail_pool, winsorize
+from verinfer.scores import CLAIM_ID
 
 
 def auc_at_fpr(neg_scores, pos_scores, max_fpr: float = 0.01) -> float:
@@ -145,7 +146,7 @@ def fixed_tokens_to_flag(det, table, claim_counts: Iterable[int]) -> tuple[int |
     test flags (det.verdict of the first k claims, k in claim_counts ascending); (None, None) if
     none does. A measure of a fixed-size test's power at each size, not a stopping rule: looking
     at every size is not anytime-valid (`detect.sequential` is)."""
-    ids = np.asarray(table["claim_id"].to_pylist() if hasattr(table["claim_id"], "to_pylist") else table["claim_id"])
+    ids = np.asarray(table[CLAIM_ID].to_pylist() if hasattr(table[CLAIM_ID], "to_pylist") else table[CLAIM_ID])
     ends = np.flatnonzero(np.r_[ids[1:] != ids[:-1], True]) + 1      # row index after each claim
     for k in sorted(set(int(c) for c in claim_counts)):
         if k > ends.size:

@@ -19,8 +19,8 @@ import math
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from verinfer.scores import parse_provenance
 from verinfer.errors import VerinferError
+from verinfer.scores import Provenance, parse_provenance
 
 
 class Heldout(BaseModel):
@@ -67,17 +67,17 @@ def to_json(det) -> dict:
     return out
 
 
-def load(det, d: dict, where: str, fix: str) -> None:
-    """Set det.provenance_ and det.calibration_ from a detector file's JSON (validated)."""
-    det.provenance_ = parse_provenance(d["provenance"], where, fix) if "provenance" in d else None
-    det.calibration_ = None
-    if "calibration" in d:
-        try:
-            det.calibration_ = Calibration.model_validate(d["calibration"])
-        except ValidationError as e:
-            err = e.errors()[0]
-            raise VerinferError(f"bad calibration field {'.'.join(map(str, err['loc']))}: {err['msg']}",
-                                where=where, fix=fix) from None
+def read(d: dict, where: str, fix: str) -> tuple[Provenance | None, Calibration | None]:
+    """The provenance and calibration a detector file's JSON records (validated; None where absent)."""
+    provenance = parse_provenance(d["provenance"], where, fix) if "provenance" in d else None
+    if "calibration" not in d:
+        return provenance, None
+    try:
+        return provenance, Calibration.model_validate(d["calibration"])
+    except ValidationError as e:
+        err = e.errors()[0]
+        raise VerinferError(f"bad calibration field {'.'.join(map(str, err['loc']))}: {err['msg']}",
+                            where=where, fix=fix) from None
 
 
 def check_numbers(fitted, path: str = "fitted") -> None:

@@ -1,5 +1,8 @@
 """Detectors by name: `verinfer calibrate --detector NAME`, `verinfer audit -d FILE` and the apps
-make, fit and load every detector through this registry and the `Detector` protocol."""
+make, fit and load every detector through this registry and the `Detector` protocol.
+
+DETECTORS (registry name -> class) and FORMATS (a detector file's "format" -> class) are
+`verinfer.registry.Registry`s: an unknown name raises UnknownNameError naming the choices."""
 
 from __future__ import annotations
 
@@ -11,16 +14,16 @@ from verinfer.detect.glrt import PerturbationGLRTDetector
 from verinfer.detect.greedy import GreedyDetector
 from verinfer.detect.likelihood_ratio import LikelihoodRatioDetector
 from verinfer.errors import VerinferError
+from verinfer.registry import Registry
 
-DETECTORS: dict[str, type[Detector]] = {c.NAME: c for c in (ClippedMeanDetector, GreedyDetector,
-                                                             PerturbationGLRTDetector, LikelihoodRatioDetector)}
-FORMATS: dict[str, type[Detector]] = {c.FORMAT: c for c in DETECTORS.values()}
+_CLASSES = (ClippedMeanDetector, GreedyDetector, PerturbationGLRTDetector, LikelihoodRatioDetector)
+DETECTORS: Registry[type[Detector]] = Registry("detector", {c.NAME: c for c in _CLASSES})
+FORMATS: Registry[type[Detector]] = Registry("detector file format", {c.FORMAT: c for c in _CLASSES})
 
 
 def detector_class(name: str) -> type[Detector]:
-    if name not in DETECTORS:
-        raise VerinferError(f"unknown detector {name!r}", fix=f"choose one of {', '.join(DETECTORS)}")
-    return DETECTORS[name]
+    """The detector class registered as `name` (UnknownNameError naming the choices)."""
+    return DETECTORS.get(name)
 
 
 def make_detector(name: str, **options) -> Detector:

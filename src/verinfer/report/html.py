@@ -23,8 +23,8 @@ import jinja2
 import numpy as np
 import pyarrow as pa
 
-from verinfer import __version__
-from verinfer.scores import CROSS_ENTROPY, MARGIN, SCORES, divergence
+from verinfer._version import __version__
+from verinfer.scores import CROSS_ENTROPY, EXACT_MATCH, MARGIN, PROVIDER, SCORES, divergence
 from verinfer.detect.metrics import auc_vs_tokens, tokens_to_detect
 from verinfer.detect.verdict import Verdict
 from verinfer.errors import VerinferError
@@ -91,8 +91,8 @@ def compute_auc_curves(table, honest_providers: list[str], scores: Iterable[str]
     misconfiguration. Batch sizes larger than half the available tokens (a test split) are None.
     Scores whose column is absent are skipped. Deterministic in `seed`."""
     honest = set(honest_providers)
-    cols = _columns(table, ["provider", *scores])
-    prov = cols["provider"].astype(str)
+    cols = _columns(table, [PROVIDER, *scores])
+    prov = cols[PROVIDER].astype(str)
     is_honest = np.isin(prov, list(honest))
     if not is_honest.any():
         raise VerinferError(f"no scored tokens from the honest providers {sorted(honest)}",
@@ -171,7 +171,7 @@ def _verdict_view(v: Verdict) -> dict:
 
 
 def _provider_rows(cols: dict, honest: set[str], verdicts: list[dict], curves: Mapping) -> list[dict]:
-    prov = cols["provider"].astype(str)
+    prov = cols[PROVIDER].astype(str)
     by_name = {d.get("provider"): d for d in verdicts}
     names = _providers_in_order(prov) + [p for p in by_name if p not in set(prov)]
     rows = []
@@ -180,20 +180,20 @@ def _provider_rows(cols: dict, honest: set[str], verdicts: list[dict], curves: M
         d = by_name.get(p)
         row = {"provider": p, "role": "honest reference" if p in honest else "audited",
                "scored": int(sel.sum()),
-               "exact_match": float(np.mean(cols["exact_match"][sel])) if "exact_match" in cols and sel.any() else None,
+               "exact_match": float(np.mean(cols[EXACT_MATCH][sel])) if EXACT_MATCH in cols and sel.any() else None,
                "verdict": d, "auc": None, "detect": _first_detection(curves[p]) if p in curves else None}
         if d is not None and p in curves:
-            row["auc"] = _auc_at(curves[p].get(d.get("score") or "margin"), int(d["n_tokens"]))
+            row["auc"] = _auc_at(curves[p].get(d.get("score") or MARGIN), int(d["n_tokens"]))
         rows.append(row)
     return rows
 
 
 def _data_rows(cols: dict, honest: set[str]) -> list[dict]:
-    prov = cols["provider"].astype(str)
+    prov = cols[PROVIDER].astype(str)
     rows = []
     for p in _providers_in_order(prov):
         sel = prov == p
-        margin = cols["margin"][sel].astype(np.float64) if "margin" in cols else np.empty(0)
+        margin = cols[MARGIN][sel].astype(np.float64) if MARGIN in cols else np.empty(0)
         fin = margin[np.isfinite(margin)]
         rows.append({"provider": p, "role": "honest reference" if p in honest else "audited",
                      "tokens": int(sel.sum()), "mean_margin": float(fin.mean()) if fin.size else None,
@@ -244,7 +244,7 @@ def _short(name: str, n: int = 48) -> str:
 
 
 def _figures(cols: dict, honest: set[str], curves: Mapping, out: Path, overview_score: str) -> tuple:
-    prov = cols["provider"].astype(str)
+    prov = cols[PROVIDER].astype(str)
     is_honest = np.isin(prov, list(honest))
     misconfs = [p for p in _providers_in_order(prov) if p not in honest]
     overview = None
@@ -291,10 +291,10 @@ def write_report(scores_table, out_dir: str | Path, honest_providers: list[str],
     batch_sizes = [int(b) for b in batch_sizes]
     honest = set(honest_providers)
     verdicts = [_verdict_view(d) for d in verdicts or []]
-    cols = _columns(scores_table, ["provider", "exact_match", *SCORES])
+    cols = _columns(scores_table, [PROVIDER, EXACT_MATCH, *SCORES])
     if auc_curves is None:
         auc_curves = compute_auc_curves(scores_table, list(honest_providers), batch_sizes=batch_sizes)
-    overview_score = next((d["score"] for d in verdicts if d.get("score")), "margin")
+    overview_score = next((d["score"] for d in verdicts if d.get("score")), MARGIN)
     overview, sections = _figures(cols, honest, auc_curves, out, overview_score)
     page = _environment().get_template("report.html.j2").render(
         context=context or ReportContext(), summary=summarize(verdicts, auc_curves, honest),
