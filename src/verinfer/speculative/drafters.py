@@ -1,5 +1,6 @@
 """Draft sources of the speculative round (decoder.py): strategies with the same two calls, one
-state per batch of rows.
+state per batch of rows, made as Kind(source, drafting, reqs, slots) (source: the draft's Engine,
+or the NgramDraft; reqs: the batch's engine requests; slots: cache slots past the prompt).
 
   propose(rows, active, gens) -> Block     the round's draft tokens x_BG of the active rows, the
                                            distributions q_BGV they were drawn from and n_valid_B
