@@ -253,22 +253,23 @@ def _scratch_head_q(target, head, c, T):
 def test_head_q_equals_the_decoders_and_a_cache_free_chain(head_models, monkeypatch):
     """The verifier's q of every a / r token of head claims (head_draft_logits: one head pass plus a
     batched chain over copies of its cache) is (1) the q the decoder drew that token's draft from,
-    captured from SpeculativeDecoder._draw, and (2) a cache-free recomputation of the chain."""
+    captured from the decoder's draws (drafters.Drafting.draw), and (2) a cache-free recomputation
+    of the chain."""
     from verinfer.engine.engine import Engine
-    from verinfer.speculative.decoder import SpeculativeDecoder
+    from verinfer.speculative.drafters import Drafting
     from verinfer.speculative.spec_claims import head_draft_logits
 
     t, h, _ = head_models
     drawn = {}  # (row, round, slot) -> q_V of the decoder's draw
-    orig = SpeculativeDecoder._draw
+    orig = Drafting.draw
 
-    def spy(self, lg, skip_q, gens, rows, active, i):
-        x, q = orig(self, lg, skip_q, gens, rows, active, i)
+    def spy(self, lg, gens, rows, active, i):
+        x, q = orig(self, lg, gens, rows, active, i)
         for b, r in enumerate(active):
             drawn[(r, rows.outs[r].target_forwards, i)] = q[b].double().cpu()
         return x, q
 
-    monkeypatch.setattr(SpeculativeDecoder, "_draw", spy)
+    monkeypatch.setattr(Drafting, "draw", spy)
     claims = _head_claims(head_models, Rule("kl", 1e9), n=3, max_tokens=20)  # many accepted: long chains
     monkeypatch.undo()
     eng = Engine(h, lean_prefill=True)

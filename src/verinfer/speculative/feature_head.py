@@ -10,7 +10,7 @@ what its lm_head reads; e() the target's token embedding):
   f^_{t+1} = norm(layer(x_<=t))                    one Llama decoder layer with its own KV cache
                                                    (causal over the head's positions) and its own norm
   q_{t+2}  = softmax(lm_head(f^_{t+1}) / T)        the target's lm_head (optionally its FR-Spec rows)
-Drafting (chain, speculative/decoder.py): after a verification the head catches up on the committed
+Drafting (chain, speculative/drafters.py): after a verification the head catches up on the committed
 tokens with the TARGET's features of that verification forward (no extra target pass), and its
 output drafts x_1; each further draft step feeds back the head's own f^ (EAGLE's autoregression
 at the feature level). Training (speculative/head_build.py): teacher forcing on the target's features,

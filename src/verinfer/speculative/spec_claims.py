@@ -40,8 +40,8 @@ corrections: (p(y) - q(y)) / max(p(y), q(y)) at the verifier had minimum -0.080 
 +0.035), so an exact p(y) <= q(y) test flagged 1 honest token in 4,096. The tolerance does not
 weaken the KL-judge audit: a lossy rule is caught by accept_nll on 'a' tokens, not by violations.
 
-Draft distribution q of a feature-level head (speculative/feature_head.py; the decoder's
-`_generate_batch_head`), seq = prompt + output (length L, prompt length P), f_t the target's
+Draft distribution q of a feature-level head (speculative/feature_head.py; drafting in
+drafters.HeadDrafter), seq = prompt + output (length L, prompt length P), f_t the target's
 final-norm hidden state at position t (one teacher-forced target forward, the same that gives p):
   head entries  e_t = (token seq[t+1], feature f_t), t = 0..L-2: ONE head pass (KV cache) over them
   round starting at committed length n (its first output token is seq[n]):
