@@ -170,7 +170,7 @@ def test_bf16_batch_effects_flip_some_tokens_against_the_batch_of_one(registries
 def test_each_row_stops_at_its_own_stop_token_unless_it_ignores_eos(registries, prompts):
     """A row stops at a stop token ("stop", the token included) unless its request ignores EOS;
     max_tokens ends it otherwise ("length"). The stop set is set to a token the greedy answer holds."""
-    b = Batcher(registries["best"][MODEL], max_batch=4, deterministic=True)
+    b = Batcher(registries["best"][MODEL], max_batch=4, deterministic="best")
     try:
         full = run_batcher(b, [("x", prompts[0], 20)], ignore_eos=True)["x"]
         tok = full[6].token_id
@@ -187,13 +187,13 @@ def test_each_row_stops_at_its_own_stop_token_unless_it_ignores_eos(registries, 
 
 
 def test_a_failing_step_fails_its_requests_with_a_clear_error_and_the_loop_goes_on(registries, prompts, monkeypatch):
-    b = Batcher(registries["best"][MODEL], deterministic=True)
+    b = Batcher(registries["best"][MODEL], deterministic="best")
     try:
         with monkeypatch.context() as m:
             m.setattr(b.engine, "advance", lambda *a: (_ for _ in ()).throw(RuntimeError("boom")))
             with pytest.raises(BatchError, match="batched decode step of model 'verinfer-testbed-target': RuntimeError: boom"):
                 run_batcher(b, [("a", prompts[0], 5), ("b", prompts[1], 5)])
-        assert b.running and b._batch is None
+        assert b.running and b.rows == 0
         ok = run_batcher(b, [("c", prompts[0], 5)])
         assert len(ok["c"]) == 5
     finally:

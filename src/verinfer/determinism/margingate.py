@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-from verinfer.determinism.policies import Policy, Row, Stats
+from verinfer.determinism.policies import Policy, Row, Stats, grow_slots
 from verinfer.engine.engine import Batch, Engine, RowsCache
 
 
@@ -139,7 +139,10 @@ def catch_up(det: Engine, batch: Batch, trig: list[int], shadows: list[ShadowVer
     seqs = [sequence_of(batch, b)[s.length:int(batch.len_B[b])] for b, s in zip(trig, shadows)]
     tokens_NT, pos_NT = padded_chunks(seqs, [s.length for s in shadows])
     caches = [s.cache for s in shadows]
-    stacked = RowsCache.stack(caches, det.model.kernels.cache_slots(int(pos_NT.max()) + 1))
+    slots = det.model.kernels.cache_slots(int(pos_NT.max()) + 1)
+    for c in caches:  # a shadow made before the running batch's cache grew holds fewer slots
+        grow_slots(c, slots)
+    stacked = RowsCache.stack(caches, slots)
     logits_NTV = det.run_on(stacked, tokens_NT, pos_NT)
     stacked.unstack(caches)
     for x, s in zip(seqs, shadows):

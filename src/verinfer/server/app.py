@@ -520,7 +520,7 @@ def make_batchers(registry: dict[str, ServedModel], cfg: ServeConfig) -> dict[in
     if cfg.batching != "continuous":
         return {}
     models = {id(m): m for m in registry.values()}
-    return {k: Batcher(m, cfg.max_batch, deterministic=cfg.deterministic is not None) for k, m in models.items()}
+    return {k: Batcher(m, cfg.max_batch, deterministic=cfg.deterministic) for k, m in models.items()}
 
 
 def check_listen(port: int, threads: int | None) -> None:
