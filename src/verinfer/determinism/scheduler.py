@@ -22,9 +22,10 @@ error in an admission or a step fails the requests it touched through `Feed.fail
 raises it; the server fails those requests and goes on with the others).
 
 Policies (POLICIES, name -> factory; the reference for protected requests is the deterministic
-path run alone): bf16, batch_invariant, layercast, best (policies.py), margingate_contract and
-margingate (margingate.py: gate + a prefix-only verifier / the live-cache ablation, native repair),
-llm42 and gated_llm42 (llm42.py: verify-rollback).
+path run alone): bf16, batch_invariant, layercast, best (policies.py), margingate (margingate.py:
+the paper's gate + prefix-only verifier, native repair) and its margingate_live_cache ablation,
+llm42 and gated_llm42 (llm42.py: verify-rollback). RENAMED: old names still accepted (with a
+DeprecationWarning, `policy_name`) until the next release.
 
 Shape key: B=batch rows, T=tokens, V=vocab.
 """
@@ -32,6 +33,7 @@ Shape key: B=batch rows, T=tokens, V=vocab.
 from __future__ import annotations
 
 import time
+import warnings
 from collections import deque
 from collections.abc import Collection, Iterator
 from dataclasses import dataclass
@@ -50,10 +52,26 @@ from verinfer.sampling.params import stop_reason
 
 POLICIES: Registry[Callable[..., Policy]] = Registry("determinism policy", {
     "bf16": policies.bf16, "batch_invariant": policies.batch_invariant, "layercast": policies.layercast,
-    "margingate": margingate.margingate, "margingate_contract": margingate.margingate_contract,
+    "margingate": margingate.margingate, "margingate_live_cache": margingate.margingate_live_cache,
     "llm42": llm42.llm42, "gated_llm42": llm42.gated_llm42,
     "best": policies.best,
 })
+RENAMED = {"margingate_contract": "margingate"}  # old name -> its name now (hidden; gone in the next release)
+
+
+def renamed_note(old: str) -> str:
+    """The one line that tells a user of an old policy name its new one."""
+    return (f"determinism policy {old!r} is now called {RENAMED[old]!r}; the old name goes in the next release "
+            f"(and 'margingate' is the paper's method now: its live-cache ablation is 'margingate_live_cache')")
+
+
+def policy_name(name: str) -> str:
+    """The registered name of policy `name`: itself, or a renamed policy's new name (RENAMED), with
+    a DeprecationWarning."""
+    if name in RENAMED:
+        warnings.warn(renamed_note(name), DeprecationWarning, stacklevel=3)
+        return RENAMED[name]
+    return name
 
 
 @dataclass
@@ -130,6 +148,7 @@ class Requests(Feed):
 class Scheduler:
     def __init__(self, fast: Engine, det: Engine, policy: str = "bf16", tau: float = 0.0, window: int = 64,
                  max_batch: int = 16, record_margins: bool = False, commit_verified: bool | None = None):
+        policy = policy_name(policy)
         self.fast, self.det, self.policy_name = fast, det, policy
         kw = {} if commit_verified is None else dict(commit_verified=commit_verified)  # None: the policy's default
         self.policy = POLICIES.get(policy)(tau=tau, window=window, **kw)
