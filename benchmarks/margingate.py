@@ -1,5 +1,6 @@
-"""MarginGate benchmark: determinism and overhead of bf16, batch_invariant, layercast, margingate,
-llm42 and best on the testbed target (bf16), continuous batching with mixed lengths.
+"""MarginGate benchmark: determinism and overhead of bf16, batch_invariant, layercast, margingate
+(and its margingate_live_cache ablation), llm42 and best on the testbed target (bf16), continuous
+batching with mixed lengths.
 
     .venv/bin/python -m benchmarks.margingate            # resumable: stages cached in
                                                           # benchmarks/results/margingate_cache/
@@ -8,7 +9,10 @@ llm42 and best on the testbed target (bf16), continuous batching with mixed leng
 
 The cache holds this machine's references and timings: a cache recorded on another machine
 (cache/machine.json, verinfer.numerics.machine) is refused, since `best`'s fixed-shape reference
-is machine-specific (see "Across machines" in the results).
+is machine-specific (see "Across machines" in the results). Caches recorded before the policy
+rename (issue 44: `margingate_contract` became `margingate`, the old `margingate` became
+`margingate_live_cache`) are read with their method names translated (`renamed`); new caches are
+written under the new names with a `names` stamp.
 Writes benchmarks/results/margingate.{json,md}, margingate_frontier.png, margingate_scaling.png.
 """
 
@@ -34,19 +38,52 @@ from verinfer.models.testbed import TARGET_DIR
 from verinfer.numerics.machine import fingerprint_mismatch, machine_fingerprint
 
 OUT = Path(__file__).parent / "results"
-METHODS = ("bf16", "margingate_contract", "margingate", "llm42", "gated_llm42", "best", "batch_invariant", "layercast")
-GATED = ("margingate_contract", "margingate", "llm42", "gated_llm42", "best")  # methods with a trigger rate
+METHODS = ("bf16", "margingate", "margingate_live_cache", "llm42", "gated_llm42", "best", "batch_invariant",
+           "layercast")
+GATED = ("margingate", "margingate_live_cache", "llm42", "gated_llm42", "best")  # methods with a trigger rate
+OLD_NAMES = {"margingate": "margingate_live_cache", "margingate_contract": "margingate"}  # before issue 44
+NAMES_STAMP = "issue44"
 LLM42_WINDOWS = (64, 32, 16)  # 64: its README default (--llm42-window-size); 32: its worker's default
 CACHE = OUT / "margingate_cache"
 
 
-def cached(name, fn):  # noqa: D103
+def names_methods(res) -> str | None:
+    """What in a stage's result names methods: "calibration" (a tau record's `policy`), "runs" (an
+    interleaved run's keys "<method>[@x]" and `method` fields) or None (references, margins)."""
+    if isinstance(res, dict) and ("sweep" in res or "policy" in res):
+        return "calibration"
+    if isinstance(res, dict) and res and all(isinstance(v, dict) and "method" in v for v in res.values()):
+        return "runs"
+    return None
+
+
+def renamed(res):
+    """A stage's result recorded before the policy rename, with the methods' new names."""
+    def new(label):
+        m, at, x = label.partition("@")
+        return OLD_NAMES.get(m, m) + at + x
+
+    kind = names_methods(res)
+    if kind == "calibration":  # no policy: the old margingate's
+        return dict(res, policy=new(res.get("policy", "margingate")))
+    if kind == "runs":
+        return {new(k): dict(v, method=new(v["method"])) for k, v in res.items()}
+    return res
+
+
+def cached(name, fn):
+    """The stage `name`'s result from the cache, else fn() cached. A result naming methods is
+    stored with the NAMES_STAMP (one without it predates the rename: `renamed`); the others
+    (references, read by --cross-machine too) as they are."""
     p = CACHE / f"{name}.json"
     if p.is_file():
-        return json.loads(p.read_text())
+        res = json.loads(p.read_text())
+        if isinstance(res, dict) and res.get("names") == NAMES_STAMP:
+            return res["result"]
+        return renamed(res)
     res = fn()
     p.parent.mkdir(parents=True, exist_ok=True)
-    p.write_text(json.dumps(res))
+    p.write_text(json.dumps(dict(names=NAMES_STAMP, result=res) if names_methods(res) else res))
     return res
 
 
@@ -98,11 +135,11 @@ def main():
                          "batch_invariant, whose keys padded to an 8,192-position context cost 20 minutes a round on "
                          "SmolLM2: --tiled-key-slots measures the cross-machine mode at a fitted length instead)")
     ap.add_argument("--validate-seed", type=int, default=None,
-                    help="also run margingate_contract at --tau-safety x its calibrated tau on held-out code prompts "
+                    help="also run margingate at --tau-safety x its calibrated tau on held-out code prompts "
                          "of this seed (none of the main held-out ones), interleaved with bf16")
     ap.add_argument("--tau-safety", type=float, default=2.0)
     ap.add_argument("--frontier", type=float, nargs="*", default=[],
-                    help="margingate_contract taus to run on the held-out workload (interleaved with bf16, one "
+                    help="margingate taus to run on the held-out workload (interleaved with bf16, one "
                          "round): trigger rate vs determinism vs overhead")
     ap.add_argument("--rounds", type=int, default=2, help="interleaved timing rounds; times are means")
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
@@ -131,17 +168,18 @@ def main():
     eng = make_engines(model_dir)
 
     with Progress() as prog:
-        t = prog.add_task("calibrate tau (arithmetic)", total=None)
+        t = prog.add_task("calibrate tau of margingate_live_cache (arithmetic)", total=None)
         cal = cached("calibration", lambda: C.calibrate(model_dir, n=a.n_cal, max_batch=a.batch, eng=eng,
+                                                         policy="margingate_live_cache",
                                                          progress=lambda k: prog.advance(t, k)))
         prog.update(t, completed=1, total=1)
         tau = cal["tau"]
-        t = prog.add_task("calibrate tau of margingate_contract (arithmetic)", total=None)
+        t = prog.add_task("calibrate tau of margingate (arithmetic)", total=None)
         cal_c = cached("calibration_contract", lambda: C.calibrate(
-            model_dir, n=a.n_cal, max_batch=a.batch, eng=eng, policy="margingate_contract",
+            model_dir, n=a.n_cal, max_batch=a.batch, eng=eng, policy="margingate",
             progress=lambda k: prog.advance(t, k)))
         prog.update(t, completed=1, total=1)
-        tau_c = cal_c["tau"]  # the paper's choice; verinfer decodes the contract at CONTRACT_SAFETY x it
+        tau_c = cal_c["tau"]  # the paper's choice; verinfer decodes margingate at CONTRACT_SAFETY x it
         tau_run = C.CONTRACT_SAFETY * tau_c
         code, _ = split_prompts(model_dir, a.n_heldout, seed=1)
         _, arith = split_prompts(model_dir, a.n_unprotected, seed=2)
@@ -173,7 +211,7 @@ def main():
             det = eng.tiled if method == "batch_invariant" else eng.det
             if method == "batch_invariant_fitted":
                 method, det = "batch_invariant", eng_fit.tiled
-            if method == "margingate_contract":  # @tau: a frontier point
+            if method == "margingate":  # @tau: a frontier point
                 return Scheduler(fast, det, method, tau=float(w) if w else tau_run, max_batch=batch), None
             window = int(w) if w else a.gated_window
             return Scheduler(fast, det, method, tau=tau, window=window, max_batch=batch), window
@@ -239,8 +277,8 @@ def main():
                           same_tokens_as_context_padded=sum(ref_fit[k] == ref_tiled[k] for k in ref_tiled),
                           sequences=len(ref_tiled))
         frontier = {}
-        if a.frontier:  # margingate_contract at several taus, interleaved with bf16 (one round)
-            names = ("bf16",) + tuple(f"margingate_contract@{x:g}" for x in a.frontier)
+        if a.frontier:  # margingate at several taus, interleaved with bf16 (one round)
+            names = ("bf16",) + tuple(f"margingate@{x:g}" for x in a.frontier)
             got = cached(f"frontier_b{a.batch}_" + "_".join(f"{x:g}" for x in a.frontier),
                          lambda: interleaved(names, a.batch, "frontier"))
             frontier = {n.partition("@")[2]: dict(tau=float(n.partition("@")[2]), determinism=v["determinism"],
@@ -258,7 +296,7 @@ def main():
             reqs_v += [r for r in prot_v + unprot if r not in reqs_v]
             ref_v = cached(f"reference_val{a.validate_seed}", lambda: C.reference(eng, reqs_v, a.batch))
             tau_v = a.tau_safety * tau_c
-            names = ("bf16", f"margingate_contract@{tau_v:g}")
+            names = ("bf16", f"margingate@{tau_v:g}")
             got = cached(f"validation_s{a.validate_seed}_tau{tau_v:g}_b{a.batch}", lambda: interleaved(
                 names, a.batch, "validation", (reqs_v, [r.id for r in prot_v], ref_v)))
             v = got[names[1]]
@@ -273,7 +311,7 @@ def main():
         prog.update(t, completed=1, total=1)
         scale = {}
         for b in a.scaling:
-            names = ("bf16", "margingate", f"llm42@{a.windows[0]}", "best")
+            names = ("bf16", "margingate_live_cache", f"llm42@{a.windows[0]}", "best")
             got = cached(f"interleaved_scaling_b{b}", lambda b=b, names=names: interleaved(names, b, "scaling"))
             for m in names:
                 scale[(m, b)] = got[m]
@@ -294,14 +332,14 @@ def main():
                       reference="fixed-shape deterministic path, batch-size-1 answer (computed batched: tested "
                                 "invariant); batch_invariant is compared with the tiled path's own batch-size-1 answer"),
         tau=tau, calibration={k: v for k, v in cal.items() if k != "sweep"}, tau_sweep=cal["sweep"],
-        margingate_contract=dict(
+        margingate=dict(
             tau=tau_run, tau_paper=tau_c, safety=C.CONTRACT_SAFETY,
             calibration={k: v for k, v in cal_c.items() if k != "sweep"}, tau_sweep=cal_c["sweep"],
             verifier="a prefix-only shadow KV cache per protected request, written only by the deterministic path and "
                      "caught up in one chunked deterministic pass at each trigger; current-column repair; the verified "
-                     "step keeps its bf16 column (paper section 3.2); `margingate` is the live-cache ablation",
-            sparse=bool(main_runs["margingate_contract"]["trigger_rate"] <= 0.5
-                        and main_runs["margingate_contract"]["determinism"] == 1.0),
+                     "step keeps its bf16 column (paper section 3.2); `margingate_live_cache` is the live-cache ablation",
+            sparse=bool(main_runs["margingate"]["trigger_rate"] <= 0.5
+                        and main_runs["margingate"]["determinism"] == 1.0),
             frontier=frontier, validation=validation),
         flip_margins=flip_margins,
         llm42=dict(window=llm42_w, windows_run=list(a.windows),
@@ -338,7 +376,7 @@ def main():
         res["batch_invariant_fitted"] = fitted
     res["cross_machine"] = [cross_machine(dict(reference=ref, reference_tiled=ref_tiled), p, pids)
                             for p in a.cross_machine]
-    res["margingate_trigger_rate"] = res["trigger_rate"]["margingate"]
+    res["margingate_trigger_rate"] = res["trigger_rate"]["margingate"]  # the paper's method (before issue 44: the ablation)
     res["margingate_repair_rate"] = res["repair_rate"]["margingate"]
     if a.model is None:
         doc = json.loads((OUT / "margingate.json").read_text()) if (OUT / "margingate.json").is_file() else {}
@@ -409,15 +447,15 @@ def write_md(res, suffix: str = ""):
     for w, r in res["llm42"]["by_window"].items():
         L.append(f"| {w} | {r['determinism']:.3f} | {r['overhead']:+.3f} (CPU {r['overhead_cpu']:+.3f}) | "
                  f"{r['trigger_rate']:.4f} | {r['rolled_back']} |")
-    c, fm = res["margingate_contract"], res["flip_margins"]
+    c, fm = res["margingate"], res["flip_margins"]
     L += ["", "## MarginGate with the contract-keeping verifier", "",
-          f"`margingate_contract`: {c['verifier']}. tau = {c['tau']:.4g}: {c['safety']:g} x {c['tau_paper']:.4g}, the tau "
+          f"`margingate`: {c['verifier']}. tau = {c['tau']:.4g}: {c['safety']:g} x {c['tau_paper']:.4g}, the tau "
           f"calibrated as the paper does (eps_pert on arithmetic prompts, the smallest swept tau with sequence "
           f"determinism 1.0; the frontier below shows the paper's tau itself), fixed on the held-out code: "
-          f"determinism {res['determinism']['margingate_contract']:.3f} at trigger rate "
-          f"{res['trigger_rate']['margingate_contract']:.4f} and overhead {res['overhead']['margingate_contract']:+.3f} "
-          f"(the ablation `margingate`, whose verifier reads the live cache: tau {res['tau']:.4g}, trigger rate "
-          f"{res['trigger_rate']['margingate']:.4f}). Sparse verification (trigger rate <= 50%) "
+          f"determinism {res['determinism']['margingate']:.3f} at trigger rate "
+          f"{res['trigger_rate']['margingate']:.4f} and overhead {res['overhead']['margingate']:+.3f} "
+          f"(the ablation `margingate_live_cache`, whose verifier reads the live cache: tau {res['tau']:.4g}, "
+          f"trigger rate {res['trigger_rate']['margingate_live_cache']:.4f}). Sparse verification (trigger rate <= 50%) "
           f"{'reaches' if c['sparse'] else 'does not reach'} determinism 1.0 here.", "",
           f"The bf16 flips that decide it ({fm['n']} protected sequences where bf16 left the reference): the reference's "
           f"top-1 minus top-2 margin at the first divergent step is at most {fm['ref_margin_max']} logits"
@@ -439,7 +477,7 @@ def write_md(res, suffix: str = ""):
               f"{v['prompts']} code prompts of seed {v['seed']} that no run chose anything on, interleaved with bf16 at "
               f"tau {v['tau']:.4g}: determinism {v['determinism']:.3f} (bf16 {v['bf16_determinism']:.3f}) at trigger rate "
               f"{v['trigger_rate']:.4f}, overhead {v['overhead']:+.3f} (CPU {v['overhead_cpu']:+.3f})."]
-    L += ["", "## Tau sweep of the margingate ablation on the calibration set (Table 7 style)", "",
+    L += ["", "## Tau sweep of the margingate_live_cache ablation on the calibration set (Table 7 style)", "",
           "| tau | trigger rate | repair rate | seq. determinism |", "|---|---|---|---|"]
     for r in res["tau_sweep"]:
         L.append(f"| {r['tau']:.4g} | {r['trigger_rate']:.4f} | {r['repair_rate']:.4f} | {r['determinism']:.3f} |")
@@ -479,16 +517,17 @@ def plots(res, suffix: str = ""):
 
     fig, ax = plt.subplots(figsize=(5, 4))
     sw = res["tau_sweep"]
-    ax.plot([r["trigger_rate"] for r in sw], [r["determinism"] for r in sw], "o-", label="margingate (calibration sweep)")
-    swc = res["margingate_contract"]["tau_sweep"]
+    ax.plot([r["trigger_rate"] for r in sw], [r["determinism"] for r in sw], "o-",
+            label="margingate_live_cache (calibration sweep)")
+    swc = res["margingate"]["tau_sweep"]
     ax.plot([r["trigger_rate"] for r in swc], [r["determinism"] for r in swc], "o-",
-            label="margingate_contract (calibration sweep)")
+            label="margingate (calibration sweep)")
     labels: dict = {}
     for r in sw:  # several taus can give the same point (bf16 margins are quantized): one label each
         labels.setdefault((r["trigger_rate"], r["determinism"]), []).append(f"{r['tau']:.2g}")
     for (x, y), taus in labels.items():
         ax.annotate("tau " + ",".join(taus), (x, y), fontsize=6, xytext=(3, 3), textcoords="offset points")
-    for m, mk in (("margingate_contract", "D"), ("margingate", "s"), ("best", "*"), ("llm42", "^"),
+    for m, mk in (("margingate", "D"), ("margingate_live_cache", "s"), ("best", "*"), ("llm42", "^"),
                   ("gated_llm42", "v")):
         ax.plot(res["trigger_rate"][m], res["determinism"][m], mk, ms=9, label=f"{m} (held-out)")
     ax.set_xlabel("trigger rate (verified tokens / protected steps)")
@@ -500,7 +539,7 @@ def plots(res, suffix: str = ""):
     by = {}
     for k, v in res["scaling"].items():
         by.setdefault(v["method"].split("@")[0], []).append((v["batch"], v["seconds"]))
-    for m in ("bf16", "margingate", "llm42", "best"):
+    for m in ("bf16", "margingate_live_cache", "llm42", "best"):
         by.setdefault(m, []).append((res["workload"]["max_batch"], res["seconds"][m]))
         pts = sorted(by[m])
         ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=m)

@@ -54,7 +54,8 @@ JUDGE = ROOT / "benchmarks" / "results" / "kl_judge_testbed_autojudge.json"
 HONEST = ("honest-bf16-b8", "honest-bf16-b1", "honest-fp32-b4", "honest-bf16-eager-t1", "honest-bf16-chunk16")
 MISCONFIGURED = ("int4", "fp8-kv", "temp-1.1", "wrong-seed", "sampling-bug")
 NOISES = ("vllm-cpu", "vllm-v1-exponential", "keyed", "inverse-cdf")
-POLICIES = ("best", "margingate", "llm42", "gated_llm42", "batch_invariant", "layercast", "bf16")
+POLICIES = ("best", "margingate_live_cache", "llm42", "gated_llm42", "batch_invariant", "layercast", "bf16")
+RECORDED_AS = {"margingate_live_cache": "margingate"}  # fixture names from before the policy rename (issue 44)
 SPEC_RULES = ("standard", "kl", "topk", "target_entropy", "draft_entropy", "autojudge")
 SCORED = {"honest": "gen/honest-bf16-b8", "int4": "gen/int4", "wrong-seed": "gen/wrong-seed"}
 REPLAY_CLAIMS = 4        # claims of gen/honest-bf16-b8 replayed for the logits fixture
@@ -72,7 +73,8 @@ def items() -> list[dict]:
             for z in NOISES if z != "vllm-cpu"]  # vllm-cpu is the default: gen/honest-bf16-b8
     out.append(dict(name="gen/fingerprint", argv=["generate", "honest-bf16-b8", *base, "--fingerprint",
                                                   "k=8,stride=4"]))
-    out += [dict(name=f"det/{p}", argv=["generate", "--deterministic", p, "--tau-file", "{tau}", *base])
+    out += [dict(name=f"det/{RECORDED_AS.get(p, p)}", argv=["generate", "--deterministic", p, "--tau-file", "{tau}",
+                                                           *base])
             for p in POLICIES]
     for rule in SPEC_RULES:
         judge = ["--judge", str(JUDGE)] if rule == "autojudge" else []

@@ -63,7 +63,8 @@ def test_the_converted_registries_keep_their_names_and_errors():
     assert RULES == RELAX.names() == ("standard", "kl", "topk", "target_entropy", "draft_entropy", "autojudge")
     assert PROVIDERS.names() == HONEST.names() + MISCONFIGURED.names()
     assert set(KERNELS) == {"native", "fused", "fixed_shape", "tiled", "layercast"} and get_kernels("tiled").name == "tiled"
-    assert set(POLICIES) == {"bf16", "batch_invariant", "layercast", "margingate", "margingate_contract", "llm42", "gated_llm42", "best"}
+    assert set(POLICIES) == {"bf16", "batch_invariant", "layercast", "margingate", "margingate_live_cache", "llm42",
+                             "gated_llm42", "best"}
     assert DETECTORS.names() == ("clipped-mean", "greedy", "glrt", "likelihood-ratio")
     assert [c.NAME for c in FORMATS.values()] == list(DETECTORS)
     for fn, kind in ((get_backend, "noise backend"), (get_provider, "provider"), (get_kernels, "kernel strategy"),

@@ -59,11 +59,11 @@ def test_best_equals_the_reference_without_verifying(fast_engine, det_engine):
         assert st.protected_steps == sum(r.params.max_tokens for r in reqs if r.id in protected)
 
 
-def test_margingate_rates_and_zero_tau_is_bf16_after_det_prefill(fast_engine, det_engine):
+def test_margingate_live_cache_rates_and_zero_tau_is_bf16_after_det_prefill(fast_engine, det_engine):
     reqs = _workload(seed=2)
-    mg0, st0 = Scheduler(fast_engine, det_engine, "margingate", tau=0.0, max_batch=5).run(reqs)
+    mg0, st0 = Scheduler(fast_engine, det_engine, "margingate_live_cache", tau=0.0, max_batch=5).run(reqs)
     assert st0.triggered == 0 and st0.repaired == 0
-    mg, st = Scheduler(fast_engine, det_engine, "margingate", tau=1e9, max_batch=5).run(reqs)
+    mg, st = Scheduler(fast_engine, det_engine, "margingate_live_cache", tau=1e9, max_batch=5).run(reqs)
     assert st.triggered == st.protected_steps - len(reqs)  # every step but the det-prefill first one
     assert 0 <= st.repaired <= st.triggered
 
@@ -83,7 +83,25 @@ def test_cli_generate_deterministic(tmp_path):
     assert len(rows) == 2 and all(len(x["output_token_ids"]) == 6 for x in rows)
     r = CliRunner().invoke(app, ["generate", "--deterministic", "margingate", "-o", str(out),
                                  "--tau-file", str(tmp_path / "none.json")])
-    assert r.exit_code == 2 and "calibrate" in r.output
+    assert r.exit_code == 2 and "calibrate --policy margingate" in r.output
+    # the paper's method's old name still works for a release, with a one-line warning
+    r = CliRunner().invoke(app, ["generate", "--deterministic", "margingate_contract", "-o", str(out),
+                                 "--tau-file", str(tmp_path / "none.json")])
+    assert r.exit_code == 2 and "calibrate --policy margingate" in r.output
+    assert "margingate_contract is deprecated, now called margingate" in r.output
+    assert "margingate_contract" not in CliRunner().invoke(app, ["generate", "--help"]).output
+
+
+def test_renamed_policy_names_are_hidden_aliases_with_a_deprecation_warning(fast_engine, det_engine):
+    from verinfer.determinism import margingate as mg
+    from verinfer.determinism.scheduler import POLICIES, RENAMED
+
+    assert RENAMED == {"margingate_contract": "margingate"} and "margingate_contract" not in POLICIES
+    with pytest.warns(DeprecationWarning, match="now called 'margingate'"):
+        s = Scheduler(fast_engine, det_engine, "margingate_contract", tau=0.5)
+    assert isinstance(s.policy, mg.MarginGate) and s.policy_name == "margingate"
+    assert isinstance(Scheduler(fast_engine, det_engine, "margingate_live_cache", tau=0.5).policy,
+                      mg.MarginGateLiveCache)
 
 
 @pytest.mark.slow
@@ -106,12 +124,12 @@ def test_server_deterministic_best_gives_the_reference_tokens(fast_engine, det_e
     assert type(plain.engine.model).__name__ == type(served.engine.model).__name__ == "LlamaLM"
     assert plain.engine.model.kernels.name == "native" and served.engine.model.kernels.name == "fixed_shape"
     with pytest.raises(Exception, match="deterministic"):
-        load_registry(TARGET_DIR, deterministic="margingate")
+        load_registry(TARGET_DIR, deterministic="llm42")  # its rollbacks would take back streamed tokens
 
 
-def test_margingate_contract_verifier_gives_the_references_logits_for_each_prefix(fast_engine, det_engine,
+def test_margingate_verifier_gives_the_references_logits_for_each_prefix(fast_engine, det_engine,
                                                                                   monkeypatch):
-    """The paper's contract (section 3.2): at every trigger, the contract verifier's logits are the
+    """The paper's contract (section 3.2): at every trigger, margingate's verifier's logits are the
     deterministic path's logits for the row's token prefix alone, bit for bit, whatever the batch
     around it (two batch sizes, other rows co-batched); the live-cache ablation's are not."""
     from verinfer.determinism import margingate as mg
@@ -129,7 +147,7 @@ def test_margingate_contract_verifier_gives_the_references_logits_for_each_prefi
 
     monkeypatch.setattr(mg, "catch_up", record)
     for max_batch in (3, 8):
-        Scheduler(fast_engine, det_engine, "margingate_contract", tau=1.0, max_batch=max_batch).run(reqs, protected)
+        Scheduler(fast_engine, det_engine, "margingate", tau=1.0, max_batch=max_batch).run(reqs, protected)
     assert len(seen) > 20 and {rid for rid, _, _ in seen} == protected
     for rid, seq, v_V in seen[::3]:
         P = len(prompts[rid])
@@ -138,13 +156,13 @@ def test_margingate_contract_verifier_gives_the_references_logits_for_each_prefi
         assert torch.equal(v_V, lg[0, -1]), (rid, len(seq))
 
 
-def test_margingate_contract_at_infinite_tau_is_exact_and_zero_tau_is_bf16(fast_engine, det_engine):
+def test_margingate_at_infinite_tau_is_exact_and_zero_tau_is_bf16(fast_engine, det_engine):
     reqs = _workload(n=10, seed=5)
     ref = _reference(det_engine, reqs)
     protected = {r.id for r in reqs[1::2]}
-    got, st = Scheduler(fast_engine, det_engine, "margingate_contract", tau=float("inf"), max_batch=6).run(
+    got, st = Scheduler(fast_engine, det_engine, "margingate", tau=float("inf"), max_batch=6).run(
         reqs, protected)
     assert {rid: got[rid] for rid in protected} == {rid: ref[rid] for rid in protected}
     assert st.triggered == st.protected_steps - len(protected)  # every step but the det-prefill first one
-    _, st0 = Scheduler(fast_engine, det_engine, "margingate_contract", tau=0.0, max_batch=6).run(reqs, protected)
+    _, st0 = Scheduler(fast_engine, det_engine, "margingate", tau=0.0, max_batch=6).run(reqs, protected)
     assert st0.triggered == 0 and st0.repaired == 0

@@ -1,9 +1,10 @@
 """`verinfer serve --batching continuous`: greedy requests of one model share one running batch.
 
-With `--deterministic best` every request's tokens and logprobs are its batch-of-one answer; in
-bf16 the batch is the determinism scheduler's `bf16` loop (same tokens as `Scheduler` on the same
-requests), whose batch effects flip near-ties. Streaming, stops, usage, limits, sampled requests
-(alone, seeded), loop errors and shutdown. In process (httpx over ASGI, or the Batcher itself).
+The batch runs the determinism scheduler's loop (same tokens as `Scheduler` on the same requests).
+With `--deterministic best` every request's tokens and logprobs are its batch-of-one answer; with
+`--deterministic margingate` its tokens are (the fixed-shape path's, best's); in bf16 the batch
+effects flip near-ties. Streaming, stops, usage, limits, sampled requests (alone, seeded), loop
+errors and shutdown. In process (httpx over ASGI, or the Batcher itself).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ pytest.importorskip("fastapi")
 
 import httpx2 as httpx
 
+from verinfer.determinism.invariant import fixed_shape_model
 from verinfer.determinism.scheduler import Scheduler
 from verinfer.engine.engine import Engine, Request
 from verinfer.errors import VerinferError
@@ -36,6 +38,7 @@ MODEL = "target"
 N = 8
 MAX_TOKENS = (5, 17, 9, 30, 12, 3, 25, 20)   # mixed, with the prompts' mixed lengths (12-45 tokens)
 TIMEOUT_S = 60
+TAU_MARGINGATE = 0.5  # twice the paper's SmolLM2 tau: exact on these requests, about 1 step in 3 verified
 
 
 @pytest.fixture(scope="module")
@@ -44,10 +47,12 @@ def prompts():
 
 
 class Registries(dict):
-    """mode -> the testbed's registry, loaded at first use (best certifies its kernels: seconds)."""
+    """mode -> the testbed's registry, loaded at first use (best certifies its kernels: seconds);
+    margingate serves the bf16 registry's models."""
 
     def __missing__(self, mode: str):
-        self[mode] = load_registry(TARGET_DIR, deterministic="best" if mode == "best" else None)
+        self[mode] = (self["bf16"] if mode == "margingate"
+                      else load_registry(TARGET_DIR, deterministic="best" if mode == "best" else None))
         return self[mode]
 
 
@@ -57,8 +62,8 @@ def registries():
 
 
 def make_app(registries, mode: str, **cfg):
-    """The app of `mode` ("bf16" or "best") with the given ServeConfig fields."""
-    det = "best" if mode == "best" else None
+    """The app of `mode` ("bf16", "best" or "margingate") with the given ServeConfig fields."""
+    det = None if mode == "bf16" else mode
     return create_app(registries[mode], ServeConfig(TARGET_DIR, deterministic=det, **cfg))
 
 
@@ -170,7 +175,7 @@ def test_bf16_batch_effects_flip_some_tokens_against_the_batch_of_one(registries
 def test_each_row_stops_at_its_own_stop_token_unless_it_ignores_eos(registries, prompts):
     """A row stops at a stop token ("stop", the token included) unless its request ignores EOS;
     max_tokens ends it otherwise ("length"). The stop set is set to a token the greedy answer holds."""
-    b = Batcher(registries["best"][MODEL], max_batch=4, deterministic=True)
+    b = Batcher(registries["best"][MODEL], max_batch=4, deterministic="best")
     try:
         full = run_batcher(b, [("x", prompts[0], 20)], ignore_eos=True)["x"]
         tok = full[6].token_id
@@ -187,13 +192,13 @@ def test_each_row_stops_at_its_own_stop_token_unless_it_ignores_eos(registries, 
 
 
 def test_a_failing_step_fails_its_requests_with_a_clear_error_and_the_loop_goes_on(registries, prompts, monkeypatch):
-    b = Batcher(registries["best"][MODEL], deterministic=True)
+    b = Batcher(registries["best"][MODEL], deterministic="best")
     try:
         with monkeypatch.context() as m:
             m.setattr(b.engine, "advance", lambda *a: (_ for _ in ()).throw(RuntimeError("boom")))
             with pytest.raises(BatchError, match="batched decode step of model 'verinfer-testbed-target': RuntimeError: boom"):
                 run_batcher(b, [("a", prompts[0], 5), ("b", prompts[1], 5)])
-        assert b.running and b._batch is None
+        assert b.running and b.rows == 0
         ok = run_batcher(b, [("c", prompts[0], 5)])
         assert len(ok["c"]) == 5
     finally:
@@ -214,6 +219,52 @@ def test_best_batched_requests_equal_each_alone_tokens_and_logprobs(apps, prompt
         assert b["token_ids"] == a["token_ids"] and len(a["token_ids"]) in MAX_TOKENS
         assert b["logprobs"] == a["logprobs"]
         assert b["finish_reason"] == a["finish_reason"] == "length"
+
+
+def test_margingate_batched_requests_get_the_deterministic_reference_tokens(apps, prompts):
+    """--deterministic margingate: 8 concurrent greedy requests of mixed prompt lengths and
+    max_tokens, decoded in one bf16 batch (split-K numerics: batch effects flip near-ties, see the
+    bf16 test), give exactly the deterministic reference's tokens: the fixed-shape path's
+    batch-of-one answer, what a `--deterministic best` server gives each alone. Streamed the same."""
+    bodies = greedy_bodies(prompts, logprobs=1)
+    reference = [choice(r)["token_ids"] for r in post_all(apps("best", "alone"), bodies, concurrent=False)]
+    app = apps("margingate", tau=TAU_MARGINGATE)
+    batched = [choice(r) for r in post_all(app, bodies)]
+    (b,) = batchers(app)
+    assert b.peak_rows > 1 and b.scheduler.policy_name == "margingate"
+    assert [c["token_ids"] for c in batched] == reference
+    assert all(c["finish_reason"] == "length" and c["logprobs"] is not None for c in batched)
+    assert 0 < b.stats.triggered < b.stats.protected_steps / 2, b.stats.rates()  # sparse: most steps not verified
+    assert b.stats.repaired > 0  # the bf16 batch flipped a near-tie (2 of these 8 requests differ in bf16)
+    streams = post_all(app, greedy_bodies(prompts, stream=True))
+    assert [[t for e in sse_events(r) if e["choices"] for t in e["choices"][0]["token_ids"]]
+            for r in streams] == reference
+
+
+def test_margingate_batch_is_the_scheduler_margingate_loop(registries, prompts):
+    """The server's margingate batch is Scheduler.loop with the margingate policy on the same
+    engines: the same requests in the same order give the same tokens and the same verifications
+    (max_batch 3 < 8 requests: rows leave, newcomers join, the cache grows for them)."""
+    b = Batcher(registries["bf16"][MODEL], max_batch=3, deterministic="margingate", tau=TAU_MARGINGATE)
+    try:
+        reqs = [(f"r{i}", p, m) for i, (p, m) in enumerate(zip(prompts, MAX_TOKENS))]
+        got = run_batcher(b, reqs, ignore_eos=True)
+    finally:
+        b.stop()
+    m = b.model.engine.model
+    fast = Engine(m, b.model.engine.numerics.with_(prefill_chunk=PREFILL_CHUNK), eos_token_id=None)
+    det = Engine(fixed_shape_model(m), b.model.engine.numerics.with_(prefill_chunk=None), eos_token_id=None)
+    want, st = Scheduler(fast, det, "margingate", tau=TAU_MARGINGATE, max_batch=3).run(
+        [Request(r, p, greedy(n)) for r, p, n in reqs])
+    assert {r: [s.token_id for s in steps] for r, steps in got.items()} == want
+    assert (b.stats.triggered, b.stats.repaired) == (st.triggered, st.repaired) and st.triggered > 0
+
+
+def test_margingate_needs_continuous_batching_and_a_calibrated_tau(registries, tmp_path):
+    with pytest.raises(VerinferError, match="--batching continuous"):
+        ServeConfig(TARGET_DIR, deterministic="margingate")
+    with pytest.raises(ValueError, match="determinism calibrate --policy margingate"):
+        make_app(registries, "margingate", batching="continuous", tau_file=tmp_path / "none.json")
 
 
 def test_streaming_and_non_streaming_in_one_batch(apps, prompts):
@@ -320,6 +371,10 @@ def test_the_cli_passes_batching_and_max_batch_to_the_server(monkeypatch):
     r = CliRunner().invoke(cli, ["serve", "--batching", "continuous", "--max-batch", "4"])
     assert r.exit_code == 0, r.output
     assert (seen["cfg"].batching, seen["cfg"].max_batch) == ("continuous", 4)
+    r = CliRunner().invoke(cli, ["serve", "--batching", "continuous", "--deterministic", "margingate",
+                                 "--tau-file", "t.json"])
+    assert r.exit_code == 0, r.output
+    assert (seen["cfg"].deterministic, str(seen["cfg"].tau_file)) == ("margingate", "t.json")
     r = CliRunner().invoke(cli, ["serve", "--batching", "dynamic"])
     assert r.exit_code == 2 and "continuous" in r.output
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from verinfer.determinism.scheduler import POLICIES, Scheduler, make_engines
-from verinfer.determinism.tau import calibrate, calibration_requests, read_tau, write_tau
+from verinfer.determinism.scheduler import POLICIES, Scheduler, make_engines, policy_name
+from verinfer.determinism.tau import GATED, calibrate, calibration_requests, read_tau, write_tau
 from verinfer.engine.engine import Request
 from verinfer.claims import Claim, write_claims
 from verinfer.io import output
@@ -18,7 +18,7 @@ DEFAULT_TAU_FILE = Path("runs/margingate_tau.json")
 
 
 def run_calibrate(model_dir, out=DEFAULT_TAU_FILE, n: int = 16, max_batch: int = 16, seed: int = 0,
-                  device: str = "cpu", show_progress: bool = True, policy: str = "margingate_contract") -> dict:
+                  device: str = "cpu", show_progress: bool = True, policy: str = "margingate") -> dict:
     with output(out, "tau file"):  # merged by model: read, then written, under the lock
         with progress_bar("determinism calibrate (reference, eps_pert, tau sweep)", calibration_requests(n),
                           show_progress) as adv:
@@ -43,9 +43,10 @@ def generate(model_dir, out, *, policy: str = "margingate", n: int = 8, max_toke
 
 def _generate(model_dir, out, *, policy, n, max_tokens, seed, max_batch, tau, tau_file, protect_every, window,
               device) -> list[Claim]:
+    policy = policy_name(policy)
     POLICIES.get(policy)  # an unknown policy fails before the model loads, naming the policies
     info = model_info(model_dir)
-    if policy in ("margingate", "margingate_contract", "gated_llm42") and tau is None:
+    if policy in (*GATED, "gated_llm42") and tau is None:
         tau = read_tau(tau_file, info.name, policy=policy)
     eng = make_engines(model_dir, device)
     code, arith = split_prompts(model_dir, (n + 1) // 2, seed)

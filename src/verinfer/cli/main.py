@@ -55,12 +55,19 @@ class Command(typer.core.TyperCommand):
 
 
 def _one_of(choice, then):
-    """A parameter callback refusing values outside `choice` (typer.BadParameter names them)."""
+    """A parameter callback refusing values outside `choice` (typer.BadParameter names them); a
+    renamed value is replaced by its new name, with a one-line warning."""
     def check(ctx, param, value):
         values = value if isinstance(value, (list, tuple)) else [] if value is None else [value]
-        bad = [v for v in values if v not in choice.choices]
+        bad = [v for v in values if v not in choice.choices and v not in choice.renamed]
         if bad:
             raise typer.BadParameter(f"{bad[0]!r} is not one of {', '.join(map(repr, choice.choices))}.", ctx, param)
+        for v in dict.fromkeys(v for v in values if v in choice.renamed):
+            typer.echo(f"warning: {param.opts[0]} {v} is deprecated, now called {choice.renamed[v]} (the old name "
+                       f"goes in the next release)", err=True)
+        if any(v in choice.renamed for v in values):
+            new = [choice.renamed.get(v, v) for v in values]
+            value = new if isinstance(value, (list, tuple)) else new[0]
         return then(ctx, param, value) if then is not None else value
     return check
 
@@ -284,7 +291,7 @@ def serve(model: Optional[str] = O.SERVE_MODEL, host: str = O.HOST, port: int = 
           threads: Optional[int] = O.THREADS, max_concurrent: int = O.MAX_CONCURRENT, max_waiting: int = O.MAX_WAITING,
           max_tokens: int = O.SERVE_MAX_TOKENS, max_body_bytes: int = O.MAX_BODY_BYTES, device: str = O.device(),
           log_level: LogLevel = O.LOG_LEVEL, deterministic: Optional[str] = O.SERVE_DETERMINISTIC,
-          batching: str = O.BATCHING, max_batch: int = O.MAX_BATCH):
+          batching: str = O.BATCHING, max_batch: int = O.MAX_BATCH, tau_file: Path = O.SERVE_TAU_FILE):
     """OpenAI-compatible server: /v1/completions, /v1/chat/completions (SSE streaming), /v1/models."""
     try:  # the [server] extra (FastAPI, uvicorn) is optional: imported only when serving
         from verinfer.server.app import ServeConfig, serve as run
@@ -292,7 +299,7 @@ def serve(model: Optional[str] = O.SERVE_MODEL, host: str = O.HOST, port: int = 
     except ImportError as e:
         raise VerinferError(f"the server needs the [server] extra ({e})", fix='pip install -e ".[server]"') from e
     cfg = ServeConfig(_model_dir(model), misconfig=misconfig, noise=noise, device=device,
-                      deterministic=deterministic, batching=batching, max_batch=max_batch,
+                      deterministic=deterministic, batching=batching, max_batch=max_batch, tau_file=tau_file,
                       limits=Limits(max_body_bytes=max_body_bytes, max_tokens=max_tokens,
                                     max_concurrent=max_concurrent, max_waiting=max_waiting))
     run(cfg, host=host, port=port, threads=threads, log_level=log_level)
@@ -390,7 +397,7 @@ def determinism_calibrate(model: Optional[str] = O.model(), out: Path = O.TAU_OU
     rec = run_calibrate(_model_dir(model), out, n=n, max_batch=max_batch, seed=seed, device=device, policy=policy)
     from verinfer.determinism.tau import CONTRACT_SAFETY
 
-    safe = f"; decodes at {CONTRACT_SAFETY:g} x = {CONTRACT_SAFETY * rec['tau']:.4g}" if policy == "margingate_contract" else ""
+    safe = f"; decodes at {CONTRACT_SAFETY:g} x = {CONTRACT_SAFETY * rec['tau']:.4g}" if policy == "margingate" else ""
     typer.echo(f"tau = {rec['tau']:.4g} for {rec['model']} bf16, {policy}{safe} (max eps_pert "
                f"{rec['eps_pert_max']:.4g}) -> {out}")
 

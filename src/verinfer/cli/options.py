@@ -15,16 +15,24 @@ import typer
 
 class Names:
     """A choice whose names come from the library's own list (a `verinfer.registry.Registry` or a
-    tuple), read when first needed: `verinfer --help` imports no torch, and no list is copied here."""
+    tuple), read when first needed: `verinfer --help` imports no torch, and no list is copied here.
+    `renamed` (old name -> new name): old names still accepted, not listed in help."""
 
-    def __init__(self, load: Callable[[], Iterable[str]]):
+    def __init__(self, load: Callable[[], Iterable[str]], renamed: Callable[[], dict] = dict):
         self._load, self._names, self.case_sensitive = load, None, True
+        self._load_renamed, self._renamed = renamed, None
 
     @property
     def choices(self) -> tuple[str, ...]:
         if self._names is None:
             self._names = tuple(self._load())
         return self._names
+
+    @property
+    def renamed(self) -> dict[str, str]:
+        if self._renamed is None:
+            self._renamed = {k: v for k, v in self._load_renamed().items() if v in self.choices}
+        return self._renamed
 
 
 def _noise_names():
@@ -34,21 +42,25 @@ def _noise_names():
     return [n for n in NOISE_BACKENDS.names() if n != SPEC_NOISE]  # the speculative decoder's own stream
 
 
-def _names(module: str, attr: str) -> Names:
-    """Names(module.attr): a Registry's names, or a tuple / dict's keys."""
-    def load():
-        import importlib
+def _names(module: str, attr: str, renamed: tuple[str, str] | None = None) -> Names:
+    """Names(module.attr): a Registry's names, or a tuple / dict's keys; `renamed`: (module, attr)
+    of the {old name: new name} dict of its renamed entries."""
+    import importlib
 
+    def load():
         obj = getattr(importlib.import_module(module), attr)
         return obj.names() if hasattr(obj, "names") else list(obj)
-    return Names(load)
+
+    def load_renamed():
+        return dict(getattr(importlib.import_module(renamed[0]), renamed[1])) if renamed else {}
+    return Names(load, load_renamed)
 
 
 # The value sets of the options (help lists them; another value is a usage error, exit 2): each
 # parameter is annotated `str` and `choices_of` gives its click type by (command, parameter).
 NOISE = Names(_noise_names)
 MATMUL = _names("verinfer.numerics.config", "MATMULS")
-POLICY = _names("verinfer.determinism.scheduler", "POLICIES")
+POLICY = _names("verinfer.determinism.scheduler", "POLICIES", renamed=("verinfer.determinism.scheduler", "RENAMED"))
 SPEC_RULE = _names("verinfer.speculative.rules", "RELAX")
 ENGINES = _names("verinfer.apps.generate", "ENGINES")
 AUDIT_MODES = _names("verinfer.apps.audit_api", "MODES")
@@ -74,7 +86,8 @@ CHOICES = {("*", "noise"): NOISE, ("*", "matmul"): MATMUL, ("generate", "determi
            ("*", "tokens"): TOKEN_MODES, ("*", "bands"): BAND_NAMES,
            ("*", "band_engine"): _names("verinfer.apps.audit_chat", "BAND_ENGINES"),
            ("score", "reference_protocol"): _names("verinfer.audit.remote_reference", "PROTOCOLS"),
-           ("calibrate", "policy"): _names("verinfer.determinism.tau", "GATED")}
+           ("calibrate", "policy"): _names("verinfer.determinism.tau", "GATED",
+                                           renamed=("verinfer.determinism.scheduler", "RENAMED"))}
 
 
 def choices_of(command: str | None, param: str) -> Names | None:
@@ -230,8 +243,13 @@ MAX_WAITING = typer.Option(64, help="Queued generations before HTTP 503.")
 SERVE_MAX_TOKENS = typer.Option(1024, help="Largest max_tokens a request may ask for.")
 MAX_BODY_BYTES = typer.Option(1 << 20, help="Largest request body (bytes) before HTTP 413.")
 LOG_LEVEL = typer.Option("info", help="uvicorn's log level.")
-SERVE_DETERMINISTIC = typer.Option(None, help="best: decode on the fixed-shape deterministic path, so greedy tokens "
-                                              "equal `verinfer generate --deterministic best` in any batch.")
+SERVE_DETERMINISTIC = typer.Option(None, help="Greedy tokens equal `verinfer generate --deterministic best` in any "
+                                              "batch. best: decode on the fixed-shape deterministic path. margingate "
+                                              "(needs --batching continuous and a calibrated tau, --tau-file): decode "
+                                              "the batch in bf16, verify and repair only near-tie steps on that path.")
+SERVE_TAU_FILE = typer.Option(Path("runs/margingate_tau.json"), help="With --deterministic margingate: the tau file "
+                                                                     "of `determinism calibrate` (the served model's "
+                                                                     "tau).")
 BATCHING = typer.Option("alone", help="alone: every request decoded alone (batch of one). continuous: each model's "
                                       "greedy requests share one running batch (chunked prefill, joined between "
                                       "decode steps; bf16 tokens then depend on the batch); sampled ones run alone.")
@@ -299,9 +317,9 @@ TAU_OUT = typer.Option(Path("runs/margingate_tau.json"), "--out", "-o", help="Ta
                                                                              "read by `generate --deterministic "
                                                                              "margingate`).")
 TAU_N = typer.Option(16, help="Calibration (arithmetic) prompts.")
-TAU_POLICY = typer.Option("margingate_contract", help="The gated policy to calibrate: margingate_contract (its "
-                                                      "verifier reads only the request's token prefix) or the "
-                                                      "margingate ablation (its verifier reads the live cache).")
+TAU_POLICY = typer.Option("margingate", help="The gated policy to calibrate: margingate (the paper's: its verifier "
+                                             "reads only the request's token prefix) or its margingate_live_cache "
+                                             "ablation (its verifier reads the live cache).")
 MAX_BATCH = typer.Option(16, help="Largest decode batch.")
 TAU_SEED = typer.Option(0, help="Seed of the calibration prompts.")
 MODEL_NAME_ARG = typer.Argument(..., help="A name from `verinfer models list`, e.g. smollm2-135m-instruct.")

@@ -4,7 +4,7 @@ verifier that keeps the paper's contract, and the native repair.
 At each step, a protected row whose current logits came from the batched bf16 path is verified
 when its top-1 minus top-2 logit margin is below tau (`gate`). Two verifiers:
 
-- `margingate_contract` (`ShadowVerifier`, the paper's section 3.2 contract): the verifier's token
+- `margingate` (the paper's method: `ShadowVerifier`, its section 3.2 contract): the verifier's token
   and K/V column are a function of the row's token prefix alone. Each protected row keeps a private
   shadow KV cache that only the deterministic engine writes (its prompt's prefill columns, then the
   columns of every token it has verified through). At a trigger the shadow is caught up in one
@@ -14,7 +14,7 @@ when its top-1 minus top-2 logit margin is below tau (`gate`). Two verifiers:
   differs, its logits replace the row's and its column overwrites the row's current column in the
   live cache (native repair: one column, no rollback); a verified step keeps the bf16 column
   (`commit_verified=False`, the paper's choice) unless asked.
-- `margingate` (`repair`, the ablation kept from before): the step is recomputed on a private copy
+- `margingate_live_cache` (`repair_on_live_cache`, an ablation): the step is recomputed on a private copy
   of the row's live cache, which holds the bf16 columns of every unverified step, so at a near-tie
   the verifier's token depends on the batch the request shared, not only on its tokens; with
   `commit_verified` (its default) a verified step also writes the verifier's column.
@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-from verinfer.determinism.policies import Policy, Row, Stats
+from verinfer.determinism.policies import Policy, Row, Stats, grow_slots
 from verinfer.engine.engine import Batch, Engine, RowsCache
 
 
@@ -52,7 +52,7 @@ def triggered(batch: Batch, rows: list[Row], prot_B: list[bool], tau: float) -> 
     return [b for b, p in enumerate(prot_B) if p and not batch.done_B[b] and not rows[b].det_logits and verify_B[b]]
 
 
-def repair(det: Engine, batch: Batch, trig: list[int], commit_verified: bool = True) -> int:
+def repair_on_live_cache(det: Engine, batch: Batch, trig: list[int], commit_verified: bool = True) -> int:
     """Recompute the step that produced rows `trig`'s current logits (the last token, prompt's
     last for a first step, at slot len-1) with the deterministic engine `det` in one forward;
     where its argmax differs from the row's, replace the row's logits and K/V column with the
@@ -77,7 +77,10 @@ def repair(det: Engine, batch: Batch, trig: list[int], commit_verified: bool = T
     return repaired
 
 
-class MarginGate(Policy):
+class MarginGateLiveCache(Policy):
+    """The live-cache ablation of MarginGate (module docstring): a triggered step is recomputed on a
+    copy of the row's live cache (`repair_on_live_cache`)."""
+
     def __init__(self, tau: float, commit_verified: bool = True):
         super().__init__(prefill="protected")
         self.tau, self.commit_verified = tau, commit_verified
@@ -88,11 +91,11 @@ class MarginGate(Policy):
             return
         st.triggered += len(trig)
         st.verify_passes += 1
-        st.repaired += repair(sched.det, batch, trig, self.commit_verified)
+        st.repaired += repair_on_live_cache(sched.det, batch, trig, self.commit_verified)
 
 
-def margingate(*, tau: float, commit_verified: bool = True, **_) -> MarginGate:
-    return MarginGate(tau, commit_verified)
+def margingate_live_cache(*, tau: float, commit_verified: bool = True, **_) -> MarginGateLiveCache:
+    return MarginGateLiveCache(tau, commit_verified)
 
 
 def padded_chunks(seqs: list[list[int]], starts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -139,7 +142,10 @@ def catch_up(det: Engine, batch: Batch, trig: list[int], shadows: list[ShadowVer
     seqs = [sequence_of(batch, b)[s.length:int(batch.len_B[b])] for b, s in zip(trig, shadows)]
     tokens_NT, pos_NT = padded_chunks(seqs, [s.length for s in shadows])
     caches = [s.cache for s in shadows]
-    stacked = RowsCache.stack(caches, det.model.kernels.cache_slots(int(pos_NT.max()) + 1))
+    slots = det.model.kernels.cache_slots(int(pos_NT.max()) + 1)
+    for c in caches:  # a shadow made before the running batch's cache grew holds fewer slots
+        grow_slots(c, slots)
+    stacked = RowsCache.stack(caches, slots)
     logits_NTV = det.run_on(stacked, tokens_NT, pos_NT)
     stacked.unstack(caches)
     for x, s in zip(seqs, shadows):
@@ -147,8 +153,8 @@ def catch_up(det: Engine, batch: Batch, trig: list[int], shadows: list[ShadowVer
     return logits_NTV[torch.arange(len(trig)), torch.tensor([len(x) - 1 for x in seqs])]
 
 
-class MarginGateContract(Policy):
-    """MarginGate whose verifier keeps the paper's contract (module docstring): a shadow per
+class MarginGate(Policy):
+    """MarginGate as the paper has it, its verifier keeping the contract (module docstring): a shadow per
     protected row (`ShadowVerifier`), created when the row joins (its prompt prefilled on the
     deterministic path), caught up at each of its triggers."""
 
@@ -177,5 +183,5 @@ class MarginGateContract(Policy):
                 rows[b].shadow.write_column(batch, b, slot)
 
 
-def margingate_contract(*, tau: float, commit_verified: bool = False, **_) -> MarginGateContract:
-    return MarginGateContract(tau, commit_verified)
+def margingate(*, tau: float, commit_verified: bool = False, **_) -> MarginGate:
+    return MarginGate(tau, commit_verified)

@@ -5,7 +5,8 @@ A policy says which engine prefills a row and which one runs the batched decode 
 on the batch before the step (MarginGate's gate and repair, margingate.py; gated LLM-42's arming)
 and after it (LLM-42's verify-rollback, llm42.py). Two engines serve every policy: `fast` (the
 batched bf16 path, chunked prefill) and `det` (the deterministic path: the reference and the
-verifier).
+verifier). `grow_slots` gives a KV cache more slots (the loop's running batch when a newcomer
+needs more, a MarginGate shadow stacked with longer rows).
 
 - `bf16`: the default batched bf16 path, nothing else.
 - `batch_invariant`: every forward (prefill and decode, every row) on `det` (the tiled
@@ -21,7 +22,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 from verinfer.engine.engine import Batch
+from verinfer.models.llama import KVCache
 
 
 @dataclass
@@ -49,7 +53,7 @@ class Row:
     verified: int = 0          # windowed policies: outputs[:verified] are verified
     armed_at: int | None = None  # gated_llm42: output index of the first unverified near-tie step
     det_logits: bool = True    # the row's current logits came from the deterministic path
-    shadow: object = None      # margingate_contract: the row's prefix-only verifier (margingate.ShadowVerifier)
+    shadow: object = None      # margingate: the row's prefix-only verifier (margingate.ShadowVerifier)
 
 
 @dataclass
@@ -83,3 +87,12 @@ def layercast(**_) -> Policy:
 
 def best(**_) -> Policy:
     return Policy(prefill="protected", det_decode=True)
+
+
+def grow_slots(cache: KVCache, slots: int) -> None:
+    """Give every row of `cache` at least `slots` slots (zeros appended; a kernel's bits depend on
+    the slots it reads, never on how many the cache holds: numerics/kernels.py cache_slots)."""
+    if cache.max_slots >= slots:
+        return
+    pad = lambda x: torch.cat([x, x.new_zeros(x.shape[0], slots - x.shape[1], *x.shape[2:])], dim=1)  # noqa: E731
+    cache.k, cache.v, cache.max_slots = [pad(k) for k in cache.k], [pad(v) for v in cache.v], slots

@@ -4,13 +4,15 @@
    divergence from the reference), max |logits_bf16_batched - logits_ref| over the reference's
    top-50 tokens.
 2. sweep tau over [0, 2 * max eps_pert] (extended if no point reaches 1.0), run the gated policy
-   (`margingate_contract`, or the `margingate` ablation) end to end on the calibration prompts,
+   (`margingate`, or its `margingate_live_cache` ablation) end to end on the calibration prompts,
    and pick the smallest tau whose sequence-level determinism is 1.0. The chosen tau is then fixed
    for held-out prompts of another kind.
 
-Tau files: {model: {key: record}}, key "bf16" for `margingate` (and gated_llm42, which reads its
-tau) and "bf16/<policy>" for another gated policy (`tau_key`). A record's `tau` is the paper's
-choice; `margingate_contract` decodes at CONTRACT_SAFETY times it (`read_tau`): on SmolLM2 the
+Tau files: {model: {key: record}}, key "bf16" for `margingate_live_cache` (and gated_llm42, which
+reads its tau; the first tau files held only that policy's, then called `margingate`, and a record
+without a `policy` field is its) and "bf16/<policy>" for another gated policy (`tau_key`; `read_tau`
+also finds `margingate`'s under "bf16/margingate_contract", its key before the rename). A record's
+`tau` is the paper's choice; `margingate` decodes at CONTRACT_SAFETY times it (`read_tau`): on SmolLM2 the
 paper's tau (0.25, from arithmetic prompts) left 1 of 32 held-out code sequences divergent, and
 twice it was exact on 32 code prompts that choice never saw (benchmarks/results/margingate_smollm2-135m-instruct.md).
 """
@@ -22,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from verinfer.determinism.scheduler import Engines, Scheduler, make_engines
+from verinfer.determinism.scheduler import Engines, Scheduler, make_engines, policy_name
 from verinfer.engine.engine import Engine, Request
 from verinfer.io import atomic_write_json
 from verinfer.models.load import model_info
@@ -96,8 +98,9 @@ def eps_pert(eng: Engines, reqs, ref: dict, max_batch: int, progress=None) -> li
     return eps
 
 
-GATED = ("margingate_contract", "margingate")  # the policies a tau is calibrated for
-CONTRACT_SAFETY = 2.0  # margingate_contract decodes at this times the calibrated tau (module docstring)
+GATED = ("margingate", "margingate_live_cache")  # the policies a tau is calibrated for
+CONTRACT_SAFETY = 2.0  # margingate decodes at this times the calibrated tau (module docstring)
+LEGACY_KEYS = {"margingate": "margingate_contract"}  # where a tau file written before the rename keeps it
 
 
 def sweep_tau(eng: Engines, reqs, ref: dict, taus, max_batch: int, progress=None,
@@ -122,6 +125,7 @@ def calibrate(model_dir, n: int = 16, max_tokens=(48, 128), max_batch: int = 16,
     """Calibrate the gated `policy`'s tau on arithmetic prompts. Returns the full record (eps,
     sweep, chosen tau). progress(1) after each finished request of every phase
     (`calibration_requests` in all)."""
+    policy = policy_name(policy)
     if policy not in GATED:
         raise ValueError(f"tau is calibrated for {' or '.join(GATED)}, not {policy!r}")
     eng = eng or make_engines(model_dir, device)
@@ -148,24 +152,30 @@ def calibrate(model_dir, n: int = 16, max_tokens=(48, 128), max_batch: int = 16,
 
 def tau_key(dtype: str = "bf16", policy: str = "margingate") -> str:
     """Where a tau file keeps a policy's tau for a dtype (module docstring)."""
-    return dtype if policy in ("margingate", "gated_llm42") else f"{dtype}/{policy}"
+    return dtype if policy in ("margingate_live_cache", "gated_llm42") else f"{dtype}/{policy}"
 
 
 def write_tau(path, record: dict) -> None:
     """Merge {model: {tau_key: record}} into a JSON file."""
     p = Path(path)
     data = json.loads(p.read_text()) if p.is_file() else {}
-    data.setdefault(record["model"], {})[tau_key(record["dtype"], record.get("policy", "margingate"))] = record
+    policy = policy_name(record.get("policy", "margingate_live_cache"))  # no policy: the live-cache ablation's
+    data.setdefault(record["model"], {})[tau_key(record["dtype"], policy)] = record
     p.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_json(p, data)
 
 
 def read_tau(path, model: str, dtype: str = "bf16", policy: str = "margingate") -> float:
-    """The tau `policy` decodes at: the calibrated one (x CONTRACT_SAFETY for margingate_contract)."""
+    """The tau `policy` decodes at: the calibrated one (x CONTRACT_SAFETY for margingate)."""
     p = Path(path)
-    factor = CONTRACT_SAFETY if policy == "margingate_contract" else 1.0
+    policy = policy_name(policy)
+    factor = CONTRACT_SAFETY if policy == "margingate" else 1.0
     try:
-        return factor * float(json.loads(p.read_text())[model][tau_key(dtype, policy)]["tau"])
+        taus = json.loads(p.read_text())[model]
+        key = tau_key(dtype, policy)
+        if key not in taus and policy in LEGACY_KEYS:
+            key = tau_key(dtype, LEGACY_KEYS[policy])
+        return factor * float(taus[key]["tau"])
     except (FileNotFoundError, KeyError, TypeError) as e:
         raise ValueError(f"no calibrated tau for model {model!r} dtype {dtype} policy {policy} in {p}; "
                          f"run `verinfer determinism calibrate --policy {policy}` first") from e

@@ -16,19 +16,23 @@ are looked up in a table, never used as paths), 413 for an oversized body, 503 w
 Batching (`ServeConfig.batching`): "alone" (the default) never batches requests together, so a
 greedy request's tokens are its batch-size-1 tokens bit for bit whatever else is running.
 "continuous" decodes the greedy requests of each served model in one running batch
-(server/batching.py: up to `max_batch` rows, newcomers prefilled in chunks and joined between decode
-steps), as a real server does: in bf16 a request's tokens then depend on what it shares the batch
-with (near-tie flips, what `verinfer determinism probe` finds). Sampled requests always run alone.
+(server/batching.py: the determinism scheduler's loop, up to `max_batch` rows, newcomers prefilled
+in chunks and joined between decode steps), as a real server does: in bf16 a request's tokens then
+depend on what it shares the batch with (near-tie flips, what `verinfer determinism probe` finds).
+Sampled requests always run alone.
 `max_concurrent` bounds the generations that run alone in worker threads (sampled requests; every
 request with "alone"); batched rows take no such slot, they are bounded by `max_batch` per model
 (each model's batch is one more thread). `max_waiting` bounds all queued requests: those waiting
 for a slot plus those waiting to join a batch. A request the batch loop fails gets a 503
 `batch_failed` error naming the cause (an SSE error event once streaming has begun).
 
-Determinism: `--deterministic best` decodes on the fixed-shape deterministic path
-(determinism/invariant.py), so greedy tokens are the determinism reference's tokens: what
-`verinfer generate --deterministic best` (or margingate / llm42) gives the same prompt inside any
-batch, with either batching.
+Determinism (`ServeConfig.deterministic`): greedy tokens are the determinism reference's tokens,
+what `verinfer generate --deterministic best` (or margingate / llm42) gives the same prompt inside
+any batch. `best` decodes on the fixed-shape deterministic path (determinism/invariant.py), with
+either batching. `margingate` (with "continuous" only) decodes the batch on the bf16 path and
+verifies only near-tie steps (top-2 margin below the model's calibrated tau, from `tau_file`) on the
+fixed-shape path, repairing those whose token differs (determinism/margingate.py); its logprobs are
+the batch's.
 """
 
 from __future__ import annotations
@@ -46,6 +50,8 @@ from typing import AsyncIterator
 from starlette.requests import Request  # module level: FastAPI resolves the handlers' annotations here
 
 from verinfer import retokenize
+from verinfer.apps.determinism import DEFAULT_TAU_FILE
+from verinfer.determinism.tau import read_tau
 from verinfer.errors import VerinferError
 from verinfer.sampling.noise import NOISE_BACKENDS
 from verinfer.sampling.params import SamplingParams
@@ -71,9 +77,11 @@ class ServeConfig:
     noise: str = "vllm-cpu"
     device: str = "cpu"
     limits: Limits = field(default_factory=Limits)
-    deterministic: str | None = None  # "best": decode on the fixed-shape deterministic path
+    deterministic: str | None = None  # "best" or "margingate" (module docstring)
     batching: str = "alone"           # "continuous": greedy requests share one batch per model
     max_batch: int = 16               # rows of that batch
+    tau_file: Path = DEFAULT_TAU_FILE  # deterministic="margingate": the calibrated taus (by model name)
+    tau: float | None = None          # ... or this tau for every model (tests)
 
     def __post_init__(self):
         if self.noise not in NOISE_BACKENDS:
@@ -85,6 +93,10 @@ class ServeConfig:
         if isinstance(self.max_batch, bool) or not isinstance(self.max_batch, int) or self.max_batch < 1:
             raise VerinferError(f"must be an integer of at least 1, got {self.max_batch!r}", where="--max-batch",
                                 fix="use 1 or more rows per batch (default 16)")
+        if self.deterministic == "margingate" and self.batching != "continuous":
+            raise VerinferError("margingate verifies the steps of a batch; with --batching alone there is none",
+                                where="--deterministic",
+                                fix="add --batching continuous, or use --deterministic best (exact alone too)")
 
 
 class Slots:
@@ -516,11 +528,17 @@ def create_app(registry: dict[str, ServedModel], cfg: ServeConfig):
 
 def make_batchers(registry: dict[str, ServedModel], cfg: ServeConfig) -> dict[int, Batcher]:
     """id(served model) -> its Batcher with continuous batching (one per model, whatever its
-    names), else empty. Their threads start at the first batched request."""
+    names), else empty. Their threads start at the first batched request. With margingate each
+    model's tau is read here (a model without one fails before the server starts)."""
     if cfg.batching != "continuous":
         return {}
     models = {id(m): m for m in registry.values()}
-    return {k: Batcher(m, cfg.max_batch, deterministic=cfg.deterministic is not None) for k, m in models.items()}
+
+    def tau(m: ServedModel) -> float:
+        if cfg.deterministic != "margingate":
+            return 0.0
+        return cfg.tau if cfg.tau is not None else read_tau(cfg.tau_file, m.name, policy="margingate")
+    return {k: Batcher(m, cfg.max_batch, deterministic=cfg.deterministic, tau=tau(m)) for k, m in models.items()}
 
 
 def check_listen(port: int, threads: int | None) -> None:

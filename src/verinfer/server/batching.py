@@ -1,33 +1,33 @@
 """Continuous batching of a served model's greedy requests (`verinfer serve --batching continuous`).
 
-One `Batcher` per served model owns one background thread and one running `Batch` of up to
-`max_batch` rows. The thread runs, until the server stops:
+One `Batcher` per served model owns one background thread that runs the determinism scheduler's
+loop (`determinism.scheduler.Scheduler.loop`, the one serving loop of verinfer) with the Batcher as
+its Feed: `submit` queues a greedy request; the loop admits queued requests (first come, first
+served) into its running batch of up to `max_batch` rows, and after each batched decode step the
+Batcher hands every row's Step to its request (logprob and top-k: log-softmax of the row's fp32
+logits the token was picked from, as generation.py). Each row has its own stop rule (its request's
+EOS set unless ignore_eos, then max_tokens: sampling.params.stop_reason); a cancelled request (a
+client that went away) leaves the batch before the next step. The thread sleeps while nothing is
+queued or running.
 
-    1. wait until a request is queued or the batch has rows
-    2. admit: drop cancelled rows; take up to max_batch - rows queued requests (first come, first
-       served), prefill them together on the batch engine (right-padded, in `prefill_chunk`-token
-       chunks; none on the deterministic path) with a cache of the batch's slot count (grown, if a
-       newcomer needs more, to the kernels' slot multiple over prompt + max_tokens + 1), and join
-       them to the running batch (engine.join)
-    3. one batched decode step for every row: each row's logits before the step give its Step's
-       logprob and top-k (log-softmax of that row's fp32 logits, as generation.py); engine.emit
-       picks the greedy tokens, each row's own stop rule (EOS unless ignore_eos, then max_tokens:
-       sampling.params.stop_reason) finishes it, the Steps go to the requests' queues, and
-       engine.advance runs the new tokens through the model
-    4. finished and cancelled rows leave the batch (engine.select_rows)
-
-This is the loop of `determinism.scheduler.Scheduler.steps` with the `bf16` policy (`fast`: the
-server's numerics with chunked prefill, so rows of mixed lengths give the batch effects of a real
-server) or the `best` policy (a server started with `--deterministic best` holds the fixed-shape
-model: prefill and every decode step run on it, so each request's tokens and logprobs are its
-batch-of-one answer whatever it shares the batch with). Only greedy requests join: a sampled one
-runs alone (server/generation.py) with its own noise stream.
+The scheduler's policy is the server's `--deterministic` mode (`batch_scheduler`):
+- none: `bf16` on the server's numerics with chunked prefill (`fast`, PREFILL_CHUNK tokens), so
+  rows of mixed lengths give the batch effects of a real server.
+- `best`: the served model is the fixed-shape model (server/registry.py): prefill and every decode
+  step run on it, so each request's tokens and logprobs are its batch-of-one answer whatever it
+  shares the batch with.
+- `margingate` (the paper's method, determinism/margingate.py): the batch decodes on the server's
+  bf16 path; a step whose top-2 margin is below the calibrated tau is verified by the fixed-shape
+  path on the request's own token prefix and repaired, so each request's tokens are the fixed-shape
+  path's batch-of-one tokens (`best`'s), its logprobs those of the batch.
+Only greedy requests join: a sampled one runs alone (server/generation.py) with its own noise
+stream.
 
 An exception in the loop fails the requests it touched (the newcomers of a failed admission, every
 row of a failed step) with a `BatchError` naming what went wrong; the loop goes on with the
 others. `stop()` ends the thread and fails whatever is still queued or running.
 
-Shape key: B = batch rows, V = vocab.
+Shape key: V = vocab.
 """
 
 from __future__ import annotations
@@ -35,19 +35,24 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections import deque
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable
 
 import torch
 
-from verinfer.engine.engine import Batch, Engine, Request, join, select_rows
-from verinfer.sampling.params import SamplingParams, stop_reason
+from verinfer.determinism.invariant import fixed_shape_model
+from verinfer.determinism.policies import Stats
+from verinfer.determinism.scheduler import Feed, Scheduler
+from verinfer.engine.engine import Engine, Request
+from verinfer.sampling.params import SamplingParams
 from verinfer.server.generation import Step, step_of
 from verinfer.server.registry import ServedModel
 
 BATCHING = ("alone", "continuous")
 PREFILL_CHUNK = 16          # tokens per prefill chunk on the bf16 path (determinism.scheduler.make_engines')
 STOP_TIMEOUT_S = 30.0       # how long stop() waits for the step in flight
+SHUTTING_DOWN = "the server is shutting down; retry the request on a running server"
 
 
 class BatchError(Exception):
@@ -69,46 +74,48 @@ class Ticket:
         self.cancelled = True
 
 
-def batch_engine(model: ServedModel, deterministic: bool) -> Engine:
-    """The engine the batch runs on: the served model's weights and numerics, no EOS of its own
-    (each row's stop set is its request's), prefill in PREFILL_CHUNK chunks unless deterministic
-    (the fixed-shape model prefills whole prompts, as the `best` policy's det engine)."""
-    num = model.engine.numerics.with_(prefill_chunk=None if deterministic else PREFILL_CHUNK)
-    return Engine(model.engine.model, num, eos_token_id=None)
+def batch_scheduler(model: ServedModel, deterministic: str | None, max_batch: int, tau: float = 0.0) -> Scheduler:
+    """The scheduler of a served model's batch (module docstring): engines over the served model's
+    weights and numerics, no EOS of their own (each row's stop set is its request's); the fast path
+    prefills in PREFILL_CHUNK chunks, the fixed-shape path whole prompts (as make_engines')."""
+    num, m = model.engine.numerics, model.engine.model
+    fast = Engine(m, num.with_(prefill_chunk=PREFILL_CHUNK), eos_token_id=None)
+    if deterministic is None:
+        return Scheduler(fast, fast, "bf16", max_batch=max_batch)
+    det = Engine(fixed_shape_model(m), num.with_(prefill_chunk=None), eos_token_id=None)
+    if deterministic == "best":  # the served model is already the fixed-shape one: no bf16 path
+        return Scheduler(det, det, "best", max_batch=max_batch)
+    return Scheduler(fast, det, deterministic, tau=tau, max_batch=max_batch)
 
 
-def grow_slots(batch: Batch, slots: int) -> None:
-    """Give every row of the batch's cache `slots` slots (zeros appended; a kernel's bits depend on
-    the slots it reads, never on how many the cache holds)."""
-    c = batch.cache
-    if c.max_slots >= slots:
-        return
-    pad = lambda x: torch.cat([x, x.new_zeros(x.shape[0], slots - x.shape[1], *x.shape[2:])], dim=1)  # noqa: E731
-    c.k, c.v, c.max_slots = [pad(k) for k in c.k], [pad(v) for v in c.v], slots
-
-
-class Batcher:
+class Batcher(Feed):
     """The continuous-batching loop of one served model (module docstring): `submit` queues a
-    greedy request, the background thread (started by `start`) decodes every admitted request in
-    one batch, `stop` ends it."""
+    greedy request, the background thread (started by `start`) runs `Scheduler.loop` with this
+    Batcher as its feed, `stop` ends it. `stats`: the policy's counts (steps verified, repaired)."""
 
-    def __init__(self, model: ServedModel, max_batch: int = 16, deterministic: bool = False):
+    def __init__(self, model: ServedModel, max_batch: int = 16, deterministic: str | None = None, tau: float = 0.0):
         self.model, self.max_batch = model, max_batch
-        self.engine = batch_engine(model, deterministic)
+        self.scheduler = batch_scheduler(model, deterministic, max_batch, tau)
+        self.engine = self.scheduler.step_engine  # the engine of the batched decode step
         self.eos_ids = model.engine.stop_token_ids
+        self.stats = Stats()
         self._queue: deque[Ticket] = deque()
         self._cv = threading.Condition()
         self._stopping = False
         self._thread: threading.Thread | None = None
-        self._batch: Batch | None = None
-        self._rows: list[Ticket] = []      # the ticket of each batch row
-        self.peak_rows = 0                 # the most rows a decode step has run (a check that requests met)
+        self._rows: dict[int, Ticket] = {}  # id(request) -> ticket, for every row of the batch (loop thread)
+        self.peak_rows = 0                  # the most rows a decode step has run (a check that requests met)
 
     # --- the request side -------------------------------------------------------------
     @property
     def waiting(self) -> int:
         """Requests queued, not yet admitted to the batch."""
         return len(self._queue)
+
+    @property
+    def rows(self) -> int:
+        """Requests in the running batch."""
+        return len(self._rows)
 
     @property
     def running(self) -> bool:
@@ -118,7 +125,7 @@ class Batcher:
         """Start the loop thread (once; later calls do nothing)."""
         with self._cv:
             if self._thread is None and not self._stopping:
-                self._thread = threading.Thread(target=self._loop, name=f"batch-{self.model.name}", daemon=True)
+                self._thread = threading.Thread(target=self._run, name=f"batch-{self.model.name}", daemon=True)
                 self._thread.start()
 
     def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams, deliver, *,
@@ -130,7 +137,7 @@ class Batcher:
                    logprobs, deliver)
         with self._cv:
             if self._stopping:
-                raise BatchError("the server is shutting down; retry the request on a running server")
+                raise BatchError(SHUTTING_DOWN)
             self._queue.append(t)
             self._cv.notify()
         return t
@@ -144,83 +151,56 @@ class Batcher:
             self._thread.join(timeout_s)
         with self._cv:
             left, self._queue = list(self._queue), deque()
-        self._fail(left, "the server is shutting down; retry the request on a running server")
+        self._fail(left, SHUTTING_DOWN)
 
-    # --- the loop -----------------------------------------------------------------------
-    def _loop(self) -> None:
+    # --- the loop thread ----------------------------------------------------------------
+    def _run(self) -> None:
+        loop = self.scheduler.loop(self, None, self.stats)  # every request is protected
         while True:
             with self._cv:
-                while not self._stopping and not self._queue and self._batch is None:
+                while not self._stopping and not self._queue and not self._rows:
                     self._cv.wait()
                 if self._stopping:
                     break
-                new = self._take()
-            if new:
-                self._guard(new, "prefilling the new requests", self._admit, new)
-            if self._batch is not None:
-                self._guard(self._rows, "a batched decode step", self._step)
-        rows, self._batch, self._rows = self._rows, None, []
-        self._fail(rows, "the server is shutting down; retry the request on a running server")
+            self.peak_rows = max(self.peak_rows, next(loop, 0))  # 0: it ended (the server is stopping)
+        loop.close()
+        rows, self._rows = list(self._rows.values()), {}
+        self._fail(rows, SHUTTING_DOWN)
 
-    def _take(self) -> list[Ticket]:
-        """Up to the free rows' worth of queued requests, cancelled ones dropped (under the lock)."""
+    # --- the feed (called by Scheduler.loop on the loop thread) -------------------------
+    @property
+    def open(self) -> bool:
+        return not self._stopping
+
+    def take(self, n: int) -> list[Request]:
+        """Up to n queued requests, cancelled ones dropped."""
         new: list[Ticket] = []
-        while self._queue and len(self._rows) + len(new) < self.max_batch:
-            t = self._queue.popleft()
-            if not t.cancelled:
-                new.append(t)
-        return new
+        with self._cv:
+            while self._queue and len(new) < n:
+                t = self._queue.popleft()
+                if not t.cancelled:
+                    new.append(t)
+        self._rows.update((id(t.request), t) for t in new)
+        return [t.request for t in new]
 
-    def _guard(self, tickets: list[Ticket], what: str, fn, *args) -> None:
-        """fn(*args); on an exception, fail `tickets` naming `what` failed and drop them from the batch."""
-        try:
-            fn(*args)
-        except Exception as e:  # noqa: BLE001 - any error of the engine fails its requests, never the loop
-            failed = {id(t) for t in tickets}
-            keep = [b for b, t in enumerate(self._rows) if id(t) not in failed]
-            self._keep(keep)
-            self._fail(tickets, f"generation failed in {what} of model {self.model.name!r}: "
-                                f"{type(e).__name__}: {e}; retry the request, or serve with --batching alone "
-                                f"if it persists")
+    def cancelled(self, request: Request) -> bool:
+        return self._rows[id(request)].cancelled
 
-    def _admit(self, new: list[Ticket]) -> None:
-        """Prefill the newcomers together and join them to the running batch."""
-        reqs = [t.request for t in new]
-        need = max(len(r.prompt_token_ids) + r.params.max_tokens for r in reqs) + 1
-        have = self._batch.cache.max_slots if self._batch is not None else 0
-        slots = max(have, self.engine.model.kernels.cache_slots(need))
-        T = max(len(r.prompt_token_ids) for r in reqs)
-        nb = self.engine.prefill(reqs, extra_slots=slots - T - 1)
-        if self._batch is None:
-            self._batch = nb
-        else:
-            grow_slots(self._batch, slots)
-            self._batch = join(self._batch, nb)
-        self._rows = self._rows + new
+    def stop_ids(self, request: Request) -> Collection[int]:
+        return self._rows[id(request)].stop_ids
 
-    def _step(self) -> None:
-        """Drop cancelled rows, one batched decode step, deliver each row's Step, drop finished rows."""
-        self._keep([b for b, t in enumerate(self._rows) if not t.cancelled])
-        batch = self._batch
-        if batch is None:
-            return
-        self.peak_rows = max(self.peak_rows, len(self._rows))
-        logits_BV = batch.logits_BV.float()
-        tokens_B = self.engine.emit(batch)
-        for b, t in enumerate(self._rows):  # each row's own stop rule (EOS unless ignore_eos, then length)
-            reason = stop_reason(int(tokens_B[b]), len(batch.outputs[b]), t.request.params.max_tokens, t.stop_ids)
-            batch.done_B[b], batch.finish[b] = reason is not None, reason
-        for b, t in enumerate(self._rows):
-            t.deliver(step_of(logits_BV[b], int(tokens_B[b]), t.logprobs, batch.finish[b]))
-        self.engine.advance(batch, tokens_B)
-        self._keep([b for b, d in enumerate(batch.done_B) if not d])
+    def emitted(self, request: Request, logits_V: torch.Tensor, token: int, finish: str | None) -> None:
+        t = self._rows[id(request)]
+        t.deliver(step_of(logits_V.float(), token, t.logprobs, finish))
 
-    def _keep(self, keep: list[int]) -> None:
-        """Only rows `keep` stay in the batch (None when none do)."""
-        if self._batch is None or len(keep) == len(self._rows):
-            return
-        self._batch = select_rows(self._batch, keep) if keep else None
-        self._rows = [self._rows[b] for b in keep]
+    def left(self, request: Request, outputs: list[int]) -> None:
+        self._rows.pop(id(request), None)
+
+    def failed(self, requests: list[Request], what: str, error: Exception) -> None:
+        tickets = [t for t in (self._rows.pop(id(r), None) for r in requests) if t is not None]
+        self._fail(tickets, f"generation failed in {what} of model {self.model.name!r}: "
+                            f"{type(error).__name__}: {error}; retry the request, or serve with --batching alone "
+                            f"if it persists")
 
     @staticmethod
     def _fail(tickets: list[Ticket], message: str) -> None:

@@ -69,7 +69,7 @@ def _model_dirs(root: Path) -> list[Path]:
     return dirs
 
 
-DETERMINISTIC = ("best",)
+DETERMINISTIC = ("best", "margingate")  # server/app.py's docstring
 
 
 def load_registry(root: str | Path, *, misconfig: str | None = None, device: str = "cpu",
@@ -81,7 +81,8 @@ def load_registry(root: str | Path, *, misconfig: str | None = None, device: str
     deterministic="best": every model decodes on the fixed-shape deterministic path
     (LlamaLM on numerics/kernels.FixedShape, certified for this machine at the current thread count),
     so a greedy request's tokens are the determinism reference's, the tokens
-    `verinfer generate --deterministic best` gives it in any batch."""
+    `verinfer generate --deterministic best` gives it in any batch. "margingate": the models stay on
+    the server's numerics (the batch's verifier, server/batching.py, runs the fixed-shape path)."""
     if deterministic not in (None, *DETERMINISTIC):
         raise ModelError(f"unknown deterministic mode {deterministic!r}", where="--deterministic",
                          fix=f"use one of {', '.join(DETERMINISTIC)} (or leave it off)")
