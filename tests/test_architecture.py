@@ -51,9 +51,8 @@ SCORE_COLUMNS = frozenset(scores.schema(gaps=True, envelope=True, extra=scores.R
 # `append_column`, `drop_columns`, a module's `_columns` helper, ...), and these.
 COLUMN_CALLS = frozenset({"divergence", "field", "get_field_index", "select", "drop", "sort_by", "group_by"})
 IN_FLIGHT = lambda f: f  # noqa: E731  (the refactor has landed: the checks hold)
-# The apps the lead converts (issue 44); each check below that names it skips these files until then.
-ALLOW_UNTIL_CORE = {"src/verinfer/apps/audit_api.py", "src/verinfer/apps/files.py", "src/verinfer/apps/audit_chat.py",
-                    "src/verinfer/apps/pipeline.py"}
+# The apps converted in issue 44: no file is skipped any more (kept as the place to name one, with why).
+ALLOW_UNTIL_CORE: set[str] = set()
 # Code whose subscripts share a key name with a score column but read no score table: "file" (all of
 # it) or "file::function" -> why.
 NOT_SCORE_TABLES = {

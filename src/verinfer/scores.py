@@ -77,7 +77,8 @@ LOGIT_GAP = "logit_gap"  # features table (benchmarks/difr_variants.py): replaye
 GAP_TEMPERATURE_FACTORS = (0.8, 0.9, 1.1, 1.2)
 GAP_TOP_P_SLACK = 0.01  # the perturbation GLRT's default top_p_slack
 ENVELOPE_PREFIX = "env_"  # the honest-reference envelope's gap columns
-REMOTE_FIELDS = (pa.field("approximate", pa.bool_()), pa.field("approximate_reason", pa.string()))
+APPROXIMATE = "approximate"  # a remote reference's row that is not the exact replay (REMOTE_FIELDS)
+REMOTE_FIELDS = (pa.field(APPROXIMATE, pa.bool_()), pa.field("approximate_reason", pa.string()))
 
 
 def slack_suffix(top_p_slack: float = 0.0) -> str:

@@ -52,11 +52,12 @@ from verinfer.io import atomic_write_json, atomic_write_text, check_manifest, ch
 from verinfer.progress import progress_bar
 from verinfer.detect import Detector, load_detector
 from verinfer.detect.sequential import SequentialAudit, StreamingAudit
+from verinfer.detect.summary import interval, margin_clip, nearest_band, summarize
 from verinfer.detect.calibrate import calibrate
 from verinfer.detect.verdict import Verdict
 from verinfer.providers.openai_http import Endpoint, EndpointError, openai_client, probe_seed_replies, request_completion
 from verinfer.providers.simulated import HONEST, MISCONFIGURED, PROVIDERS, request_seed, run_provider
-from verinfer.scores import divergence, load_score_tables
+from verinfer.scores import CLAIM_ID, CROSS_ENTROPY, EXACT_MATCH, MARGIN, load_score_tables
 from verinfer.errors import VerinferError
 from verinfer.models.load import model_info
 from verinfer.sampling.noise import NOISE_BACKENDS
@@ -170,8 +171,8 @@ def recognise_noise(prompt_ids: list[int], output_ids: list[int], params: Sampli
     claims = [Claim(f"probe-{name}", model_name, list(prompt_ids), list(output_ids), replace(params, noise=name))
               for name in candidates]
     table = score_chunk(claims, engine)
-    ids = np.asarray(table["claim_id"].to_pylist())
-    exact = np.asarray(table["exact_match"].to_numpy(zero_copy_only=False), dtype=bool)
+    ids = np.asarray(table[CLAIM_ID].to_pylist())
+    exact = np.asarray(table[EXACT_MATCH].to_numpy(zero_copy_only=False), dtype=bool)
     rates = {name: float(exact[ids == f"probe-{name}"].mean()) for name in candidates}
     best = max(candidates, key=lambda n: rates[n])  # max keeps the first of equals
     return (best if rates[best] >= RECOGNISE_MIN else None), rates
@@ -334,36 +335,8 @@ def reference_bands(cfg: ApiAuditConfig, det: Detector, score_fn, n_boot: int = 
     bands = {}
     for band, path in zip(BANDS, paths):
         t = load_score_tables([score_fn(path, path.with_suffix(".parquet"))])
-        bands[band] = summarize(t, det, n_boot=n_boot, seed=cfg.seed)
+        bands[band] = summarize(t, margin_clip(det), n_boot=n_boot, seed=cfg.seed)
     return bands
-
-
-def summarize(table, det: Detector, n_boot: int = 1000, seed: int = 0) -> dict:
-    """Mean clipped margin, mean cross-entropy and mismatch rate, with 95% bootstrap intervals over
-    claims. Cross-entropy is averaged over finite values (a claimed token the verifier's filters
-    exclude has +inf; their count is `n_filtered_out`)."""
-    ids = np.asarray(table["claim_id"].to_pylist())
-    margin = np.minimum(divergence(table, "margin"), getattr(det, "tie_clip_", None) or det.clip_)
-    xent = divergence(table, "cross_entropy")
-    em = divergence(table, "exact_match")
-    _, inv = np.unique(ids, return_inverse=True)
-    rng = np.random.default_rng(seed)
-    k = inv.max() + 1
-    out = {"n_tokens": int(len(margin)), "n_filtered_out": int((~np.isfinite(xent)).sum())}
-    xent = np.where(np.isfinite(xent), xent, 0.0)
-    fin = np.isfinite(divergence(table, "cross_entropy")).astype(np.float64)
-    for name, v, w in (("margin", margin, None), ("cross_entropy", xent, fin), ("mismatch", em, None)):
-        sums, counts = np.bincount(inv, v, k), np.bincount(inv, w, k)
-        boots = []
-        for _ in range(n_boot):
-            pick = rng.integers(0, k, k)
-            boots.append(sums[pick].sum() / max(counts[pick].sum(), 1))
-        out[name] = {"mean": float(sums.sum() / max(counts.sum(), 1)), "ci95": [float(np.quantile(boots, 0.025)), float(np.quantile(boots, 0.975))]}
-    return out
-
-
-def nearest_band(point: dict, bands: dict) -> str:
-    return min(bands, key=lambda b: abs(bands[b]["margin"]["mean"] - point["margin"]["mean"]))
 
 
 # --- the whole audit --------------------------------------------------------------------------
@@ -440,13 +413,13 @@ def audit_api(cfg: ApiAuditConfig, *, show_progress: bool = True) -> ApiAuditRes
     if stop:
         verdict = verdict.with_(requests_sent=len(claims), requests_planned=len(prompts))
     bands = None
-    point = None if cfg.sequential else summarize(table, det, seed=cfg.seed)
+    point = None if cfg.sequential else summarize(table, margin_clip(det), seed=cfg.seed)
     if mode == "greedy":
         bands = reference_bands(cfg, det, score_fn, show_progress=show_progress)
         verdict = verdict.with_(nearest_band=nearest_band(point, bands))
     timings = {"probe_s": t_probe - t0, "collect_s": t_collect - t_calib, "score_s": t_score - t_collect, **ctimes,
                "total_s": time.perf_counter() - t0}
-    exact = float(np.mean(np.asarray(table["exact_match"].to_numpy(zero_copy_only=False), dtype=bool)))
+    exact = float(np.mean(np.asarray(table[EXACT_MATCH].to_numpy(zero_copy_only=False), dtype=bool)))
     report = {"base_url": cfg.base_url, "model": cfg.model, "trusted_model": info.name,
               "trusted_weights_sha256": info.weights_sha256, "mode": mode, "verdict": verdict.to_dict(),
               "n_claims": len(claims), "n_tokens": int(table.num_rows), "exact_match": exact, "endpoint": point,
@@ -466,15 +439,13 @@ def render_markdown(r: dict) -> str:
              f"Mode: {r['mode']}; trusted model {r['trusted_model']} (weights sha256 {r['trusted_weights_sha256']}).", "",
              "| verdict | tokens | pooled | threshold | p-value | exact match |", "|---|---|---|---|---|---|",
              f"| {'FLAGGED' if v['flagged'] else 'ok'} | {v['n_tokens']} | {v['pooled']:.4g} | {v['threshold']:.4g} | "
-             f"{v['p_value']:.3g} | {r['exact_match']:.4f} |", "", v.get("decision", ""), ""]
+             f"{v['p_value']:.3g} | {r[EXACT_MATCH]:.4f} |", "", v.get("decision", ""), ""]
     if r.get("reference_bands"):
         lines += ["Reference bands (verinfer's own greedy runs, replayed by the bf16 verifier; 95% bootstrap CI):", "",
                   "| run | mean clipped margin | mean cross-entropy |", "|---|---|---|"]
         rows = {**r["reference_bands"], f"**{r['model']}**": r["endpoint"]}
         for name, b in rows.items():
-            lines.append(f"| {name} | {b['margin']['mean']:.4g} [{b['margin']['ci95'][0]:.3g}, {b['margin']['ci95'][1]:.3g}] | "
-                         f"{b['cross_entropy']['mean']:.4g} [{b['cross_entropy']['ci95'][0]:.3g}, "
-                         f"{b['cross_entropy']['ci95'][1]:.3g}] |")
+            lines.append(f"| {name} | {interval(b, MARGIN)} | {interval(b, CROSS_ENTROPY)} |")
         lines += ["", f"Nearest band: {v.get('nearest_band')}", ""]
     return "\n".join(lines)
 

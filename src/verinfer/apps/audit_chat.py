@@ -45,7 +45,7 @@ import numpy as np
 import pyarrow as pa
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from verinfer import __version__
+from verinfer._version import __version__
 from verinfer.audit.replay import StreamRows
 from verinfer.apps.pipeline import VERIFIER_NUMERICS, score, verifier_engine
 from verinfer.claims import Claim, read_claims, write_claims
@@ -55,6 +55,7 @@ from verinfer.detect.greedy import GreedyDetector
 from verinfer.detect.registry import load_detector
 from verinfer.detect.base import block_sizes
 from verinfer.detect.sequential import SequentialAudit, StreamingAudit
+from verinfer.detect.summary import interval, margin_clip, nearest_band, summarize
 from verinfer.errors import VerinferError
 from verinfer.io import atomic_write_json, atomic_write_text, check_manifest, check_writable, exclusive_lock
 from verinfer.models.load import model_info
@@ -68,7 +69,7 @@ from verinfer.providers.simulated import HONEST, ProviderConfig, provider_genera
 from verinfer.registry import Registry
 from verinfer.retokenize import DERIVED, PLAIN_CHAT_TEMPLATE, RETURNED, Retokenizer
 from verinfer.sampling.params import SamplingParams
-from verinfer.scores import CLAIM_ID, EXACT_MATCH, TOKEN_ID, divergence, load_score_tables
+from verinfer.scores import CLAIM_ID, CROSS_ENTROPY, EXACT_MATCH, MARGIN, TOKEN_ID, load_score_tables
 
 CALIB_SEED_OFFSET = 1_000_003     # calibration and band prompts: another sample of the same distribution
 TOKEN_MODES = ("derived", "returned", "auto")
@@ -279,37 +280,6 @@ def local_chat_claims(band: Band, name: str, cfg: ChatAuditConfig, conversations
     out.mkdir(parents=True, exist_ok=True)
     write_claims(path, claims)
     return path
-
-
-def summarize(table: pa.Table, clip: float, n_boot: int = 1000, seed: int = 0) -> dict:
-    """Mean clipped margin, mean cross-entropy (finite values) and mismatch rate, each with a 95%
-    bootstrap interval over claims."""
-    ids = np.asarray(table[CLAIM_ID].to_pylist())
-    xent_raw = divergence(table, "cross_entropy")
-    cols = {"margin": (np.minimum(divergence(table, "margin"), clip), None),
-            "cross_entropy": (np.where(np.isfinite(xent_raw), xent_raw, 0.0), np.isfinite(xent_raw).astype(float)),
-            "mismatch": (divergence(table, "exact_match"), None)}
-    _, inv = np.unique(ids, return_inverse=True)
-    k = int(inv.max()) + 1
-    rng = np.random.default_rng(seed)
-    picks = rng.integers(0, k, (n_boot, k))
-    out = {"n_tokens": int(len(ids)), "n_claims": k}
-    for name, (v, w) in cols.items():
-        sums, counts = np.bincount(inv, v, k), np.bincount(inv, w, k)
-        boots = sums[picks].sum(axis=1) / np.maximum(counts[picks].sum(axis=1), 1)
-        out[name] = {"mean": float(sums.sum() / max(counts.sum(), 1)),
-                     "ci95": [float(np.quantile(boots, 0.025)), float(np.quantile(boots, 0.975))]}
-    return out
-
-
-def nearest_band(point: dict, bands: dict) -> str | None:
-    """The band closest to a vendor in (mean clipped margin, mean cross-entropy), each axis scaled
-    by the spread of the bands' means."""
-    if not bands:
-        return None
-    keys = ("margin", "cross_entropy")
-    scale = {k: max(np.ptp([b[k]["mean"] for b in bands.values()]), 1e-9) for k in keys}
-    return min(bands, key=lambda b: sum(((bands[b][k]["mean"] - point[k]["mean"]) / scale[k]) ** 2 for k in keys))
 
 
 # --- collection -------------------------------------------------------------------------------
@@ -529,7 +499,7 @@ class ChatAudit:
         row.verdict = v.with_(provider=row.name, fixed_n=det.verdict(table).to_dict()).to_dict()
         row.n_tokens, row.n_requests = int(table.num_rows), int(sent)
         row.exact_match = float(np.mean(table[EXACT_MATCH].to_numpy(zero_copy_only=False)))
-        row.margin, row.cross_entropy, row.mismatch = point["margin"], point["cross_entropy"], point["mismatch"]
+        row.margin, row.cross_entropy, row.mismatch = point[MARGIN], point[CROSS_ENTROPY], point["mismatch"]
         row.nearest_band = nearest_band(point, bands)
         ends = np.cumsum(block_sizes(np.asarray(table[CLAIM_ID].to_pylist()), table.num_rows))
         row.tokens_to_decide, row.requests_to_decide = _decided(v.extra.get("decided_at_tokens"), ends)
@@ -547,11 +517,6 @@ class ChatAudit:
         row.retokenized = float(np.mean([c.derived for c in claims]))
         row.resegmented, row.drift = resegmentation(claims, table)
         return row
-
-
-def margin_clip(det) -> float:
-    """Where a summary clips margins: the greedy detector's near-tie cap, another detector's clip."""
-    return getattr(det, "tie_clip_", None) or det.clip_
 
 
 def _decided(tokens: int | None, ends: np.ndarray) -> tuple[int | None, int | None]:
@@ -752,14 +717,14 @@ def render_markdown(doc: dict) -> str:
             lines.append(f"| {v['name']} | error: {v['error'][:80]} |  |  |  |  |  |  |  |  |  |")
             continue
         lines.append(f"| {v['name']} | {'FLAGGED' if v['verdict']['flagged'] else 'ok'} | {v['nearest_band']} | "
-                     f"{v['exact_match']:.4f} | {v['margin']['mean']:.4g} | {v['cross_entropy']['mean']:.4g} | "
+                     f"{v[EXACT_MATCH]:.4f} | {v[MARGIN]['mean']:.4g} | {v[CROSS_ENTROPY]['mean']:.4g} | "
                      f"{v['n_tokens']} | {v['n_requests']} | {v['tokens_to_decide'] or '-'} | "
                      f"{v['requests_to_decide'] or '-'} | {_rate(v['resegmented'])} |")
     lines += ["", "Reference bands (verinfer's own greedy runs, replayed like a vendor; 95% bootstrap CI):", "",
               "| band | what | mean clipped margin | mean cross-entropy | mismatch |", "|---|---|---|---|---|"]
     for name, b in doc["bands"].items():
-        lines.append(f"| {name} | {b['description']} | {b['margin']['mean']:.4g} [{b['margin']['ci95'][0]:.3g}, "
-                     f"{b['margin']['ci95'][1]:.3g}] | {b['cross_entropy']['mean']:.4g} | {b['mismatch']['mean']:.4f} |")
+        lines.append(f"| {name} | {b['description']} | {interval(b, MARGIN)} | {b[CROSS_ENTROPY]['mean']:.4g} | "
+                     f"{b['mismatch']['mean']:.4f} |")
     return "\n".join(lines) + "\n"
 
 

@@ -21,7 +21,7 @@ from verinfer.detect.calibrate import calibrate
 from verinfer.detect.verdict import Verdict, combine_verdicts
 from verinfer.errors import VerinferError
 from verinfer.io import atomic_write_text, output
-from verinfer.scores import ALLOW_UNRECORDED, check_provenance, common_provenance, load_score_tables
+from verinfer.scores import ALLOW_UNRECORDED, APPROXIMATE, PROVIDER, check_provenance, common_provenance, load_score_tables
 
 
 @dataclass(frozen=True)
@@ -55,7 +55,7 @@ def score_file(claims_path: Path, model_dir: Path, out: Path, *, draft_dir: Path
         return ScoreOutcome(Path(out), speculative=summary)
     r = score(claims_path, model_dir, out, device=device, model_names=model_names, reference_url=reference_url,
               show_progress=show_progress, claims=claims, **replay)
-    approx = (pc.sum(r.table()["approximate"]).as_py() or 0) if reference_url is not None else None
+    approx = (pc.sum(r.table()[APPROXIMATE]).as_py() or 0) if reference_url is not None else None
     return ScoreOutcome(Path(out), scored=r, approximate=approx)
 
 
@@ -74,7 +74,7 @@ def calibrate_files(scores: list[Path], out: Path, *, detector: str = "clipped-m
     with output(out, "detector file", inputs=scores):
         common_provenance(scores)
         table = load_score_tables(scores)
-        honest = sorted(set(table["provider"].to_pylist()))
+        honest = sorted(set(table[PROVIDER].to_pylist()))
         with warnings.catch_warnings(record=True) as caught:  # the GLRT's few-honest-groups warning
             warnings.simplefilter("always")
             det = calibrate(table, honest, detector=detector, seed=seed, target_fpr=target_fpr,
@@ -122,7 +122,7 @@ def _audit_files(inputs, detector_paths, *, model_dir, model_names, provider, me
     notes = [n for det_path, det in zip(detector_paths, dets)
              for n in check_provenance(getattr(det, "provenance_", None), det_path, paths, allow_unrecorded)]
     table = load_score_tables(paths, labels=[p.stem for p in inputs], provider=provider, merge=merge)
-    providers = sorted(set(table["provider"].to_pylist()))
+    providers = sorted(set(table[PROVIDER].to_pylist()))
     verdicts = combine_verdicts([audit(table, det, providers, max_tokens=max_tokens, sequential=sequential)
                                  for det in dets])
     if notes:  # audited without provenance, as the user asked: every verdict says so
@@ -140,7 +140,7 @@ def report_files(scores: list[Path], out: Path, *, honest: list[str] | None = No
 
     with output(out, "report directory", directory=True):
         table = load_score_tables(scores)
-        names = sorted(set(table["provider"].to_pylist()))
+        names = sorted(set(table[PROVIDER].to_pylist()))
         hon = honest or [n for n in names if n.startswith("honest")]
         if not hon:
             raise VerinferError("no honest provider among the scores", fix="pass --honest NAME")

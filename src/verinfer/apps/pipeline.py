@@ -14,6 +14,7 @@ from verinfer.claims import Claim, check_claims_fit, iter_claims, write_claims
 from verinfer.detect import Detector
 from verinfer.detect.sequential import SequentialAudit
 from verinfer.detect.verdict import Verdict
+from verinfer.scores import PROVIDER
 from verinfer.io import check_writable, output, sha256_and_lines
 from verinfer.models.prompts import prompts_for
 from verinfer.progress import progress_bar
@@ -182,7 +183,7 @@ def audit(table: pa.Table, detector: Detector, providers: list[str],
     held = getattr(detector, "calibration_", None) and detector.calibration_.heldout
     verdicts = []
     for name in providers:
-        sub = held_out[name] if held_out and name in held_out else table.filter(pc.equal(table["provider"], name))
+        sub = held_out[name] if held_out and name in held_out else table.filter(pc.equal(table[PROVIDER], name))
         v = judge.verdict(sub, max_tokens=max_tokens).with_(provider=name)
         if held and held.batches:  # the FPR measured on held-out honest claims when it was calibrated
             v = v.with_(heldout_fpr=held.fpr, heldout_fpr_batch_tokens=held.batch_tokens)
