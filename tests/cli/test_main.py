@@ -61,9 +61,10 @@ def test_generate_score_calibrate_audit(scored):
 def test_degenerate_calibration_is_refused(scored, tmp_path):
     """Issue 15: with 16 calibration requests every honest margin was 0, the threshold became 0 and
     an honest server was flagged at p = 0. calibrate now refuses such a null, and too few tokens for
-    the FPR asked, with what and the fix (exit 2), and writes no detector."""
+    the FPR asked, with what and the fix (exit 2), and writes no detector. (One request at a time:
+    honest-bf16-b8's split-K batches leave a nonzero margin among 64 tokens.)"""
     d, _ = scored
-    r = run("generate", "honest-bf16-b8", "--out", tmp_path / "few.jsonl", "--n", 4, "--max-tokens", 16)
+    r = run("generate", "honest-bf16-b1", "--out", tmp_path / "few.jsonl", "--n", 4, "--max-tokens", 16)
     assert r.exit_code == 0, r.output
     assert run("score", tmp_path / "few.jsonl", "--out", tmp_path / "few.parquet").exit_code == 0
     r = run("calibrate", tmp_path / "few.parquet", "--out", tmp_path / "det.json", "--target-fpr", 0.05)

@@ -249,9 +249,7 @@ class Tiled(Native):
         return _tiled_linear(x, self.w[name], self.w.get(_bias_name(name)), self.row_tile)
 
     def logits(self, x_ND):
-        if self.wsplit is not None and (parts := split_k_parts(x_ND.numel() // x_ND.shape[-1])) > 1:
-            return split_k_linear(x_ND, self.wsplit["lm_head.weight"], None, parts).float()
-        return F.linear(x_ND, self.w["lm_head.weight"]).float()
+        return self.linear(x_ND, "lm_head.weight").float()
 
     def attention(self, q_BHTE, k_BGSE, v_BGSE, mask_BTS):
         B, H, T, E = q_BHTE.shape
@@ -488,9 +486,7 @@ class FixedShape(Native):
         return y.reshape(*lead, W.shape[0])
 
     def logits(self, x_ND):
-        if self.wsplit is not None and (parts := split_k_parts(x_ND.numel() // x_ND.shape[-1])) > 1:
-            return split_k_linear(x_ND, self.wsplit["lm_head.weight"], None, parts).float()
-        return F.linear(x_ND, self.w["lm_head.weight"]).float()
+        return self.linear(x_ND, "lm_head.weight").float()
 
     def attention(self, q_BHTE, k_BGSE, v_BGSE, mask_BTS):
         B, H, T, E = q_BHTE.shape
