@@ -343,5 +343,10 @@ def check_claims_fit(claims: Iterable[Claim], path: str | Path, *, model_name: s
                              where=where, fix="shorten the prompt or the generation")
 
 
+def claims_text(claims: Iterable[Claim]) -> str:
+    """A claims file's text: one compact JSON object a line."""
+    return "".join(json.dumps(c.to_json(), separators=(",", ":")) + "\n" for c in claims)
+
+
 def write_claims(path: str | Path, claims: Iterable[Claim]) -> None:
-    atomic_write_text(path, "".join(json.dumps(c.to_json(), separators=(",", ":")) + "\n" for c in claims))
+    atomic_write_text(path, claims_text(claims))

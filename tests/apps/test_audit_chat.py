@@ -55,7 +55,7 @@ def test_vendors_file_errors_name_the_vendor_and_field(tmp_path, text, message):
 
 def test_exchanges_a_greedy_replay_cannot_use(tmp_path):
     """Kept by the log reader, refused by the greedy audit: sampled, reasoning, another template."""
-    from verinfer.apps.audit_chat import unusable_for_replay
+    from verinfer.providers.chat_log import unusable_for_replay
     from verinfer.providers.chat_log import read_chat_log
 
     req = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "temperature": 0}

@@ -46,12 +46,13 @@ import pyarrow as pa
 
 from verinfer.apps.pipeline import VERIFIER_NUMERICS, reference_engines, score, verifier_engine
 from verinfer.audit.replay import StreamRows, score_chunk
-from verinfer.models.prompts import prompts_for
+from verinfer.models.prompts import CALIB_SEED_OFFSET, prompts_for
 from verinfer.claims import Claim, read_claims, write_claims
 from verinfer.io import atomic_write_json, atomic_write_text, check_manifest, check_writable, exclusive_lock
 from verinfer.progress import progress_bar
-from verinfer.detect import Detector, load_detector
+from verinfer.detect import Detector
 from verinfer.detect.sequential import SequentialAudit, StreamingAudit
+from verinfer.detect.cache import DetectorCache
 from verinfer.detect.summary import interval, margin_clip, nearest_band, summarize
 from verinfer.detect.calibrate import calibrate
 from verinfer.detect.verdict import Verdict
@@ -59,13 +60,14 @@ from verinfer.providers.openai_http import Endpoint, EndpointError, openai_clien
 from verinfer.providers.simulated import HONEST, MISCONFIGURED, PROVIDERS, request_seed, run_provider
 from verinfer.scores import CLAIM_ID, CROSS_ENTROPY, EXACT_MATCH, MARGIN, load_score_tables
 from verinfer.errors import VerinferError
+from verinfer.registry import Registry
 from verinfer.models.load import model_info
 from verinfer.sampling.noise import NOISE_BACKENDS
 from verinfer.sampling.params import SamplingParams
 
 MODES = ("auto", "seeded", "greedy")
-BANDS = {"bf16": "honest-bf16-b8", "fp8-kv": "fp8-kv", "int4": "int4"}  # reference band -> local provider
-CALIB_SEED_OFFSET = 1_000_003  # calibration prompts: another sample of the same distribution
+# reference band -> the simulated provider that runs it (the chat audits' bands with token-id prompts)
+BANDS: Registry[str] = Registry("reference band", {"bf16": "honest-bf16-b8", "fp8-kv": "fp8-kv", "int4": "int4"})
 DETECTOR = "clipped-mean"  # on the margin; its clip_ also clips the margin `summarize` reports
 SEQUENTIAL_DETECTOR = "glrt"  # the e-process of --sequential runs on its per-token evidence
 GREEDY_DETECTOR = "greedy"  # temperature-0 claims: mismatches counted, margins capped where honest near-ties end
@@ -277,19 +279,19 @@ def reusable_detector(cfg: ApiAuditConfig, modes: tuple[str, ...], info,
     yet (it is fit and saved there). Any other detector is an error: audit_api calls this before the
     first request, so a settings mismatch costs nothing collected. noises: the backends the claims may
     name (auto mode, before the probe recognises one; default cfg.noise)."""
-    det_path = _detector_path(cfg)
+    cache = DetectorCache(_detector_path(cfg))
+    det_path = cache.path
     if not det_path.is_file():
         return None
-    meta_path = det_path.with_name(det_path.name + ".meta.json")
     metas = [_detector_meta(replace(cfg, noise=n), m, info) for m in modes for n in (noises or (cfg.noise,))]
-    old = json.loads(meta_path.read_text()) if meta_path.is_file() else None
+    old = cache.saved_meta()
     if old not in metas:
         ref = next((m for m in metas if isinstance(old, dict) and m["mode"] == old.get("mode")), metas[0])
         diff = ("no .meta.json sidecar" if not isinstance(old, dict)
                 else "different " + ", ".join(k for k in ref if old.get(k) != ref[k]))
         raise VerinferError(f"this detector was calibrated for other settings ({diff})",
                             where=str(det_path), fix="pass another --detector path (it is created if missing)")
-    det = load_detector(det_path)
+    det = cache.load()
     want = cfg.detector_for(old["mode"])
     if det.NAME != want:
         raise VerinferError(f"audit-api{' --sequential' if cfg.sequential else ''} in {old['mode']} mode uses {want} "
@@ -307,9 +309,6 @@ def calibrated_detector(cfg: ApiAuditConfig, mode: str, info, engine, score_fn,
     det = reusable_detector(cfg, (mode,), info)
     if det is not None:
         return det, {}
-    meta = _detector_meta(cfg, mode, info)
-    det_path = _detector_path(cfg)
-    meta_path = det_path.with_name(det_path.name + ".meta.json")
     calib_dir = Path(cfg.out_dir) / (f"calibration-{mode}" + ("-gaps" if cfg.sequential else ""))
     base = cfg.seed + CALIB_SEED_OFFSET
     prompts = prompts_for(cfg.model_dir, cfg.n_calib, base)
@@ -319,8 +318,7 @@ def calibrated_detector(cfg: ApiAuditConfig, mode: str, info, engine, score_fn,
     spaths = [score_fn(p, p.with_suffix(".parquet")) for p in paths]
     table = load_score_tables(spaths)
     det = calibrate(table, list(cfg.honest), detector=cfg.detector_for(mode), target_fpr=cfg.target_fpr, seed=cfg.seed)
-    det.save(det_path)
-    atomic_write_text(meta_path, json.dumps(meta, indent=1))
+    DetectorCache(_detector_path(cfg)).save(det, _detector_meta(cfg, mode, info))
     return det, {"calibration_generate_s": t1 - t0, "calibration_score_s": time.perf_counter() - t1}
 
 

@@ -48,22 +48,22 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from verinfer._version import __version__
 from verinfer.audit.replay import StreamRows
 from verinfer.apps.pipeline import VERIFIER_NUMERICS, score, verifier_engine
-from verinfer.claims import Claim, read_claims, write_claims
+from verinfer.claims import Claim, claims_text, read_claims, write_claims
 from verinfer.detect.calibrate import calibrate
 from verinfer.detect.base import Detector
 from verinfer.detect.greedy import GreedyDetector
-from verinfer.detect.registry import load_detector
 from verinfer.detect.base import block_sizes
 from verinfer.detect.sequential import SequentialAudit, StreamingAudit
+from verinfer.detect.cache import DetectorCache
 from verinfer.detect.summary import interval, margin_clip, nearest_band, summarize
 from verinfer.errors import VerinferError
 from verinfer.io import atomic_write_json, atomic_write_text, check_manifest, check_writable, exclusive_lock
 from verinfer.models.load import model_info
-from verinfer.models.prompts import chat_messages
+from verinfer.models.prompts import CALIB_SEED_OFFSET, chat_messages
 from verinfer.numerics import Numerics
 from verinfer.progress import progress_bar
 from verinfer.providers.chat_http import ChatEndpoint, ChatReply, request_chat
-from verinfer.providers.chat_log import TEMPLATE_FIELDS, ChatLogError, iter_chat_log
+from verinfer.providers.chat_log import ChatLogError, iter_chat_log, unusable_for_replay
 from verinfer.providers.openai_http import EndpointError, check_token_reply
 from verinfer.providers.simulated import HONEST, ProviderConfig, provider_generate
 from verinfer.registry import Registry
@@ -71,7 +71,6 @@ from verinfer.retokenize import DERIVED, PLAIN_CHAT_TEMPLATE, RETURNED, Retokeni
 from verinfer.sampling.params import SamplingParams
 from verinfer.scores import CLAIM_ID, CROSS_ENTROPY, EXACT_MATCH, MARGIN, TOKEN_ID, load_score_tables
 
-CALIB_SEED_OFFSET = 1_000_003     # calibration and band prompts: another sample of the same distribution
 TOKEN_MODES = ("derived", "returned", "auto")
 BAND_ENGINES = ("verinfer", "vllm")  # who runs the reference bands: verinfer's engine, or local vLLM (DiFR's way)
 BAND_SYSTEM_PROMPT = "You are a helpful assistant. Keep your answers short and follow the instructions."
@@ -440,26 +439,24 @@ class ChatAudit:
         return self._fit("mismatch_detector.json", "greedy", {"floor": 1.0})
 
     def _fit(self, name: str, kind: str, options: dict) -> Detector:
-        path, meta_path = self.out / name, self.out / f"{name}.meta.json"
         meta = {"model_weights_sha256": self.info.weights_sha256, "max_tokens": self.cfg.max_tokens,
                 "honest": list(self.cfg.honest), "calib_n": self.cfg.calib_n, "seed": self.cfg.seed,
                 "system_prompt": self.cfg.system_prompt, "target_fpr": self.cfg.target_fpr, "matmul": self.cfg.matmul,
                 "detector": kind, "options": options}
         if self.calibration is not None:
             meta["calibration_sha256"] = hashlib.sha256(json.dumps(self.calibration).encode()).hexdigest()[:16]
-        if path.is_file() and meta_path.is_file() and json.loads(meta_path.read_text()) == meta:
-            return load_detector(path)
-        t0 = time.perf_counter()
-        conv, lengths = self.calibration or (chat_messages(self.cfg.calib_n, self.cfg.seed + CALIB_SEED_OFFSET,
-                                                           self.cfg.system_prompt), None)
-        tables = self._local({h: Band(HONEST.get(h), HONEST.get(h).description) for h in self.cfg.honest},
-                             "calibration", conv, lengths)
-        det = calibrate(pa.concat_tables(tables.values()), list(self.cfg.honest), detector=kind,
-                        target_fpr=self.cfg.target_fpr, seed=self.cfg.seed, **options)
-        det.save(path)
-        atomic_write_json(meta_path, meta)
-        self.timings[f"calibration_{kind}_s"] = time.perf_counter() - t0
-        return det
+        def fit() -> Detector:
+            t0 = time.perf_counter()
+            conv, lengths = self.calibration or (chat_messages(self.cfg.calib_n, self.cfg.seed + CALIB_SEED_OFFSET,
+                                                               self.cfg.system_prompt), None)
+            tables = self._local({h: Band(HONEST.get(h), HONEST.get(h).description) for h in self.cfg.honest},
+                                 "calibration", conv, lengths)
+            det = calibrate(pa.concat_tables(tables.values()), list(self.cfg.honest), detector=kind,
+                            target_fpr=self.cfg.target_fpr, seed=self.cfg.seed, **options)
+            self.timings[f"calibration_{kind}_s"] = time.perf_counter() - t0
+            return det
+
+        return DetectorCache(self.out / name).get(meta, fit)
 
     def bands(self, det) -> dict:
         """Each band run on the vendors' own conversations (a score's level depends on the prompts)."""
@@ -638,26 +635,6 @@ def log_claims(log: Path, cfg: ChatAuditConfig, retok: Retokenizer, *, skip_unus
     return groups
 
 
-def unusable_for_replay(ex) -> ChatLogError | None:
-    """Why a logged exchange cannot be replayed by a greedy audit (None if it can): sampled at
-    temperature > 0, a reasoning block, or a request that changed the chat template."""
-    t = ex.sampling.get("temperature", 1.0)
-    if t != 0:
-        return ChatLogError(f"sampled at temperature {t}: a sampled reply is replayed only with the provider's seed "
-                            "and sampler", kind="sampled", where=ex.source,
-                            fix="audit greedy (temperature 0) exchanges; sampled ones need `verinfer audit-api` "
-                                "with seeds")
-    if ex.reasoning:
-        return ChatLogError("the reply has a reasoning block: the model generated it before the text, in a form its "
-                            "template decides", kind="reasoning", where=ex.source,
-                            fix="audit exchanges without reasoning (or pass --skip-unusable)")
-    changed = [k for k in TEMPLATE_FIELDS if k in ex.sampling.get("extra", {})]
-    if changed:
-        return ChatLogError(f"the request changed the chat template ({', '.join(changed)})", kind="template-fields",
-                            where=ex.source, fix="audit exchanges that use the model's own chat template")
-    return None
-
-
 def _dir_name(model: str) -> str:
     """A vendor name usable as a directory: the model name with other characters as '_'."""
     out = "".join(ch if ch.isalnum() or ch in "._-" else "_" for ch in model).strip("._") or "model"
@@ -687,8 +664,7 @@ def audit_log(log: Path, cfg: ChatAuditConfig, *, skip_unusable: bool = False,
         out.mkdir(parents=True, exist_ok=True)
         path = out / "claims.jsonl"
         with exclusive_lock(path):
-            text = "".join(json.dumps(c.to_json(), separators=(",", ":")) + "\n" for c in claims)
-            if not path.is_file() or path.read_text() != text:
+            if not path.is_file() or path.read_text() != claims_text(claims):
                 write_claims(path, claims)
             rows.append(audit.judge(VendorResult(vendor, str(log), vendor), claims, len(claims), out, det, bands))
     audit.timings["total_s"] = time.perf_counter() - t0

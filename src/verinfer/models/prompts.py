@@ -10,6 +10,11 @@ from verinfer.models.corpus import eval_prompts
 from verinfer.models.load import load_tokenizer
 
 
+# The seed offset of an audit's calibration and reference-band prompts: another sample of the same
+# distribution as the audited prompts (seed), never the same prompts.
+CALIB_SEED_OFFSET = 1_000_003
+
+
 def prompts_for(model_dir: str | Path, n: int, seed: int, max_prompt_tokens: int = 48) -> list[list[int]]:
     """n token-id prompts for the model in `model_dir`, alternating code and arithmetic."""
     return eval_prompts(load_tokenizer(model_dir), n, seed, max_prompt_tokens)

@@ -106,11 +106,11 @@ UNUSABLE_KINDS = {
                    "the model stopped is unknown",
     "role": "a message role other than system, developer, user, assistant: the chat template cannot render it",
     "sampled": "sampled at temperature > 0: replayed only with the provider's seed and sampler (refused by "
-               "apps.audit_chat, which audits greedy exchanges; this reader keeps them)",
+               "`unusable_for_replay` for a greedy audit; this reader keeps them)",
     "reasoning": "a reply with a reasoning block, generated before the text in a form the model's template "
-                 "decides (refused by apps.audit_chat; this reader keeps it in `reasoning`)",
+                 "decides (refused by `unusable_for_replay`; this reader keeps it in `reasoning`)",
     "template-fields": "the request changed the chat template (chat_template, chat_template_kwargs, ...): the "
-                       "prompt the provider built is not the model's own (refused by apps.audit_chat)",
+                       "prompt the provider built is not the model's own (refused by `unusable_for_replay`)",
 }
 FILE_KINDS = {
     "no-file": "the chat log does not exist",
@@ -401,6 +401,26 @@ def parse_exchange(obj: object, where: str, lineno: int) -> ChatExchange:
                         resp.usage, resp.model, None if choice.token_ids is None else tuple(choice.token_ids),
                         None if prompt is None else tuple(prompt), where,
                         msg.reasoning_content if msg.reasoning_content is not None else msg.reasoning)
+
+
+def unusable_for_replay(ex) -> ChatLogError | None:
+    """Why a logged exchange cannot be replayed by a greedy audit (None if it can): the kinds this
+    reader keeps and a greedy audit refuses (UNUSABLE_KINDS sampled, reasoning, template-fields)."""
+    t = ex.sampling.get("temperature", 1.0)
+    if t != 0:
+        return ChatLogError(f"sampled at temperature {t}: a sampled reply is replayed only with the provider's seed "
+                            "and sampler", kind="sampled", where=ex.source,
+                            fix="audit greedy (temperature 0) exchanges; sampled ones need `verinfer audit-api` "
+                                "with seeds")
+    if ex.reasoning:
+        return ChatLogError("the reply has a reasoning block: the model generated it before the text, in a form its "
+                            "template decides", kind="reasoning", where=ex.source,
+                            fix="audit exchanges without reasoning (or pass --skip-unusable)")
+    changed = [k for k in TEMPLATE_FIELDS if k in ex.sampling.get("extra", {})]
+    if changed:
+        return ChatLogError(f"the request changed the chat template ({', '.join(changed)})", kind="template-fields",
+                            where=ex.source, fix="audit exchanges that use the model's own chat template")
+    return None
 
 
 def _decode(raw: bytes, where: str) -> object:
