@@ -60,7 +60,9 @@ def main() -> None:
                 secs[tree]["score"].append(timed(src, ["score", str(claims), "-o", str(Path(d) / f"s-{r}.parquet")],
                                                  a.threads))
         tokens = sum(len(json.loads(line)["output_token_ids"]) for line in claims.read_text().splitlines())
-    res = {"command": "python -m benchmarks.command_speed " + " ".join(sys.argv[1:]), "tokens": tokens,
+    # the command as run, naming no path of this machine
+    args = [("CHECKOUT_AT_621fd5b/src" if prev == "--old-src" else x) for prev, x in zip([""] + sys.argv[1:], sys.argv[1:])]
+    res = {"command": "python -m benchmarks.command_speed " + " ".join(args), "tokens": tokens,
            "threads": a.threads, "cpu": platform.processor() or platform.machine(),
            "load_average_start_end": [round(load0, 2), round(os.getloadavg()[0], 2)],
            "seconds": secs,

@@ -130,7 +130,7 @@ def compare(trees: dict[str, str], repeats: int, threads: int, log=print) -> lis
                 rs.append(ask(t, dict(job, model=n)))
         for (t, n), rs in runs.items():
             med = statistics.median(r["seconds"] for r in rs)
-            row = dict(model=n, src=trees[t], **job, tokens=rs[0]["tokens"], tokens_per_s=rs[0]["tokens"] / med,
+            row = dict(model=n, src=t, **job, tokens=rs[0]["tokens"], tokens_per_s=rs[0]["tokens"] / med,
                        seconds_repeats=[round(r["seconds"], 5) for r in rs])
             if job["what"] == "decode":
                 row["prefill_ms"] = 1e3 * statistics.median(r["prefill_s"] for r in rs)
@@ -178,7 +178,7 @@ def main() -> None:
     cpu = next((ln.split(":", 1)[1].strip() for ln in info.splitlines() if ln.startswith("model name")), platform.machine())
     commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     meta = dict(commit=commit, torch=torch.__version__, threads=a.threads, cpu_model=cpu, repeats=a.repeats,
-                command=f"python -m benchmarks.forward_speed --old-src {a.old_src} --repeats {a.repeats} --threads {a.threads}")
+                command=f"python -m benchmarks.forward_speed --old-src CHECKOUT_AT_621fd5b/src --repeats {a.repeats} --threads {a.threads}")
     load0 = os.getloadavg()[0]
     rows = compare({"old": str(Path(a.old_src).resolve()), "new": str(ROOT / "src")}, a.repeats, a.threads)
     meta["load_average_1min_start_end"] = [round(load0, 2), round(os.getloadavg()[0], 2)]

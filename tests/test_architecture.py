@@ -561,3 +561,15 @@ z = options.get("margin")
     assert _lines(score_column_literals, clean) == []
     skipped = "def probe(r):\n    return r['position']\ndef audit(t):\n    return t['margin']\n"
     assert sorted(line for line, _ in score_column_literals(ast.parse(skipped), frozenset({"probe"}))) == [4]
+
+
+def test_committed_results_name_no_path_of_the_machine_that_made_them():
+    """Results name models and files (repo-relative), never a directory of the machine that made them
+    (issue 44: a settings row showed the machine's model directory). A lock file of a timing
+    command is a path every machine has (/tmp), not one of the machine that made the result."""
+    home = re.compile(r"(^|[^A-Za-z0-9_.])/(work|root|home|Users|mnt|srv|opt)/")
+    found = [f"{p.relative_to(ROOT)}:{i}" for p in sorted((ROOT / "benchmarks" / "results").rglob("*"))
+             if p.suffix in (".json", ".md", ".html") for i, line in enumerate(p.read_text().splitlines(), 1)
+             if home.search(line)]
+    assert not found, _report(found, "committed results name no path of the machine that made them")
+    assert home.search('"src": "/work/wt-fixtures/src"') and not home.search("benchmarks/results/x.json")
