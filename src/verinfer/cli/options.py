@@ -59,7 +59,7 @@ def _names(module: str, attr: str, renamed: tuple[str, str] | None = None) -> Na
 # The value sets of the options (help lists them; another value is a usage error, exit 2): each
 # parameter is annotated `str` and `choices_of` gives its click type by (command, parameter).
 NOISE = Names(_noise_names)
-MATMUL = _names("verinfer.numerics.config", "MATMULS")
+MATMUL = _names("verinfer.numerics.config", "VERIFIER_MATMULS")
 POLICY = _names("verinfer.determinism.scheduler", "POLICIES", renamed=("verinfer.determinism.scheduler", "RENAMED"))
 SPEC_RULE = _names("verinfer.speculative.rules", "RELAX")
 ENGINES = _names("verinfer.apps.generate", "ENGINES")

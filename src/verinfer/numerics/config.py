@@ -25,8 +25,10 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 QUANT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-MATMULS = ("native", "fp32", "split-k")  # Numerics.matmul: the dtype's own kernels, fp32 GEMMs on dtype-rounded
-# operands, or a GPU library's split-K for GEMMs of a few rows (numerics/kernels.split_k_parts)
+VERIFIER_MATMULS = ("native", "fp32")  # what a verifier computes with (--matmul): the dtype's own kernels, or
+# fp32 GEMMs on dtype-rounded operands
+MATMULS = VERIFIER_MATMULS + ("split-k",)  # Numerics.matmul; split-k: a GPU library's split-K for GEMMs of a few
+# rows (numerics/kernels.split_k_parts), the testbed's serving numerics, never a verifier's
 
 
 @dataclass(frozen=True)
