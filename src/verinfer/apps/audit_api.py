@@ -337,6 +337,28 @@ def reference_bands(cfg: ApiAuditConfig, det: Detector, score_fn, n_boot: int = 
     return bands
 
 
+def probed_mode(cfg: ApiAuditConfig, client, prompt: list[int], engine, info, noises: tuple[str, ...]):
+    """(mode, cfg): auto mode asks the endpoint the same seeded prompt twice: the same reply means it
+    honours seeds (seeded, with the noise backend that reproduces the reply, `recognise_noise`),
+    another means greedy. The answer is kept in out_dir/mode.json, so a rerun asks nothing."""
+    if cfg.mode != "auto":
+        return cfg.mode, cfg
+    mode_file = Path(cfg.out_dir) / "mode.json"
+    if mode_file.is_file():
+        saved = json.loads(mode_file.read_text())
+        return saved["mode"], replace(cfg, noise=saved.get("noise", cfg.noise))
+    probe = probe_params(cfg)
+    p_ids, a, b = probe_seed_replies(client, cfg.endpoint, prompt, probe, vocab_size=info.vocab_size)
+    mode = "seeded" if a == b else "greedy"
+    record = {"mode": mode, "probe": "same seed twice"}
+    if mode == "seeded":
+        best, rates = recognise_noise(p_ids, a, probe, engine, info.name, noises)
+        cfg = replace(cfg, noise=best or cfg.noise)
+        record.update(noise=cfg.noise, recognised=best is not None, probe_exact_match=rates)
+    atomic_write_text(mode_file, json.dumps(record))
+    return mode, cfg
+
+
 # --- the whole audit --------------------------------------------------------------------------
 def audit_api(cfg: ApiAuditConfig, *, show_progress: bool = True) -> ApiAuditResult:
     """The whole audit: outputs and a saved detector's settings are checked before the first
@@ -354,26 +376,10 @@ def audit_api(cfg: ApiAuditConfig, *, show_progress: bool = True) -> ApiAuditRes
     info = model_info(cfg.model_dir)
     prompts = prompts_for(cfg.model_dir, cfg.n, cfg.seed)
     client = openai_client(cfg.endpoint)
-    mode = cfg.mode
-    mode_file = out / "mode.json"
-    noises = (cfg.noise,) + tuple(n for n in PLAIN_NOISES if n != cfg.noise) if mode == "auto" else (cfg.noise,)
-    reusable_detector(cfg, ("seeded", "greedy") if mode == "auto" else (mode,), info, noises)
+    noises = (cfg.noise,) + tuple(n for n in PLAIN_NOISES if n != cfg.noise) if cfg.mode == "auto" else (cfg.noise,)
+    reusable_detector(cfg, ("seeded", "greedy") if cfg.mode == "auto" else (cfg.mode,), info, noises)
     engine = verifier_engine(cfg.model_dir, VERIFIER_NUMERICS.with_(matmul=cfg.matmul), device=cfg.device)
-    if mode == "auto":
-        if mode_file.is_file():
-            saved = json.loads(mode_file.read_text())
-            mode = saved["mode"]
-            cfg = replace(cfg, noise=saved.get("noise", cfg.noise))
-        else:
-            probe = probe_params(cfg)
-            p_ids, a, b = probe_seed_replies(client, cfg.endpoint, prompts[0], probe, vocab_size=info.vocab_size)
-            mode = "seeded" if a == b else "greedy"
-            record = {"mode": mode, "probe": "same seed twice"}
-            if mode == "seeded":
-                best, rates = recognise_noise(p_ids, a, probe, engine, info.name, noises)
-                cfg = replace(cfg, noise=best or cfg.noise)
-                record.update(noise=cfg.noise, recognised=best is not None, probe_exact_match=rates)
-            atomic_write_text(mode_file, json.dumps(record))
+    mode, cfg = probed_mode(cfg, client, prompts[0], engine, info, noises)
     t_probe = time.perf_counter()
     if cfg.sequential and mode == "greedy":
         raise VerinferError("the endpoint does not honour seeds (auto mode chose greedy): --sequential needs seeded "

@@ -383,61 +383,75 @@ def score_claims(claims: Iterable[Claim], engine, out: str | Path, *, model_sha:
     manifest = _manifest(model_sha, engine.numerics.to_dict(), sigma, chunk_claims, gaps, references or ())
     if retokenizer is not None:
         manifest["recut"] = True
-    config = model_config(engine)
     schema = scores_schema(gaps, bool(references), getattr(engine, "extra_fields", ()))
-    count = dict(parts=0, claims=0, tokens=0)
-    claims_of: dict[int, int] = {}
-    keys: dict[int, str] = {}
-    noise: set[str] = set()
     kwargs = dict(sigma=sigma, gaps=gaps, batch_tokens=batch_tokens, logits_budget=logits_budget,
                   retokenizer=retokenizer)
-    new: list[Path] = []
     with ResumableParts(out, manifest) as parts:
-        def jobs() -> Iterator[tuple]:
-            """(k, claims, fingerprints, layer) of every part not finished by an earlier run."""
-            first_fp, it, k = None, iter(claims), 0
-            while True:
-                known = parts.meta(k)  # a finished part: reused if the same claims come here again
-                chunk = list(itertools.islice(it, known["claims"] if known else chunk_claims))
-                if not chunk:
-                    return
-                if check is not None:
-                    check(chunk)
-                noise.update(c.sampling.noise for c in chunk)
-                count["parts"], count["claims"] = k + 1, count["claims"] + len(chunk)
-                count["tokens"] += sum(len(c.output_token_ids) for c in chunk)
-                fps, layer, first_fp = fingerprints_of(chunk, config, first_fp)
-                keys[k] = part_key(chunk)
-                if parts.done(k) and (known is None or known != {"claims": len(chunk), "key": keys[k]}
-                                      or not part_is_readable(parts.path(k))):
-                    parts.discard_from(k)  # other claims here (or a truncated part): this and later ones
-                if parts.done(k):
-                    if progress is not None:
-                        progress(len(chunk))
-                else:
-                    claims_of[k] = len(chunk)
-                    yield k, chunk, fps, layer
-                k += 1
-
+        plan = PartPlan(parts, chunk_claims, model_config(engine), check, progress)
         if isinstance(engine, Engine):
             results = ((k, score_chunk(chunk, engine, fps=fps, layer=layer, references=references, **kwargs))
-                       for k, chunk, fps, layer in jobs())
+                       for k, chunk, fps, layer in plan.to_replay(claims))
         else:
-            results = engine.map_parts(jobs(), **kwargs)
+            results = engine.map_parts(plan.to_replay(claims), **kwargs)
         for k, t in results:
-            new.append(parts.write(k, lambda tmp: write_part(t, tmp), {"claims": claims_of[k], "key": keys[k]}))
+            plan.write(k, t)
             del t
-            if progress is not None:
-                progress(claims_of.pop(k))
             if on_part is not None:
                 on_part(k)
-
         if provenance is None and info is not None:
-            provenance = make_provenance(info, engine.numerics, engine.device, noise)
-        every = tuple(parts.path(k) for k in range(count["parts"]))
+            provenance = make_provenance(info, engine.numerics, engine.device, plan.noise)
+        every = tuple(parts.path(k) for k in range(plan.parts))
         if growing:
-            return Scored(out, count["claims"], count["tokens"], tuple(sorted(new)), every)
+            return Scored(out, plan.claims, plan.tokens, tuple(sorted(plan.new)), every)
         write_scores(out, (read_part(p) for p in every), schema, provenance)
         if not keep_parts:
             parts.finish()
-    return Scored(out, count["claims"], count["tokens"], tuple(sorted(new)))
+    return Scored(out, plan.claims, plan.tokens, tuple(sorted(plan.new)))
+
+
+class PartPlan:
+    """A scores job's parts as its claims are read: a finished part is reused where the same claims
+    (`part_key`) come at the same place, else it and every later part are discarded; new parts hold
+    `chunk_claims` claims. Counts the parts, claims and tokens read and the claims' noise backends."""
+
+    def __init__(self, parts: ResumableParts, chunk_claims: int, config, check=None, progress=None):
+        self.store, self.chunk_claims, self.config, self.check, self.progress = parts, chunk_claims, config, check, \
+            progress
+        self.parts = self.claims = self.tokens = 0
+        self.noise: set[str] = set()
+        self.keys: dict[int, str] = {}
+        self.pending: dict[int, int] = {}  # part -> its claims, while it is being replayed
+        self.new: list[Path] = []
+
+    def to_replay(self, claims: Iterable[Claim]) -> Iterator[tuple]:
+        """(k, claims, fingerprints, layer) of every part no earlier run finished."""
+        first_fp, it, k = None, iter(claims), 0
+        while True:
+            known = self.store.meta(k)
+            chunk = list(itertools.islice(it, known["claims"] if known else self.chunk_claims))
+            if not chunk:
+                return
+            if self.check is not None:
+                self.check(chunk)
+            self.noise.update(c.sampling.noise for c in chunk)
+            self.parts, self.claims = k + 1, self.claims + len(chunk)
+            self.tokens += sum(len(c.output_token_ids) for c in chunk)
+            fps, layer, first_fp = fingerprints_of(chunk, self.config, first_fp)
+            self.keys[k] = part_key(chunk)
+            if self.store.done(k) and (known != {"claims": len(chunk), "key": self.keys[k]}
+                                       or not part_is_readable(self.store.path(k))):
+                self.store.discard_from(k)  # other claims here (or a truncated part): this and later ones
+            if self.store.done(k):
+                if self.progress is not None:
+                    self.progress(len(chunk))
+            else:
+                self.pending[k] = len(chunk)
+                yield k, chunk, fps, layer
+            k += 1
+
+    def write(self, k: int, table: pa.Table) -> None:
+        """Part k's score rows, written atomically with its claims' key."""
+        n = self.pending.pop(k)
+        self.new.append(self.store.write(k, lambda tmp: write_part(table, tmp), {"claims": n, "key": self.keys[k]}))
+        if self.progress is not None:
+            self.progress(n)
