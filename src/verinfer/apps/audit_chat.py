@@ -453,7 +453,7 @@ class ChatAudit:
                                  "calibration", conv, lengths)
             det = calibrate(pa.concat_tables(tables.values()), list(self.cfg.honest), detector=kind,
                             target_fpr=self.cfg.target_fpr, seed=self.cfg.seed, **options)
-            self.timings[f"calibration_{kind}_s"] = time.perf_counter() - t0
+            self.timings[f"calibration_{Path(name).stem}_s"] = time.perf_counter() - t0  # detector, mismatch_detector
             return det
 
         return DetectorCache(self.out / name).get(meta, fit)
