@@ -348,6 +348,13 @@ class BuildInputs:
 
 
 @contextmanager
+def pick_budget(budgets: dict, budget: str):
+    """budgets[budget] (a ValueError naming the budgets for another name)."""
+    if budget not in budgets:
+        raise ValueError(f"budget must be one of {list(budgets)}, got {budget!r}")
+    return budgets[budget]
+
+
 def build_inputs(target_dir: Path, seed: int, budget, out_dir: Path | None, work: Path | None, default_out_fn,
                  work_dir_fn, n_windows: int, key_extra: dict):
     """The common start of the draft's and the feature head's builds: threads set to the budget's
@@ -379,9 +386,7 @@ def build_draft(target_dir: Path, seed: int = 0, out_dir: Path | None = None, *,
     out_dir; returns the build info (also out_dir/build_info.json, with MODEL_CARD.md)."""
     from verinfer.models.llama import LlamaLM
 
-    if budget not in BUDGETS:
-        raise ValueError(f"budget must be one of {list(BUDGETS)}, got {budget!r}")
-    b, target_dir = BUDGETS[budget], Path(target_dir)
+    b, target_dir = pick_budget(BUDGETS, budget), Path(target_dir)
     with build_inputs(target_dir, seed, b, out_dir, work, default_out, work_dir, b.teacher_windows,
                       {"top_k": TOP_K}) as bi:
         out_dir, work, tok, info_t, train, held, key, target, t0 = (bi.out_dir, bi.work, bi.tok, bi.info, bi.train,

@@ -35,7 +35,7 @@ from safetensors.torch import load_file
 
 from verinfer.io import atomic_save_safetensors, atomic_write_json, atomic_write_text
 from verinfer.models import corpus
-from verinfer.models.draft import build_inputs, heldout_windows, token_counts, window_shards
+from verinfer.models.draft import build_inputs, heldout_windows, pick_budget, token_counts, window_shards
 from verinfer.models.testbed import SEQ_LEN, fit
 from verinfer.speculative import feature_head as fh
 
@@ -205,9 +205,7 @@ def build_head(target_dir: Path, seed: int = 0, out_dir: Path | None = None, *, 
     from verinfer.models.llama import LlamaLM
     from verinfer.speculative.draft_vocab import top_ids
 
-    if budget not in BUDGETS:
-        raise ValueError(f"budget must be one of {list(BUDGETS)}, got {budget!r}")
-    b, target_dir = BUDGETS[budget], Path(target_dir)
+    b, target_dir = pick_budget(BUDGETS, budget), Path(target_dir)
     with build_inputs(target_dir, seed, b, out_dir, work, default_out, work_dir, b.windows, {"dtype": "bf16"}) as bi:
         out_dir, work, info_t, train, held, key, target, t0 = (bi.out_dir, bi.work, bi.info, bi.train, bi.held, bi.key,
                                                                bi.target, bi.t0)
