@@ -347,7 +347,6 @@ class BuildInputs:
     t0: float
 
 
-@contextmanager
 def pick_budget(budgets: dict, budget: str):
     """budgets[budget] (a ValueError naming the budgets for another name)."""
     if budget not in budgets:
@@ -355,6 +354,7 @@ def pick_budget(budgets: dict, budget: str):
     return budgets[budget]
 
 
+@contextmanager
 def build_inputs(target_dir: Path, seed: int, budget, out_dir: Path | None, work: Path | None, default_out_fn,
                  work_dir_fn, n_windows: int, key_extra: dict):
     """The common start of the draft's and the feature head's builds: threads set to the budget's
