@@ -44,11 +44,12 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
+from verinfer.apps.collect import collect
 from verinfer.apps.pipeline import VERIFIER_NUMERICS, reference_engines, score, verifier_engine
 from verinfer.audit.replay import StreamRows, score_chunk
 from verinfer.models.prompts import CALIB_SEED_OFFSET, prompts_for
-from verinfer.claims import Claim, read_claims, write_claims
-from verinfer.io import atomic_write_json, atomic_write_text, check_manifest, check_writable, exclusive_lock
+from verinfer.claims import Claim, write_claims
+from verinfer.io import atomic_write_text, check_writable
 from verinfer.progress import progress_bar
 from verinfer.detect import Detector
 from verinfer.detect.sequential import SequentialAudit, StreamingAudit
@@ -187,61 +188,55 @@ def claimed_params(cfg: ApiAuditConfig, mode: str, i: int) -> SamplingParams:
                           cfg.max_tokens, cfg.noise)
 
 
+class CompletionsSource:
+    """audit-api's requests (`apps.collect.Source`): token-id prompts to a completions endpoint, one
+    at a time; a reply is checked against the trusted model (`openai_http.request_completion`)
+    before it becomes a claim, and one with no output tokens is none."""
+
+    concurrency = 1
+
+    def __init__(self, client, cfg: ApiAuditConfig, mode: str, prompts: list[list[int]], local_name: str):
+        self.client, self.cfg, self.mode, self.prompts, self.local_name = client, cfg, mode, prompts, local_name
+        self.manifest = _manifest(cfg, mode, prompts)
+        self.vocab_size = model_info(cfg.model_dir).vocab_size  # every reply's ids are checked against it
+
+    def __len__(self) -> int:
+        return len(self.prompts)
+
+    def claim_id(self, i: int) -> str:
+        return f"api-{i:05d}"
+
+    def send(self, i: int) -> tuple[list[int], list[int], str]:
+        params = claimed_params(self.cfg, self.mode, i)
+        return request_completion(self.client, self.cfg.endpoint, self.prompts[i], params,
+                                  f"request {i} (claim {self.claim_id(i)})", vocab_size=self.vocab_size)
+
+    def claim(self, i: int, reply: tuple[list[int], list[int], str]) -> Claim | None:
+        p_ids, o_ids, finish = reply
+        if not o_ids:
+            return None
+        return Claim(self.claim_id(i), self.local_name, p_ids, o_ids, claimed_params(self.cfg, self.mode, i),
+                     provider=f"api:{self.cfg.model}", extra={"finish_reason": finish})
+
+    def interrupted(self, what: str, saved: int, path: Path) -> str:
+        return f"{what} ({saved} of {len(self)} claims collected, saved in {path})"
+
+    def check_collected(self, claims: list[Claim]) -> None:
+        if not claims:
+            raise EndpointError(f"the endpoint returned no output tokens for any of {len(self)} prompts",
+                                where=self.cfg.base_url, fix="check max_tokens and the model the endpoint serves")
+
+
 def collect_claims(client, cfg: ApiAuditConfig, mode: str, prompts: list[list[int]], local_name: str,
                    progress=None, stop=None) -> tuple[Path, list[Claim]]:
-    """Query every prompt not yet in out_dir/claims.jsonl and save after each answer (under a
-    lock on the claims file: a second audit writing the same directory is refused). A reply that
-    cannot be the trusted model's (`openai_http.check_token_reply`) is an EndpointError and nothing
-    of it is saved; the claims saved before it stay, and a rerun resumes after them. stop(claims):
-    called after each answer (and once on resumed claims); True ends the collection."""
-    out = Path(cfg.out_dir)
-    path, mpath = out / "claims.jsonl", out / "collect.json"
-    manifest = _manifest(cfg, mode, prompts)
-    with exclusive_lock(path):
-        claims: list[Claim] = []
-        if path.is_file():
-            check_manifest(mpath, manifest, on_mismatch="error", where=out, what="claims of another audit")
-            claims = read_claims(path)
-        else:
-            atomic_write_json(mpath, manifest)
-        if stop is not None and claims and stop(claims):
-            return path, claims
-        return path, _collect(client, cfg, mode, prompts, local_name, claims, path, progress, stop)
-
-
-def _collect(client, cfg: ApiAuditConfig, mode: str, prompts: list[list[int]], local_name: str, claims: list[Claim],
-             path: Path, progress, stop=None) -> list[Claim]:
-    vocab_size = model_info(cfg.model_dir).vocab_size  # every reply's ids are checked against it
-    done = {c.id for c in claims}
-    skipped = 0
-    for i, prompt in enumerate(prompts):
-        cid = f"api-{i:05d}"
-        if cid in done:
-            if progress:
-                progress(1)
-            continue
-        params = claimed_params(cfg, mode, i)
-        try:  # checked against the trusted model before anything of it is saved
-            p_ids, o_ids, finish = request_completion(client, cfg.endpoint, prompt, params,
-                                                      f"request {i} (claim {cid})", vocab_size=vocab_size)
-        except EndpointError as e:
-            raise EndpointError(f"{e.what} ({len(claims)} of {len(prompts)} claims collected, saved in {path})",
-                                where=e.where, fix=e.fix) from e
-        if not o_ids:
-            skipped += 1
-            continue
-        claims.append(Claim(cid, local_name, p_ids, o_ids, params, provider=f"api:{cfg.model}",
-                            extra={"finish_reason": finish}))
-        write_claims(path, claims)
-        if progress:
-            progress(1)
-        if stop is not None and stop(claims):
-            break
-    if not claims:
-        raise EndpointError(f"the endpoint returned no output tokens for any of {len(prompts)} prompts",
-                            where=cfg.base_url, fix="check max_tokens and the model the endpoint serves")
-    write_claims(path, claims)
-    return claims
+    """Query every prompt not yet in out_dir/claims.jsonl and save after each answer
+    (`apps.collect.collect` of a `CompletionsSource`: under a lock, resumable, a reply without
+    output tokens never asked again). A reply that cannot be the trusted model's
+    (`openai_http.check_token_reply`) is an EndpointError and nothing of it is saved; the claims
+    saved before it stay, and a rerun resumes after them. stop(claims): called after each answer
+    (and once on resumed claims); True ends the collection."""
+    claims, _ = collect(CompletionsSource(client, cfg, mode, prompts, local_name), cfg.out_dir, progress, stop)
+    return Path(cfg.out_dir) / "claims.jsonl", claims
 
 
 # --- calibration and reference bands ----------------------------------------------------------

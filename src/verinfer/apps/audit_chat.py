@@ -34,9 +34,7 @@ import json
 import os
 import time
 import tomllib
-from collections import deque
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
@@ -47,8 +45,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from verinfer._version import __version__
 from verinfer.audit.replay import StreamRows
+from verinfer.apps.collect import collect
 from verinfer.apps.pipeline import VERIFIER_NUMERICS, score, verifier_engine
-from verinfer.claims import Claim, claims_text, read_claims, write_claims
+from verinfer.claims import Claim, claims_text, write_claims
 from verinfer.detect.calibrate import calibrate
 from verinfer.detect.base import Detector
 from verinfer.detect.greedy import GreedyDetector
@@ -57,7 +56,7 @@ from verinfer.detect.sequential import SequentialAudit, StreamingAudit
 from verinfer.detect.cache import DetectorCache
 from verinfer.detect.summary import interval, margin_clip, nearest_band, summarize
 from verinfer.errors import VerinferError
-from verinfer.io import atomic_write_json, atomic_write_text, check_manifest, check_writable, exclusive_lock
+from verinfer.io import atomic_write_json, atomic_write_text, check_writable, exclusive_lock
 from verinfer.models.load import model_info
 from verinfer.models.prompts import CALIB_SEED_OFFSET, chat_messages
 from verinfer.numerics import Numerics
@@ -316,71 +315,49 @@ def reply_claim(i: int, msgs: list[dict], reply: ChatReply, endpoint: ChatEndpoi
                            extra={"served_model": reply.served_model} if reply.served_model else None, stop=stop)
 
 
+class ChatSource:
+    """A vendor's requests (`apps.collect.Source`): each conversation to its `/v1/chat/completions`,
+    `endpoint.concurrency` in flight; a reply becomes a claim by `reply_claim` (a reply cut before
+    any text is none)."""
+
+    def __init__(self, endpoint: ChatEndpoint, cfg: ChatAuditConfig, conversations: list[list[dict]],
+                 retok: Retokenizer):
+        self.endpoint, self.cfg, self.conversations, self.retok = endpoint, cfg, conversations, retok
+        self.manifest = _collect_manifest(endpoint, cfg, conversations)
+        self.concurrency = endpoint.concurrency
+        self.info = model_info(cfg.model_dir)
+        self.client = endpoint.client()
+
+    def __len__(self) -> int:
+        return len(self.conversations)
+
+    def claim_id(self, i: int) -> str:
+        return f"{self.endpoint.name}-{i:05d}"
+
+    def send(self, i: int) -> ChatReply:
+        return request_chat(self.client, self.endpoint, self.conversations[i], self.cfg.params,
+                            f"request {i} of vendor {self.endpoint.name!r}")
+
+    def claim(self, i: int, reply: ChatReply) -> Claim | None:
+        return reply_claim(i, self.conversations[i], reply, self.endpoint, self.cfg, self.retok, self.info.name,
+                           vocab_size=self.info.vocab_size)
+
+    def interrupted(self, what: str, saved: int, path: Path) -> str:
+        return f"{what} ({saved} of {len(self)} replies saved in {path}; rerun to resume)"
+
+    def check_collected(self, claims: list[Claim]) -> None:
+        return None
+
+
 def collect_vendor(endpoint: ChatEndpoint, cfg: ChatAuditConfig, conversations: list[list[dict]],
                    retok: Retokenizer, out: Path, progress=None,
                    stop: Callable[[list[Claim]], bool] | None = None) -> tuple[list[Claim], int]:
-    """(claims, requests sent) of one vendor: each conversation not yet in out/claims.jsonl sent,
-    `endpoint.concurrency` at a time, claims saved in conversation order as replies arrive (under a
-    lock: a second audit of the same directory is refused). stop(claims) after each new claim (and
-    once on resumed ones): True cancels the requests not yet sent (those in flight are counted)."""
-    path, mpath = out / "claims.jsonl", out / "collect.json"
-    out.mkdir(parents=True, exist_ok=True)
-    info = model_info(cfg.model_dir)
-    with exclusive_lock(path):
-        claims: list[Claim] = []
-        if path.is_file():
-            check_manifest(mpath, _collect_manifest(endpoint, cfg, conversations), on_mismatch="error", where=out,
-                           what="claims of another audit")
-            claims = read_claims(path)
-        else:
-            atomic_write_json(mpath, _collect_manifest(endpoint, cfg, conversations))
-        rpath = out / "requests.json"  # requests sent so far (paid for), claims or not
-        saved = json.loads(rpath.read_text()) if rpath.is_file() else {}
-        state = saved.get("requests_sent", len(claims))
-        no_claim = list(saved.get("no_claim", []))  # replies cut before any text: answered, never re-sent
-        if stop is not None and claims and stop(claims):
-            return claims, state
-        done = {c.id for c in claims} | {f"{endpoint.name}-{i:05d}" for i in no_claim}
-        todo = [i for i in range(len(conversations)) if f"{endpoint.name}-{i:05d}" not in done]
-        if progress:
-            progress(len(conversations) - len(todo))
-        client = endpoint.client()
-        sent = state
-        with ThreadPoolExecutor(endpoint.concurrency) as pool:
-            def send(i: int):
-                return pool.submit(request_chat, client, endpoint, conversations[i], cfg.params,
-                                   f"request {i} of vendor {endpoint.name!r}")
-
-            window = deque((i, send(i)) for i in todo[:endpoint.concurrency])  # at most `concurrency` in flight
-            rest = iter(todo[endpoint.concurrency:])
-            try:
-                while window:
-                    i, fut = window.popleft()
-                    reply = fut.result()
-                    sent += 1
-                    claim = reply_claim(i, conversations[i], reply, endpoint, cfg, retok, info.name,
-                                        vocab_size=info.vocab_size)
-                    if claim is not None:
-                        claims.append(claim)
-                    else:
-                        no_claim.append(i)
-                    write_claims(path, claims)
-                    atomic_write_json(rpath, {"requests_sent": sent, "no_claim": no_claim})
-                    if progress:
-                        progress(1)
-                    if stop is not None and stop(claims):
-                        sent += sum(not f.cancel() for _, f in window)  # already on the wire: paid for, not used
-                        break
-                    nxt = next(rest, None)
-                    if nxt is not None:
-                        window.append((nxt, send(nxt)))
-            except EndpointError as e:
-                for _, f in window:
-                    f.cancel()
-                raise EndpointError(f"{e.what} ({len(claims)} of {len(conversations)} replies saved in {path}; rerun "
-                                    "to resume)", where=e.where, fix=e.fix) from e
-        atomic_write_json(rpath, {"requests_sent": sent, "no_claim": no_claim})
-    return claims, sent
+    """(claims, requests sent) of one vendor (`apps.collect.collect` of a `ChatSource`): each
+    conversation not yet in out/claims.jsonl sent, `endpoint.concurrency` at a time, claims saved in
+    conversation order as replies arrive (under a lock: a second audit of the same directory is
+    refused). stop(claims) after each new claim (and once on resumed ones): True cancels the
+    requests not yet sent (those in flight are counted)."""
+    return collect(ChatSource(endpoint, cfg, conversations, retok), out, progress, stop)
 
 
 # --- the audit --------------------------------------------------------------------------------
