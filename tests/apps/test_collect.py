@@ -93,9 +93,10 @@ def test_resume_after_an_interruption_sends_only_what_is_missing(tmp_path):
 
 @pytest.mark.parametrize("concurrency", [1, 3])
 def test_claims_keep_request_order_whatever_the_concurrency(tmp_path, concurrency):
-    src = Scripted(concurrency)
-    claims, sent = collect(src, tmp_path / "c")
+    src, progress = Scripted(concurrency), []
+    claims, sent = collect(src, tmp_path / "c", progress=progress.append)
     assert claims == [expected(i) for i in range(N) if i not in EMPTY] and sent == N
+    assert progress == [1] * N  # a fresh collection counts no 0 (it would take the progress log's first line)
     assert sorted(src.sent) == list(range(N))
 
 

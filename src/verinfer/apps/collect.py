@@ -83,7 +83,7 @@ def collect(source: Source, out_dir: str | Path, progress: Callable[[int], Any] 
             return claims, sent
         done = {c.id for c in claims} | {source.claim_id(i) for i in no_claim}
         todo = [i for i in range(len(source)) if source.claim_id(i) not in done]
-        if progress:
+        if progress and len(todo) < len(source):  # a count of 0 would take the log's first line
             progress(len(source) - len(todo))
         with ThreadPoolExecutor(source.concurrency) as pool:
             window = deque((i, pool.submit(source.send, i)) for i in todo[:source.concurrency])
