@@ -317,6 +317,40 @@ def _messages(raw: list, where: str) -> tuple[dict, ...]:
     return tuple(out)
 
 
+def _reply_text(choice, raw: dict, req: dict, where: str) -> str:
+    """The text of a reply the audit can score, or the ChatLogError of why not (no message, a tool
+    call, audio, no text, another finish reason, an empty reply cut at max_tokens, a stop string)."""
+    msg = choice.message
+    if msg is None:
+        raise _refuse("shape", "response `choices.0.message` is missing", where,
+                      "log the chat.completion JSON the endpoint returned")
+    if _set(msg.tool_calls) or _set(msg.function_call) or choice.finish_reason in ("tool_calls", "function_call"):
+        raise _refuse("tool-calls", "the reply is a tool call, not text", where,
+                      f"audit exchanges without tools, {SKIP}")
+    if msg.audio is not None:
+        raise _refuse("non-text", "the reply is audio", where, f"audit text-only replies, {SKIP}")
+    if msg.content is None:
+        said = f" (refusal: {msg.refusal[:80]!r})" if msg.refusal else ""
+        raise _refuse("no-text", f"the reply has no text (message.content is null){said}", where,
+                      f"nothing to audit: drop it, {SKIP}")
+    text = _text(msg.content, "the reply", where)
+    if choice.finish_reason not in ("stop", "length"):
+        raise _refuse("finish-reason", f"finish_reason {choice.finish_reason!r}, not 'stop' or 'length'", where,
+                      f"audit replies ended by the model (stop) or by max_tokens (length), {SKIP}")
+    if text == "" and choice.finish_reason == "length":
+        raise _refuse("no-text", "the reply is empty and was cut at max_tokens (its tokens went elsewhere, e.g. "
+                      "hidden reasoning)", where, f"nothing to audit: drop it, {SKIP}")
+    stops = req.get("stop")
+    if choice.finish_reason == "stop" and (isinstance(choice.stop_reason, str) or (
+            _set(stops) and "stop_reason" not in raw["choices"][0])):
+        said = (f"the stop string {choice.stop_reason!r}" if isinstance(choice.stop_reason, str)
+                else f"the request's stop strings {json.dumps(stops)[:60]} (the response does not say which)")
+        raise _refuse("stop-string", f"the reply may have been cut by {said}", where,
+                      "audit exchanges without `stop` (vLLM's stop_reason null marks the model's own end), "
+                      f"{SKIP}")
+    return text
+
+
 def parse_exchange(obj: object, where: str, lineno: int) -> ChatExchange:
     """One decoded log line as a ChatExchange, or a ChatLogError with its kind. The id is the
     response's (or log-<lineno> without one); `iter_chat_log` makes ids unique in the file."""
@@ -358,34 +392,7 @@ def parse_exchange(obj: object, where: str, lineno: int) -> ChatExchange:
         raise _shape(e, "response", where, "log the chat.completion JSON the endpoint returned") from None
     messages = _messages(rq.messages, where)
     choice = resp.choices[0]
-    msg = choice.message
-    if msg is None:
-        raise _refuse("shape", "response `choices.0.message` is missing", where,
-                      "log the chat.completion JSON the endpoint returned")
-    if _set(msg.tool_calls) or _set(msg.function_call) or choice.finish_reason in ("tool_calls", "function_call"):
-        raise _refuse("tool-calls", "the reply is a tool call, not text", where,
-                      f"audit exchanges without tools, {SKIP}")
-    if msg.audio is not None:
-        raise _refuse("non-text", "the reply is audio", where, f"audit text-only replies, {SKIP}")
-    if msg.content is None:
-        said = f" (refusal: {msg.refusal[:80]!r})" if msg.refusal else ""
-        raise _refuse("no-text", f"the reply has no text (message.content is null){said}", where,
-                      f"nothing to audit: drop it, {SKIP}")
-    text = _text(msg.content, "the reply", where)
-    if choice.finish_reason not in ("stop", "length"):
-        raise _refuse("finish-reason", f"finish_reason {choice.finish_reason!r}, not 'stop' or 'length'", where,
-                      f"audit replies ended by the model (stop) or by max_tokens (length), {SKIP}")
-    if text == "" and choice.finish_reason == "length":
-        raise _refuse("no-text", "the reply is empty and was cut at max_tokens (its tokens went elsewhere, e.g. "
-                      "hidden reasoning)", where, f"nothing to audit: drop it, {SKIP}")
-    stops = req.get("stop")
-    if choice.finish_reason == "stop" and (isinstance(choice.stop_reason, str) or (
-            _set(stops) and "stop_reason" not in raw["choices"][0])):
-        said = (f"the stop string {choice.stop_reason!r}" if isinstance(choice.stop_reason, str)
-                else f"the request's stop strings {json.dumps(stops)[:60]} (the response does not say which)")
-        raise _refuse("stop-string", f"the reply may have been cut by {said}", where,
-                      "audit exchanges without `stop` (vLLM's stop_reason null marks the model's own end), "
-                      f"{SKIP}")
+    msg, text = choice.message, _reply_text(choice, raw, req, where)
     model = rq.model or resp.model
     if not model:
         raise _refuse("shape", "neither the request nor the response names the model", where,
