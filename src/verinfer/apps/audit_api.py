@@ -43,7 +43,6 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
-import pyarrow as pa
 
 from verinfer.apps.collect import collect
 from verinfer.apps.pipeline import VERIFIER_NUMERICS, reference_engines, score, verifier_engine

@@ -33,7 +33,6 @@ import hashlib
 import json
 import os
 import time
-import tomllib
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from datetime import datetime, timezone
@@ -41,7 +40,6 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from verinfer._version import __version__
 from verinfer.audit.replay import StreamRows
@@ -54,15 +52,15 @@ from verinfer.detect.greedy import GreedyDetector
 from verinfer.detect.base import block_sizes
 from verinfer.detect.sequential import SequentialAudit, StreamingAudit
 from verinfer.detect.cache import DetectorCache
-from verinfer.detect.summary import interval, margin_clip, nearest_band, summarize
+from verinfer.detect.summary import margin_clip, nearest_band, summarize
 from verinfer.errors import VerinferError
 from verinfer.io import atomic_write_json, atomic_write_text, check_writable, exclusive_lock
 from verinfer.models.load import model_info
 from verinfer.models.prompts import CALIB_SEED_OFFSET, chat_messages
 from verinfer.numerics import Numerics
 from verinfer.progress import progress_bar
-from verinfer.providers.chat_http import ChatEndpoint, ChatReply, request_chat
-from verinfer.providers.chat_log import ChatLogError, iter_chat_log, unusable_for_replay
+from verinfer.providers.chat_http import ChatEndpoint, ChatReply, read_vendors, request_chat
+from verinfer.providers.chat_log import iter_chat_log, unusable_for_replay
 from verinfer.providers.openai_http import EndpointError, check_token_reply
 from verinfer.providers.simulated import HONEST, ProviderConfig, provider_generate
 from verinfer.registry import Registry
@@ -184,62 +182,6 @@ class ChatAuditResult:
 
 
 # --- the vendors file ---------------------------------------------------------------------------
-class VendorRecord(BaseModel):
-    """One [[vendor]] table of a vendors file."""
-
-    model_config = ConfigDict(extra="forbid")
-    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
-    base_url: str = Field(pattern=r"^https?://")
-    model: str = Field(min_length=1)
-    api_key_env: str | None = Field(None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")
-    extra: dict = Field(default_factory=dict)
-    concurrency: int = Field(4, ge=1, le=256)
-    timeout: float = Field(120.0, gt=0)
-    max_retries: int = Field(5, ge=0, le=20)
-
-
-class VendorsFile(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    vendor: list[VendorRecord] = Field(min_length=1)
-
-
-def read_vendors(path: str | Path) -> list[ChatEndpoint]:
-    """The vendors of a TOML file, one [[vendor]] table each:
-
-        [[vendor]]
-        name = "acme"                                  # letters, digits, . _ - (a directory name)
-        base_url = "https://api.acme.example/v1"
-        model = "HuggingFaceTB/SmolLM2-135M-Instruct"   # the name the vendor serves
-        api_key_env = "ACME_API_KEY"                   # the key's environment variable (never the key)
-        concurrency = 4                                # requests in flight (default 4)
-        extra = { provider = { order = ["acme"], allow_fallbacks = false } }   # passed through
-
-    A VerinferError names the file, the vendor and the field."""
-    p = Path(path)
-    if not p.is_file():
-        raise VerinferError("no such vendors file", where=str(p), fix="write one [[vendor]] table per endpoint "
-                                                                     "(see `verinfer audit-vendors --help`)")
-    try:
-        data = tomllib.loads(p.read_text(encoding="utf-8"))
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
-        raise VerinferError(f"not valid TOML ({e})", where=str(p), fix="check the file's syntax") from None
-    try:
-        vendors = VendorsFile.model_validate(data).vendor
-    except ValidationError as e:
-        err = e.errors()[0]
-        loc = err["loc"]
-        who = f"vendor {loc[1] + 1}" if len(loc) > 1 and loc[0] == "vendor" and isinstance(loc[1], int) else "file"
-        fld = ".".join(str(x) for x in loc[2:]) or ".".join(str(x) for x in loc)
-        raise VerinferError(f"{who}: `{fld}` {err['msg']} (got {str(err.get('input'))[:60]!r})", where=str(p),
-                            fix="each [[vendor]] needs name, base_url and model; optional api_key_env, concurrency, "
-                                "timeout, max_retries, extra") from None
-    names = [v.name for v in vendors]
-    dup = sorted({n for n in names if names.count(n) > 1})
-    if dup:
-        raise VerinferError(f"vendor names repeat: {dup}", where=str(p), fix="give each vendor its own name")
-    return [ChatEndpoint(**v.model_dump()) for v in vendors]
-
-
 # --- local runs: calibration and bands --------------------------------------------------------
 def local_chat_claims(band: Band, name: str, cfg: ChatAuditConfig, conversations: list[list[dict]],
                       retok: Retokenizer, out: Path, show_progress: bool = True,
@@ -547,15 +489,11 @@ def _write_results(audit: "ChatAudit", det, bands: dict, rows: list[VendorResult
            "target_fpr": cfg.target_fpr, "mode": "greedy", "settings": cfg.settings(),
            "detector": {"summary": det.summary(), "heldout": _heldout(det)},
            "bands": bands, "vendors": [asdict(r) for r in rows], **source, "timings": audit.timings}
+    from verinfer.report.vendors import render_vendors_html, render_vendors_markdown  # matplotlib: load when writing
+
     path = atomic_write_json(cfg.out_dir / "vendors.json", doc)
-    atomic_write_text(cfg.out_dir / "vendors.md", render_markdown(doc))
-    html = None
-    try:
-        from verinfer.report.vendors import render_vendors_html
-    except ImportError:  # pragma: no cover - the dashboard module ships with verinfer
-        render_vendors_html = None
-    if render_vendors_html is not None:
-        html = render_vendors_html(doc, cfg.out_dir / "vendors.html")
+    atomic_write_text(cfg.out_dir / "vendors.md", render_vendors_markdown(doc))
+    html = render_vendors_html(doc, cfg.out_dir / "vendors.html")
     return ChatAuditResult(rows, bands, path, html, audit.timings)
 
 
@@ -653,32 +591,6 @@ def _heldout(det) -> dict | None:
     cal = getattr(det, "calibration_", None)
     held = cal and cal.heldout
     return None if not held else {"fpr": held.fpr, "batches": held.batches, "batch_tokens": held.batch_tokens}
-
-
-def _rate(x: float | None) -> str:
-    return "-" if x is None else f"{x:.3f}"
-
-
-def render_markdown(doc: dict) -> str:
-    lines = [f"# {doc['title']}", "",
-             f"Trusted model {doc['trusted_model']} (weights sha256 {doc['trusted_weights_sha256'][:16]}...), "
-             f"temperature 0, target FPR {doc['target_fpr']}; detector: {doc['detector']['summary']}.", "",
-             "| vendor | verdict | nearest band | exact match | mean margin | mean cross-entropy | tokens | requests | "
-             "tokens to decide | requests to decide | re-cut |", "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for v in doc["vendors"]:
-        if v["error"]:
-            lines.append(f"| {v['name']} | error: {v['error'][:80]} |  |  |  |  |  |  |  |  |  |")
-            continue
-        lines.append(f"| {v['name']} | {'FLAGGED' if v['verdict']['flagged'] else 'ok'} | {v['nearest_band']} | "
-                     f"{v[EXACT_MATCH]:.4f} | {v[MARGIN]['mean']:.4g} | {v[CROSS_ENTROPY]['mean']:.4g} | "
-                     f"{v['n_tokens']} | {v['n_requests']} | {v['tokens_to_decide'] or '-'} | "
-                     f"{v['requests_to_decide'] or '-'} | {_rate(v['resegmented'])} |")
-    lines += ["", "Reference bands (verinfer's own greedy runs, replayed like a vendor; 95% bootstrap CI):", "",
-              "| band | what | mean clipped margin | mean cross-entropy | mismatch |", "|---|---|---|---|---|"]
-    for name, b in doc["bands"].items():
-        lines.append(f"| {name} | {b['description']} | {interval(b, MARGIN)} | {b[CROSS_ENTROPY]['mean']:.4g} | "
-                     f"{b['mismatch']['mean']:.4f} |")
-    return "\n".join(lines) + "\n"
 
 
 __all__ = ["BANDS", "ChatAuditConfig", "ChatAuditResult", "VendorResult", "audit_endpoint", "audit_log",

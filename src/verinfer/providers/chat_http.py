@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import json
 import os
+import tomllib
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -164,3 +166,59 @@ def request_chat(client, endpoint: ChatEndpoint, messages: list[dict], params: S
                          status_fix="check the vendor's model name, key and extra fields"):
         raw = client.chat.completions.with_raw_response.create(**known, extra_body=body or None)
     return parse_chat_reply(raw.http_response.content, endpoint.name, request)
+
+
+class VendorRecord(BaseModel):
+    """One [[vendor]] table of a vendors file."""
+
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+    base_url: str = Field(pattern=r"^https?://")
+    model: str = Field(min_length=1)
+    api_key_env: str | None = Field(None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")
+    extra: dict = Field(default_factory=dict)
+    concurrency: int = Field(4, ge=1, le=256)
+    timeout: float = Field(120.0, gt=0)
+    max_retries: int = Field(5, ge=0, le=20)
+
+
+class VendorsFile(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    vendor: list[VendorRecord] = Field(min_length=1)
+
+
+def read_vendors(path: str | Path) -> list[ChatEndpoint]:
+    """The vendors of a TOML file, one [[vendor]] table each:
+
+        [[vendor]]
+        name = "acme"                                  # letters, digits, . _ - (a directory name)
+        base_url = "https://api.acme.example/v1"
+        model = "HuggingFaceTB/SmolLM2-135M-Instruct"   # the name the vendor serves
+        api_key_env = "ACME_API_KEY"                   # the key's environment variable (never the key)
+        concurrency = 4                                # requests in flight (default 4)
+        extra = { provider = { order = ["acme"], allow_fallbacks = false } }   # passed through
+
+    A VerinferError names the file, the vendor and the field."""
+    p = Path(path)
+    if not p.is_file():
+        raise VerinferError("no such vendors file", where=str(p), fix="write one [[vendor]] table per endpoint "
+                                                                     "(see `verinfer audit-vendors --help`)")
+    try:
+        data = tomllib.loads(p.read_text(encoding="utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise VerinferError(f"not valid TOML ({e})", where=str(p), fix="check the file's syntax") from None
+    try:
+        vendors = VendorsFile.model_validate(data).vendor
+    except ValidationError as e:
+        err = e.errors()[0]
+        loc = err["loc"]
+        who = f"vendor {loc[1] + 1}" if len(loc) > 1 and loc[0] == "vendor" and isinstance(loc[1], int) else "file"
+        fld = ".".join(str(x) for x in loc[2:]) or ".".join(str(x) for x in loc)
+        raise VerinferError(f"{who}: `{fld}` {err['msg']} (got {str(err.get('input'))[:60]!r})", where=str(p),
+                            fix="each [[vendor]] needs name, base_url and model; optional api_key_env, concurrency, "
+                                "timeout, max_retries, extra") from None
+    names = [v.name for v in vendors]
+    dup = sorted({n for n in names if names.count(n) > 1})
+    if dup:
+        raise VerinferError(f"vendor names repeat: {dup}", where=str(p), fix="give each vendor its own name")
+    return [ChatEndpoint(**v.model_dump()) for v in vendors]

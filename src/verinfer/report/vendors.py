@@ -30,9 +30,11 @@ from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from verinfer.detect.summary import interval
 from verinfer.errors import VerinferError
 from verinfer.io import atomic_write_text
 from verinfer.report import format as fmt
+from verinfer.scores import CROSS_ENTROPY, EXACT_MATCH, MARGIN
 from verinfer.report.html import _environment
 from verinfer.report.plots import DPI, FONT_SIZE, LEGEND_SIZE, _style, save_png
 
@@ -337,6 +339,34 @@ def _environment_vendors():
     env = _environment()
     env.filters.update(ci=_ci)
     return env
+
+
+def _rate(x: float | None) -> str:
+    return "-" if x is None else f"{x:.3f}"
+
+
+def render_vendors_markdown(doc: dict) -> str:
+    """vendors.md: a vendors.json (audit-vendors, audit-api --chat, audit-log) as markdown tables."""
+    lines = [f"# {doc['title']}", "",
+             f"Trusted model {doc['trusted_model']} (weights sha256 {doc['trusted_weights_sha256'][:16]}...), "
+             f"temperature 0, target FPR {doc['target_fpr']}; detector: {doc['detector']['summary']}.", "",
+             "| vendor | verdict | nearest band | exact match | mean margin | mean cross-entropy | tokens | requests | "
+             "tokens to decide | requests to decide | re-cut |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for v in doc["vendors"]:
+        if v["error"]:
+            lines.append(f"| {v['name']} | error: {v['error'][:80]} |  |  |  |  |  |  |  |  |  |")
+            continue
+        lines.append(f"| {v['name']} | {'FLAGGED' if v['verdict']['flagged'] else 'ok'} | {v['nearest_band']} | "
+                     f"{v[EXACT_MATCH]:.4f} | {v[MARGIN]['mean']:.4g} | {v[CROSS_ENTROPY]['mean']:.4g} | "
+                     f"{v['n_tokens']} | {v['n_requests']} | {v['tokens_to_decide'] or '-'} | "
+                     f"{v['requests_to_decide'] or '-'} | {_rate(v['resegmented'])} |")
+    lines += ["", "Reference bands (verinfer's own greedy runs, replayed like a vendor; 95% bootstrap CI):", "",
+              "| band | what | mean clipped margin | mean cross-entropy | mismatch |", "|---|---|---|---|---|"]
+    for name, b in doc["bands"].items():
+        lines.append(f"| {name} | {b['description']} | {interval(b, MARGIN)} | {b[CROSS_ENTROPY]['mean']:.4g} | "
+                     f"{b['mismatch']['mean']:.4f} |")
+    return "\n".join(lines) + "\n"
+
 
 
 def render_vendors_html(results, out_path: str | Path) -> Path:

@@ -332,12 +332,7 @@ def framework_error_message(e) -> str:
 
 def create_app(registry: dict[str, ServedModel], cfg: ServeConfig):
     from fastapi import FastAPI
-    from fastapi.exceptions import RequestValidationError
-    from fastapi.responses import JSONResponse, Response, StreamingResponse
-    from starlette.concurrency import iterate_in_threadpool, run_in_threadpool
-    from starlette.exceptions import HTTPException as StarletteHTTPException
 
-    limits = cfg.limits
     batchers = make_batchers(registry, cfg)
 
     @asynccontextmanager
@@ -348,12 +343,75 @@ def create_app(registry: dict[str, ServedModel], cfg: ServeConfig):
 
     app = FastAPI(title="verinfer", description="OpenAI-compatible, auditable inference server", lifespan=lifespan)
     app.state.batchers = batchers
-    state = {"slots": None}
+    runner = _Runner(batchers, cfg.limits)
+    _add_error_handlers(app)
+    _add_meta_routes(app, registry)
+    _add_completions(app, registry, cfg, runner)
+    _add_chat(app, registry, cfg, runner)
+    return BodyLimit(app, cfg.limits.max_body_bytes)
 
-    def slots() -> Slots:
-        if state["slots"] is None:  # created inside the running event loop
-            state["slots"] = Slots(limits, lambda: sum(b.waiting for b in batchers.values()))
-        return state["slots"]
+
+def _meta(model: ServedModel, params: SamplingParams) -> dict:
+    return {"seed": params.seed, "noise": params.noise}
+
+
+def _usage(jobs: list[Job], outs: list[int]) -> dict:
+    p = sum(len(j.prompt_ids) for j in jobs)
+    return {"prompt_tokens": p, "completion_tokens": sum(outs), "total_tokens": p + sum(outs)}
+
+
+class _Runner:
+    """How a request's jobs run: a greedy job of a continuously batched model in its batch, any other
+    alone in a worker thread, in a slot of max_concurrent (the slots are made in the running loop)."""
+
+    def __init__(self, batchers: dict, limits):
+        self.batchers, self.limits, self._slots = batchers, limits, None
+
+    def slots(self) -> Slots:
+        if self._slots is None:  # created inside the running event loop
+            self._slots = Slots(self.limits, lambda: sum(b.waiting for b in self.batchers.values()))
+        return self._slots
+
+    async def stream(self, model: ServedModel, rid: str, job: Job) -> AsyncIterator[Step]:
+        """The job's Steps: a greedy job of a continuously batched model from its batch, any other
+        decoded alone in a worker thread, one step at a time, in a slot of max_concurrent."""
+        from starlette.concurrency import iterate_in_threadpool
+
+        batcher = self.batchers.get(id(model))
+        run = model.provider.run_params(job.params)  # what a misconfigured server really decodes with
+        if batcher is not None and run.greedy:
+            self.slots().check()
+            try:
+                async for step in batched_steps(batcher, rid, job.prompt_ids, run, logprobs=job.logprobs,
+                                                ignore_eos=job.ignore_eos):
+                    yield step
+            except BatchError as e:
+                raise APIError(503, str(e), type_="batch_failed") from e
+            return
+        async with self.slots().hold():
+            it = generate_steps(model, rid, job.prompt_ids, job.params, logprobs=job.logprobs,
+                                ignore_eos=job.ignore_eos)
+            async for step in iterate_in_threadpool(it):
+                yield step
+
+    async def run(self, model: ServedModel, rid: str, job: Job, request: Request) -> list[Step]:
+        """All the job's Steps; a client that disconnected stops it between two steps (its slot or
+        batch row is freed, no more compute is spent on it)."""
+        steps = []
+        async with aclosing(self.stream(model, rid, job)) as it:
+            async for step in it:
+                steps.append(step)
+                if step.finish_reason is None and await request.is_disconnected():
+                    raise _ClientGone()
+        return steps
+
+
+
+def _add_error_handlers(app) -> None:
+    """verinfer's APIError, request validation, HTTP and client-gone errors as OpenAI error bodies."""
+    from fastapi.exceptions import RequestValidationError
+    from fastapi.responses import JSONResponse, Response
+    from starlette.exceptions import HTTPException as StarletteHTTPException
 
     @app.exception_handler(APIError)
     async def _api_error(_req: Request, e: APIError):
@@ -381,6 +439,9 @@ def create_app(registry: dict[str, ServedModel], cfg: ServeConfig):
     async def _client_gone(_req: Request, _e: _ClientGone):
         return Response(status_code=499)  # nginx's "client closed request": nobody reads it
 
+
+
+def _add_meta_routes(app, registry: dict[str, ServedModel]) -> None:
     @app.get("/health")
     async def health():
         return {"status": "ok"}
@@ -392,43 +453,12 @@ def create_app(registry: dict[str, ServedModel], cfg: ServeConfig):
             {"id": name, "object": "model", "created": created, "owned_by": "verinfer", "root": m.name,
              "max_model_len": m.context} for name, m in sorted(registry.items())]}
 
-    def meta(model: ServedModel, params: SamplingParams) -> dict:
-        return {"seed": params.seed, "noise": params.noise}
 
-    async def stream_job(model: ServedModel, rid: str, job: Job) -> AsyncIterator[Step]:
-        """The job's Steps: a greedy job of a continuously batched model from its batch, any other
-        decoded alone in a worker thread, one step at a time, in a slot of max_concurrent."""
-        batcher = batchers.get(id(model))
-        run = model.provider.run_params(job.params)  # what a misconfigured server really decodes with
-        if batcher is not None and run.greedy:
-            slots().check()
-            try:
-                async for step in batched_steps(batcher, rid, job.prompt_ids, run, logprobs=job.logprobs,
-                                                ignore_eos=job.ignore_eos):
-                    yield step
-            except BatchError as e:
-                raise APIError(503, str(e), type_="batch_failed") from e
-            return
-        async with slots().hold():
-            it = generate_steps(model, rid, job.prompt_ids, job.params, logprobs=job.logprobs,
-                                ignore_eos=job.ignore_eos)
-            async for step in iterate_in_threadpool(it):
-                yield step
 
-    async def run_job(model: ServedModel, rid: str, job: Job, request: Request) -> list[Step]:
-        """All the job's Steps; a client that disconnected stops it between two steps (its slot or
-        batch row is freed, no more compute is spent on it)."""
-        steps = []
-        async with aclosing(stream_job(model, rid, job)) as it:
-            async for step in it:
-                steps.append(step)
-                if step.finish_reason is None and await request.is_disconnected():
-                    raise _ClientGone()
-        return steps
+def _add_completions(app, registry: dict[str, ServedModel], cfg: ServeConfig, runner: _Runner) -> None:
+    from fastapi.responses import StreamingResponse
 
-    def usage(jobs: list[Job], outs: list[int]) -> dict:
-        p = sum(len(j.prompt_ids) for j in jobs)
-        return {"prompt_tokens": p, "completion_tokens": sum(outs), "total_tokens": p + sum(outs)}
+    limits = cfg.limits
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
@@ -448,30 +478,30 @@ def create_app(registry: dict[str, ServedModel], cfg: ServeConfig):
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         head = {"id": rid, "object": "text_completion", "created": created, "model": body.model}
         if body.stream:
-            slots().check()
+            runner.slots().check()
 
             async def events():
                 outs = []
                 try:
                     for i, job in enumerate(jobs):
                         dt, n, first = Detok(model.tokenizer), 0, True
-                        async for s in stream_job(model, f"{rid}-{i}", job):
+                        async for s in runner.stream(model, f"{rid}-{i}", job):
                             n += 1
                             choice = {"index": i, "text": dt.add(s.token_id, s.finish_reason is not None),
                                       "logprobs": completion_logprobs(model, [s]) if job.logprobs is not None else None,
                                       "finish_reason": s.finish_reason, "token_ids": [s.token_id]}
                             if first:
                                 choice["prompt_token_ids"], first = job.prompt_ids, False
-                            yield _sse({**head, "choices": [choice], "sampling": meta(model, job.params)})
+                            yield _sse({**head, "choices": [choice], "sampling": _meta(model, job.params)})
                         outs.append(n)
                     if body.include_usage:
-                        yield _sse({**head, "choices": [], "usage": usage(jobs, outs)})
+                        yield _sse({**head, "choices": [], "usage": _usage(jobs, outs)})
                 except APIError as e:
                     yield _sse(e.body())
                 yield b"data: [DONE]\n\n"
 
             return StreamingResponse(events(), media_type="text/event-stream")
-        results = await asyncio.gather(*[run_job(model, f"{rid}-{i}", j, request) for i, j in enumerate(jobs)])
+        results = await asyncio.gather(*[runner.run(model, f"{rid}-{i}", j, request) for i, j in enumerate(jobs)])
         choices = []
         for i, (job, steps) in enumerate(zip(jobs, results)):
             ids = [s.token_id for s in steps]
@@ -479,8 +509,15 @@ def create_app(registry: dict[str, ServedModel], cfg: ServeConfig):
                             "logprobs": completion_logprobs(model, steps) if job.logprobs is not None else None,
                             "finish_reason": steps[-1].finish_reason, "prompt_token_ids": job.prompt_ids,
                             "token_ids": ids})
-        return {**head, "choices": choices, "usage": usage(jobs, [len(r) for r in results]),
-                "sampling": meta(model, jobs[0].params)}
+        return {**head, "choices": choices, "usage": _usage(jobs, [len(r) for r in results]),
+                "sampling": _meta(model, jobs[0].params)}
+
+
+
+def _add_chat(app, registry: dict[str, ServedModel], cfg: ServeConfig, runner: _Runner) -> None:
+    from fastapi.responses import StreamingResponse
+
+    limits = cfg.limits
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request):
@@ -491,39 +528,37 @@ def create_app(registry: dict[str, ServedModel], cfg: ServeConfig):
         job = Job(ids, _params(body, model, max_tokens, len(ids), cfg.noise, limits), lp, body.ignore_eos)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         if body.stream:
-            slots().check()
+            runner.slots().check()
             head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": body.model}
 
             async def events():
                 dt, n = Detok(model.tokenizer), 0
                 try:
-                    yield _sse({**head, "prompt_token_ids": ids, "sampling": meta(model, job.params),
+                    yield _sse({**head, "prompt_token_ids": ids, "sampling": _meta(model, job.params),
                                 "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
                                              "logprobs": None, "finish_reason": None}]})
-                    async for s in stream_job(model, rid, job):
+                    async for s in runner.stream(model, rid, job):
                         n += 1
                         yield _sse({**head, "choices": [{
                             "index": 0, "delta": {"content": dt.add(s.token_id, s.finish_reason is not None)},
                             "logprobs": chat_logprobs(model, [s]) if lp is not None else None,
                             "finish_reason": s.finish_reason, "token_ids": [s.token_id]}]})
                     if body.include_usage:
-                        yield _sse({**head, "choices": [], "usage": usage([job], [n])})
+                        yield _sse({**head, "choices": [], "usage": _usage([job], [n])})
                 except APIError as e:
                     yield _sse(e.body())
                 yield b"data: [DONE]\n\n"
 
             return StreamingResponse(events(), media_type="text/event-stream")
-        steps = await run_job(model, rid, job, request)
+        steps = await runner.run(model, rid, job, request)
         out = [s.token_id for s in steps]
         return {"id": rid, "object": "chat.completion", "created": created, "model": body.model,
-                "prompt_token_ids": ids, "sampling": meta(model, job.params),
+                "prompt_token_ids": ids, "sampling": _meta(model, job.params),
                 "choices": [{"index": 0, "message": {"role": "assistant",
                                                      "content": model.tokenizer.decode(out, skip_special_tokens=True)},
                              "logprobs": chat_logprobs(model, steps) if lp is not None else None,
                              "finish_reason": steps[-1].finish_reason, "token_ids": out}],
-                "usage": usage([job], [len(out)])}
-
-    return BodyLimit(app, limits.max_body_bytes)
+                "usage": _usage([job], [len(out)])}
 
 
 def make_batchers(registry: dict[str, ServedModel], cfg: ServeConfig) -> dict[int, Batcher]:
