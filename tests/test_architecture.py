@@ -1,6 +1,7 @@
 """The architecture, read from the source with `ast` (fast, no model): issue 30's grep-level facts.
 
-(a) no function in src/verinfer/cli/ is longer than 40 lines (first decorator to last line);
+(a) no function in src/verinfer/cli/ is longer than 40 lines, none in src/verinfer/ longer than 80
+    (first decorator to last line);
 (b) no fitted attribute of a detector (a name ending in `_`: `provenance_`, `calibration_`,
     `warnings_`, ...) is assigned outside src/verinfer/detect/, and inside it only on `self` (a
     detector's fitted attributes are set by its own methods: fit, from_json);
@@ -573,3 +574,14 @@ def test_committed_results_name_no_path_of_the_machine_that_made_them():
              if home.search(line)]
     assert not found, _report(found, "committed results name no path of the machine that made them")
     assert home.search('"src": "/work/wt-fixtures/src"') and not home.search("benchmarks/results/x.json")
+
+
+MAX_FUNCTION_LINES = 80  # issue 44: no function of src/ longer (first decorator to last line)
+
+
+def test_no_function_is_longer_than_80_lines():
+    found = [w for path, tree in _modules() for w in _where(path, long_functions(tree, MAX_FUNCTION_LINES))]
+    assert not found, _report(found, f"no function in src/verinfer/ is longer than {MAX_FUNCTION_LINES} lines")
+    body = lambda n: "".join(f"    x{i} = {i}\n" for i in range(n))  # noqa: E731
+    assert _lines(lambda t: long_functions(t, MAX_FUNCTION_LINES), f"def f():\n{body(79)}") == []  # 80 lines
+    assert _lines(lambda t: long_functions(t, MAX_FUNCTION_LINES), f"@dec\ndef f():\n{body(79)}") == [1]  # 81
