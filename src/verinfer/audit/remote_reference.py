@@ -128,7 +128,8 @@ class PromptLogprobsReply(BaseModel):
 
 @dataclass(frozen=True)
 class ReferenceSpec:
-    """What identifies the reference in a resumable run's manifest (stands in for Numerics.to_dict)."""
+    """What identifies the reference in a resumable run's manifest and the scores' provenance, where
+    an Engine has its Numerics (`audit.replay.replay_identity`)."""
     url: str
     model: str
     logprobs: int
@@ -185,7 +186,7 @@ def impossible_row(row: dict[int, float], claimed: int | None = None) -> str | N
 @dataclass
 class RemoteReference:
     """A vLLM server's prompt logprobs as the reference of `audit.replay.score_claims` (in place of
-    an Engine: `numerics`, `device` and `config` describe it, `map_parts` scores).
+    an Engine: `reference_spec`, `device` and `config` describe it, `map_parts` scores).
 
     url: the OpenAI-compatible base URL (ending in /v1); model: the name it serves; logprobs: k;
     config: the model's config.json (vocab size; hidden size and layers for fingerprint checks);
@@ -215,7 +216,7 @@ class RemoteReference:
         if self.protocol == "echo" and self.token_bytes is None:
             raise VerinferError("the echo protocol maps token texts to ids with the model's tokenizer",
                                 fix="build the reference with RemoteReference.for_model_dir (a model dir with a tokenizer)")
-        self.numerics = ReferenceSpec(self.url, self.model, self.logprobs, self.protocol)
+        self.reference_spec = ReferenceSpec(self.url, self.model, self.logprobs, self.protocol)
 
     @classmethod
     def for_model_dir(cls, url: str, model: str, model_dir: str | Path, **kw) -> "RemoteReference":

@@ -167,6 +167,13 @@ def _manifest(model_sha: str, numerics: dict, sigma: float, chunk: int, gaps: bo
     return m
 
 
+def replay_identity(engine) -> dict:
+    """What replayed the claims, for a scores job's manifest and provenance: an Engine's (or a Ray
+    pool's) Numerics, a remote reference's URL spec (`RemoteReference.reference_spec`)."""
+    spec = getattr(engine, "reference_spec", None)
+    return (spec if spec is not None else engine.numerics).to_dict()
+
+
 def part_key(chunk: list[Claim]) -> str:
     """The identity of a part's claims (sha256 of their JSON, 16 hex digits): a finished part is
     reused wherever the same claims come at the same place of a file, however the file has grown."""
@@ -380,7 +387,7 @@ def score_claims(claims: Iterable[Claim], engine, out: str | Path, *, model_sha:
     if references and not isinstance(engine, Engine):
         raise VerinferError("the honest-reference replays of --gaps run in this process, not on a Ray pool",
                             fix="score with --gaps without --workers / --ray-address")
-    manifest = _manifest(model_sha, engine.numerics.to_dict(), sigma, chunk_claims, gaps, references or ())
+    manifest = _manifest(model_sha, replay_identity(engine), sigma, chunk_claims, gaps, references or ())
     if retokenizer is not None:
         manifest["recut"] = True
     schema = scores_schema(gaps, bool(references), getattr(engine, "extra_fields", ()))
@@ -399,7 +406,7 @@ def score_claims(claims: Iterable[Claim], engine, out: str | Path, *, model_sha:
             if on_part is not None:
                 on_part(k)
         if provenance is None and info is not None:
-            provenance = make_provenance(info, engine.numerics, engine.device, plan.noise)
+            provenance = make_provenance(info, replay_identity(engine), engine.device, plan.noise)
         every = tuple(parts.path(k) for k in range(plan.parts))
         if growing:
             return Scored(out, plan.claims, plan.tokens, tuple(sorted(plan.new)), every)
