@@ -2,7 +2,7 @@
 
     nice -n 15 .venv/bin/python -m benchmarks.kl_judge --no-timing --out benchmarks/results   # quality: sweeps, selection, test
         (on 2 cores: the same command twice, with --shard 0/2 and --shard 1/2, splits the quality runs)
-    flock /tmp/verinfer-timing.lock .venv/bin/python -m benchmarks.kl_judge --timing --out benchmarks/results   # cost model, tokens/s
+    flock runs/timing.lock .venv/bin/python -m benchmarks.kl_judge --timing --out benchmarks/results   # cost model, tokens/s
     .venv/bin/python -m benchmarks.kl_judge [--quick]                      # both in one process, into runs/kl_judge
 
 Writes <out>/<stem>.{json,md}, <stem>_frontier.png and the trained AutoJudge head

@@ -1117,7 +1117,7 @@ def markdown(res: dict) -> str:
          f"{' --given ' + str(st['given']) if 'given' in st else ''} --no-timing{' --shard I/2' if 'grids' in st else ''} "
          "--out benchmarks/results` (quality"
          f"{'; two processes, I = 0 and 1, sharing the run cache' if 'grids' in st else ''}) then `flock "
-         "/tmp/verinfer-timing.lock .venv/bin/python -m "
+         "runs/timing.lock .venv/bin/python -m "
          f"benchmarks.kl_judge --task {st.get('task_name', 'arithmetic')} --timing"
          f"{' --repeats ' + str(st['timing_repeats']) if 'timing_repeats' in st else ''} --out benchmarks/results` "
          f"(cost model, tokens/s); see `setup` in {STEM[st.get('task_name', 'arithmetic')]}.json.", "",
