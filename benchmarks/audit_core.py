@@ -163,8 +163,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", type=Path, default=ROOT / "results" / "audit_core.json")
     ap.add_argument("--work", type=Path, default=None, help="keep the audits' directories here (default: a temporary one)")
     args = ap.parse_args(argv)
-    rev = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", args.before], check=True,
-                         capture_output=True, text=True).stdout.strip()
+    found = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "--verify", "--quiet",
+                            args.before + "^{commit}"], capture_output=True, text=True)
+    if found.returncode != 0:
+        ap.error(f"--before {args.before!r} is not a commit of this repository (git log --oneline names them)")
+    rev = found.stdout.strip()
     head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], check=True,
                           capture_output=True, text=True).stdout.strip()
     from verinfer.numerics.machine import machine_fingerprint
