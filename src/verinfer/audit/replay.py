@@ -190,11 +190,10 @@ class Scored:
     path: Path
     claims: int
     tokens: int
-    new_parts: tuple[Path, ...] = ()  # the parts this call replayed (the others were finished before)
-    parts: tuple[Path, ...] = ()      # growing=True: every part, in claim order (`path` is not written)
+    parts: tuple[Path, ...] = ()  # growing=True: every part, in claim order (`path` is not written)
 
     def table(self) -> pa.Table:
-        if self.parts and not self.path.is_file():
+        if self.parts:
             return pa.concat_tables([read_part(p) for p in self.parts])
         return read_scores(self.path)
 
@@ -409,11 +408,11 @@ def score_claims(claims: Iterable[Claim], engine, out: str | Path, *, model_sha:
             provenance = make_provenance(info, replay_identity(engine), engine.device, plan.noise)
         every = tuple(parts.path(k) for k in range(plan.parts))
         if growing:
-            return Scored(out, plan.claims, plan.tokens, tuple(sorted(plan.new)), every)
+            return Scored(out, plan.claims, plan.tokens, every)
         write_scores(out, (read_part(p) for p in every), schema, provenance)
         if not keep_parts:
             parts.finish()
-    return Scored(out, plan.claims, plan.tokens, tuple(sorted(plan.new)))
+    return Scored(out, plan.claims, plan.tokens)
 
 
 class PartPlan:
@@ -428,7 +427,6 @@ class PartPlan:
         self.noise: set[str] = set()
         self.keys: dict[int, str] = {}
         self.pending: dict[int, int] = {}  # part -> its claims, while it is being replayed
-        self.new: list[Path] = []
 
     def to_replay(self, claims: Iterable[Claim]) -> Iterator[tuple]:
         """(k, claims, fingerprints, layer) of every part no earlier run finished."""
@@ -459,6 +457,6 @@ class PartPlan:
     def write(self, k: int, table: pa.Table) -> None:
         """Part k's score rows, written atomically with its claims' key."""
         n = self.pending.pop(k)
-        self.new.append(self.store.write(k, lambda tmp: write_part(table, tmp), {"claims": n, "key": self.keys[k]}))
+        self.store.write(k, lambda tmp: write_part(table, tmp), {"claims": n, "key": self.keys[k]})
         if self.progress is not None:
             self.progress(n)
