@@ -45,7 +45,7 @@ from pathlib import Path
 import numpy as np
 
 from verinfer.apps.collect import collect
-from verinfer.apps.pipeline import VERIFIER_NUMERICS, reference_engines, score, verifier_engine
+from verinfer.apps.pipeline import VERIFIER_NUMERICS, reference_engines, score, scores_current, verifier_engine
 from verinfer.audit.replay import StreamRows, score_chunk
 from verinfer.models.prompts import CALIB_SEED_OFFSET, prompts_for
 from verinfer.claims import Claim, write_claims
@@ -387,7 +387,7 @@ def audit_api(cfg: ApiAuditConfig, *, show_progress: bool = True) -> ApiAuditRes
         """The replay of a claims file (skipped when `spath` is newer; the parts a sequential
         audit's stop rule replayed are read, not replayed again). keep_parts: the endpoint's
         claims, which a resumed audit extends."""
-        if not spath.is_file() or spath.stat().st_mtime < cpath.stat().st_mtime:
+        if not scores_current(cpath, spath):
             score(cpath, cfg.model_dir, spath, engine=engine, show_progress=show_progress, gaps=cfg.sequential,
                   references=refs, keep_parts=keep_parts)
         return spath

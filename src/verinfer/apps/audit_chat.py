@@ -44,7 +44,7 @@ import pyarrow as pa
 from verinfer._version import __version__
 from verinfer.audit.replay import StreamRows
 from verinfer.apps.collect import collect
-from verinfer.apps.pipeline import VERIFIER_NUMERICS, score, verifier_engine
+from verinfer.apps.pipeline import VERIFIER_NUMERICS, score, scores_current, verifier_engine
 from verinfer.claims import Claim, claims_text, write_claims
 from verinfer.detect.calibrate import calibrate
 from verinfer.detect.base import Detector
@@ -325,7 +325,7 @@ class ChatAudit:
         """The replay of a claims file (skipped when `out` is newer; the parts a sequential audit's
         stop rule replayed are read, not replayed again). keep_parts: a vendor's claims, which a
         resumed audit extends (its stop rule then reads the parts instead of replaying them)."""
-        if not out.is_file() or out.stat().st_mtime < claims_path.stat().st_mtime:
+        if not scores_current(claims_path, out):
             score(claims_path, self.cfg.model_dir, out, engine=self.engine, show_progress=self.show,
                   retokenizer=self.retok, keep_parts=keep_parts)
         return out

@@ -145,6 +145,12 @@ def score(claims_path: str | Path, model_dir: str | Path, out: str | Path, *, en
                                                       if gaps and isinstance(engine, Engine) else None))
 
 
+def scores_current(claims_path: str | Path, out: str | Path) -> bool:
+    """True when `out` was written after `claims_path` last changed (its claims are all scored)."""
+    out = Path(out)
+    return out.is_file() and out.stat().st_mtime >= Path(claims_path).stat().st_mtime
+
+
 def refuse_speculative(chunk: list[Claim]) -> None:
     """A ClaimError for a speculative claim among the plain claims this replay scores (speculative
     claims are checked against standard speculative sampling with the draft instead)."""
