@@ -416,7 +416,7 @@ def main() -> None:
     if args.collect_only:
         print(json.dumps(collect(args), indent=1))
         return
-    from verinfer.apps.audit_chat import ChatAudit
+    from verinfer.core.chat import ChatAudit
 
     prep = ChatAudit(config(args), show_progress=not args.quiet)  # calibration and bands before any server runs
     prep.bands(prep.detector())

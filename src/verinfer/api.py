@@ -22,7 +22,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from verinfer.apps.audit_chat import (ChatAuditConfig, ChatAuditResult, VendorResult, audit_vendors as _audit_vendors,
-                                      audit_endpoint as _audit_endpoint, audit_log as _audit_log, read_vendors)
+                                      audit_endpoint as _audit_endpoint, read_vendors)
+from verinfer.apps.audit_log import audit_log as _audit_log
 from verinfer.audit.replay import Scored
 from verinfer.models.catalog import trusted_model_dir
 from verinfer.providers.chat_http import ChatEndpoint

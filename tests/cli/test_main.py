@@ -13,7 +13,7 @@ import typer
 from typer.testing import CliRunner
 
 from verinfer.cli.main import app
-from verinfer.apps.audit_api import MODES
+from verinfer.core.completions import MODES
 from verinfer.scores import ALL_SCORES
 from verinfer.determinism.scheduler import POLICIES
 from verinfer.models.testbed import BUDGETS, TARGET_DIR
@@ -252,12 +252,12 @@ def test_ctrl_c_says_what_is_kept_and_how_to_resume_then_the_rerun_resumes(tmp_p
     only what was not finished."""
     import functools
 
-    from verinfer.apps import pipeline
+    from verinfer.audit import score_file
     from verinfer.audit import replay
 
     claims, out = tmp_path / "c.jsonl", tmp_path / "s.parquet"
     assert run("generate", "honest-bf16-b8", "--out", claims, "--n", 4, "--max-tokens", 4).exit_code == 0
-    monkeypatch.setattr(pipeline, "score_claims", functools.partial(replay.score_claims, chunk_claims=2))
+    monkeypatch.setattr(score_file, "score_claims", functools.partial(replay.score_claims, chunk_claims=2))
     real, calls = replay.score_chunk, []
 
     def interrupted(*a, **k):

@@ -15,7 +15,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from typer.testing import CliRunner
 
-from verinfer.apps.audit_api import ApiAuditConfig, _detector_meta
+from verinfer.core.completions import ApiAuditConfig, detector_meta
 from verinfer.claims import read_claims
 from verinfer.cli.main import app
 from verinfer.models.load import model_info
@@ -115,7 +115,7 @@ def test_a_saved_detector_for_other_settings_fails_before_the_first_request(mode
     det = tmp_path / "det.json"
     det.write_text("{}")  # the sidecar is compared first: its settings are what differ
     other = ApiAuditConfig("http://x/v1", "m", TARGET_DIR, tmp_path, max_tokens=64)
-    det.with_name(det.name + ".meta.json").write_text(json.dumps(_detector_meta(other, "seeded",
+    det.with_name(det.name + ".meta.json").write_text(json.dumps(detector_meta(other, "seeded",
                                                                                 model_info(TARGET_DIR))))
     stub = StubEndpoint(good=100, bad=None)
     try:

@@ -14,7 +14,7 @@ openai = pytest.importorskip("openai")
 
 from fastapi.testclient import TestClient
 
-from verinfer.apps.audit_api import ApiAuditConfig, PLAIN_NOISES, probe_params, recognise_noise
+from verinfer.core.completions import ApiAuditConfig, PLAIN_NOISES, probe_params, recognise_noise
 from verinfer.apps.pipeline import verifier_engine
 from verinfer.models.load import model_info
 from verinfer.models.prompts import prompts_for

@@ -320,6 +320,21 @@ def recut_claims(claims: list[Claim], per_claim: list[pa.Table], retokenizer: Re
             state[i].table = t
 
 
+def resegmentation(claims: list[Claim], table: pa.Table) -> tuple[float | None, float | None]:
+    """(fraction of derived claims the replay re-cut, fraction of derived claims whose canonical
+    ids differ from the ids the endpoint returned, where it returned them: re-tokenization drift)."""
+    derived = [c for c in claims if c.derived]
+    if not derived:
+        return None, None
+    scored: dict[str, list[int]] = {}
+    for cid, tok in zip(table[CLAIM_ID].to_pylist(), table[TOKEN_ID].to_pylist()):
+        scored.setdefault(cid, []).append(tok)
+    recut = float(np.mean([scored.get(c.id) != c.output_token_ids for c in derived]))
+    known = [c for c in derived if "returned_output_token_ids" in c.chat]
+    drift = float(np.mean([c.chat["returned_output_token_ids"] != c.output_token_ids for c in known])) if known else None
+    return recut, drift
+
+
 def _with_ids(c: Claim, ids: list[int]) -> Claim:
     return dataclasses.replace(c, output_token_ids=ids, sampling=dataclasses.replace(c.sampling, max_tokens=len(ids)))
 

@@ -63,7 +63,7 @@ MATMUL = _names("verinfer.numerics.config", "VERIFIER_MATMULS")
 POLICY = _names("verinfer.determinism.scheduler", "POLICIES", renamed=("verinfer.determinism.scheduler", "RENAMED"))
 SPEC_RULE = _names("verinfer.speculative.rules", "RELAX")
 ENGINES = _names("verinfer.apps.generate", "ENGINES")
-AUDIT_MODES = _names("verinfer.apps.audit_api", "MODES")
+AUDIT_MODES = _names("verinfer.core.completions", "MODES")
 MISCONFIGS = _names("verinfer.providers.simulated", "MISCONFIGURED")
 SCORE_NAMES = _names("verinfer.scores", "ALL_SCORES")
 SERVE_DETERMINISTIC_NAMES = _names("verinfer.server.registry", "DETERMINISTIC")
@@ -72,8 +72,8 @@ TESTBED_BUDGETS = _names("verinfer.models.testbed", "BUDGETS")
 DRAFT_BUDGETS = _names("verinfer.models.draft", "BUDGETS")
 HEAD_BUDGETS = _names("verinfer.speculative.head_build", "BUDGETS")
 DETECTOR_NAMES = _names("verinfer.detect.registry", "DETECTORS")
-TOKEN_MODES = _names("verinfer.apps.audit_chat", "TOKEN_MODES")
-BAND_NAMES = _names("verinfer.apps.audit_chat", "BANDS")
+TOKEN_MODES = _names("verinfer.core.chat", "TOKEN_MODES")
+BAND_NAMES = _names("verinfer.core.local_runs", "CHAT_BANDS")
 HONEST_NAMES = _names("verinfer.providers.simulated", "HONEST")
 LogLevel = Literal["critical", "error", "warning", "info", "debug", "trace"]   # uvicorn's levels (not ours)
 CHOICES = {("*", "noise"): NOISE, ("*", "matmul"): MATMUL, ("generate", "deterministic"): POLICY,
@@ -84,7 +84,7 @@ CHOICES = {("*", "noise"): NOISE, ("*", "matmul"): MATMUL, ("generate", "determi
            ("build", "budget"): TESTBED_BUDGETS, ("build-draft", "budget"): DRAFT_BUDGETS,
            ("build-head", "budget"): HEAD_BUDGETS,
            ("*", "tokens"): TOKEN_MODES, ("*", "bands"): BAND_NAMES,
-           ("*", "band_engine"): _names("verinfer.apps.audit_chat", "BAND_ENGINES"),
+           ("*", "band_engine"): _names("verinfer.core.chat", "BAND_ENGINES"),
            ("score", "reference_protocol"): _names("verinfer.audit.remote_reference", "PROTOCOLS"),
            ("calibrate", "policy"): _names("verinfer.determinism.tau", "GATED",
                                            renamed=("verinfer.determinism.scheduler", "RENAMED"))}

@@ -33,7 +33,7 @@ from typing import Any, Protocol
 
 from verinfer.claims import Claim, claims_text, read_claims, write_claims
 from verinfer.io import atomic_write_json, check_manifest, exclusive_lock
-from verinfer.providers.openai_http import EndpointError
+from verinfer.openai_client import EndpointError
 
 StopRule = Callable[[list[Claim]], bool]
 

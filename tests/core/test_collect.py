@@ -1,4 +1,4 @@
-"""`apps.collect.collect`, the one resumable collector, driven by a scripted in-memory source: the
+"""`core.collect.collect`, the one resumable collector, driven by a scripted in-memory source: the
 claims it returns and saves are compared to the known list, request by request (what was sent,
 what was never sent again), through an interruption and a rerun, a reply without a claim, a stop
 rule that cancels what was not sent, a manifest mismatch and a second collection of the same
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from verinfer.apps.collect import InHand, collect
+from verinfer.core.collect import InHand, collect
 from verinfer.claims import Claim, read_claims
 from verinfer.errors import VerinferError
 from verinfer.io import OutputBusyError

@@ -1,0 +1,174 @@
+"""Where an audit's claims come from: the sources of `core.collect.collect`, one class each.
+
+    CompletionsSource   token-id prompts to a completions endpoint (audit-api): the endpoint's own
+                        prompt and output ids, checked against the trusted model before they are a
+                        claim (`openai_http.request_completion`)
+    ChatSource          conversations to a vendor's /v1/chat/completions (audit-api --chat,
+                        audit-vendors): a claim per reply, its ids derived from the text or the
+                        endpoint's own (`reply_claim`)
+    log_sources         a chat log's exchanges (audit-log), one `collect.InHand` per vendor the
+                        replies name: nothing is sent, the collector only saves them
+    collect.InHand      claims already in hand (a claims file)
+
+A new source is one more class with the `collect.Source` protocol: `manifest`, `concurrency`,
+`len`, `claim_id(i)`, `send(i)`, `claim(i, reply)`, `interrupted(...)`, `check_collected(claims)`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+from verinfer.core.collect import InHand
+from verinfer.claims import Claim
+from verinfer.errors import VerinferError
+from verinfer.providers.chat_http import ChatEndpoint, ChatReply, request_chat
+from verinfer.providers.chat_log import iter_chat_log, unusable_for_replay
+from verinfer.providers.openai_http import Endpoint, EndpointError, check_token_reply, request_completion
+from verinfer.retokenize import DERIVED, RETURNED, Retokenizer
+from verinfer.sampling.params import SamplingParams
+
+
+class CompletionsSource:
+    """Token-id prompts to a completions endpoint, one at a time; request i asks `params[i]` (its
+    seed) and its reply is checked against the trusted model (`vocab_size`) before it becomes a
+    claim under `local_name`; a reply with no output tokens is none."""
+
+    concurrency = 1
+
+    def __init__(self, client, endpoint: Endpoint, prompts: list[list[int]], params: list[SamplingParams],
+                 local_name: str, vocab_size: int, manifest: dict):
+        self.client, self.endpoint, self.prompts, self.params = client, endpoint, prompts, params
+        self.local_name, self.vocab_size, self.manifest = local_name, vocab_size, manifest
+
+    def __len__(self) -> int:
+        return len(self.prompts)
+
+    def claim_id(self, i: int) -> str:
+        return f"api-{i:05d}"
+
+    def send(self, i: int) -> tuple[list[int], list[int], str]:
+        return request_completion(self.client, self.endpoint, self.prompts[i], self.params[i],
+                                  f"request {i} (claim {self.claim_id(i)})", vocab_size=self.vocab_size)
+
+    def claim(self, i: int, reply: tuple[list[int], list[int], str]) -> Claim | None:
+        p_ids, o_ids, finish = reply
+        if not o_ids:
+            return None
+        return Claim(self.claim_id(i), self.local_name, p_ids, o_ids, self.params[i],
+                     provider=f"api:{self.endpoint.model}", extra={"finish_reason": finish})
+
+    def interrupted(self, what: str, saved: int, path: Path) -> str:
+        return f"{what} ({saved} of {len(self)} claims collected, saved in {path})"
+
+    def check_collected(self, claims: list[Claim]) -> None:
+        if not claims:
+            raise EndpointError(f"the endpoint returned no output tokens for any of {len(self)} prompts",
+                                where=self.endpoint.base_url, fix="check max_tokens and the model the endpoint serves")
+
+
+def claim_tokens(tokens: str, have_ids: bool) -> str:
+    """Where a chat claim's ids come from: `tokens` ("derived" | "returned"), or for "auto" the
+    endpoint's ids where it sent them, else the text's."""
+    return tokens if tokens != "auto" else (RETURNED if have_ids else DERIVED)
+
+
+def reply_claim(i: int, msgs: list[dict], reply: ChatReply, endpoint: ChatEndpoint, params: SamplingParams,
+                tokens: str, retok: Retokenizer, model_name: str, *, vocab_size: int) -> Claim | None:
+    """The claim of reply i. Where its ids are the endpoint's (tokens "returned", or "auto" with ids
+    sent), they are checked against the trusted model's vocab_size and max_tokens first
+    (`openai_http.check_token_reply`): a bad reply is an EndpointError, never a claim. A request
+    with stop strings (`extra["stop"]`): a reply that stopped is claimed as possibly cut by one
+    (`Claim.from_chat` stop), and one cut before any text is no claim (None)."""
+    tokens = claim_tokens(tokens, reply.output_token_ids is not None)
+    if tokens == RETURNED and reply.output_token_ids is None:
+        raise EndpointError(f"request {i}: the endpoint returned no token ids (tokens='returned')",
+                            where=endpoint.name, fix="audit with tokens derived from the text (the default)")
+    if tokens == RETURNED:
+        check_token_reply(reply.output_token_ids, reply.finish_reason, vocab_size=vocab_size,
+                          max_tokens=params.max_tokens, request=f"request {i} of vendor {endpoint.name!r}",
+                          where=endpoint.name, prompt_ids=reply.prompt_token_ids)
+    stop = endpoint.extra.get("stop")
+    stop = [stop] if isinstance(stop, str) else list(stop or [])
+    if tokens == DERIVED and stop and reply.finish_reason == "stop" and not reply.text:
+        return None
+    return Claim.from_chat(f"{endpoint.name}-{i:05d}", model_name, msgs, reply.text, reply.finish_reason, params,
+                           retok, tokens=tokens, returned=(reply.prompt_token_ids, reply.output_token_ids),
+                           usage=reply.usage, provider=endpoint.name,
+                           extra={"served_model": reply.served_model} if reply.served_model else None, stop=stop)
+
+
+class ChatSource:
+    """A vendor's requests: each conversation to its `/v1/chat/completions`, `endpoint.concurrency`
+    in flight, greedy with `params`; a reply becomes a claim by `reply_claim` (a reply cut before any
+    text is none)."""
+
+    def __init__(self, endpoint: ChatEndpoint, conversations: list[list[dict]], params: SamplingParams, tokens: str,
+                 retok: Retokenizer, model_name: str, vocab_size: int, manifest: dict):
+        self.endpoint, self.conversations, self.params, self.tokens = endpoint, conversations, params, tokens
+        self.retok, self.model_name, self.vocab_size, self.manifest = retok, model_name, vocab_size, manifest
+        self.concurrency = endpoint.concurrency
+        self.client = endpoint.client()
+
+    def __len__(self) -> int:
+        return len(self.conversations)
+
+    def claim_id(self, i: int) -> str:
+        return f"{self.endpoint.name}-{i:05d}"
+
+    def send(self, i: int) -> ChatReply:
+        return request_chat(self.client, self.endpoint, self.conversations[i], self.params,
+                            f"request {i} of vendor {self.endpoint.name!r}")
+
+    def claim(self, i: int, reply: ChatReply) -> Claim | None:
+        return reply_claim(i, self.conversations[i], reply, self.endpoint, self.params, self.tokens, self.retok,
+                           self.model_name, vocab_size=self.vocab_size)
+
+    def interrupted(self, what: str, saved: int, path: Path) -> str:
+        return f"{what} ({saved} of {len(self)} replies saved in {path}; rerun to resume)"
+
+    def check_collected(self, claims: list[Claim]) -> None:
+        return None
+
+
+def vendor_dir_name(model: str) -> str:
+    """A vendor name usable as a directory: the model name with other characters as '_'."""
+    out = "".join(ch if ch.isalnum() or ch in "._-" else "_" for ch in model).strip("._") or "model"
+    return out[:64]
+
+
+def log_sources(log: Path, model_name: str, params: SamplingParams, tokens: str, retok: Retokenizer, *,
+                skip_unusable: bool = False, skipped: list | None = None) -> dict[str, InHand]:
+    """The log's exchanges as claims of `model_name`, one `InHand` source per model the replies name
+    (its `model`, else the request's): ids derived from the text (or the ids the log holds, per
+    `tokens`), each with the reply's length as max_tokens. Only greedy exchanges can be replayed
+    without the provider's seed and sampler (`chat_log.unusable_for_replay`): an unusable one is
+    raised, or with skip_unusable counted in `skipped` as (source, kind, what)."""
+    groups: dict[str, list[Claim]] = {}
+    for ex in iter_chat_log(log, skip_unusable=skip_unusable, skipped=skipped):
+        err = unusable_for_replay(ex)
+        if err is not None:
+            if not skip_unusable:
+                raise err
+            if skipped is not None:
+                skipped.append((ex.source, err.kind, err.what))
+            continue
+        vendor = vendor_dir_name(ex.served_model or ex.model)
+        how = claim_tokens(tokens, ex.output_token_ids is not None)
+        if how == RETURNED and ex.output_token_ids is None:
+            raise VerinferError("the log holds no token ids for this exchange (--tokens returned)", where=ex.source,
+                                fix="derive them from the text (--tokens derived, the default)")
+        n_out = len(ex.output_token_ids) if ex.output_token_ids is not None else (ex.usage or {}).get("completion_tokens")
+        own = replace(params, max_tokens=max(1, int(ex.sampling.get("max_tokens") or n_out or params.max_tokens)))
+        groups.setdefault(vendor, []).append(Claim.from_chat(
+            ex.id, model_name, list(ex.messages), ex.text, ex.finish_reason, own, retok, tokens=how,
+            returned=(None if ex.prompt_token_ids is None else list(ex.prompt_token_ids),
+                      None if ex.output_token_ids is None else list(ex.output_token_ids)),
+            usage=ex.usage, provider=vendor, extra={"source": ex.source}))
+    if not groups:
+        raise VerinferError("the log holds no exchange that can be audited", where=str(log),
+                            fix="see the skipped exchanges above; greedy chat exchanges with text replies are audited")
+    return {vendor: InHand(claims, {"log": Path(log).name, "vendor": vendor}) for vendor, claims in groups.items()}
+
+
+__all__ = ["ChatSource", "CompletionsSource", "claim_tokens", "log_sources", "reply_claim", "vendor_dir_name"]
