@@ -17,7 +17,9 @@
     allowed until then (ALLOW_UNTIL_CORE), and code reading a dict that only shares a key name with a
     column is named, with the reason, in NOT_SCORE_TABLES;
 (f) the version is written once in the code (src/verinfer/_version.py, equal to pyproject.toml's
-    static version) and no module imports it from the package root (an import up the layers).
+    static version) and no module imports it from the package root (an import up the layers);
+(g) no module of src/verinfer/apps/ is longer than 200 lines: an app is an adapter of the audit
+    core (src/verinfer/core/), never a pipeline of its own (issue 44).
 
 A failing check lists each offence as file:line. The checks on src/ are xfail while the issue 30
 refactor is in flight (the lead removes the marks once it lands); the tests of the checkers on
@@ -585,3 +587,27 @@ def test_no_function_is_longer_than_80_lines():
     body = lambda n: "".join(f"    x{i} = {i}\n" for i in range(n))  # noqa: E731
     assert _lines(lambda t: long_functions(t, MAX_FUNCTION_LINES), f"def f():\n{body(79)}") == []  # 80 lines
     assert _lines(lambda t: long_functions(t, MAX_FUNCTION_LINES), f"@dec\ndef f():\n{body(79)}") == [1]  # 81
+
+
+MAX_APP_LINES = 200  # issue 44: an app is an adapter of the audit core (src/verinfer/core/), not a pipeline
+
+
+def oversized_modules(folder: Path, limit: int) -> list[str]:
+    """`file: N lines (at most limit)` for each module of `folder` longer than `limit` lines."""
+    out = []
+    for path in sorted(folder.glob("*.py")):
+        n = len(path.read_text().splitlines())
+        if n > limit:
+            out.append(f"{path.name}: {n} lines (at most {limit})")
+    return out
+
+
+def test_every_app_module_is_at_most_200_lines(tmp_path):
+    """(g) each module of src/verinfer/apps/ is at most MAX_APP_LINES lines: what an audit does lives
+    in core/ (sources, collector, AuditCore, local runs), audit/ (replay) and detect/ (statistics)."""
+    found = oversized_modules(SRC / "apps", MAX_APP_LINES)
+    assert not found, _report(found, f"no module of src/verinfer/apps/ is longer than {MAX_APP_LINES} lines")
+    assert len(list((SRC / "apps").glob("*.py"))) >= 8  # the check reads the apps
+    (tmp_path / "a.py").write_text("x = 1\n" * 200)
+    (tmp_path / "b.py").write_text("x = 1\n" * 201)
+    assert oversized_modules(tmp_path, 200) == ["b.py: 201 lines (at most 200)"]

@@ -1,7 +1,8 @@
 """The demo: ten simulated providers (five honest configurations, five misconfigurations) generate
 claims on the testbed; verinfer scores them, calibrates a detector on honest runs only, audits
-every provider and writes the HTML report. Built from apps/pipeline's steps; the report (and
-matplotlib) is imported only here."""
+every provider and writes the HTML report. An adapter of the audit core: the claims files replayed
+by one `core.auditor.AuditCore` (each once, resumable), the verdicts by `detect.judge`
+(`apps.pipeline.audit`); the report (and matplotlib) is imported only here."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from verinfer.apps.pipeline import audit, generate, score, verifier_engine
+from verinfer.apps.pipeline import audit, generate
+from verinfer.core.auditor import AuditCore
 from verinfer.detect.calibrate import calibrate, split_claims
 from verinfer.detect.verdict import Verdict
 from verinfer.io import atomic_write_json, atomic_write_text, check_manifest, output
@@ -48,15 +50,13 @@ def _demo(out: Path, model_dir: Path, *, n, max_tokens, seed, audit_tokens, show
     else:
         out.mkdir(parents=True, exist_ok=True)
         atomic_write_json(mpath, manifest)
-    engine = verifier_engine(model_dir)
+    core = AuditCore(model_dir, out, show_progress=show_progress)
     paths = []
     for name in PROVIDERS:
-        cpath, spath = out / "claims" / f"{name}.jsonl", out / "scores" / f"{name}.parquet"
+        cpath = out / "claims" / f"{name}.jsonl"
         if not cpath.is_file():  # resumable: finished steps are kept
             generate(name, model_dir, cpath, n=n, max_tokens=max_tokens, seed=seed, show_progress=show_progress)
-        if not spath.is_file():
-            score(cpath, model_dir, spath, engine=engine, show_progress=show_progress)
-        paths.append(spath)
+        paths.append(core.score_file(cpath, out / "scores" / f"{name}.parquet"))
     table = load_score_tables(paths)
     honest = list(HONEST)
     calib, held_out = split_claims(table, honest, seed=seed)  # honest providers are audited on claims not fit
