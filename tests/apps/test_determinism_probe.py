@@ -9,16 +9,18 @@ import json
 import random
 import threading
 import time
-from collections import Counter
 
 import pytest
 from typer.testing import CliRunner
 
 from verinfer.apps import determinism_probe as P
-from verinfer.apps.determinism_probe import (LARGE_CLASS, NEAR_TIE_CLASS, NO_MARGIN_CLASS, ProbeConfig, Reply,
-                                             classify, compare, condition_result, first_divergence, top2_margin)
+from verinfer.apps.determinism_probe import ProbeConfig
 from verinfer.cli.main import app
+from verinfer.determinism import probe_plan
+from verinfer.determinism.probe import (LARGE_CLASS, NEAR_TIE_CLASS, NO_MARGIN_CLASS, Reply, classify, compare,
+                                        condition_result, first_divergence, top2_margin)
 from verinfer.errors import VerinferError
+from verinfer.providers import logprobs_http
 
 
 def reply(tokens, margins) -> Reply:
@@ -80,7 +82,7 @@ def test_condition_result_counts_sequences_divergent_and_classes():
 # --- the conditions' waves ------------------------------------------------------------------------
 @pytest.mark.parametrize("batch", [1, 4, 16])
 def test_concurrent_waves_hold_batch_requests_and_every_probe_prompt_once(batch):
-    waves = P.concurrent_waves(10, 8, batch, n_fillers=8)
+    waves = probe_plan.concurrent_waves(10, 8, batch, n_fillers=8)
     assert all(len(w) == batch for w in waves)
     ours = sorted(j.ours for w in waves for j in w if j.ours is not None)
     assert ours == list(range(10))
@@ -89,13 +91,13 @@ def test_concurrent_waves_hold_batch_requests_and_every_probe_prompt_once(batch)
 
 def test_the_plan_sends_every_probe_prompt_once_per_condition():
     cfg = ProbeConfig("http://x/v1", "m", n=6, batch_sizes=(1, 4))
-    conds = P.plan(cfg, n_fillers=8)
+    conds = probe_plan.plan(cfg.n, cfg.max_tokens, cfg.batch_sizes, n_fillers=8, seed=cfg.seed)
     assert list(conds) == ["reference", "alone", "concurrent-1", "concurrent-4", "shared-prefix", "mixed-traffic"]
     for name, waves in conds.items():
         assert sorted(j.ours for w in waves for j in w if j.ours is not None) == list(range(6)), name
     assert all(len(w) == 1 for w in conds["alone"])
     mixed = [j for w in conds["mixed-traffic"] for j in w if j.ours is None]
-    assert all(j.temperature == 1.0 and j.max_tokens == P.MIXED_LENGTH_FACTOR * cfg.max_tokens for j in mixed)
+    assert all(j.temperature == 1.0 and j.max_tokens == probe_plan.MIXED_LENGTH_FACTOR * cfg.max_tokens for j in mixed)
     shared = [j for w in conds["shared-prefix"] for j in w if j.ours is None]
     assert {j.prompt[0] for j in shared} == {"extend"}
 
@@ -169,7 +171,7 @@ class ScriptedEndpoint:
 
 
 def probe_with(monkeypatch, tmp_path, endpoint, **kw):
-    monkeypatch.setattr(P, "openai_client", lambda e: endpoint)
+    monkeypatch.setattr(logprobs_http, "openai_client", lambda e: endpoint)
     cfg = ProbeConfig("http://toy/v1", "toy", tmp_path / "probe", **{"n": 8, "max_tokens": 24, **kw})
     return P.run_probe(cfg, show_progress=False)
 
@@ -225,10 +227,10 @@ def test_cli_exits_1_on_divergence_and_0_when_deterministic(monkeypatch, tmp_pat
     runner = CliRunner()
     args = ["determinism", "probe", "--base-url", "http://toy/v1", "--model", "toy", "--n", "4", "--max-tokens", "16",
             "--batch-sizes", "8", "--quiet"]
-    monkeypatch.setattr(P, "openai_client", lambda e: ScriptedEndpoint())
+    monkeypatch.setattr(logprobs_http, "openai_client", lambda e: ScriptedEndpoint())
     r = runner.invoke(app, [*args, "-o", str(tmp_path / "a")])
     assert r.exit_code == 0, r.output
-    monkeypatch.setattr(P, "openai_client", lambda e: ScriptedEndpoint(bug_rate=0.5))
+    monkeypatch.setattr(logprobs_http, "openai_client", lambda e: ScriptedEndpoint(bug_rate=0.5))
     r = runner.invoke(app, [*args, "-o", str(tmp_path / "b")])
     assert r.exit_code == 1, r.output
     assert "NOT deterministic" in r.output and "large-margin" in r.output

@@ -137,7 +137,7 @@ def more_tokens(v: Verdict) -> str:
 
 
 def probe(res) -> None:
-    """What `verinfer determinism probe` prints for an `apps.determinism_probe.ProbeResult`: a row
+    """What `verinfer determinism probe` prints for a `determinism.probe.ProbeResult`: a row
     per condition, the first divergences (at most 10), the summary and where the files are."""
     from verinfer.report.probe import CLASSES, condition_rows, flip_rows, summarize_probe
 

@@ -2,7 +2,7 @@
 (sequences, divergent sequences, flips by class) and a row per first divergence (prompt, position,
 the two tokens, the reference's top-2 margin there, its class).
 
-Both read the probe's JSON (apps/determinism_probe.py `ProbeResult.to_json`) as a plain dict: the
+Both read the probe's JSON (determinism/probe.py `ProbeResult.to_json`) as a plain dict: the
 page is `templates/probe.html.j2` (jinja2, autoescaped: token strings are the endpoint's text);
 numbers go through `report.format`."""
 
