@@ -206,12 +206,19 @@ def test_log_audits_end_to_end(servers, tmp_path):
     assert rows["verinfer-testbed-draft"]["verdict"]["flagged"]
     assert sorted(k for _, k, _ in doc["skipped"]) == ["sampled", "tool-calls"] and doc["exchanges"] == 36
     claims = out / "vendors" / "verinfer-testbed-target" / "claims.jsonl"
+    saved = claims.read_text()
     r = CliRunner().invoke(app, ["score", str(claims), "-o", str(tmp_path / "s.parquet")])
     assert r.exit_code == 0, r.output
     import pyarrow.parquet as pq
 
     mine = pq.read_table(out / "vendors" / "verinfer-testbed-target" / "scores.parquet")
     assert pq.read_table(tmp_path / "s.parquet")["token_id"].equals(mine["token_id"])
+    # the same directory for a changed log: its claims go through the one collector, which refuses a
+    # directory holding another collection's claims before any calibration, and keeps what was saved
+    path.write_text("\n".join(lines[1:]) + "\n")
+    r = CliRunner().invoke(app, [*args, "--skip-unusable"])
+    assert r.exit_code == 2 and "holds claims of another audit" in r.output and "new output path" in r.output, r.output
+    assert claims.read_text() == saved
 
 
 @pytest.mark.slow

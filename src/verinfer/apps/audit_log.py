@@ -39,14 +39,14 @@ def audit_log(log: Path, cfg: ChatAuditConfig, *, skip_unusable: bool = False,
     conv = [c.chat["messages"] for c in every]
     lengths = [c.sampling.max_tokens for c in every]
     audit = ChatAudit(cfg, show_progress, conversations=conv, max_tokens=lengths)
+    # collected first (nothing is sent): a directory holding another log's claims is refused before any compute
+    collected = {vendor: audit.core.collect(source, audit.out / "vendors" / vendor, f"{vendor}: claims")
+                 for vendor, source in sources.items()}
     audit.calibration = (conv[: cfg.calib_n], lengths[: cfg.calib_n])
     det = audit.detector()
     bands = audit.bands(det)
-    rows = []
-    for vendor, source in sources.items():
-        out = audit.out / "vendors" / vendor
-        claims, sent = audit.core.collect(source, out, f"{vendor}: claims")
-        rows.append(audit.judge(VendorResult(vendor, str(log), vendor), claims, sent, out, det, bands))
+    rows = [audit.judge(VendorResult(vendor, str(log), vendor), claims, sent, audit.out / "vendors" / vendor, det,
+                        bands) for vendor, (claims, sent) in collected.items()]
     audit.timings["total_s"] = time.perf_counter() - t0
     return write_results(audit, det, bands, rows, f"verinfer audit of the chat log {Path(log).name}",
                          {"log": str(log), "exchanges": len(every), "skipped": [list(s) for s in skipped]})
