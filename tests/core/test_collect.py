@@ -7,6 +7,7 @@ directory. No network, no model."""
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 from pathlib import Path
@@ -168,6 +169,9 @@ def test_claims_in_hand(tmp_path):
     assert claims == want and sent == len(want) and read_claims(tmp_path / "h" / "claims.jsonl") == want
     again = InHand.from_file(tmp_path / "h" / "claims.jsonl")
     assert again.claims == want and again.manifest["claims_sha256"] == InHand(want).manifest["claims_sha256"]
+    path = tmp_path / "h" / "claims.jsonl"
+    os.utime(path, (1_000_000, 1_000_000))
     assert collect(InHand(want, {"log": "x.jsonl"}), tmp_path / "h") == (want, len(want))
+    assert path.stat().st_mtime == 1_000_000  # nothing new: the file is not rewritten, its scores stay current
     with pytest.raises(VerinferError, match="different claims_sha256"):
         collect(InHand(want[:-1], {"log": "x.jsonl"}), tmp_path / "h")

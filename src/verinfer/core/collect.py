@@ -112,7 +112,8 @@ def collect(source: Source, out_dir: str | Path, progress: Callable[[int], Any] 
                     f.cancel()
                 raise EndpointError(source.interrupted(e.what, len(claims), path), where=e.where, fix=e.fix) from e
         source.check_collected(claims)
-        write_claims(path, claims)
+        if not path.is_file() or path.read_text() != claims_text(claims):  # unchanged: its scores stay current
+            write_claims(path, claims)
         atomic_write_json(rpath, {"requests_sent": sent, "no_claim": no_claim})
     return claims, sent
 
