@@ -39,6 +39,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -190,8 +191,11 @@ def env_mismatch(rec: dict, now: dict) -> str | None:
 
 
 # --- record / check ------------------------------------------------------------------------------
-def compute(selected: list[dict], threads: int, log) -> tuple[dict, dict]:
-    """Run the selected items (and the replay fixture if selected); returns (results, tensors)."""
+def compute(selected: list[dict], threads: int, log, jobs: int | None = None) -> tuple[dict, dict]:
+    """Run the selected items (and the items they read); returns (results, tensors). Each item is
+    its own `verinfer` process at `threads` torch threads, so `jobs` of them run side by side (default:
+    one per CPU) without changing a bit: first every item that reads no other item's output, then the
+    rest."""
     results, tensors = {}, {}
     with tempfile.TemporaryDirectory(prefix="verinfer-fixtures-") as tmp:
         d = Path(tmp)
@@ -201,16 +205,23 @@ def compute(selected: list[dict], threads: int, log) -> tuple[dict, dict]:
         files: dict[str, Path] = {}
         needed = {src for it in selected for a in it["argv"] if a.startswith("{claims:") for src in [a[8:-1]]}
         todo = [it for it in items() if it["name"] in needed and it not in selected] + selected
-        for it in todo:
+
+        def one(it: dict) -> tuple[dict, Path, float]:
             t0 = time.time()
             out = d / (it["name"].replace("/", "_") + (".parquet" if it["argv"][0] == "score" else ".jsonl"))
             argv = [str(tau) if a == "{tau}" else str(files[a[8:-1]]) if a.startswith("{claims:") else a
                     for a in it["argv"]]
             run_cli(argv, out, threads)
-            files[it["name"]] = out
-            if it in selected:
-                results[it["name"]] = scores_record(out) if it["argv"][0] == "score" else claims_record(out)
-            log(f"  {it['name']:32s} {time.time() - t0:5.1f} s")
+            return it, out, time.time() - t0
+
+        reads = lambda it: any(a.startswith("{claims:") for a in it["argv"])  # noqa: E731
+        with ThreadPoolExecutor(max(1, jobs or os.cpu_count() or 1)) as pool:
+            for wave in ([it for it in todo if not reads(it)], [it for it in todo if reads(it)]):
+                for it, out, seconds in pool.map(one, wave):
+                    files[it["name"]] = out
+                    if it in selected:
+                        results[it["name"]] = scores_record(out) if it["argv"][0] == "score" else claims_record(out)
+                    log(f"  {it['name']:32s} {seconds:5.1f} s")
     return results, tensors
 
 
