@@ -118,39 +118,37 @@ def vllm_server(tmp_path: Path, model_dir, name: str, *args: str):
     return api_server(model_dir, name, tmp_path / f"vllm-serve-{name}.log", *args)
 
 
-def test_audit_api_against_a_real_vllm_server(tmp_path):
-    """`vllm serve` (vLLM's own OpenAI-compatible server, loopback only) audited by `verinfer audit-api`:
-    seeds are honoured (auto mode picks seeded), token ids come back, the honest server passes."""
-    import json
-
-    from typer.testing import CliRunner
-
-    from verinfer.cli.main import app
-
-    with vllm_server(tmp_path, TARGET_DIR, "testbed") as url:
-        r = CliRunner().invoke(app, ["audit-api", "--base-url", url, "--model", "testbed",
-                                     "--out", str(tmp_path / "audit"), "--n", "24", "--max-tokens", "48",
-                                     "--calib-n", "32", "--threads", "1", "--honest", "honest-bf16-b8",
-                                     "--honest", "honest-fp32-b4", "--honest", "honest-bf16-eager-t1",
-                                     "--honest", "honest-bf16-chunk13"])
-    report = json.loads((tmp_path / "audit" / "report.json").read_text())
-    assert r.exit_code == 0, r.output
-    assert report["mode"] == "seeded"
-    assert report["n_tokens"] >= 800 and report["exact_match"] >= 0.99, report
-    assert not report["verdict"]["flagged"]
+@pytest.fixture(scope="module")
+def vllm_claims(tmp_path_factory) -> Path:
+    """Real vLLM claims of the testbed (an offline run), made before the module's server starts."""
+    out = tmp_path_factory.mktemp("vllm-claims") / "vllm.jsonl"
+    _vllm_generate(out, "--n", "12", "--max-tokens", "32", "--seed", "11")
+    return out
 
 
-def test_remote_reference_is_a_real_vllm_server(tmp_path):
+@pytest.fixture(scope="module")
+def testbed_server(tmp_path_factory) -> str:
+    """One `vllm serve` of the testbed target (loopback) for every server test of this module (a
+    server start is most of such a test): top-64 prompt logprobs for the remote reference, and the
+    plain chat template (the testbed has none: vLLM and verinfer use the same plain one)."""
+    from verinfer.retokenize import PLAIN_CHAT_TEMPLATE
+
+    d = tmp_path_factory.mktemp("vllm-serve")
+    template = d / "plain.jinja"
+    template.write_text(PLAIN_CHAT_TEMPLATE)
+    with vllm_server(d, TARGET_DIR, "testbed", "--max-logprobs", "64", "--chat-template", str(template)) as url:
+        yield url
+
+
+def test_remote_reference_is_a_real_vllm_server(vllm_claims, testbed_server, tmp_path):
     """`verinfer score --reference-url` against vLLM serving the testbed target with --max-logprobs 64
     (loopback): real vLLM claims (top-k 50 < 64, so rows are exact but for ties at the 64th value)
     scored from vLLM's own prompt logprobs reproduce vLLM's tokens, and agree with local replay."""
-    out = tmp_path / "vllm.jsonl"
-    _vllm_generate(out, "--n", "12", "--max-tokens", "32", "--seed", "11")
+    out = vllm_claims
     local = score(out, TARGET_DIR, tmp_path / "local.parquet", engine=verifier_engine(TARGET_DIR),
                   show_progress=False).table()
-    with vllm_server(tmp_path, TARGET_DIR, "testbed", "--max-logprobs", "64") as url:
-        remote = score(out, TARGET_DIR, tmp_path / "remote.parquet", reference_url=url, reference_model="testbed",
-                       reference_logprobs=64, show_progress=False).table()
+    remote = score(out, TARGET_DIR, tmp_path / "remote.parquet", reference_url=testbed_server,
+                   reference_model="testbed", reference_logprobs=64, show_progress=False).table()
     assert remote.num_rows == local.num_rows >= 300
     assert remote["claim_id"].equals(local["claim_id"]) and remote["token_id"].equals(local["token_id"])
     exact = ~remote["approximate"].to_numpy()
@@ -162,7 +160,28 @@ def test_remote_reference_is_a_real_vllm_server(tmp_path):
           f"{r_match.mean():.4f} (local replay {l_match.mean():.4f})")
 
 
-def test_chat_audit_of_a_real_vllm_chat_endpoint(tmp_path):
+def test_audit_api_against_a_real_vllm_server(testbed_server, tmp_path):
+    """`vllm serve` (vLLM's own OpenAI-compatible server, loopback only) audited by `verinfer audit-api`:
+    seeds are honoured (auto mode picks seeded), token ids come back, the honest server passes."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from verinfer.cli.main import app
+
+    r = CliRunner().invoke(app, ["audit-api", "--base-url", testbed_server, "--model", "testbed",
+                                 "--out", str(tmp_path / "audit"), "--n", "24", "--max-tokens", "48",
+                                 "--calib-n", "32", "--threads", "1", "--honest", "honest-bf16-b8",
+                                 "--honest", "honest-fp32-b4", "--honest", "honest-bf16-eager-t1",
+                                 "--honest", "honest-bf16-chunk13"])
+    report = json.loads((tmp_path / "audit" / "report.json").read_text())
+    assert r.exit_code == 0, r.output
+    assert report["mode"] == "seeded"
+    assert report["n_tokens"] >= 800 and report["exact_match"] >= 0.99, report
+    assert not report["verdict"]["flagged"]
+
+
+def test_chat_audit_of_a_real_vllm_chat_endpoint(testbed_server, tmp_path):
     """vLLM's /v1/chat/completions (text replies, temperature 0) audited by `verinfer audit-api --chat`:
     the claims are derived from the text alone (vLLM's ids kept beside them only), the replay re-cuts
     them to vLLM's own ids, the honest server passes; the reference bands run on local vLLM
@@ -172,17 +191,12 @@ def test_chat_audit_of_a_real_vllm_chat_endpoint(tmp_path):
     from typer.testing import CliRunner
 
     from verinfer.cli.main import app
-    from verinfer.retokenize import PLAIN_CHAT_TEMPLATE
-
-    template = tmp_path / "plain.jinja"  # the testbed has no chat template: vLLM and verinfer use the plain one
-    template.write_text(PLAIN_CHAT_TEMPLATE)
-    with vllm_server(tmp_path, TARGET_DIR, "testbed", "--chat-template", str(template)) as url:
-        r = CliRunner().invoke(app, ["audit-api", "--chat", "--base-url", url, "--model", "testbed",
-                                     "--extra", '{"return_token_ids": true}', "--out", str(tmp_path / "audit"),
-                                     "--n", "16", "--max-tokens", "32", "--calib-n", "24",
-                                     "--honest", "honest-bf16-b8", "--honest", "honest-fp32-b4",
-                                     "--honest", "honest-bf16-eager-t1", "--bands", "bf16", "--bands", "int4",
-                                     "--band-engine", "vllm"])
+    r = CliRunner().invoke(app, ["audit-api", "--chat", "--base-url", testbed_server, "--model", "testbed",
+                                 "--extra", '{"return_token_ids": true}', "--out", str(tmp_path / "audit"),
+                                 "--n", "16", "--max-tokens", "32", "--calib-n", "24",
+                                 "--honest", "honest-bf16-b8", "--honest", "honest-fp32-b4",
+                                 "--honest", "honest-bf16-eager-t1", "--bands", "bf16", "--bands", "int4",
+                                 "--band-engine", "vllm"])
     assert r.exit_code == 0, r.output
     doc = json.loads((tmp_path / "audit" / "vendors.json").read_text())
     row = doc["vendors"][0]
