@@ -1,8 +1,8 @@
 """`verinfer audit-log`: a log of chat exchanges audited like vendors, an adapter of the audit core.
 
     source       the log's exchanges (`core.sources.log_sources`: one source per model the replies
-                 name, each exchange a claim; exchanges a greedy replay cannot use are refused, or
-                 skipped and counted with --skip-unusable)
+                 name, keyed by the exact name; each exchange a claim; exchanges a greedy replay
+                 cannot use are refused, or skipped and counted with --skip-unusable)
     collect      each vendor's claims saved through the one collector (`core.collect`) into
                  out_dir/vendors/<vendor>/ under its lock and manifest: a directory that holds
                  another log's claims is refused, never mixed
@@ -18,7 +18,7 @@ from pathlib import Path
 
 from verinfer.apps.audit_chat import ChatAuditResult, write_results
 from verinfer.core.chat import ChatAudit, ChatAuditConfig, VendorResult
-from verinfer.core.sources import log_sources
+from verinfer.core.sources import log_sources, vendor_dir_name
 from verinfer.io import check_writable
 from verinfer.models.load import model_info
 from verinfer.retokenize import Retokenizer
@@ -40,13 +40,14 @@ def audit_log(log: Path, cfg: ChatAuditConfig, *, skip_unusable: bool = False,
     lengths = [c.sampling.max_tokens for c in every]
     audit = ChatAudit(cfg, show_progress, conversations=conv, max_tokens=lengths)
     # collected first (nothing is sent): a directory holding another log's claims is refused before any compute
-    collected = {vendor: audit.core.collect(source, audit.out / "vendors" / vendor, f"{vendor}: claims")
+    dirs = {vendor: audit.out / "vendors" / vendor_dir_name(vendor) for vendor in sources}
+    collected = {vendor: audit.core.collect(source, dirs[vendor], f"{vendor}: claims")
                  for vendor, source in sources.items()}
     audit.calibration = (conv[: cfg.calib_n], lengths[: cfg.calib_n])
     det = audit.detector()
     bands = audit.bands(det)
-    rows = [audit.judge(VendorResult(vendor, str(log), vendor), claims, sent, audit.out / "vendors" / vendor, det,
-                        bands) for vendor, (claims, sent) in collected.items()]
+    rows = [audit.judge(VendorResult(vendor, str(log), vendor), claims, sent, dirs[vendor], det, bands)
+            for vendor, (claims, sent) in collected.items()]
     audit.timings["total_s"] = time.perf_counter() - t0
     return write_results(audit, det, bands, rows, f"verinfer audit of the chat log {Path(log).name}",
                          {"log": str(log), "exchanges": len(every), "skipped": [list(s) for s in skipped]})

@@ -16,6 +16,7 @@ A new source is one more class with the `collect.Source` protocol: `manifest`, `
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import replace
 from pathlib import Path
 
@@ -131,16 +132,22 @@ class ChatSource:
         return None
 
 
-def vendor_dir_name(model: str) -> str:
-    """A vendor name usable as a directory: the model name with other characters as '_'."""
-    out = "".join(ch if ch.isalnum() or ch in "._-" else "_" for ch in model).strip("._") or "model"
-    return out[:64]
+def vendor_dir_name(name: str) -> str:
+    """The directory of the vendor `name` (its exact name, as the replies give it): the name itself
+    where it is a safe directory name of at most 64 characters, else its safe characters ('_' for the
+    others, at most 48) and the first 8 hex digits of the exact name's sha256. Two different names
+    never share a directory: `acme/llama`, `acme_llama` and `acme llama` are three vendors."""
+    safe = "".join(ch if ch.isalnum() or ch in "._-" else "_" for ch in name).strip("._") or "model"
+    if safe == name and len(name) <= 64:
+        return name
+    return f"{safe[:48]}-{hashlib.sha256(name.encode('utf-8', 'surrogatepass')).hexdigest()[:8]}"
 
 
 def log_sources(log: Path, model_name: str, params: SamplingParams, tokens: str, retok: Retokenizer, *,
                 skip_unusable: bool = False, skipped: list | None = None) -> dict[str, InHand]:
     """The log's exchanges as claims of `model_name`, one `InHand` source per model the replies name
-    (its `model`, else the request's): ids derived from the text (or the ids the log holds, per
+    (its `model`, else the request's; keyed by that exact name, `vendor_dir_name` gives its directory):
+    ids derived from the text (or the ids the log holds, per
     `tokens`), each with the reply's length as max_tokens. Only greedy exchanges can be replayed
     without the provider's seed and sampler (`chat_log.unusable_for_replay`): an unusable one is
     raised, or with skip_unusable counted in `skipped` as (source, kind, what)."""
@@ -153,7 +160,7 @@ def log_sources(log: Path, model_name: str, params: SamplingParams, tokens: str,
             if skipped is not None:
                 skipped.append((ex.source, err.kind, err.what))
             continue
-        vendor = vendor_dir_name(ex.served_model or ex.model)
+        vendor = ex.served_model or ex.model
         how = claim_tokens(tokens, ex.output_token_ids is not None)
         if how == RETURNED and ex.output_token_ids is None:
             raise VerinferError("the log holds no token ids for this exchange (--tokens returned)", where=ex.source,

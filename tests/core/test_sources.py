@@ -1,0 +1,51 @@
+"""`core.sources`: a chat log's vendors are keyed by the exact model name each reply gives, and
+each gets a directory no other name shares (issue 45's hostile-input pass: `acme/llama`,
+`acme_llama` and `acme llama` were one vendor, as were two names sharing their first 64 characters)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from verinfer.core.sources import log_sources, vendor_dir_name
+from verinfer.models.testbed import TARGET_DIR
+from verinfer.retokenize import Retokenizer
+from verinfer.sampling.params import SamplingParams
+
+LONG = "acme/" + "x" * 70
+
+
+def exchange(model: str, rid: str, text: str = "Hello there.") -> str:
+    return json.dumps({"request": {"model": model, "messages": [{"role": "user", "content": "Say hello."}],
+                                   "temperature": 0, "max_tokens": 16},
+                       "response": {"id": rid, "model": model, "choices": [
+                           {"message": {"role": "assistant", "content": text}, "finish_reason": "stop"}]}})
+
+
+def test_directory_names_are_the_name_where_safe_and_never_shared():
+    names = ["acme-llama-3.1", "acme/llama", "acme_llama", "acme llama", LONG, LONG + "y", "ünïcode/名前", "..", ""]
+    dirs = [vendor_dir_name(n) for n in names]
+    assert dirs[0] == "acme-llama-3.1" and dirs[2] == "acme_llama"  # a safe name is its own directory
+    assert len(set(dirs)) == len(names), dirs
+    for d in dirs:
+        assert d and d not in (".", "..") and "/" not in d and len(d) <= 64
+        assert all(ch.isalnum() or ch in "._-" for ch in d), d
+    assert vendor_dir_name("acme/llama") == vendor_dir_name("acme/llama")  # stable across runs
+
+
+def test_a_log_keeps_vendors_whose_names_differ_only_in_replaced_characters_apart(tmp_path):
+    log = tmp_path / "log.jsonl"
+    models = ["acme/llama", "acme_llama", "acme llama", LONG, LONG + "y"]
+    log.write_text("\n".join(exchange(m, f"r{i}") for i, m in enumerate(models)) + "\n")
+    params = SamplingParams(0.0, -1, 1.0, 0.0, None, 16, "vllm-cpu")
+    sources = log_sources(log, "verinfer-testbed-target", params, "derived", Retokenizer.for_model(TARGET_DIR))
+    assert sorted(sources) == sorted(models)
+    assert all(len(s.claims) == 1 and s.claims[0].provider == m for m, s in sources.items())
+    assert len({json.dumps(s.manifest, sort_keys=True) for s in sources.values()}) == len(models)
+
+
+@pytest.mark.parametrize("name", ["acme/llama", "x" * 80])
+def test_an_unsafe_or_long_name_is_hashed_not_cut(name):
+    d = vendor_dir_name(name)
+    assert d != name and d.rsplit("-", 1)[1].isalnum() and len(d.rsplit("-", 1)[1]) == 8
