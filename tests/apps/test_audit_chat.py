@@ -200,6 +200,7 @@ def test_log_audits_end_to_end(servers, tmp_path):
     assert r.exit_code == 2 and "sampled" in r.output  # unusable exchanges stop it, saying which and where
     r = CliRunner().invoke(app, [*args, "--skip-unusable"])
     assert r.exit_code == 1, r.output  # the smaller model's replies are flagged
+    assert "skipped 2 exchange(s) of the log: 1 sampled, 1 tool-calls" in r.output  # counted on screen too
     doc = json.loads((out / "vendors.json").read_text())
     rows = {v["name"]: v for v in doc["vendors"]}
     assert not rows["verinfer-testbed-target"]["verdict"]["flagged"] and rows["verinfer-testbed-target"]["n_requests"] == 24

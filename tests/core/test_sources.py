@@ -49,3 +49,27 @@ def test_a_log_keeps_vendors_whose_names_differ_only_in_replaced_characters_apar
 def test_an_unsafe_or_long_name_is_hashed_not_cut(name):
     d = vendor_dir_name(name)
     assert d != name and d.rsplit("-", 1)[1].isalnum() and len(d.rsplit("-", 1)[1]) == 8
+
+
+def test_a_reply_beyond_the_models_context_is_refused_and_an_all_skipped_log_says_what_was_skipped(tmp_path):
+    """A reply whose usage says 2M tokens (no max_tokens in the request) is refused at its line, not
+    generated against; when nothing is left the error counts the skipped kinds (nothing is printed above)."""
+    from verinfer.errors import VerinferError
+    from verinfer.providers.chat_log import ChatLogError
+
+    big = json.loads(exchange("acme/llama", "r0"))
+    del big["request"]["max_tokens"]
+    big["response"]["usage"] = {"completion_tokens": 2_000_000}
+    sampled = json.loads(exchange("acme/llama", "r1"))
+    sampled["request"]["temperature"] = 0.7
+    log = tmp_path / "log.jsonl"
+    log.write_text(json.dumps(big) + "\n" + json.dumps(sampled) + "\n")
+    args = (log, "verinfer-testbed-target", SamplingParams(0.0, -1, 1.0, 0.0, None, 16, "vllm-cpu"), "derived",
+            Retokenizer.for_model(TARGET_DIR))
+    with pytest.raises(ChatLogError, match="2000000 output tokens, more than the model's context of 128") as e:
+        log_sources(*args, max_positions=128)
+    assert e.value.kind == "over-length" and e.value.where == f"{log}:1"
+    skipped: list = []
+    with pytest.raises(VerinferError, match=r"no exchange that can be audited \(skipped 1 over-length, 1 sampled\)"):
+        log_sources(*args, max_positions=128, skip_unusable=True, skipped=skipped)
+    assert [k for _, k, _ in skipped] == ["over-length", "sampled"]

@@ -174,6 +174,13 @@ BAD = {  # kind -> lines that are refused with it (each as line 2 of a log, afte
                                             "stop_reason": "###"}]}), line(req={"stop": "###"})],
     "role": [line(req={"messages": [{"role": "narrator", "content": "x"}]}),
              line(req={"messages": [{"role": "User", "content": "x"}]})],
+    # issue 45's hostile-input pass: these were an internal error (exit 3), or accepted
+    "bad-text": [line(req={"messages": [{"role": "user", "content": "hi \ud800"}]}), line(resp=reply("4\udfff")),
+                 line(resp=reply("4", reasoning_content="\udc80"))],
+    "too-long": [b'{"request": "' + b"x" * (16 << 20) + b'"}'],
+    "over-length": [line(resp={"choices": [{"message": {"content": "4"}, "finish_reason": "length",
+                                            "token_ids": list(range(9))}]}),
+                    line(resp={"usage": {"completion_tokens": 2_000_000}})],
 }
 CASES = [(kind, i) for kind, lines in BAD.items() for i in range(len(lines))]
 
@@ -243,6 +250,9 @@ def test_missing_file(tmp_path):
     with pytest.raises(ChatLogError, match="no such chat log") as e:
         read_chat_log(tmp_path / "nope.jsonl")
     assert e.value.kind == "no-file" and e.value.where == str(tmp_path / "nope.jsonl")
+    with pytest.raises(ChatLogError, match="a directory, not a chat log") as e:
+        read_chat_log(tmp_path)
+    assert e.value.kind == "no-file" and "JSONL file" in e.value.fix
 
 
 def test_truncated_last_line_says_so(tmp_path):

@@ -41,6 +41,7 @@ class ChatAuditResult:
     path: Path                        # vendors.json
     html: Path | None
     timings: dict = field(default_factory=dict)
+    skipped: list = field(default_factory=list)  # a log's exchanges left out: (file:line, kind, why)
 
     def vendor(self, name: str) -> VendorResult:
         return next(v for v in self.vendors if v.name == name)
@@ -90,7 +91,7 @@ def write_results(audit: ChatAudit, det, bands: dict, rows: list[VendorResult], 
     path = atomic_write_json(cfg.out_dir / "vendors.json", doc)
     atomic_write_text(cfg.out_dir / "vendors.md", render_vendors_markdown(doc))
     html = render_vendors_html(doc, cfg.out_dir / "vendors.html")
-    return ChatAuditResult(rows, bands, path, html, audit.timings)
+    return ChatAuditResult(rows, bands, path, html, audit.timings, list(source.get("skipped", [])))
 
 
 def audit_endpoint(base_url: str, model: str, cfg: ChatAuditConfig, *, name: str = "endpoint",

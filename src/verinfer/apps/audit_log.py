@@ -33,8 +33,9 @@ def audit_log(log: Path, cfg: ChatAuditConfig, *, skip_unusable: bool = False,
     check_writable(cfg.out_dir, "audit directory", directory=True)
     retok = Retokenizer.for_model(cfg.model_dir)
     skipped: list = []
-    sources = log_sources(log, model_info(cfg.model_dir).name, cfg.params, cfg.tokens, retok,
-                          skip_unusable=skip_unusable, skipped=skipped)
+    info = model_info(cfg.model_dir)
+    sources = log_sources(log, info.name, cfg.params, cfg.tokens, retok, skip_unusable=skip_unusable,
+                          skipped=skipped, max_positions=info.max_positions)
     every = [c for s in sources.values() for c in s.claims]
     conv = [c.chat["messages"] for c in every]
     lengths = [c.sampling.max_tokens for c in every]

@@ -4,6 +4,8 @@ is report/'s)."""
 
 from __future__ import annotations
 
+from collections import Counter
+
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -99,6 +101,10 @@ def vendors(res) -> None:
     for v in res.vendors:
         if v.error:
             console.print(f"[yellow]{escape(v.name)}[/yellow]: {escape(v.error)}", soft_wrap=True)
+    if getattr(res, "skipped", None):
+        kinds = Counter(kind for _, kind, _ in res.skipped)
+        typer.echo(f"skipped {len(res.skipped)} exchange(s) of the log: " + ", ".join(
+            f"{n} {k}" for k, n in kinds.most_common()) + f" (each with its line and reason in {res.path})")
     typer.echo(f"dashboard: {res.html or res.path}")
 
 

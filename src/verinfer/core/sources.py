@@ -17,6 +17,7 @@ A new source is one more class with the `collect.Source` protocol: `manifest`, `
 from __future__ import annotations
 
 import hashlib
+from collections import Counter
 from dataclasses import replace
 from pathlib import Path
 
@@ -24,7 +25,7 @@ from verinfer.core.collect import InHand
 from verinfer.claims import Claim
 from verinfer.errors import VerinferError
 from verinfer.providers.chat_http import ChatEndpoint, ChatReply, request_chat
-from verinfer.providers.chat_log import iter_chat_log, unusable_for_replay
+from verinfer.providers.chat_log import ChatLogError, iter_chat_log, unusable_for_replay
 from verinfer.providers.openai_http import Endpoint, EndpointError, check_token_reply, request_completion
 from verinfer.retokenize import DERIVED, RETURNED, Retokenizer
 from verinfer.sampling.params import SamplingParams
@@ -143,29 +144,39 @@ def vendor_dir_name(name: str) -> str:
     return f"{safe[:48]}-{hashlib.sha256(name.encode('utf-8', 'surrogatepass')).hexdigest()[:8]}"
 
 
+def _over_context(ex, n_out, max_positions: int | None) -> ChatLogError | None:
+    """A reply whose own token count (its ids, else usage.completion_tokens) is beyond the model's context."""
+    if max_positions is None or not isinstance(n_out, int) or n_out <= max_positions:
+        return None
+    return ChatLogError(f"the reply claims {n_out} output tokens, more than the model's context of {max_positions}",
+                        kind="over-length", where=ex.source, fix="audit exchanges of this model (or pass --skip-unusable)")
+
+
 def log_sources(log: Path, model_name: str, params: SamplingParams, tokens: str, retok: Retokenizer, *,
-                skip_unusable: bool = False, skipped: list | None = None) -> dict[str, InHand]:
+                skip_unusable: bool = False, skipped: list | None = None,
+                max_positions: int | None = None) -> dict[str, InHand]:
     """The log's exchanges as claims of `model_name`, one `InHand` source per model the replies name
     (its `model`, else the request's; keyed by that exact name, `vendor_dir_name` gives its directory):
     ids derived from the text (or the ids the log holds, per
     `tokens`), each with the reply's length as max_tokens. Only greedy exchanges can be replayed
-    without the provider's seed and sampler (`chat_log.unusable_for_replay`): an unusable one is
-    raised, or with skip_unusable counted in `skipped` as (source, kind, what)."""
+    without the provider's seed and sampler (`chat_log.unusable_for_replay`), and a reply longer than
+    the model's context (`max_positions`) is no reply of it: an unusable one is raised, or with
+    skip_unusable counted in `skipped` as (source, kind, what)."""
     groups: dict[str, list[Claim]] = {}
+    skipped = skipped if skipped is not None else []
     for ex in iter_chat_log(log, skip_unusable=skip_unusable, skipped=skipped):
-        err = unusable_for_replay(ex)
+        n_out = len(ex.output_token_ids) if ex.output_token_ids is not None else (ex.usage or {}).get("completion_tokens")
+        err = unusable_for_replay(ex) or _over_context(ex, n_out, max_positions)
         if err is not None:
             if not skip_unusable:
                 raise err
-            if skipped is not None:
-                skipped.append((ex.source, err.kind, err.what))
+            skipped.append((ex.source, err.kind, err.what))
             continue
         vendor = ex.served_model or ex.model
         how = claim_tokens(tokens, ex.output_token_ids is not None)
         if how == RETURNED and ex.output_token_ids is None:
             raise VerinferError("the log holds no token ids for this exchange (--tokens returned)", where=ex.source,
                                 fix="derive them from the text (--tokens derived, the default)")
-        n_out = len(ex.output_token_ids) if ex.output_token_ids is not None else (ex.usage or {}).get("completion_tokens")
         own = replace(params, max_tokens=max(1, int(ex.sampling.get("max_tokens") or n_out or params.max_tokens)))
         groups.setdefault(vendor, []).append(Claim.from_chat(
             ex.id, model_name, list(ex.messages), ex.text, ex.finish_reason, own, retok, tokens=how,
@@ -173,8 +184,11 @@ def log_sources(log: Path, model_name: str, params: SamplingParams, tokens: str,
                       None if ex.output_token_ids is None else list(ex.output_token_ids)),
             usage=ex.usage, provider=vendor, extra={"source": ex.source}))
     if not groups:
-        raise VerinferError("the log holds no exchange that can be audited", where=str(log),
-                            fix="see the skipped exchanges above; greedy chat exchanges with text replies are audited")
+        kinds = Counter(kind for _, kind, _ in skipped)
+        raise VerinferError("the log holds no exchange that can be audited (skipped "
+                            + ", ".join(f"{n} {k}" for k, n in kinds.most_common()) + ")", where=str(log),
+                            fix="greedy chat exchanges with text replies are audited; chat_log.UNUSABLE_KINDS says "
+                                "why each skipped kind is not")
     return {vendor: InHand(claims, {"log": Path(log).name, "vendor": vendor}) for vendor, claims in groups.items()}
 
 

@@ -61,6 +61,13 @@ reading goes on. Kinds of the file itself (FILE_KINDS): no such file, and no usa
                      replay would score an end token the model never emitted (vLLM's stop_reason
                      null marks the model's own end; without it, a request with `stop` is refused)
     role             a role other than system, developer, user, assistant: no template renders it
+    bad-text         text that is not valid Unicode (a lone surrogate, \\ud800 in the JSON): no
+                     tokenizer encodes it (an endpoint answers such a request with 400)
+    too-long         a line over MAX_LINE_BYTES (16 MiB, the claims files' limit); the rest of the
+                     line is passed over and reading goes on with the next
+    over-length      the reply's token count (its token_ids, else usage.completion_tokens) exceeds
+                     the request's max_tokens (the caller bounds one without max_tokens by the
+                     model's context)
     sampled          temperature > 0: raised by apps.audit_chat (greedy audits), kept by this reader
     reasoning        a reply with a reasoning block: the model generated it before the text, in a form
                      its template decides (raised by apps.audit_chat, kept by this reader)
@@ -79,6 +86,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
 
+from verinfer.claims import MAX_LINE_BYTES
 from verinfer.errors import VerinferError
 
 UNUSABLE_KINDS = {
@@ -105,6 +113,11 @@ UNUSABLE_KINDS = {
     "stop-string": "the reply was cut by a stop string of the request, not by the model's end token: where "
                    "the model stopped is unknown",
     "role": "a message role other than system, developer, user, assistant: the chat template cannot render it",
+    "bad-text": "text that is not valid Unicode (a lone UTF-16 surrogate such as \\ud800 in the JSON): no "
+                "tokenizer encodes it, and an endpoint refuses it (HTTP 400)",
+    "too-long": "a line longer than 16 MiB (the claims files' limit): no exchange an audit replays is that long",
+    "over-length": "the reply has more tokens than its request allowed (max_tokens) or than the model's context: "
+                   "it is not a reply to this request",
     "sampled": "sampled at temperature > 0: replayed only with the provider's seed and sampler (refused by "
                "`unusable_for_replay` for a greedy audit; this reader keeps them)",
     "reasoning": "a reply with a reasoning block, generated before the text in a form the model's template "
@@ -393,6 +406,14 @@ def parse_exchange(obj: object, where: str, lineno: int) -> ChatExchange:
     messages = _messages(rq.messages, where)
     choice = resp.choices[0]
     msg, text = choice.message, _reply_text(choice, raw, req, where)
+    reasoning = msg.reasoning_content if msg.reasoning_content is not None else msg.reasoning
+    _check_unicode([(f"messages[{i}]", m["content"]) for i, m in enumerate(messages)]
+                   + [("the reply", text), ("the reply's reasoning", reasoning or "")], where)
+    n_out = len(choice.token_ids) if choice.token_ids is not None else (resp.usage or {}).get("completion_tokens")
+    asked = rq.max_completion_tokens if rq.max_completion_tokens is not None else rq.max_tokens
+    if isinstance(n_out, int) and not isinstance(n_out, bool) and asked is not None and n_out > asked:
+        raise _refuse("over-length", f"the reply has {n_out} tokens, more than the request's max_tokens {asked}",
+                      where, f"log the response this request received, {SKIP}")
     model = rq.model or resp.model
     if not model:
         raise _refuse("shape", "neither the request nor the response names the model", where,
@@ -406,8 +427,17 @@ def parse_exchange(obj: object, where: str, lineno: int) -> ChatExchange:
     rid = "" if resp.id is None else str(resp.id)
     return ChatExchange(rid or f"log-{lineno:06d}", model, messages, text, choice.finish_reason, sampling,
                         resp.usage, resp.model, None if choice.token_ids is None else tuple(choice.token_ids),
-                        None if prompt is None else tuple(prompt), where,
-                        msg.reasoning_content if msg.reasoning_content is not None else msg.reasoning)
+                        None if prompt is None else tuple(prompt), where, reasoning)
+
+
+def _check_unicode(texts: list[tuple[str, str]], where: str) -> None:
+    """Refuse text no tokenizer can encode: a lone surrogate (JSON lets `\\ud800` stand alone)."""
+    for what, text in texts:
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise _refuse("bad-text", f"{what} is not valid Unicode (a lone surrogate U+{ord(text[e.start]):04X} at "
+                          f"character {e.start})", where, f"log the text as sent (valid UTF-8), {SKIP}") from None
 
 
 def unusable_for_replay(ex) -> ChatLogError | None:
@@ -454,19 +484,26 @@ def iter_chat_log(path: str | Path, *, skip_unusable: bool = False,
     exchange raises its ChatLogError; with skip_unusable it is appended to `skipped` as
     (file:line, kind, message) and reading goes on. A log with no usable exchange raises."""
     p = Path(path)
+    if p.is_dir():
+        raise ChatLogError("a directory, not a chat log", kind="no-file", where=str(p),
+                           fix="pass the JSONL file of chat exchanges inside it")
     if not p.is_file():
         raise ChatLogError("no such chat log", kind="no-file", where=str(p),
                            fix="pass a JSONL file of chat exchanges, one {\"request\", \"response\"} per line")
     seen: set[str] = set()
     dropped: Counter[str] = Counter()
     with open(p, "rb") as f:  # decoded line by line: a text reader decodes ahead and names the wrong line
-        for lineno, raw in enumerate(f, 1):
+        for lineno, raw in enumerate(iter(lambda: f.readline(MAX_LINE_BYTES + 1), b""), 1):
             if lineno == 1:
                 raw = raw.removeprefix(b"\xef\xbb\xbf")  # a byte-order mark, as Windows tools write
             if not raw.strip():
                 continue
             where = f"{p}:{lineno}"
             try:
+                if len(raw) > MAX_LINE_BYTES:
+                    _pass_over_line(f, raw)
+                    raise _refuse("too-long", f"the line is longer than {MAX_LINE_BYTES >> 20} MiB", where,
+                                  f"no audited exchange is that long: drop the line, {SKIP}")
                 ex = parse_exchange(_decode(raw, where), where, lineno)
             except ChatLogError as e:
                 if not skip_unusable:
@@ -491,6 +528,13 @@ def iter_chat_log(path: str | Path, *, skip_unusable: bool = False,
                            fix="audit a log of text chat exchanges ended by stop or length (UNUSABLE_KINDS says "
                                "why each skipped kind cannot be audited)" if dropped else
                                "pass a JSONL file of chat exchanges, one {\"request\", \"response\"} per line")
+
+
+def _pass_over_line(f, head: bytes) -> None:
+    """Read on to the end of a line whose first MAX_LINE_BYTES + 1 bytes were `head`."""
+    chunk = head
+    while chunk and not chunk.endswith(b"\n"):
+        chunk = f.readline(MAX_LINE_BYTES + 1)
 
 
 def read_chat_log(path: str | Path, **kw) -> list[ChatExchange]:
