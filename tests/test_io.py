@@ -215,3 +215,30 @@ def test_sha256_and_lines_reads_once_what_sha256_files_gives(tmp_path):
     p = tmp_path / "c.jsonl"
     p.write_bytes(b'{"a": 1}\n' * 300_000 + b'{"b": 2}')   # > 1 MiB: several blocks, no final newline
     assert sha256_and_lines(p) == (sha256_files([p]), 300_000)
+
+
+@pytest.mark.parametrize("length", [242, 250, 255])
+def test_an_output_name_up_to_the_file_name_limit_is_written(tmp_path, length):
+    """Issue 45 (hostile-input 7): names of 242-255 bytes were refused because the side files (the
+    lock, the temp file, the parts directory, a detector's .meta.json) passed the 255-byte limit."""
+    from verinfer.detect.cache import DetectorCache
+    from verinfer.io import NAME_MAX, ResumableParts, atomic_write_text, check_writable, exclusive_lock, output
+
+    out = tmp_path / ("n" * (length - 8) + ".parquet")
+    assert len(out.name) == length <= NAME_MAX
+    with output(out, "scores file"):
+        atomic_write_text(out, "x")
+    with exclusive_lock(out):
+        with pytest.raises(OutputBusyError):
+            with exclusive_lock(out):  # the hashed lock name is the same for the same output
+                pass
+    with ResumableParts(out, {"a": 1}, suffix=".txt") as parts:
+        parts.write(0, lambda tmp: tmp.write_text("part"))
+        assert parts.path(0).read_text() == "part"
+        parts.finish()
+    assert DetectorCache(out).meta_path.parent == tmp_path
+    assert out.read_text() == "x"
+    assert all(len(p.name.encode()) <= NAME_MAX for p in tmp_path.rglob("*"))
+    check_writable(out)
+    with pytest.raises(VerinferError, match="256 bytes long, more than a file name may be"):
+        check_writable(tmp_path / ("n" * 248 + ".parquet"))

@@ -89,13 +89,28 @@ def _umask() -> int:
     return mask
 
 
+NAME_MAX = 255  # bytes in one file name (Linux, macOS)
+
+
+def side_path(path: str | Path, suffix: str, prefix: str = "") -> Path:
+    """A side file of `path` (its lock, a temp file, its parts): prefix + name + suffix beside it, or,
+    where that would pass the file-name limit, prefix + "." + the first 16 hex digits of the name's
+    sha256 + suffix (the same for the same name: a lock still meets its other holders)."""
+    p = Path(path)
+    name = f"{prefix}{p.name}{suffix}"
+    if len(name.encode("utf-8", "surrogateescape")) <= NAME_MAX:
+        return p.with_name(name)
+    digest = hashlib.sha256(p.name.encode("utf-8", "surrogateescape")).hexdigest()[:16]
+    return p.with_name(f"{prefix}.{digest}{suffix}")
+
+
 def atomic_write(path: str | Path, write_fn: Callable[[Path], None]) -> Path:
     """Write `path` through a temp file in its directory, then os.replace it into place. The file
     gets the mode a plain open() would give it (0o666 less the umask; mkstemp makes it 0600)."""
     p = Path(path)
     refuse_special(p, "output")
     p.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=f".{p.name}.", suffix=".tmp")
+    fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=side_path(p, ".XXXXXXXX.tmp", ".").name[:-12], suffix=".tmp")
     os.close(fd)
     try:
         write_fn(Path(tmp))
@@ -177,6 +192,9 @@ def check_writable(path: str | Path, what: str = "output", *, directory: bool = 
     command's `inputs` (`refuse_inputs`), lies under a file, or whose directory cannot be created
     or written."""
     p = Path(path)
+    if len(p.name.encode("utf-8", "surrogateescape")) > NAME_MAX:
+        raise VerinferError(f"the {what} name is {len(p.name.encode('utf-8', 'surrogateescape'))} bytes long, more "
+                            f"than a file name may be ({NAME_MAX})", where=str(p), fix="choose a shorter name")
     if directory and p.exists() and not p.is_dir():
         raise VerinferError(f"the {what} path is a file, not a directory", where=str(p),
                             fix="name a directory (it is created if missing)")
@@ -216,7 +234,7 @@ def output(path: str | Path, what: str = "output", *, inputs: Iterable[str | Pat
 def exclusive_lock(path: str | Path) -> Iterator[Path]:
     """Hold `<path>.lock` exclusively (non-blocking); OutputBusyError if another process holds it."""
     p = Path(path)
-    lock = p.with_name(p.name + ".lock")
+    lock = side_path(p, ".lock")
     lock.parent.mkdir(parents=True, exist_ok=True)
     while True:
         fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
@@ -275,7 +293,7 @@ class ResumableParts:
         if on_mismatch not in ("restart", "error"):
             raise ValueError(f"on_mismatch must be 'restart' or 'error', got {on_mismatch!r}")
         self.out = Path(out)
-        self.dir = self.out.with_name(self.out.name + ".parts")
+        self.dir = side_path(self.out, ".parts")
         self.manifest, self.suffix, self.on_mismatch = manifest, suffix, on_mismatch
         self._lock = None
 

@@ -392,3 +392,20 @@ def test_a_disconnected_client_leaves_the_batch(apps, monkeypatch):
     assert out[0]["status"] == 499
     b.stop()  # after the step in flight: no more steps for the cancelled row
     assert 1 <= len(emitted) <= 3, f"{len(emitted)} steps decoded for a client that was gone"
+
+
+def test_serve_on_a_port_in_use_is_a_usage_error_before_any_model_loads():
+    """Issue 45 (hostile-input 6): `verinfer serve` on a port another process listens on exited 3
+    (uvicorn's own code, verinfer's "internal error"); now exit 2 naming --port, nothing loaded."""
+    import socket
+
+    from typer.testing import CliRunner
+
+    from verinfer.cli.main import app as cli
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen(1)
+        port = held.getsockname()[1]
+        r = CliRunner().invoke(cli, ["serve", "--port", str(port)])
+    assert r.exit_code == 2 and f"cannot listen on 127.0.0.1:{port}" in r.output and "--port" in r.output, r.output

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from verinfer.detect.base import Detector
 from verinfer.detect.registry import load_detector
-from verinfer.io import atomic_write_json
+from verinfer.io import atomic_write_json, side_path
 
 
 class DetectorCache:
@@ -21,7 +21,7 @@ class DetectorCache:
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
-        self.meta_path = self.path.with_name(self.path.name + ".meta.json")
+        self.meta_path = side_path(self.path, ".meta.json")
 
     def saved_meta(self) -> dict | None:
         """The sidecar of the saved detector (None: no detector, or one saved without a sidecar)."""

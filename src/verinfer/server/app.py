@@ -40,6 +40,7 @@ from __future__ import annotations
 import asyncio
 import json
 import secrets
+import socket
 import time
 import uuid
 from contextlib import aclosing, asynccontextmanager
@@ -576,14 +577,25 @@ def make_batchers(registry: dict[str, ServedModel], cfg: ServeConfig) -> dict[in
     return {k: Batcher(m, cfg.max_batch, deterministic=cfg.deterministic, tau=tau(m)) for k, m in models.items()}
 
 
-def check_listen(port: int, threads: int | None) -> None:
-    """A VerinferError naming the option for a port outside 0-65535 (0: any free port) or fewer
+def check_listen(port: int, threads: int | None, host: str = "127.0.0.1") -> None:
+    """A VerinferError naming the option for a port outside 0-65535 (0: any free port), a port another
+    process already listens on (bound here with SO_REUSEADDR, as uvicorn binds, and let go), or fewer
     than one torch thread, before any model is loaded."""
     if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
         raise VerinferError(f"not a TCP port: {port!r}", where="--port", fix="use a port in 1-65535, e.g. --port 8000")
     if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
         raise VerinferError(f"must be at least 1, got {threads!r}", where="--threads",
                             fix="use 1 or more torch threads, or leave --threads out for torch's choice")
+    if port:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind((host, port))
+            except OSError as e:
+                raise VerinferError(f"cannot listen on {host}:{port} ({e.strerror or e})", where="--port",
+                                    fix="choose another --port (another process holds this one), or --port 0 for "
+                                        "any free port") from None
 
 
 def serve(cfg: ServeConfig, host: str = "127.0.0.1", port: int = 8000, threads: int | None = None,
@@ -592,7 +604,7 @@ def serve(cfg: ServeConfig, host: str = "127.0.0.1", port: int = 8000, threads: 
     import torch
     import uvicorn
 
-    check_listen(port, threads)
+    check_listen(port, threads, host)
     if threads is not None:
         torch.set_num_threads(threads)
     registry = load_registry(cfg.model_dir, misconfig=cfg.misconfig, device=cfg.device,
