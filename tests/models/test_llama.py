@@ -266,3 +266,35 @@ def test_truncated_config_is_a_model_error_naming_the_file(tiny_llama_dir, tmp_p
         with pytest.raises(ModelError, match="not valid JSON") as e:
             load(d)
         assert str(d / "config.json") in str(e.value)
+
+
+def test_rope_tables_only_grow_when_requests_grow_them_at_once(tiny_llama_dir, monkeypatch):
+    """`verinfer serve` runs requests in threads: a short request that began growing the RoPE table
+    (to 128) before a long one (to 256) finished after it, and left the smaller table, so the long one
+    indexed past it (IndexError, HTTP 500; seen in the chat-audit tests under load). The table never
+    shrinks now, whatever the interleaving forced here."""
+    import threading
+
+    from verinfer.models import llama
+
+    lean = LlamaLM.from_pretrained(tiny_llama_dir)
+    assert lean._arange_P.numel() == 64
+    real, short_started, long_done = llama.rope_table, threading.Event(), threading.Event()
+
+    def interleaved(n_pos, *a, **kw):
+        if n_pos == 128:  # the short request: start, then wait until the long one has grown the table
+            short_started.set()
+            long_done.wait(timeout=2)
+        return real(n_pos, *a, **kw)
+
+    monkeypatch.setattr(llama, "rope_table", interleaved)
+    short = threading.Thread(target=lean._grow, args=(65,))
+    short.start()
+    assert short_started.wait(timeout=10)
+    long = threading.Thread(target=lean._grow, args=(129,))
+    long.start()
+    long.join(timeout=1)  # with the lock it waits for the short one (the event times out), then grows
+    long_done.set()
+    short.join(timeout=10)
+    long.join(timeout=10)
+    assert lean._arange_P.numel() >= 129 and lean._cos_PE.shape[0] >= 129 and lean._sin_PE.shape[0] >= 129

@@ -28,6 +28,7 @@ L=any leading shape.
 from __future__ import annotations
 
 import json
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
@@ -134,6 +135,9 @@ def rms_norm(x_LD: torch.Tensor, weight_D: torch.Tensor, eps: float) -> torch.Te
     x32 = x_LD.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     return weight_D * x32.to(x_LD.dtype)
+
+
+_GROW_LOCK = threading.RLock()  # LlamaLM._grow: the RoPE tables of every model grow one at a time
 
 
 def rope_table(n_pos: int, head_dim: int, theta: float, dtype: torch.dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -306,14 +310,20 @@ class LlamaLM(torch.nn.Module):
 
     # --- forward -----------------------------------------------------------------------
     def _grow(self, n_pos: int) -> None:
-        """Make the RoPE table and the position arange cover n_pos positions (doubling)."""
+        """Make the RoPE table and the position arange cover n_pos positions (doubling). They only
+        ever grow, under a lock: `verinfer serve` runs requests in threads, and two that grew at once
+        could leave the smaller table in place (a 500 on a position past it), as it once did."""
         have = getattr(self, "_arange_P", None)
         if have is not None and have.numel() >= n_pos:
             return
-        P = max(64, 1 << max(0, n_pos - 1).bit_length())
-        c = self.config
-        self._cos_PE, self._sin_PE = rope_table(P, c.head_dim, c.rope_theta, self.dtype, self.device)
-        self._arange_P = torch.arange(P, device=self.device)
+        with _GROW_LOCK:
+            have = getattr(self, "_arange_P", None)
+            if have is not None and have.numel() >= n_pos:
+                return
+            P = max(64, 1 << max(0, n_pos - 1).bit_length())
+            c = self.config
+            self._cos_PE, self._sin_PE = rope_table(P, c.head_dim, c.rope_theta, self.dtype, self.device)
+            self._arange_P = torch.arange(P, device=self.device)  # last: a reader that sees it sees the tables
 
     def _layer(self, i: int, x_LD: torch.Tensor, cos_LE, sin_LE, attend) -> torch.Tensor:
         """Decoder layer i over tokens with any leading shape L ([B, T] padded, [N] packed);
