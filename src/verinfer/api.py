@@ -13,7 +13,7 @@ command calls these same functions. Importing `verinfer` is cheap: they load on 
 
 trusted_model: the trusted local copy of the model the endpoints claim to serve: a directory, a
 name from `verinfer models list`, or None for the shipped testbed target. settings: the fields of
-`apps.audit_chat.ChatAuditConfig` (n, max_tokens, seed, system_prompt, tokens, sequential,
+`core.chat.ChatAuditConfig` (n, max_tokens, seed, system_prompt, tokens, sequential,
 target_fpr, honest, calib_n, bands, device, matmul).
 """
 

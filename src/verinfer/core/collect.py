@@ -17,8 +17,8 @@
                again with the source's account of what was saved (the claims before it stay; a
                rerun resumes after them); the source's `check_collected` may refuse the result
 
-Sources: the completions endpoint (`audit_api.CompletionsSource`), a chat endpoint
-(`audit_chat.ChatSource`) and claims already in hand (`InHand`: a chat log's, a claims file's).
+Sources (`core.sources`): the completions endpoint (`CompletionsSource`), a chat endpoint
+(`ChatSource`), a chat log's vendors (`log_sources`) and claims already in hand (`InHand`, here).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Logs of past chat exchanges as the raw material of claims: the OpenAI chat-completions request
 and response JSON that clients and gateways log, one exchange per line (JSONL). This module
-parses and validates; tokenizing the exchanges into claims is the caller's (apps.audit_chat).
+parses and validates; tokenizing the exchanges into claims is the caller's (core.sources.log_sources).
 
     {"request":  {"model": str, "messages": [{"role": "system" | "developer" | "user" | "assistant",
                                               "content": str | [{"type": "text", "text": str}]}],
@@ -68,11 +68,11 @@ reading goes on. Kinds of the file itself (FILE_KINDS): no such file, and no usa
     over-length      the reply's token count (its token_ids, else usage.completion_tokens) exceeds
                      the request's max_tokens (the caller bounds one without max_tokens by the
                      model's context)
-    sampled          temperature > 0: raised by apps.audit_chat (greedy audits), kept by this reader
+    sampled          temperature > 0: raised by `unusable_for_replay` (greedy audits), kept by this reader
     reasoning        a reply with a reasoning block: the model generated it before the text, in a form
-                     its template decides (raised by apps.audit_chat, kept by this reader)
+                     its template decides (raised by `unusable_for_replay`, kept here)
     template-fields  the request changed the chat template (chat_template, chat_template_kwargs, ...):
-                     the auditor re-derives the prompt with the model's own (raised by apps.audit_chat)
+                     the auditor re-derives the prompt with the model's own (raised by `unusable_for_replay`)
 """
 
 from __future__ import annotations
