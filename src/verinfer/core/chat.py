@@ -127,9 +127,10 @@ def collect_manifest(endpoint: ChatEndpoint, cfg: ChatAuditConfig, conversations
 
 
 def chat_source(endpoint: ChatEndpoint, cfg: ChatAuditConfig, conversations: list[list[dict]],
-                retok: Retokenizer) -> ChatSource:
-    """A vendor's requests as a collection source (greedy, cfg.max_tokens, cfg.tokens)."""
-    info = model_info(cfg.model_dir)
+                retok: Retokenizer, info=None) -> ChatSource:
+    """A vendor's requests as a collection source (greedy, cfg.max_tokens, cfg.tokens); info: the
+    trusted model's `model_info` when the caller has it (reading it hashes the weights)."""
+    info = info or model_info(cfg.model_dir)
     return ChatSource(endpoint, conversations, cfg.params, cfg.tokens, retok, info.name, info.vocab_size,
                       collect_manifest(endpoint, cfg, conversations))
 
@@ -151,10 +152,10 @@ class ChatAudit:
 
     def _local(self, names: dict[str, Band], sub: str, conv: list[list[dict]],
                max_tokens: list[int] | None = None, engine: str = "verinfer") -> dict[str, pa.Table]:
-        return {name: self.core.scores(chat_run_claims(band, name, self.cfg.model_dir, self.cfg.params, conv,
-                                                       self.retok, self.out / sub, max_tokens=max_tokens,
-                                                       engine=engine, device=self.cfg.device,
-                                                       show_progress=self.core.show))
+        cfg = self.cfg
+        return {name: self.core.scores(chat_run_claims(band, name, cfg.model_dir, cfg.params, conv, self.retok,
+                                                       self.out / sub, self.info.name, max_tokens=max_tokens,
+                                                       engine=engine, device=cfg.device, show_progress=self.core.show))
                 for name, band in names.items()}
 
     def detector(self) -> Detector:
@@ -207,7 +208,8 @@ class ChatAudit:
         stop = (self.core.stream(det, self.cfg.target_fpr, out / "claims.jsonl", out / "scores.parquet",
                                  every=endpoint.concurrency) if self.cfg.sequential else None)
         try:
-            claims, sent = self.core.collect(chat_source(endpoint, self.cfg, self.conversations, self.retok), out,
+            claims, sent = self.core.collect(chat_source(endpoint, self.cfg, self.conversations, self.retok,
+                                                         self.info), out,
                                              f"{endpoint.name}: requests", stop)
         except (EndpointError, VerinferError) as e:
             row.error = str(e)

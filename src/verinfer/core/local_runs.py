@@ -16,7 +16,6 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from verinfer.claims import Claim, write_claims
-from verinfer.models.load import model_info
 from verinfer.numerics import Numerics
 from verinfer.progress import progress_bar
 from verinfer.providers.simulated import HONEST, PROVIDERS, ProviderConfig, provider_generate, run_provider
@@ -91,12 +90,12 @@ def _generate(band: Band, model_dir: Path, prompts: list[list[int]], params: lis
 
 
 def chat_run_claims(band: Band, name: str, model_dir: Path, params: SamplingParams, conversations: list[list[dict]],
-                    retok: Retokenizer, out: Path, *, max_tokens: list[int] | None = None, engine: str = "verinfer",
-                    device: str = "cpu", show_progress: bool = True) -> Path:
+                    retok: Retokenizer, out: Path, model_name: str, *, max_tokens: list[int] | None = None,
+                    engine: str = "verinfer", device: str = "cpu", show_progress: bool = True) -> Path:
     """Claims of a local run (cached at out/<name>.jsonl): the conversations as the band runs them
     (its system prompt, its template), greedy (each with its max_tokens, params.max_tokens by
     default; on verinfer's engine, or engine "vllm": on local vLLM), then each reply claimed as a
-    vendor's is, from its text, against the plain conversation."""
+    vendor's is, from its text, against the plain conversation, as a claim of `model_name`."""
     path = out / f"{name}.jsonl"
     if path.is_file():
         return path
@@ -107,7 +106,6 @@ def chat_run_claims(band: Band, name: str, model_dir: Path, params: SamplingPara
     each = [replace(params, max_tokens=m) for m in (max_tokens or [params.max_tokens] * len(prompts))]
     with progress_bar(f"{out.name}: generate {name}", len(prompts), show_progress) as adv:
         done = _generate(band, model_dir, prompts, each, out, engine, device, adv)
-    model_name = model_info(model_dir).name
     claims = []
     for i, (msgs, (ids, finish)) in enumerate(zip(conversations, done)):
         stopped = finish == "stop"
