@@ -55,11 +55,13 @@ def audit_vendors(vendors: str | Path | list[ChatEndpoint], *, trusted_model: st
 
 
 def audit_log(log: str | Path, *, trusted_model: str | Path | None = None, out_dir: str | Path = DEFAULT_OUT,
-              skip_unusable: bool = False, show_progress: bool = True, **settings) -> ChatAuditResult:
+              skip_unusable: bool = False, neutral_fields: tuple[str, ...] = (), show_progress: bool = True,
+              **settings) -> ChatAuditResult:
     """Audit a log of past chat exchanges (OpenAI request/response JSON, one per line): a row per
-    model the log names, reference bands run on the log's own conversations."""
+    model the log names, reference bands run on the log's own conversations. neutral_fields: request
+    fields of the log's own that change no token (`providers.chat_contract`)."""
     return _audit_log(Path(log), _config(trusted_model, out_dir, settings), skip_unusable=skip_unusable,
-                      show_progress=show_progress)
+                      neutral=tuple(neutral_fields), show_progress=show_progress)
 
 
 def score_claims(claims: str | Path, out: str | Path, *, trusted_model: str | Path | None = None,

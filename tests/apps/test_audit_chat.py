@@ -54,7 +54,9 @@ def test_vendors_file_errors_name_the_vendor_and_field(tmp_path, text, message):
 
 
 def test_exchanges_a_greedy_replay_cannot_use(tmp_path):
-    """Kept by the log reader, refused by the greedy audit: sampled, reasoning, another template."""
+    """Kept by the log reader, refused by the greedy audit: sampled, another template, a field the chat
+    contract does not know (unless declared neutral). A reasoning block is the contract's to render
+    (tests/providers/test_chat_contract.py)."""
     from verinfer.providers.chat_log import unusable_for_replay
     from verinfer.providers.chat_log import read_chat_log
 
@@ -64,11 +66,15 @@ def test_exchanges_a_greedy_replay_cannot_use(tmp_path):
              {"request": {**req, "temperature": 0.7}, "response": {**resp, "id": "r2"}},
              {"request": req, "response": {"id": "r3", "choices": [{"message": {"content": "Hi", "reasoning_content":
                                                                                  "think"}, "finish_reason": "stop"}]}},
-             {"request": {**req, "chat_template_kwargs": {"enable_thinking": False}}, "response": {**resp, "id": "r4"}}]
+             {"request": {**req, "chat_template_kwargs": {"enable_thinking": False}}, "response": {**resp, "id": "r4"}},
+                 {"request": {**req, "x_gateway_trace": "t-1"}, "response": {**resp, "id": "r5"}}]
     p = tmp_path / "log.jsonl"
     p.write_text("".join(json.dumps(x) + "\n" for x in lines))
-    kinds = [getattr(unusable_for_replay(ex), "kind", None) for ex in read_chat_log(p)]
-    assert kinds == [None, "sampled", "reasoning", "template-fields"]
+    exchanges = read_chat_log(p)
+    kinds = [getattr(unusable_for_replay(ex), "kind", None) for ex in exchanges]
+    assert kinds == [None, "sampled", None, "template-fields", "unknown-field"]
+    assert "--neutral-field x_gateway_trace" in unusable_for_replay(exchanges[4]).fix
+    assert unusable_for_replay(exchanges[4], ("x_gateway_trace",)) is None
 
 
 # --- real servers (slow) -----------------------------------------------------------------------

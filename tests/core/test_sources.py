@@ -73,3 +73,37 @@ def test_a_reply_beyond_the_models_context_is_refused_and_an_all_skipped_log_say
     with pytest.raises(VerinferError, match=r"no exchange that can be audited \(skipped 1 over-length, 1 sampled\)"):
         log_sources(*args, max_positions=128, skip_unusable=True, skipped=skipped)
     assert [k for _, k, _ in skipped] == ["over-length", "sampled"]
+
+
+def _line(req: dict | None = None, msg: dict | None = None, rid: str = "r", **choice) -> str:
+    request = {"model": "m", "messages": [{"role": "user", "content": "Say hello."}], "temperature": 0,
+               "max_tokens": 16, **(req or {})}
+    c = {"message": {"role": "assistant", "content": "Hello there.", **(msg or {})}, "finish_reason": "stop", **choice}
+    return json.dumps({"request": request, "response": {"id": rid, "model": "m", "choices": [c]}})
+
+
+def test_a_log_follows_the_chat_contract_as_a_live_audit_does(tmp_path):
+    """Stop strings replayed as cut (no end token) unless vLLM says the model ended; a reply cut by
+    max_tokens inside a character scored to its last whole one; a reasoning block the template has no
+    segment for, and a field nobody declared neutral, refused with their kinds."""
+    retok = Retokenizer.for_model(TARGET_DIR)
+    log = tmp_path / "log.jsonl"
+    log.write_text("\n".join([
+        _line({"stop": ["\n"]}, rid="cut"),
+        _line({"stop": ["\n"]}, rid="own-end", stop_reason=None),
+        _line(msg={"content": "Hello th\ufffd"}, rid="mid-char", finish_reason="length"),
+        _line(msg={"reasoning_content": "The user wants a greeting."}, rid="reasoning"),
+        _line({"x_trace": "t"}, rid="unknown"),
+        _line(rid="plain")]) + "\n")
+    params = SamplingParams(0.0, -1, 1.0, 0.0, None, 16, "vllm-cpu")
+    skipped: list = []
+    (src,) = log_sources(log, "t", params, "derived", retok, skip_unusable=True, skipped=skipped).values()
+    got = {c.id: c for c in src.claims}
+    end, hello = retok.end_token_id, retok.encode("Hello there.")
+    assert got["cut"].output_token_ids == hello and got["cut"].chat["stop"] == ["\n"]
+    assert got["own-end"].output_token_ids == hello + [end] and "stop" not in got["own-end"].chat
+    assert got["plain"].output_token_ids == hello + [end]
+    assert got["mid-char"].output_token_ids == retok.encode("Hello th")
+    assert sorted(kind for _, kind, _ in skipped) == ["reasoning", "unknown-field"]
+    (src,) = log_sources(log, "t", params, "derived", retok, skip_unusable=True, neutral=("x_trace",)).values()
+    assert "unknown" in {c.id for c in src.claims}

@@ -102,3 +102,19 @@ def test_429_and_503_are_retried_after_the_servers_retry_after():
         assert e.value.where == "busy"
     finally:
         server.shutdown()
+
+
+def test_a_reply_keeps_its_reasoning_block_and_vllms_stop_reason():
+    import json as _json
+
+    from verinfer.providers.chat_http import parse_chat_reply
+
+    def body(**choice):
+        c = {"message": {"content": "4", **choice.pop("message", {})}, "finish_reason": "stop", **choice}
+        return _json.dumps({"choices": [c]}).encode()
+
+    r = parse_chat_reply(body(message={"reasoning_content": "2+2"}, stop_reason=None), "v", "request 0")
+    assert (r.reasoning, r.model_end) == ("2+2", True)
+    r = parse_chat_reply(body(message={"reasoning": "add"}, stop_reason="\n"), "v", "request 0")
+    assert (r.reasoning, r.model_end) == ("add", False)
+    assert parse_chat_reply(body(), "v", "request 0").model_end is None

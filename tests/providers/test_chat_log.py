@@ -119,10 +119,15 @@ def test_neutral_settings_are_accepted(tmp_path, near_miss):
     assert ex.sampling["extra"] == ({} if "stream" in near_miss else near_miss)
 
 
-def test_stop_strings_with_vllm_stop_reason_null_are_the_models_end(tmp_path):
-    resp = {"choices": [{"message": {"content": "4"}, "finish_reason": "stop", "stop_reason": None}]}
-    (ex,) = read_chat_log(log(tmp_path, line(req={"stop": ["###"]}, resp=resp)))
-    assert ex.finish_reason == "stop" and ex.sampling["extra"] == {"stop": ["###"]}
+def test_stop_strings_are_read_with_what_the_response_says_of_the_end(tmp_path):
+    """A stop string is understood (chat contract), not refused: vLLM's stop_reason null marks the
+    model's own end, a string the stop string that cut it; without the field the end is unknown."""
+    def resp(**why):
+        return {"choices": [{"message": {"content": "4"}, "finish_reason": "stop", **why}]}
+    a, b, c = read_chat_log(log(tmp_path, *(line(req={"stop": ["###"]}, resp={**resp(**w), "id": str(i)})
+                                           for i, w in enumerate(({"stop_reason": None}, {"stop_reason": "###"}, {})))))
+    assert a.finish_reason == "stop" and a.sampling["extra"] == {"stop": ["###"]}
+    assert (a.model_end, b.model_end, c.model_end) == (True, False, None)
 
 
 BATCH_OUT = {"id": "batch_req_1", "custom_id": "q-1", "response": {"status_code": 200, "body": RESP}, "error": None}
@@ -170,8 +175,7 @@ BAD = {  # kind -> lines that are refused with it (each as line 2 of a log, afte
                 line(resp=reply("", "length"))],
     "finish-reason": [line(resp=reply("4", "content_filter")), line(resp=reply("4", None)),
                       line(resp={"choices": [{"message": {"content": "4"}}]})],
-    "stop-string": [line(resp={"choices": [{"message": {"content": "4"}, "finish_reason": "stop",
-                                            "stop_reason": "###"}]}), line(req={"stop": "###"})],
+    "stop-string": [line(req={"include_stop_str_in_output": True}), line(req={"skip_special_tokens": False})],
     "role": [line(req={"messages": [{"role": "narrator", "content": "x"}]}),
              line(req={"messages": [{"role": "User", "content": "x"}]})],
     # issue 45's hostile-input pass: these were an internal error (exit 3), or accepted
@@ -186,8 +190,9 @@ CASES = [(kind, i) for kind, lines in BAD.items() for i in range(len(lines))]
 
 
 def test_every_kind_is_tested_and_explained():
-    # sampled, reasoning and template-fields are apps.audit_chat's (tests/apps/test_audit_chat.py): kept here
-    assert set(BAD) == set(UNUSABLE_KINDS) - {"sampled", "reasoning", "template-fields"}
+    # sampled, reasoning, template-fields and unknown-field are the replay's (`unusable_for_replay`,
+    # chat_contract.reasoning_reply; tests/core/test_sources.py): kept by this reader
+    assert set(BAD) == set(UNUSABLE_KINDS) - {"sampled", "reasoning", "template-fields", "unknown-field"}
     assert set(FILE_KINDS) == {"no-file", "no-exchange"}
     assert all(len(v) > 40 for v in UNUSABLE_KINDS.values())
     doc = chat_log.__doc__
@@ -218,7 +223,7 @@ def test_messages_say_what_was_found(tmp_path):
     assert refusal(BAD["non-text"][0]).what == "messages[0] holds a image_url part"
     assert refusal(BAD["penalty"][0]).what == "request `presence_penalty` is 0.5 (neutral: 0)"
     assert "log the assembled response" in refusal(BAD["streaming"][0]).fix
-    assert "'###'" in refusal(BAD["stop-string"][0]).what
+    assert "include_stop_str_in_output=true" in refusal(BAD["stop-string"][0]).what
     assert "refusal: \"I can't help with that.\"" in refusal(BAD["no-text"][1]).what
 
 

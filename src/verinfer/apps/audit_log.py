@@ -24,7 +24,7 @@ from verinfer.models.load import model_info
 from verinfer.retokenize import Retokenizer
 
 
-def audit_log(log: Path, cfg: ChatAuditConfig, *, skip_unusable: bool = False,
+def audit_log(log: Path, cfg: ChatAuditConfig, *, skip_unusable: bool = False, neutral: tuple[str, ...] = (),
               show_progress: bool = True) -> ChatAuditResult:
     """Audit a log of chat exchanges: a row per model the replies name, judged like a vendor; the
     honest calibration and the reference bands run locally on the log's own conversations (each
@@ -35,7 +35,7 @@ def audit_log(log: Path, cfg: ChatAuditConfig, *, skip_unusable: bool = False,
     skipped: list = []
     info = model_info(cfg.model_dir)
     sources = log_sources(log, info.name, cfg.params, cfg.tokens, retok, skip_unusable=skip_unusable,
-                          skipped=skipped, max_positions=info.max_positions)
+                          skipped=skipped, max_positions=info.max_positions, neutral=neutral)
     every = [c for s in sources.values() for c in s.claims]
     conv = [c.chat["messages"] for c in every]
     lengths = [c.sampling.max_tokens for c in every]

@@ -363,13 +363,14 @@ def audit_vendors(vendors: Path = O.VENDORS_FILE, model: Optional[str] = O.model
 def audit_log(log: Path = O.LOG_FILE, model: Optional[str] = O.model(), out: Path = O.CHAT_OUT,
               calib_n: int = O.CHAT_CALIB_N, honest: List[str] = O.CHAT_HONEST, bands: List[str] = O.BANDS,
               band_engine: str = O.BAND_ENGINE, tokens: str = O.TOKENS, skip_unusable: bool = O.SKIP_UNUSABLE,
-              target_fpr: float = O.TARGET_FPR_CHAT,
+              neutral_field: List[str] = O.NEUTRAL_FIELD, target_fpr: float = O.TARGET_FPR_CHAT,
               device: str = O.device(), matmul: str = O.matmul()):
     """Audit a log of past chat exchanges (temperature 0): claims from its text, replay, a verdict per
     served model, reference bands run on the log's own conversations. Exit 1 if any is flagged."""
     from verinfer.api import audit_log as run
 
-    return _chat_exit(run(log, trusted_model=model, out_dir=out, skip_unusable=skip_unusable, **_chat_settings(
+    return _chat_exit(run(log, trusted_model=model, out_dir=out, skip_unusable=skip_unusable,
+                          neutral_fields=tuple(neutral_field), **_chat_settings(
         tokens=tokens, calib_n=calib_n, honest=honest, bands=bands, band_engine=band_engine, target_fpr=target_fpr,
         device=device, matmul=matmul)))
 

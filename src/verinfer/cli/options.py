@@ -311,6 +311,10 @@ LOG_FILE = typer.Argument(..., help="JSONL log of chat exchanges: one {\"request
                                     "per line (OpenAI chat-completions JSON).")
 SKIP_UNUSABLE = typer.Option(False, help="Skip exchanges that cannot be audited (tool calls, images, n > 1, ...) "
                                          "and count them, instead of stopping at the first.")
+NEUTRAL_FIELD = typer.Option([], "--neutral-field", metavar="FIELD",
+                             help="A request field of the log's (a gateway's or vendor's own) that changes no token, "
+                                  "so exchanges carrying it are audited (repeatable; fields the chat contract does "
+                                  "not know are refused otherwise).")
 
 # -- determinism, models, testbed, speculative ----------------------------------------------------
 TAU_OUT = typer.Option(Path("runs/margingate_tau.json"), "--out", "-o", help="Tau JSON to write (merged by model; "

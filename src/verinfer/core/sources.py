@@ -24,7 +24,9 @@ from pathlib import Path
 from verinfer.core.collect import InHand
 from verinfer.claims import Claim
 from verinfer.errors import VerinferError
+from verinfer.providers.chat_contract import cut_by_stop, reasoning_reply, stop_strings, whole_text
 from verinfer.providers.chat_http import ChatEndpoint, ChatReply, request_chat
+from verinfer.providers.chat_contract import ContractError
 from verinfer.providers.chat_log import ChatLogError, iter_chat_log, unusable_for_replay
 from verinfer.providers.openai_http import Endpoint, EndpointError, check_token_reply, request_completion
 from verinfer.retokenize import DERIVED, RETURNED, Retokenizer
@@ -75,13 +77,25 @@ def claim_tokens(tokens: str, have_ids: bool) -> str:
     return tokens if tokens != "auto" else (RETURNED if have_ids else DERIVED)
 
 
+def scored_text(retok: Retokenizer, messages: list[dict], text: str, finish_reason: str, reasoning: str | None,
+                where: str) -> str:
+    """The text of a reply its claim's ids come from, by the chat contract (`chat_contract`): up to
+    its last whole character (a reply cut by max_tokens inside one), and after its reasoning block
+    as the model's template renders it (a template without a reasoning segment refuses it)."""
+    text = whole_text(text, finish_reason)
+    if reasoning:
+        text = reasoning_reply(retok.tokenizer, messages, reasoning, text, where, retok.chat_template)
+    return text
+
+
 def reply_claim(i: int, msgs: list[dict], reply: ChatReply, endpoint: ChatEndpoint, params: SamplingParams,
                 tokens: str, retok: Retokenizer, model_name: str, *, vocab_size: int) -> Claim | None:
     """The claim of reply i. Where its ids are the endpoint's (tokens "returned", or "auto" with ids
     sent), they are checked against the trusted model's vocab_size and max_tokens first
     (`openai_http.check_token_reply`): a bad reply is an EndpointError, never a claim. A request
     with stop strings (`extra["stop"]`): a reply that stopped is claimed as possibly cut by one
-    (`Claim.from_chat` stop), and one cut before any text is no claim (None)."""
+    (`chat_contract.cut_by_stop`, `Claim.from_chat` stop), and one cut before any text is no claim
+    (None); its text is `scored_text`'s."""
     tokens = claim_tokens(tokens, reply.output_token_ids is not None)
     if tokens == RETURNED and reply.output_token_ids is None:
         raise EndpointError(f"request {i}: the endpoint returned no token ids (tokens='returned')",
@@ -90,14 +104,16 @@ def reply_claim(i: int, msgs: list[dict], reply: ChatReply, endpoint: ChatEndpoi
         check_token_reply(reply.output_token_ids, reply.finish_reason, vocab_size=vocab_size,
                           max_tokens=params.max_tokens, request=f"request {i} of vendor {endpoint.name!r}",
                           where=endpoint.name, prompt_ids=reply.prompt_token_ids)
-    stop = endpoint.extra.get("stop")
-    stop = [stop] if isinstance(stop, str) else list(stop or [])
-    if tokens == DERIVED and stop and reply.finish_reason == "stop" and not reply.text:
+    cut = cut_by_stop(reply.finish_reason, stop_strings(endpoint.extra), reply.model_end)
+    text = scored_text(retok, msgs, reply.text, reply.finish_reason, reply.reasoning,
+                       f"request {i} of vendor {endpoint.name!r}")
+    if tokens == DERIVED and (cut or reply.finish_reason == "length") and not text:
         return None
-    return Claim.from_chat(f"{endpoint.name}-{i:05d}", model_name, msgs, reply.text, reply.finish_reason, params,
+    return Claim.from_chat(f"{endpoint.name}-{i:05d}", model_name, msgs, text, reply.finish_reason, params,
                            retok, tokens=tokens, returned=(reply.prompt_token_ids, reply.output_token_ids),
                            usage=reply.usage, provider=endpoint.name,
-                           extra={"served_model": reply.served_model} if reply.served_model else None, stop=stop)
+                           extra={"served_model": reply.served_model} if reply.served_model else None,
+                           stop=stop_strings(endpoint.extra) if cut else None)
 
 
 class ChatSource:
@@ -154,35 +170,48 @@ def _over_context(ex, n_out, max_positions: int | None) -> ChatLogError | None:
 
 def log_sources(log: Path, model_name: str, params: SamplingParams, tokens: str, retok: Retokenizer, *,
                 skip_unusable: bool = False, skipped: list | None = None,
-                max_positions: int | None = None) -> dict[str, InHand]:
+                max_positions: int | None = None, neutral: tuple[str, ...] = ()) -> dict[str, InHand]:
     """The log's exchanges as claims of `model_name`, one `InHand` source per model the replies name
     (its `model`, else the request's; keyed by that exact name, `vendor_dir_name` gives its directory):
     ids derived from the text (or the ids the log holds, per
     `tokens`), each with the reply's length as max_tokens. Only greedy exchanges can be replayed
     without the provider's seed and sampler (`chat_log.unusable_for_replay`), and a reply longer than
-    the model's context (`max_positions`) is no reply of it: an unusable one is raised, or with
+    the model's context (`max_positions`) is no reply of it; request fields and reply features follow
+    the chat contract as a live audit's do (`chat_contract`: stop strings replayed as cut, fields
+    declared `neutral` by the auditor, `scored_text`): an unusable one is raised, or with
     skip_unusable counted in `skipped` as (source, kind, what)."""
     groups: dict[str, list[Claim]] = {}
     skipped = skipped if skipped is not None else []
     for ex in iter_chat_log(log, skip_unusable=skip_unusable, skipped=skipped):
         n_out = len(ex.output_token_ids) if ex.output_token_ids is not None else (ex.usage or {}).get("completion_tokens")
-        err = unusable_for_replay(ex) or _over_context(ex, n_out, max_positions)
+        err = unusable_for_replay(ex, neutral) or _over_context(ex, n_out, max_positions)
+        if err is None:
+            try:
+                text = scored_text(retok, list(ex.messages), ex.text, ex.finish_reason, ex.reasoning, ex.source)
+            except ContractError as e:
+                err = e
         if err is not None:
             if not skip_unusable:
                 raise err
             skipped.append((ex.source, err.kind, err.what))
             continue
+        stops = stop_strings(ex.sampling.get("extra", {}))
+        cut = cut_by_stop(ex.finish_reason, stops, ex.model_end)
         vendor = ex.served_model or ex.model
         how = claim_tokens(tokens, ex.output_token_ids is not None)
         if how == RETURNED and ex.output_token_ids is None:
             raise VerinferError("the log holds no token ids for this exchange (--tokens returned)", where=ex.source,
                                 fix="derive them from the text (--tokens derived, the default)")
         own = replace(params, max_tokens=max(1, int(ex.sampling.get("max_tokens") or n_out or params.max_tokens)))
+        if how == DERIVED and (cut or ex.finish_reason == "length") and not text:
+            skipped.append((ex.source, "no-text", "nothing left to score: cut by a stop string or inside its first "
+                                                  "character before any whole text"))
+            continue
         groups.setdefault(vendor, []).append(Claim.from_chat(
-            ex.id, model_name, list(ex.messages), ex.text, ex.finish_reason, own, retok, tokens=how,
+            ex.id, model_name, list(ex.messages), text, ex.finish_reason, own, retok, tokens=how,
             returned=(None if ex.prompt_token_ids is None else list(ex.prompt_token_ids),
                       None if ex.output_token_ids is None else list(ex.output_token_ids)),
-            usage=ex.usage, provider=vendor, extra={"source": ex.source}))
+            usage=ex.usage, provider=vendor, extra={"source": ex.source}, stop=stops if cut else None))
     if not groups:
         kinds = Counter(kind for _, kind, _ in skipped)
         raise VerinferError("the log holds no exchange that can be audited (skipped "
@@ -192,4 +221,5 @@ def log_sources(log: Path, model_name: str, params: SamplingParams, tokens: str,
     return {vendor: InHand(claims, {"log": Path(log).name, "vendor": vendor}) for vendor, claims in groups.items()}
 
 
-__all__ = ["ChatSource", "CompletionsSource", "claim_tokens", "log_sources", "reply_claim", "vendor_dir_name"]
+__all__ = ["ChatSource", "CompletionsSource", "claim_tokens", "log_sources", "reply_claim", "scored_text",
+           "vendor_dir_name"]

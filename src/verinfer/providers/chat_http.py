@@ -4,10 +4,12 @@ vLLM, SGLang), which take messages and return text.
 
     request  {"model", "messages", "max_tokens", "temperature", "top_p", "seed" (seeded mode only),
               **extra}   (extra: the vendor's own fields, passed through: e.g. OpenRouter's
-              {"provider": {"order": ["X"], "allow_fallbacks": false}}, or vLLM's
-              {"return_token_ids": true})
+              {"provider": {"order": ["X"], "allow_fallbacks": false}}, vLLM's
+              {"return_token_ids": true}, stop strings; checked against `chat_contract` when
+              the vendor is read: a field the replay cannot rebuild is refused there)
     reply    choices[0].message.content, finish_reason, usage; choices[0].token_ids and
-             prompt_token_ids where the endpoint returns them (vLLM with return_token_ids)
+             prompt_token_ids where the endpoint returns them (vLLM with return_token_ids); the
+             reasoning block (reasoning_content / reasoning) and vLLM's stop_reason
 
 The API key is read from the environment variable the vendor names (`ChatEndpoint.api_key_env`),
 never from the command line, and never written anywhere. Retries: the official `openai` client
@@ -28,6 +30,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from verinfer.errors import VerinferError
+from verinfer.providers.chat_contract import ContractError, check_request, model_end_of, replay_refusal
 from verinfer.openai_client import EndpointError, endpoint_errors, new_client
 from verinfer.providers.openai_http import TokenId, _short
 from verinfer.sampling.params import SamplingParams
@@ -48,12 +51,22 @@ class ChatEndpoint:
     concurrency: int = 4
     timeout: float = 120.0
     max_retries: int = 5
+    neutral_fields: tuple[str, ...] = ()  # the vendor's own `extra` fields the auditor declares neutral
 
     def __post_init__(self):
         clash = [k for k in self.extra if k in RESERVED]
         if clash:
             raise VerinferError(f"vendor {self.name!r}: extra fields {clash} would override the audit's own request "
                                 "fields", fix=f"remove them from `extra` (the audit sets {', '.join(RESERVED)})")
+        # the chat contract, as for a log's requests: refused before any request is sent
+        where = f"vendor {self.name!r} (extra)"
+        try:
+            check_request(self.extra, where)
+        except ContractError as e:
+            raise VerinferError(e.what, where=where, fix=e.fix) from None
+        bad = replay_refusal(self.extra, where, tuple(self.neutral_fields))
+        if bad is not None:
+            raise VerinferError(bad.what, where=where, fix=bad.fix)
         if self.concurrency < 1:
             raise VerinferError(f"vendor {self.name!r}: concurrency must be >= 1, got {self.concurrency}")
 
@@ -81,6 +94,7 @@ class ChatMessageOut(BaseModel):
     tool_calls: list | None = None
     function_call: dict | None = None
     reasoning_content: str | None = None
+    reasoning: str | None = None
 
 
 class ChatChoice(BaseModel):
@@ -109,6 +123,8 @@ class ChatReply:
     served_model: str | None
     output_token_ids: list[int] | None
     prompt_token_ids: list[int] | None
+    reasoning: str | None = None
+    model_end: bool | None = None  # vLLM's stop_reason of a reply that stopped (`chat_contract.model_end_of`)
 
 
 def chat_request(endpoint: ChatEndpoint, messages: list[dict], params: SamplingParams) -> dict:
@@ -153,7 +169,9 @@ def parse_chat_reply(body: bytes, where: str, request: str) -> ChatReply:
     prompt = choice.prompt_token_ids if choice.prompt_token_ids is not None else reply.prompt_token_ids
     return ChatReply(msg.content, choice.finish_reason, reply.usage, reply.model,
                      None if choice.token_ids is None else list(choice.token_ids),
-                     None if prompt is None else list(prompt))
+                     None if prompt is None else list(prompt),
+                     msg.reasoning_content if msg.reasoning_content is not None else msg.reasoning,
+                     model_end_of(data["choices"][0]))
 
 
 def request_chat(client, endpoint: ChatEndpoint, messages: list[dict], params: SamplingParams,
@@ -177,6 +195,7 @@ class VendorRecord(BaseModel):
     model: str = Field(min_length=1)
     api_key_env: str | None = Field(None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")
     extra: dict = Field(default_factory=dict)
+    neutral_fields: list[str] = Field(default_factory=list)
     concurrency: int = Field(4, ge=1, le=256)
     timeout: float = Field(120.0, gt=0)
     max_retries: int = Field(5, ge=0, le=20)
@@ -197,7 +216,10 @@ def read_vendors(path: str | Path) -> list[ChatEndpoint]:
         api_key_env = "ACME_API_KEY"                   # the key's environment variable (never the key)
         concurrency = 4                                # requests in flight (default 4)
         extra = { provider = { order = ["acme"], allow_fallbacks = false } }   # passed through
+        neutral_fields = []                            # extra fields of the vendor's own that change no token
 
+    `extra` is checked against the chat contract (`chat_contract`): a field that changes the tokens
+    in a way the replay cannot rebuild is refused here, before any request is sent.
     A VerinferError names the file, the vendor and the field."""
     p = Path(path)
     if not p.is_file():
@@ -221,4 +243,7 @@ def read_vendors(path: str | Path) -> list[ChatEndpoint]:
     dup = sorted({n for n in names if names.count(n) > 1})
     if dup:
         raise VerinferError(f"vendor names repeat: {dup}", where=str(p), fix="give each vendor its own name")
-    return [ChatEndpoint(**v.model_dump()) for v in vendors]
+    try:
+        return [ChatEndpoint(**{**v.model_dump(), "neutral_fields": tuple(v.neutral_fields)}) for v in vendors]
+    except VerinferError as e:
+        raise VerinferError(e.what, where=f"{p}: {e.where}", fix=e.fix) from None

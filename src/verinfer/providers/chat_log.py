@@ -57,9 +57,9 @@ reading goes on. Kinds of the file itself (FILE_KINDS): no such file, and no usa
     no-text          content null (a refusal, a tool call) or empty and cut at max_tokens: nothing
                      to audit (an empty reply that stopped is kept: its end token is audited)
     finish-reason    content_filter, tool_calls, null: the provider, not the model, ended the reply
-    stop-string      finish_reason stop from a `stop` string: the model's own end is unknown, and the
-                     replay would score an end token the model never emitted (vLLM's stop_reason
-                     null marks the model's own end; without it, a request with `stop` is refused)
+    stop-string      include_stop_str_in_output, skip_special_tokens false: the text is not the
+                     model's tokens decoded (a reply cut by a `stop` string is understood, not
+                     refused: `model_end` keeps vLLM's stop_reason, `chat_contract.cut_by_stop`)
     role             a role other than system, developer, user, assistant: no template renders it
     bad-text         text that is not valid Unicode (a lone surrogate, \\ud800 in the JSON): no
                      tokenizer encodes it (an endpoint answers such a request with 400)
@@ -69,16 +69,20 @@ reading goes on. Kinds of the file itself (FILE_KINDS): no such file, and no usa
                      the request's max_tokens (the caller bounds one without max_tokens by the
                      model's context)
     sampled          temperature > 0: raised by `unusable_for_replay` (greedy audits), kept by this reader
-    reasoning        a reply with a reasoning block: the model generated it before the text, in a form
-                     its template decides (raised by `unusable_for_replay`, kept here)
+    reasoning        a reply with a reasoning block the model's template does not render (raised by
+                     `chat_contract.reasoning_reply`, kept here)
     template-fields  the request changed the chat template (chat_template, chat_template_kwargs, ...):
                      the auditor re-derives the prompt with the model's own (raised by `unusable_for_replay`)
+    unknown-field    a request field the chat contract does not know (raised by `unusable_for_replay`
+                     unless declared neutral)
+
+Which request fields and reply features an audit understands is `providers/chat_contract.py`'s,
+the same for this log's lines and a live audit's requests.
 """
 
 from __future__ import annotations
 
 import json
-import math
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
@@ -87,7 +91,8 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
 
 from verinfer.claims import MAX_LINE_BYTES
-from verinfer.errors import VerinferError
+from verinfer.providers.chat_contract import (REFUSED_KINDS, ContractError, check_request, is_set,
+                                              model_end_of, replay_refusal)
 
 UNUSABLE_KINDS = {
     "not-json": "the line is not UTF-8 JSON (a cut-off last line: the log was truncated while written)",
@@ -98,20 +103,11 @@ UNUSABLE_KINDS = {
                  "the assembled response",
     "several-choices": "n > 1 or several choices: how the provider derives each choice's randomness from the one "
                        "seed is its own, and a claim is one reply to one prompt",
-    "tool-calls": "tools, tool calls or tool messages: the provider templates tool schemas and calls into the "
-                  "prompt in its own, unpublished way, so the prompt the model saw cannot be rebuilt",
     "non-text": "images, audio or files in the messages or the reply: only text can be re-tokenized, and the "
                 "encoder's tokens are the provider's",
-    "constrained": "constrained decoding (response_format json_object/json_schema, structured outputs, guided "
-                   "decoding, grammars, logit_bias, allowed/bad words, min_tokens) masks or shifts the "
-                   "logits: the reply is not the model's distribution",
-    "penalty": "presence, frequency or repetition penalties shift every logit by the reply's own history; "
-               "the reference replay does not apply them",
     "no-text": "the reply has no text (content null, or empty and cut at max_tokens): nothing to audit",
     "finish-reason": "the reply was ended neither by the model (stop) nor by max_tokens (length): a content "
                      "filter, a tool call, or no reason, so its end cannot be scored",
-    "stop-string": "the reply was cut by a stop string of the request, not by the model's end token: where "
-                   "the model stopped is unknown",
     "role": "a message role other than system, developer, user, assistant: the chat template cannot render it",
     "bad-text": "text that is not valid Unicode (a lone UTF-16 surrogate such as \\ud800 in the JSON): no "
                 "tokenizer encodes it, and an endpoint refuses it (HTTP 400)",
@@ -120,37 +116,20 @@ UNUSABLE_KINDS = {
                    "it is not a reply to this request",
     "sampled": "sampled at temperature > 0: replayed only with the provider's seed and sampler (refused by "
                "`unusable_for_replay` for a greedy audit; this reader keeps them)",
-    "reasoning": "a reply with a reasoning block, generated before the text in a form the model's template "
-                 "decides (refused by `unusable_for_replay`; this reader keeps it in `reasoning`)",
-    "template-fields": "the request changed the chat template (chat_template, chat_template_kwargs, ...): the "
-                       "prompt the provider built is not the model's own (refused by `unusable_for_replay`)",
+    **REFUSED_KINDS,  # the chat contract's, shared with the live path (providers/chat_contract.py)
 }
 FILE_KINDS = {
     "no-file": "the chat log does not exist",
     "no-exchange": "the chat log holds no exchange that can be audited",
 }
 ROLES = ("system", "developer", "user", "assistant")
-TOOL_FIELDS = ("tools", "functions", "tool_choice", "function_call")  # tool_choice / function_call "none" is no tool
-# request fields that constrain decoding when set (any value but null, false, {}, [], and
-# response_format {"type": "text"}); min_tokens suppresses the end tokens until it is reached
-CONSTRAINED_FIELDS = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
-                      "guided_grammar", "json_schema", "regex", "ebnf", "grammar", "logit_bias",
-                      "allowed_token_ids", "bad_words", "logits_processors", "min_tokens")
-PENALTIES = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0}  # field: neutral
-# request fields that change the prompt the provider renders: kept in sampling["extra"] for the caller
-TEMPLATE_FIELDS = ("chat_template", "chat_template_kwargs", "add_generation_prompt", "continue_final_message",
-                   "echo", "add_special_tokens", "documents")
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "max_completion_tokens")
 SKIP = "or pass skip_unusable (--skip-unusable) to skip such exchanges"
 
 
-class ChatLogError(VerinferError):
+class ChatLogError(ContractError):
     """A chat log, or one of its exchanges, that cannot be audited; `kind` says why (a key of
     UNUSABLE_KINDS, or FILE_KINDS for the file itself)."""
-
-    def __init__(self, what: str, *, kind: str, where: str | None = None, fix: str | None = None):
-        super().__init__(what, where=where, fix=fix)
-        self.kind = kind
 
 
 @dataclass(frozen=True)
@@ -169,6 +148,7 @@ class ChatExchange:
     prompt_token_ids: tuple[int, ...] | None
     source: str
     reasoning: str | None = None
+    model_end: bool | None = None  # vLLM's stop_reason of a reply that stopped (`chat_contract.model_end_of`)
 
 
 TokenIds = list[StrictInt]
@@ -276,34 +256,12 @@ def _text(content: object, what: str, where: str) -> str:
                   "message content is a string or a list of text parts")
 
 
-def _set(v: object) -> bool:
-    """A request field that takes effect: anything but null, false, and empty containers."""
-    return v is not None and v is not False and v != {} and v != [] and v != ""
-
-
 def _check_request(req: dict, where: str) -> None:
-    """Refuse what the request alone makes unauditable: tools, constraints, penalties."""
-    tools = [k for k in TOOL_FIELDS if _set(req.get(k)) and req[k] != "none"]
-    if tools:
-        raise _refuse("tool-calls", f"the request offers tools ({', '.join(tools)})", where,
-                      f"audit exchanges without tools, {SKIP}")
-    fmt = req.get("response_format")
-    bound = [k for k in CONSTRAINED_FIELDS if _set(req.get(k))
-             and not (k == "response_format" and isinstance(fmt, dict) and fmt.get("type") == "text")
-             and not (k == "min_tokens" and req[k] == 0)]
-    if bound:
-        shown = ", ".join(f"{k}={json.dumps(req[k], default=str)[:40]}" for k in bound)
-        raise _refuse("constrained", f"constrained decoding ({shown})", where,
-                      f"audit unconstrained exchanges, {SKIP}")
-    for k, neutral in PENALTIES.items():
-        v = req.get(k)
-        if v is None:
-            continue
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-            raise _refuse("shape", f"request `{k}` is {v!r}, not a number", where, "log the request as sent")
-        if v != neutral:
-            raise _refuse("penalty", f"request `{k}` is {v} (neutral: {neutral:g})", where,
-                          f"audit exchanges without penalties, {SKIP}")
+    """Refuse what the request alone makes unauditable (`chat_contract.check_request`), as this log's line."""
+    try:
+        check_request(req, where, SKIP)
+    except ContractError as e:
+        raise ChatLogError(e.what, kind=e.kind, where=where, fix=e.fix) from None
 
 
 def _messages(raw: list, where: str) -> tuple[dict, ...]:
@@ -320,7 +278,7 @@ def _messages(raw: list, where: str) -> tuple[dict, ...]:
         if role not in ROLES:
             raise _refuse("role", f"{what} has role {role!r}, not one of {', '.join(ROLES)}", where,
                           f"audit conversations of {', '.join(ROLES)} messages, {SKIP}")
-        if _set(m.get("tool_calls")) or _set(m.get("function_call")):
+        if is_set(m.get("tool_calls")) or is_set(m.get("function_call")):
             raise _refuse("tool-calls", f"{what} ({role}) holds tool calls", where,
                           f"audit exchanges without tools, {SKIP}")
         if m.get("content") is None:
@@ -337,7 +295,7 @@ def _reply_text(choice, raw: dict, req: dict, where: str) -> str:
     if msg is None:
         raise _refuse("shape", "response `choices.0.message` is missing", where,
                       "log the chat.completion JSON the endpoint returned")
-    if _set(msg.tool_calls) or _set(msg.function_call) or choice.finish_reason in ("tool_calls", "function_call"):
+    if is_set(msg.tool_calls) or is_set(msg.function_call) or choice.finish_reason in ("tool_calls", "function_call"):
         raise _refuse("tool-calls", "the reply is a tool call, not text", where,
                       f"audit exchanges without tools, {SKIP}")
     if msg.audio is not None:
@@ -353,14 +311,6 @@ def _reply_text(choice, raw: dict, req: dict, where: str) -> str:
     if text == "" and choice.finish_reason == "length":
         raise _refuse("no-text", "the reply is empty and was cut at max_tokens (its tokens went elsewhere, e.g. "
                       "hidden reasoning)", where, f"nothing to audit: drop it, {SKIP}")
-    stops = req.get("stop")
-    if choice.finish_reason == "stop" and (isinstance(choice.stop_reason, str) or (
-            _set(stops) and "stop_reason" not in raw["choices"][0])):
-        said = (f"the stop string {choice.stop_reason!r}" if isinstance(choice.stop_reason, str)
-                else f"the request's stop strings {json.dumps(stops)[:60]} (the response does not say which)")
-        raise _refuse("stop-string", f"the reply may have been cut by {said}", where,
-                      "audit exchanges without `stop` (vLLM's stop_reason null marks the model's own end), "
-                      f"{SKIP}")
     return text
 
 
@@ -374,11 +324,11 @@ def parse_exchange(obj: object, where: str, lineno: int) -> ChatExchange:
                       'a Batch API output line has no request: join it with its input line by custom_id, as '
                       '{"request": <input line>, "response": <output line\'s response>}' if batch else
                       'one {"request": {...}, "response": {...}} per line (OpenAI chat-completions JSON)')
-    if _set(obj.get("error")):  # a Batch API output line that failed
+    if is_set(obj.get("error")):  # a Batch API output line that failed
         raise _refuse("error-response", f"the exchange failed: {json.dumps(obj['error'], default=str)[:160]}", where,
                       f"drop failed exchanges, {SKIP}")
     req, raw = _unwrap("request", obj["request"], where), _unwrap("response", obj["response"], where)
-    if _set(raw.get("error")):
+    if is_set(raw.get("error")):
         err = raw["error"]
         said = err.get("message") if isinstance(err, dict) else err
         raise _refuse("error-response", f"an error response: {str(said)[:160]}", where,
@@ -427,7 +377,8 @@ def parse_exchange(obj: object, where: str, lineno: int) -> ChatExchange:
     rid = "" if resp.id is None else str(resp.id)
     return ChatExchange(rid or f"log-{lineno:06d}", model, messages, text, choice.finish_reason, sampling,
                         resp.usage, resp.model, None if choice.token_ids is None else tuple(choice.token_ids),
-                        None if prompt is None else tuple(prompt), where, reasoning)
+                        None if prompt is None else tuple(prompt), where, reasoning,
+                        model_end_of(raw["choices"][0]))
 
 
 def _check_unicode(texts: list[tuple[str, str]], where: str) -> None:
@@ -440,24 +391,19 @@ def _check_unicode(texts: list[tuple[str, str]], where: str) -> None:
                           f"character {e.start})", where, f"log the text as sent (valid UTF-8), {SKIP}") from None
 
 
-def unusable_for_replay(ex) -> ChatLogError | None:
-    """Why a logged exchange cannot be replayed by a greedy audit (None if it can): the kinds this
-    reader keeps and a greedy audit refuses (UNUSABLE_KINDS sampled, reasoning, template-fields)."""
+def unusable_for_replay(ex, neutral: tuple[str, ...] = ()) -> ChatLogError | None:
+    """Why a logged exchange cannot be replayed by a greedy audit (None if it can): sampled, or request
+    fields the replay cannot rebuild (`chat_contract.replay_refusal`: template fields, fields the
+    contract does not know and the auditor did not declare `neutral`). A reasoning block is the
+    caller's to render (`chat_contract.reasoning_reply`)."""
     t = ex.sampling.get("temperature", 1.0)
     if t != 0:
         return ChatLogError(f"sampled at temperature {t}: a sampled reply is replayed only with the provider's seed "
                             "and sampler", kind="sampled", where=ex.source,
                             fix="audit greedy (temperature 0) exchanges; sampled ones need `verinfer audit-api` "
                                 "with seeds")
-    if ex.reasoning:
-        return ChatLogError("the reply has a reasoning block: the model generated it before the text, in a form its "
-                            "template decides", kind="reasoning", where=ex.source,
-                            fix="audit exchanges without reasoning (or pass --skip-unusable)")
-    changed = [k for k in TEMPLATE_FIELDS if k in ex.sampling.get("extra", {})]
-    if changed:
-        return ChatLogError(f"the request changed the chat template ({', '.join(changed)})", kind="template-fields",
-                            where=ex.source, fix="audit exchanges that use the model's own chat template")
-    return None
+    e = replay_refusal(ex.sampling.get("extra", {}), ex.source, neutral, "or pass --skip-unusable")
+    return None if e is None else ChatLogError(e.what, kind=e.kind, where=e.where, fix=e.fix)
 
 
 def _decode(raw: bytes, where: str) -> object:
