@@ -29,7 +29,7 @@ from verinfer.providers.chat_http import ChatEndpoint, ChatReply, request_chat
 from verinfer.providers.chat_contract import ContractError
 from verinfer.providers.chat_log import ChatLogError, iter_chat_log, unusable_for_replay
 from verinfer.providers.openai_http import Endpoint, EndpointError, check_token_reply, request_completion
-from verinfer.retokenize import DERIVED, RETURNED, Retokenizer
+from verinfer.retokenize import DERIVED, PLAIN_CHAT_TEMPLATE, RETURNED, Retokenizer
 from verinfer.sampling.params import SamplingParams
 
 
@@ -84,7 +84,9 @@ def scored_text(retok: Retokenizer, messages: list[dict], text: str, finish_reas
     as the model's template renders it (a template without a reasoning segment refuses it)."""
     text = whole_text(text, finish_reason)
     if reasoning:
-        text = reasoning_reply(retok.tokenizer, messages, reasoning, text, where, retok.chat_template)
+        template = retok.chat_template or (None if getattr(retok.tokenizer, "chat_template", None)
+                                           else PLAIN_CHAT_TEMPLATE)
+        text = reasoning_reply(retok.tokenizer, messages, reasoning, text, where, template)
     return text
 
 

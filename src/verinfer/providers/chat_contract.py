@@ -208,8 +208,7 @@ def reasoning_reply(tokenizer, messages: list[dict], reasoning: str, text: str, 
     if not reasoning or at < 0 or end < at:
         raise ContractError("the reply has a reasoning block and the model's chat template has no reasoning segment",
                             kind="reasoning", where=where,
-                            fix="audit replies without reasoning (ask the vendor to turn it off), or pass the "
-                                "template that renders it")
+                            fix="audit replies without reasoning (ask the vendor to turn it off)")
     return seg[: end + len(text)] if text else seg[:end]
 
 
