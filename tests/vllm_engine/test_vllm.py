@@ -184,7 +184,7 @@ def test_audit_api_against_a_real_vllm_server(testbed_server, tmp_path):
 def test_chat_audit_of_a_real_vllm_chat_endpoint(testbed_server, tmp_path):
     """vLLM's /v1/chat/completions (text replies, temperature 0) audited by `verinfer audit-api --chat`:
     the claims are derived from the text alone (vLLM's ids kept beside them only), the replay re-cuts
-    them to vLLM's own ids, the honest server passes; the reference bands run on local vLLM
+    them to vLLM's own ids (asserted claim by claim), the honest server passes; the reference bands run on local vLLM
     (--band-engine vllm), and vLLM's bf16 band is the nearest."""
     import json
 
@@ -204,4 +204,14 @@ def test_chat_audit_of_a_real_vllm_chat_endpoint(testbed_server, tmp_path):
     assert row["retokenized"] == 1.0 and row["nearest_band"] == "bf16"
     claims = [json.loads(x) for x in (tmp_path / "audit" / "vendors" / "endpoint" / "claims.jsonl").read_text().splitlines()]
     assert all(c["chat"]["tokens"] == "derived" and "returned_output_token_ids" in c["chat"] for c in claims)
+    # the re-cut restores vLLM's own ids: every claim's scored ids are the ids vLLM emitted
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(tmp_path / "audit" / "vendors" / "endpoint" / "scores.parquet")
+    scored: dict[str, list[int]] = {}
+    for cid, tok in zip(table["claim_id"].to_pylist(), table["token_id"].to_pylist()):
+        scored.setdefault(cid, []).append(tok)
+    restored = [scored[c["id"]] == c["chat"]["returned_output_token_ids"] for c in claims]
+    drifted = [c["output_token_ids"] != c["chat"]["returned_output_token_ids"] for c in claims]
+    assert all(restored), (sum(restored), len(claims), sum(drifted))
     assert (tmp_path / "audit" / "bands-vllm" / "int4.jsonl").is_file()
