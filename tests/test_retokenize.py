@@ -87,3 +87,67 @@ def test_claim_from_chat_round_trips_through_the_claims_reader(retok):
     bad = {**c.to_json(), "chat": {**c.to_json()["chat"], "finish_reason": "tool_calls"}}
     with pytest.raises(ClaimError, match="chat.finish_reason"):
         parse_claim(bad, "x:2")
+
+
+# --- segmentations that differ inside a multi-byte character ---------------------------------------
+
+def byte_level_tokenizer(pieces: list[bytes]):
+    """A hand-made GPT-2 ByteLevel BPE: a token per byte, then merges that build each piece from its
+    bytes left to right (earlier pieces first), and <end>."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    u = bytes_to_unicode()
+    vocab = {u[b]: b for b in range(256)}
+    merges = []
+    for piece in pieces:
+        s = "".join(u[b] for b in piece)
+        for k in range(2, len(s) + 1):
+            if s[:k] not in vocab:
+                merges.append((s[:k - 1], s[k - 1]))
+                vocab[s[:k]] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab, merges))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok)
+    fast.add_special_tokens({"eos_token": "<end>"})
+    return Retokenizer(fast, fast.convert_tokens_to_ids("<end>"))
+
+
+def follow(r: Retokenizer, claim: list[int], model: list[int], **kw) -> list[int]:
+    """Re-cut `claim` where a replay writing `model` (the model's ids, agreed with wherever the
+    claim left them) takes another token, until no position re-cuts."""
+    ids, start = list(claim), 0
+    while (hit := r.resegment_at(ids, [m if ids[:t] == model[:t] else y for t, (y, m) in
+                                      enumerate(zip(ids, model + [None] * len(ids)))], start, **kw)) is not None:
+        start, ids = hit[0] + 1, hit[1]
+    return ids
+
+
+def test_a_cut_inside_a_character_is_followed_like_any_other():
+    """The tokenizer writes 日 (3 bytes) as one token; the model wrote its first two bytes, then the
+    third joined to the first byte of 本, then the rest of 本: the re-cut follows it token by token,
+    each tail begun mid-character spelled from byte tokens (it used to give up there)."""
+    text = "日本語"
+    b = text.encode()
+    r = byte_level_tokenizer([b[:6], b[2:4], b[4:6]])
+    tb = r.token_bytes
+    canonical = r.output_ids(text, "stop")
+    model = [tb.id_of(b[:2]), tb.id_of(b[2:4]), tb.id_of(b[4:6]), *r.encode("語"), r.end_token_id]
+    assert None not in model and canonical != model and canonical[-1] == r.end_token_id
+    assert follow(r, canonical, model) == model
+    # the other way round: the tokenizer's cut is a model's too (the claim holds byte tokens)
+    split = [tb.id_of(bytes([x])) for x in b] + [r.end_token_id]
+    assert follow(r, split, canonical) == canonical
+
+
+def test_encode_bytes_spells_tails_begun_and_ended_inside_a_character(retok):
+    text = "x = '漢字 e\u0301 🙂'"
+    b = text.encode()
+    for i in range(len(b)):
+        for j in (len(b), len(b) - 1, len(b) - 2):
+            if i < j:
+                ids = retok.encode_bytes(b[i:j])
+                assert ids is not None and b"".join(retok.token_bytes.of_id(t) for t in ids) == b[i:j]
+    assert retok.encode_bytes("漢字".encode()) == retok.encode("漢字")  # whole characters: the tokenizer's cut

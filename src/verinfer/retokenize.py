@@ -19,7 +19,7 @@ it with the reference's own choice: at the first position t >= start where the r
 differs from the claimed y_t, if the bytes of r_t are a prefix of the claimed text from t on, the
 claim is re-cut there:
 
-    y' = y[:t] + [r_t] + encode(text[t + |r_t|:])  (+ [end] if y had it)
+    y' = y[:t] + [r_t] + encode_bytes(text[t + |r_t|:])  (+ [end] if y had it)
 
 and replayed again from t; `audit.replay.recut_claims` keeps a re-cut only where the reference
 finds it more consistent with greedy decoding than the segmentation it replaces, and iterates
@@ -27,15 +27,24 @@ until no claim re-cuts. An honest greedy reply comes back to the model's ids, wh
 *text* differs is still scored where the text differs: r_t is then not a prefix of the claimed
 text, and no re-cut happens.
 
+Byte-level BPE tokens (SmolLM2's) split characters (CJK, emoji, combining marks), so r_t may end
+inside a character and the tail begin inside it. `encode_bytes` spells the tail byte-exactly: its
+leading continuation bytes (and a trailing incomplete character) as the longest tokens that spell
+them, left to right (`TokenBytes.spell`: the ByteLevel alphabet has a token per byte, bar a few
+SmolLM2 lacks; a byte without one: no re-cut), the whole characters between as
+tokenizer(chars, add_special_tokens=False). y' spells exactly the claimed bytes, and the next
+re-cuts follow the model's cut inside a character as they follow any other.
+
 A reply cut by a stop string ends where the stop string began, possibly inside the model's last
 token (it wrote ".\n", the text ends in "."). At a position t whose claimed tail the replay's
 token r_t spells and overflows, the claim may end with r_t instead when the overflow is where a
 stop string of the request begins (it starts with one, or is the start of one):
 
-    y' = y[:t] + [r_t]       if bytes(r_t) = text[t:] + o,  o starts with s or s starts with o Byte-level BPE tokens carry bytes (partial
-UTF-8 characters included): `TokenBytes` holds each token's bytes, from the ByteLevel alphabet
-where the tokenizer uses one, else from decoding the token alone; special tokens have none and are
-never re-cut.
+    y' = y[:t] + [r_t]       if bytes(r_t) = text[t:] + o,  o starts with s or s starts with o
+
+Tokens carry bytes (partial UTF-8 characters included): `TokenBytes` holds each token's bytes,
+from the ByteLevel alphabet where the tokenizer uses one, else from decoding the token alone;
+special tokens have none and are never re-cut.
 """
 
 from __future__ import annotations
@@ -139,12 +148,29 @@ class Retokenizer:
                     return t, [*text_ids[:t], r]
             if not piece or not rest.startswith(piece):
                 continue
-            try:
-                tail = rest[len(piece):].decode("utf-8")
-            except UnicodeDecodeError:
-                continue  # the re-cut would split a character: keep the claimed cut
-            return t, [*text_ids[:t], r, *self.encode(tail), *ids[len(ids) - end:]]
+            tail = self.encode_bytes(rest[len(piece):])
+            if tail is not None:
+                return t, [*text_ids[:t], r, *tail, *ids[len(ids) - end:]]
         return None
+
+    def encode_bytes(self, data: bytes) -> list[int] | None:
+        """Tokens that spell exactly `data`, which may begin and end inside a character: its leading
+        continuation bytes and a trailing incomplete character each as the longest tokens that
+        spell them (`TokenBytes.spell`), the whole characters between encoded as text. None where
+        a byte has no token or `data` is not UTF-8 apart from its two ends."""
+        lead = 0
+        while lead < min(3, len(data)) and 0x80 <= data[lead] < 0xC0:
+            lead += 1
+        body, trail = data[lead:], b""
+        try:
+            text = body.decode("utf-8")
+        except UnicodeDecodeError as e:
+            if e.reason != "unexpected end of data":
+                return None
+            body, trail = body[:e.start], body[e.start:]
+            text = body.decode("utf-8")
+        head, tail = self.token_bytes.spell(data[:lead]), self.token_bytes.spell(trail)
+        return None if head is None or tail is None else [*head, *self.encode(text), *tail]
 
 
 @dataclass(frozen=True)
@@ -166,6 +192,19 @@ class TokenBytes:
                     index.setdefault(b, i)
             object.__setattr__(self, "_index", index)
         return self.__dict__["_index"].get(piece)
+
+    def spell(self, piece: bytes) -> list[int] | None:
+        """Tokens that spell `piece`, longest first from the left; None if some byte has none."""
+        ids, i = [], 0
+        while i < len(piece):
+            for j in range(len(piece), i, -1):
+                if (tok := self.id_of(piece[i:j])) is not None:
+                    ids.append(tok)
+                    i = j
+                    break
+            else:
+                return None
+        return ids
 
     def special_id(self, text: str) -> int | None:
         return dict(self.specials).get(text)
