@@ -6,7 +6,7 @@ import pytest
 from verinfer.claims import Claim, parse_claim
 from verinfer.errors import ClaimError
 from verinfer.models.testbed import TARGET_DIR
-from verinfer.retokenize import Retokenizer, TemplateError
+from verinfer.retokenize import Retokenizer, TemplateError, whole_token_text
 from verinfer.sampling.params import SamplingParams
 
 # the testbed is a code model: a "chat" is code, each message a comment line naming its role
@@ -151,3 +151,30 @@ def test_encode_bytes_spells_tails_begun_and_ended_inside_a_character(retok):
                 ids = retok.encode_bytes(b[i:j])
                 assert ids is not None and b"".join(retok.token_bytes.of_id(t) for t in ids) == b[i:j]
     assert retok.encode_bytes("漢字".encode()) == retok.encode("漢字")  # whole characters: the tokenizer's cut
+
+
+def test_a_reply_cut_inside_a_character_is_scored_to_its_last_whole_token(retok):
+    """max_tokens ended the reply inside a character: the detokenizer wrote U+FFFD for its bytes.
+    A "length" reply drops it; a reply that stopped keeps it (the model wrote U+FFFD itself)."""
+    assert whole_token_text("漢字\ufffd", "length") == ("漢字", True)
+    assert whole_token_text("漢字\ufffd\ufffd", "length") == ("漢字", True)
+    assert whole_token_text("漢字\ufffd", "stop") == ("漢字\ufffd", False)
+    assert whole_token_text("\ufffd漢字", "length") == ("\ufffd漢字", False)
+    assert retok.output_ids("漢字\ufffd", "length") == retok.encode("漢字")
+    assert retok.output_ids("漢字\ufffd", "stop") == [*retok.encode("漢字\ufffd"), retok.end_token_id]
+
+
+def test_the_last_token_of_a_reply_cut_inside_a_character_is_the_models():
+    """The model's last token held 本 and the first byte of 語; max_tokens cut it there, the text
+    ends in 本: the last token is re-cut to the model's where the replay writes it (the overflow
+    is an incomplete character), not where the reply stopped or the overflow is a character."""
+    text = "日本語"
+    b = text.encode()
+    r = byte_level_tokenizer([b[:3], b[3:6], b[3:7], b[3:9]])
+    tb = r.token_bytes
+    model = [tb.id_of(b[:3]), tb.id_of(b[3:7])]
+    derived = r.output_ids(r.tokenizer.decode(model), "length")
+    assert r.tokenizer.decode(model) == "日本\ufffd" and derived == [model[0], tb.id_of(b[3:6])]
+    assert r.resegment_at(derived, model) == (1, model)
+    assert r.resegment_at([*derived, r.end_token_id], [*model, r.end_token_id]) is None
+    assert r.resegment_at(derived, [model[0], tb.id_of(b[3:9])]) is None  # 本語: the text goes on

