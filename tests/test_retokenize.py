@@ -178,3 +178,36 @@ def test_the_last_token_of_a_reply_cut_inside_a_character_is_the_models():
     assert r.resegment_at(derived, model) == (1, model)
     assert r.resegment_at([*derived, r.end_token_id], [*model, r.end_token_id]) is None
     assert r.resegment_at(derived, [model[0], tb.id_of(b[3:9])]) is None  # 本語: the text goes on
+
+
+# --- whitespace a vendor strips from the reply's two ends ------------------------------------------
+
+def test_whitespace_a_vendor_stripped_is_followed_only_at_the_two_ends():
+    """The model wrote "\\n" + " Hello world" + "\\n" + <end>; the vendor returned "Hello world".
+    With stripped=True the replay's whitespace is followed at the text's start (a token that
+    is whitespace then the text's start, or whitespace alone: inserted) and before the end token
+    (whitespace alone: inserted; the text's end then whitespace: re-cut); never elsewhere, never
+    other bytes, and not where no end token follows."""
+    r = byte_level_tokenizer([b"Hello", b" Hello", b" world", b" world\n", b"\n\n"])
+    tb, end = r.token_bytes, r.end_token_id
+    H, sH, sW, sWn, nl, nn, h, sp = (tb.id_of(b) for b in (b"Hello", b" Hello", b" world", b" world\n", b"\n",
+                                                            b"\n\n", b"H", b" "))
+    claim = r.output_ids("Hello world", "stop")
+    assert claim == [H, sW, end]
+    at = lambda ids, t, tok, **kw: r.resegment_at(ids, [*ids[:t], tok, *ids[t + 1:]], t, **kw)  # noqa: E731
+    assert at(claim, 0, sH) is None and at(claim, 2, nl) is None          # off by default
+    assert at(claim, 0, sH, stripped=True) == (0, [sH, sW, end])          # " Hello": whitespace + the text's start
+    assert at(claim, 0, nl, stripped=True) == (0, [nl, H, sW, end])       # "\n": inserted
+    assert at([nl, H, sW, end], 1, nn, stripped=True) == (1, [nl, nn, H, sW, end])  # only whitespace before: the start
+    assert at([nl, H, sW, end], 1, sH, stripped=True) == (1, [nl, sH, sW, end])
+    assert at(claim, 2, nl, stripped=True) == (2, [H, sW, nl, end])       # before the end token: inserted
+    assert at([H, sW, nl, end], 3, nn, stripped=True) == (3, [H, sW, nl, nn, end])
+    assert at(claim, 1, sWn, stripped=True) == (1, [H, sWn, end])         # " world\n": the text's end + whitespace
+    assert at(claim, 1, nl, stripped=True) is None                        # whitespace in the middle
+    assert at(claim, 1, sH, stripped=True) is None                        # other text
+    assert at(claim, 2, H, stripped=True) is None                         # text before the end token
+    assert at(claim, 0, h, stripped=True) == (0, [h, *r.encode("ello world"), end])  # a plain re-cut
+    cut = r.output_ids("Hello world", "length")                           # no end token: the end is not a boundary
+    assert at(cut, 1, sWn, stripped=True) is None
+    assert at(cut, 0, nl, stripped=True) == (0, [nl, H, sW])              # its start is
+    assert at(r.output_ids("\n\n", "length"), 0, sp, stripped=True) is None  # begins with whitespace: not stripped

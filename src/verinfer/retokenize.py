@@ -2,7 +2,7 @@
 
 Chat APIs take messages and return text; Token-DiFR scores token ids. This file reproduces the
 pipeline a chat endpoint runs (vLLM's chat serving, `token-difr`'s re-tokenization) on the
-auditor's side, and removes the one divergence it would otherwise invent:
+auditor's side, and removes the divergences it would otherwise invent:
 
     prompt ids   tokenizer(chat_template(messages, add_generation_prompt=True), add_special_tokens=False)
                  (the template rendered to text, then encoded without extra specials: vLLM's order)
@@ -50,6 +50,30 @@ token its text ends in; where the model's last token held that text and the firs
 cut character, the claim ends with it instead: the same re-cut, with o an incomplete character
 (a lead byte and fewer continuation bytes than it needs). Tokens that hold only bytes of the cut
 character are not scored.
+
+Some honest APIs strip the reply text's leading and trailing whitespace: the model wrote
+"\n" + "Hello world" + "\n" + <end>, the vendor returns "Hello world", and the claim
+encode("Hello world") + [end] has lost tokens at both ends. With `resegment_at(stripped=True)`
+(`recut_claims` passes it for every derived claim) the replay's token may add whitespace back at
+the text's two ends, and nowhere else (w: a non-empty run of whitespace characters, str.isspace,
+what str.strip removes):
+
+    start  where the claimed bytes before t are whitespace (none at t = 0) and the text from t
+           begins with a non-whitespace character (a text that begins with whitespace was not
+           stripped there):
+           bytes(r_t) = w + p, p a non-empty prefix of text[t:]
+                                       y' = y[:t] + [r_t] + encode_bytes(text[t + |p|:])  (+ [end])
+           bytes(r_t) = w              y' = y[:t] + [r_t] + y[t:]   (inserted)
+    end    only where an end token follows (finish_reason "stop", no stop strings):
+           bytes(r_t) = text[t:] + w   y' = y[:t] + [r_t] + [end]
+           (t = the end token's position: text[t:] is empty, r_t inserted before the end token)
+
+The bytes of the text never change but for whitespace at its ends: what this can hide is the
+reply's boundary tokens, the first and last text tokens (their whitespace) and whitespace-only
+tokens inserted before the first and before the end token, each kept only where the reference
+finds it more consistent with greedy decoding (an insertion's span holds the claimed token after
+it). A reply cut by max_tokens gets no end-side whitespace: no end token follows, and the
+whitespace-only tokens the vendor stripped there are not scored.
 
 Tokens carry bytes (partial UTF-8 characters included): `TokenBytes` holds each token's bytes,
 from the ByteLevel alphabet where the tokenizer uses one, else from decoding the token alone;
@@ -141,18 +165,19 @@ class Retokenizer:
     def token_bytes(self) -> "TokenBytes":
         return TokenBytes.of(self.tokenizer)
 
-    def resegment_at(self, ids: list[int], replay: list[int], start: int = 0,
-                     stop: tuple[str, ...] = ()) -> tuple[int, list[int]] | None:
+    def resegment_at(self, ids: list[int], replay: list[int], start: int = 0, stop: tuple[str, ...] = (),
+                     stripped: bool = False) -> tuple[int, list[int]] | None:
         """(t, re-cut ids) at the first position t >= start where the replay's token differs from
         the claimed one and spells a prefix of the claimed text from t on, or, in a claim without
         an end token, spells all of it and overflows where a stop string begins (stop: the stop
         strings that may have cut the reply) or, without stop strings, into an incomplete
-        character (module docstring); None if there is no such position. A trailing end token
-        is kept, never re-cut."""
+        character; stripped: the text's two ends may have lost whitespace (the vendor stripped
+        the reply), which the replay's token may add back there (module docstring). None if
+        there is no such position. A trailing end token is kept, never re-cut."""
         stops = tuple(s.encode("utf-8") for s in stop if s)
         tb = self.token_bytes
         end = 1 if ids and ids[-1] == self.end_token_id else 0
-        text_ids = ids[: len(ids) - end]
+        text_ids, end_ids = ids[: len(ids) - end], ids[len(ids) - end:]
         pieces = [tb.of_id(t) for t in text_ids]
         if any(p is None for p in pieces):
             return None  # a special token inside the text: no byte view of it
@@ -160,22 +185,37 @@ class Retokenizer:
         for p in pieces:
             offsets.append(offsets[-1] + len(p))
         text = b"".join(pieces)
-        for t in range(start, len(text_ids)):
+        last = len(text_ids) + (1 if stripped and end else 0)  # stripped: the end token's position too
+        for t in range(start, min(last, len(replay))):
             r = replay[t]
-            if r == text_ids[t]:
-                continue
             piece = tb.of_id(r)
-            rest = text[offsets[t]:]
-            if piece and not end and len(piece) > len(rest) and piece.startswith(rest):
-                over = piece[len(rest):]
-                if (any(over.startswith(s) or s.startswith(over) for s in stops) if stops
-                        else _incomplete_character(over)):
-                    return t, [*text_ids[:t], r]
-            if not piece or not rest.startswith(piece):
+            if r == ids[t] or not piece:
                 continue
-            tail = self.encode_bytes(rest[len(piece):])
-            if tail is not None:
-                return t, [*text_ids[:t], r, *tail, *ids[len(ids) - end:]]
+            rest = text[offsets[t]:]
+            if rest.startswith(piece):                                     # a prefix of the text
+                tail = self.encode_bytes(rest[len(piece):])
+                if tail is not None:
+                    return t, [*text_ids[:t], r, *tail, *end_ids]
+                continue
+            if len(piece) > len(rest) and piece.startswith(rest):          # all of it, and more
+                over = piece[len(rest):]
+                if end:
+                    fits = stripped and _blank(over)
+                else:
+                    fits = any(over.startswith(s) or s.startswith(over) for s in stops) if stops \
+                        else _incomplete_character(over)
+                if fits:
+                    return t, [*text_ids[:t], r, *end_ids]
+            if stripped and _blank(text[:offsets[t]]) and _begins_with_text(rest):  # the text's start
+                for k in range(1, len(piece) + 1):
+                    head = piece[k:]
+                    if _blank(piece[:k]) and rest.startswith(head):
+                        if not head:
+                            return t, [*ids[:t], r, *ids[t:]]
+                        tail = self.encode_bytes(rest[len(head):])
+                        if tail is not None:
+                            return t, [*text_ids[:t], r, *tail, *end_ids]
+                        break
         return None
 
     def encode_bytes(self, data: bytes) -> list[int] | None:
@@ -253,6 +293,21 @@ class TokenBytes:
             else:
                 table.append(tokenizer.decode([i]).encode("utf-8"))
         return cls(tuple(table), tuple(named))
+
+
+def _blank(b: bytes) -> bool:
+    """b is nothing or whitespace characters only (str.isspace: what str.strip removes)."""
+    try:
+        text = b.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return not text or text.isspace()
+
+
+def _begins_with_text(b: bytes) -> bool:
+    """b's first character is not whitespace (a text a vendor stripped begins so)."""
+    head = b[:4].decode("utf-8", "ignore")
+    return bool(head) and not head[0].isspace()
 
 
 def _incomplete_character(b: bytes) -> bool:

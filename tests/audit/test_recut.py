@@ -191,7 +191,7 @@ def scored_ids(table, claims) -> list[list[int]]:
     return [table.filter(pc.equal(table["claim_id"], c.id))["token_id"].to_pylist() for c in claims]
 
 
-@pytest.mark.slow  # SmolLM2 generates 9 replies and replays them (~15 s on 2 busy cores)
+@pytest.mark.slow  # SmolLM2 loads, generates 9 replies and replays them (20-40 s on 2 busy cores)
 def test_honest_replies_in_other_scripts_come_back_to_the_models_ids(smol):
     """Chinese, Japanese, Korean, Cyrillic, emoji and combining marks: SmolLM2's byte-level tokens
     split characters. Each whole reply is claimed twice, from its text (the tokenizer's cut) and
@@ -244,4 +244,55 @@ def test_a_reply_cut_inside_a_character_is_scored_up_to_its_last_whole_token(smo
             claims.append(Claim.from_chat(f"c{i}", "m", m, text, finish, SMOL_GREEDY, retok))
             truth.append(whole_tokens(retok, ids))
     assert len(claims) >= 2
+    assert scored_ids(score_chunk(claims, engine, retokenizer=retok), claims) == truth
+
+
+# --- whitespace a vendor strips from the reply's two ends ------------------------------------------
+
+def test_whitespace_the_vendor_stripped_is_inserted_where_the_reference_writes_it():
+    """The model wrote "\\n" before the text and before its end token; the vendor stripped both.
+    Each insertion is kept where the reference finds it more consistent (the claimed token after
+    it is in the span), and refused where the token after it would cost more than the near-tie."""
+    retok = Retokenizer.for_model(TARGET_DIR, chat_template=TEMPLATE)
+    nl, z = retok.encode("\n")[0], retok.encode("Z")[0]
+    c = derived(retok, "return x", finish="stop")
+    y = c.output_token_ids
+    model = [nl, *y[:-1], nl, y[-1]]
+    table, rescore = oracle({tuple(y): {0: (nl, 3.0), len(y) - 1: (nl, 2.0)}, (nl, *y): {len(y): (nl, 2.0)},
+                             tuple(model): {}})
+    claims, per = [c], [table(c)]
+    recut_claims(claims, per, retok, rescore)
+    assert claims[0].output_token_ids == model and per[0]["margin"].to_pylist() == [0.0] * len(model)
+    table, rescore = oracle({tuple(y): {0: (nl, 0.1)}, (nl, *y): {1: (z, 5.0)}})
+    claims, per = [c], [table(c)]
+    recut_claims(claims, per, retok, rescore)
+    assert claims[0].output_token_ids == y                                  # a near-tie: not inserted
+
+
+@pytest.mark.slow  # SmolLM2 generates 8 replies and replays them (10-30 s on 2 busy cores)
+def test_replies_a_vendor_stripped_come_back_to_the_models_ids(smol):
+    """A vendor's template without the newline after "assistant": SmolLM2 opens each reply with
+    "\\n", which the vendor strips (and trailing whitespace). The claims derived from the stripped
+    texts come back to the model's ids (a reply cut by max_tokens: less the whitespace-only
+    tokens it ended in, which no claimed position covers)."""
+    _, engine, _, _ = smol
+    d = model_path(SMOLLM2_135M_INSTRUCT)
+    template = (d / "chat_template.jinja").read_text().replace("<|im_start|>assistant\n", "<|im_start|>assistant")
+    retok = Retokenizer.for_model(d, chat_template=template)
+    msgs = [[{"role": "user", "content": q}] for q in
+            ["What is 2+2? Answer with a number only.", "Say hi.", "Write a haiku about rain.", "Name a color.",
+             "Write a Python one-liner that prints hello.", "Give me a bulleted list of 3 fruits.",
+             "Translate 'cat' to French.", "Write one sentence in Japanese about the sea."]]
+    done = engine.generate([Request(str(i), retok.prompt_ids(m), SMOL_GREEDY) for i, m in enumerate(msgs)],
+                           batch_size=len(msgs))
+    claims, truth, stripped = [], [], 0
+    for i, (m, dn) in enumerate(zip(msgs, done)):
+        ids, tb = list(dn.output_token_ids), retok.token_bytes
+        text = retok.tokenizer.decode(ids[:-1] if dn.finish_reason == "stop" else ids)
+        stripped += text != text.strip()
+        claims.append(Claim.from_chat(f"c{i}", "m", m, text.strip(), dn.finish_reason, SMOL_GREEDY, retok))
+        while dn.finish_reason == "length" and not tb.of_id(ids[-1]).strip():
+            ids = ids[:-1]
+        truth.append(ids)
+    assert stripped >= 6
     assert scored_ids(score_chunk(claims, engine, retokenizer=retok), claims) == truth
