@@ -140,3 +140,159 @@ def test_a_reply_cut_by_a_stop_string_ends_with_the_models_last_token():
     assert claims[0].output_token_ids == u                       # nothing to re-cut without a stop string
     with pytest.raises(ValueError, match="no token to score"):
         derived(retok, "", stop=["\n"], finish="stop")
+
+
+# --- the real model: honest replies in other scripts, cut inside characters ------------------------
+from verinfer.models.catalog import SMOLLM2_135M_INSTRUCT, model_path  # noqa: E402
+
+SMOL_GREEDY = SamplingParams(0.0, -1, 1.0, 0.0, None, 32, "vllm-cpu")
+SCRIPTS = ["Translate to Chinese: I love my family.", "Write one sentence in Japanese about the sea.",
+           "Repeat exactly: cafe\u0301 nai\u0308ve re\u0301sume\u0301", "Write a short poem in Chinese.",
+           "List three fruits with emoji.", "日本の首都はどこですか？", "Write the word 'hello' in Korean.",
+           "Write a sentence in Russian.", "Copy this: ñ = n\u0303, ü = u\u0308"]
+
+
+@pytest.fixture(scope="module")
+def smol():
+    """SmolLM2-135M-Instruct's greedy replies (32 tokens at most) to SCRIPTS: (retokenizer, engine,
+    messages, [(model's ids, finish_reason, text as vLLM's detokenizer writes it)])."""
+    d = model_path(SMOLLM2_135M_INSTRUCT)
+    if not (d / "config.json").is_file():
+        pytest.skip(f"SmolLM2-135M-Instruct is not in {d} (verinfer models get smollm2-135m-instruct)")
+    retok, engine = Retokenizer.for_model(d), verifier_engine(d)
+    msgs = [[{"role": "user", "content": q}] for q in SCRIPTS]
+    done = engine.generate([Request(str(i), retok.prompt_ids(m), SMOL_GREEDY) for i, m in enumerate(msgs)],
+                           batch_size=len(msgs))
+    replies = []
+    for d in done:
+        ids = list(d.output_token_ids)
+        text = retok.tokenizer.decode(ids[:-1] if d.finish_reason == "stop" else ids)  # U+FFFD for a partial tail
+        replies.append((ids, d.finish_reason, text))
+    return retok, engine, msgs, replies
+
+
+def cut_inside_a_character(r: Retokenizer, ids: list[int]) -> list[int] | None:
+    """The same bytes cut another way inside a character, a segmentation the model did not take:
+    the first multi-byte non-ASCII token cut into one token per byte, or else the first two
+    adjacent tokens holding non-ASCII bytes that are one token joined (None if neither is)."""
+    tb = r.token_bytes
+    for t, tok in enumerate(ids):
+        b = tb.of_id(tok)
+        if b and len(b) >= 2 and max(b) >= 0x80:
+            return [*ids[:t], *[tb.id_of(bytes([x])) for x in b], *ids[t + 1:]]
+    for t in range(len(ids) - 1):
+        a, b = tb.of_id(ids[t]), tb.of_id(ids[t + 1])
+        if a and b and max(a + b) >= 0x80 and (one := tb.id_of(a + b)) is not None:
+            return [*ids[:t], one, *ids[t + 2:]]
+    return None
+
+
+def scored_ids(table, claims) -> list[list[int]]:
+    return [table.filter(pc.equal(table["claim_id"], c.id))["token_id"].to_pylist() for c in claims]
+
+
+@pytest.mark.slow  # SmolLM2 loads, generates 9 replies and replays them (20-40 s on 2 busy cores)
+def test_honest_replies_in_other_scripts_come_back_to_the_models_ids(smol):
+    """Chinese, Japanese, Korean, Cyrillic, emoji and combining marks: SmolLM2's byte-level tokens
+    split characters. Each whole reply is claimed twice, from its text (the tokenizer's cut) and
+    cut another way inside a character where its tokens allow (a cut the model did not take): the
+    re-cut brings every claim back to the model's ids."""
+    retok, engine, msgs, replies = smol
+    claims, truth = [], []
+    for i, (m, (ids, finish, text)) in enumerate(zip(msgs, replies)):
+        if "\ufffd" in text:
+            continue  # cut by max_tokens inside a character: test_a_reply_cut_inside_a_character...
+        c = Claim.from_chat(f"c{i}", "m", m, text, finish, SMOL_GREEDY, retok)
+        claims.append(c)
+        truth.append(ids)
+        other = cut_inside_a_character(retok, c.output_token_ids)  # None: combining marks as single bytes
+        if other is not None:
+            assert None not in other
+            claims.append(Claim(f"s{i}", c.model, c.prompt_token_ids, other, c.sampling, extra=c.extra))
+            truth.append(ids)
+    assert len(claims) >= 10
+    got = scored_ids(score_chunk(claims, engine, retokenizer=retok), claims)
+    assert sum(g == t for g, t in zip(got, truth)) == len(claims)
+
+
+def whole_tokens(r: Retokenizer, ids: list[int]) -> list[int]:
+    """`ids` less its trailing tokens whose bytes all lie in an incomplete last character."""
+    tb = r.token_bytes
+    b = b"".join(tb.of_id(t) for t in ids)
+    try:
+        b.decode()
+        return ids
+    except UnicodeDecodeError as e:
+        partial = len(b) - e.start
+    n = len(ids)
+    while n and len(tb.of_id(ids[n - 1])) <= partial:
+        partial -= len(tb.of_id(ids[n - 1]))
+        n -= 1
+    return ids[:n]
+
+
+@pytest.mark.slow  # shares test_honest_replies_in_other_scripts...'s replies
+def test_a_reply_cut_inside_a_character_is_scored_up_to_its_last_whole_token(smol):
+    """max_tokens cut an emoji and a kana in two: the text ends in U+FFFD (tokenizer.decode, as
+    vLLM's detokenizer writes it), which the derived claim drops; the replay re-cuts it to the
+    model's ids, less the tokens that hold only bytes of the cut character."""
+    retok, engine, msgs, replies = smol
+    claims, truth = [], []
+    for i, (m, (ids, finish, text)) in enumerate(zip(msgs, replies)):
+        if text.endswith("\ufffd"):
+            assert finish == "length" and whole_tokens(retok, ids) != ids
+            claims.append(Claim.from_chat(f"c{i}", "m", m, text, finish, SMOL_GREEDY, retok))
+            truth.append(whole_tokens(retok, ids))
+    assert len(claims) >= 2
+    assert scored_ids(score_chunk(claims, engine, retokenizer=retok), claims) == truth
+
+
+# --- whitespace a vendor strips from the reply's two ends ------------------------------------------
+
+def test_whitespace_the_vendor_stripped_is_inserted_where_the_reference_writes_it():
+    """The model wrote "\\n" before the text and before its end token; the vendor stripped both.
+    Each insertion is kept where the reference finds it more consistent (the claimed token after
+    it is in the span), and refused where the token after it would cost more than the near-tie."""
+    retok = Retokenizer.for_model(TARGET_DIR, chat_template=TEMPLATE)
+    nl, z = retok.encode("\n")[0], retok.encode("Z")[0]
+    c = derived(retok, "return x", finish="stop")
+    y = c.output_token_ids
+    model = [nl, *y[:-1], nl, y[-1]]
+    table, rescore = oracle({tuple(y): {0: (nl, 3.0), len(y) - 1: (nl, 2.0)}, (nl, *y): {len(y): (nl, 2.0)},
+                             tuple(model): {}})
+    claims, per = [c], [table(c)]
+    recut_claims(claims, per, retok, rescore)
+    assert claims[0].output_token_ids == model and per[0]["margin"].to_pylist() == [0.0] * len(model)
+    table, rescore = oracle({tuple(y): {0: (nl, 0.1)}, (nl, *y): {1: (z, 5.0)}})
+    claims, per = [c], [table(c)]
+    recut_claims(claims, per, retok, rescore)
+    assert claims[0].output_token_ids == y                                  # a near-tie: not inserted
+
+
+@pytest.mark.slow  # SmolLM2 generates 8 replies and replays them (10-30 s on 2 busy cores)
+def test_replies_a_vendor_stripped_come_back_to_the_models_ids(smol):
+    """A vendor's template without the newline after "assistant": SmolLM2 opens each reply with
+    "\\n", which the vendor strips (and trailing whitespace). The claims derived from the stripped
+    texts come back to the model's ids (a reply cut by max_tokens: less the whitespace-only
+    tokens it ended in, which no claimed position covers)."""
+    _, engine, _, _ = smol
+    d = model_path(SMOLLM2_135M_INSTRUCT)
+    template = (d / "chat_template.jinja").read_text().replace("<|im_start|>assistant\n", "<|im_start|>assistant")
+    retok = Retokenizer.for_model(d, chat_template=template)
+    msgs = [[{"role": "user", "content": q}] for q in
+            ["What is 2+2? Answer with a number only.", "Say hi.", "Write a haiku about rain.", "Name a color.",
+             "Write a Python one-liner that prints hello.", "Give me a bulleted list of 3 fruits.",
+             "Translate 'cat' to French.", "Write one sentence in Japanese about the sea."]]
+    done = engine.generate([Request(str(i), retok.prompt_ids(m), SMOL_GREEDY) for i, m in enumerate(msgs)],
+                           batch_size=len(msgs))
+    claims, truth, stripped = [], [], 0
+    for i, (m, dn) in enumerate(zip(msgs, done)):
+        ids, tb = list(dn.output_token_ids), retok.token_bytes
+        text = retok.tokenizer.decode(ids[:-1] if dn.finish_reason == "stop" else ids)
+        stripped += text != text.strip()
+        claims.append(Claim.from_chat(f"c{i}", "m", m, text.strip(), dn.finish_reason, SMOL_GREEDY, retok))
+        while dn.finish_reason == "length" and not tb.of_id(ids[-1]).strip():
+            ids = ids[:-1]
+        truth.append(ids)
+    assert stripped >= 6
+    assert scored_ids(score_chunk(claims, engine, retokenizer=retok), claims) == truth

@@ -247,8 +247,9 @@ RECUT_TOLERANCE = 1e-9  # logits: a re-cut is kept only if its span's summed mar
 
 def rejoin(base: list[int], cand: list[int], t: int) -> tuple[int, int]:
     """(end in base, end in cand) of the span two segmentations of one text differ on, from t: the
-    ids after it are the same in both (their longest common suffix, which never reaches before t)."""
-    k, n = 0, min(len(base), len(cand)) - t
+    ids after it are the same in both (their longest common suffix, which leaves each its token
+    at t: a token inserted at t spans it and the claimed token after it)."""
+    k, n = 0, min(len(base), len(cand)) - t - 1
     while k < n and base[-1 - k] == cand[-1 - k]:
         k += 1
     return len(base) - k, len(cand) - k
@@ -286,7 +287,9 @@ def recut_claims(claims: list[Claim], per_claim: list[pa.Table], retokenizer: Re
     costs the reference's 14-logit margin against "inary", and the claim is kept. Where the model
     wrote " `" + "_" and the tokenizer writes " `_", the canonical span costs the reference's
     margin against " `_" and the re-cut costs 0. Search goes on after the span (kept) or after t
-    (refused) until no position re-cuts."""
+    (refused) until no position re-cuts. Every derived claim's text may have been stripped by the
+    vendor (`resegment_at(stripped=True)`): whitespace the replay writes at its two ends is
+    inserted back, on the same terms."""
     state = {i: _Recut() for i, c in enumerate(claims) if c.derived}
     for _ in range(MAX_RECUTS):
         todo = []
@@ -296,7 +299,7 @@ def recut_claims(claims: list[Claim], per_claim: list[pa.Table], retokenizer: Re
                 base, cand = claims[i].output_token_ids, st.cand.output_token_ids
                 end_base, end_cand = rejoin(base, cand, st.t)
                 hit = retokenizer.resegment_at(cand, st.table[REPLAY_TOKEN_ID].to_pylist(), st.t + 1,
-                                               claims[i].stop_strings)
+                                               claims[i].stop_strings, stripped=True)
                 if hit is not None and hit[0] < end_cand:   # the replay re-cuts the candidate inside its span
                     st.cand = _with_ids(st.cand, hit[1])
                     todo.append(i)
@@ -308,7 +311,7 @@ def recut_claims(claims: list[Claim], per_claim: list[pa.Table], retokenizer: Re
                     st.start = st.t + 1
                 st.cand = st.table = None
             hit = retokenizer.resegment_at(claims[i].output_token_ids, per_claim[i][REPLAY_TOKEN_ID].to_pylist(),
-                                           st.start, claims[i].stop_strings)
+                                           st.start, claims[i].stop_strings, stripped=True)
             if hit is None:
                 del state[i]
                 continue
