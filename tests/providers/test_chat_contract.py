@@ -7,9 +7,9 @@ import pytest
 from verinfer.errors import VerinferError
 from verinfer.models.testbed import TARGET_DIR
 from verinfer.providers.chat_contract import (REFUSED_KINDS, ContractError, check_request, cut_by_stop,
-                                              model_end_of, reasoning_reply, replay_refusal, stop_strings, whole_text)
+                                              model_end_of, reasoning_reply, replay_refusal, stop_strings)
 from verinfer.providers.chat_http import ChatEndpoint
-from verinfer.retokenize import Retokenizer
+from verinfer.models.load import load_tokenizer
 
 REFUSED = {  # kind -> request fields refused with it
     "tool-calls": [{"tools": [{"type": "function"}]}, {"tool_choice": "auto"}],
@@ -61,13 +61,6 @@ def test_stop_cuts():
         None, True, False)
 
 
-def test_a_reply_cut_inside_a_character_is_scored_to_its_last_whole_one():
-    assert whole_text("caf\ufffd", "length") == "caf"
-    assert whole_text("\ufffd\ufffd", "length") == ""
-    assert whole_text("caf\ufffd", "stop") == "caf\ufffd"  # the model's whole text: kept
-    assert whole_text("a\ufffdb", "length") == "a\ufffdb"
-
-
 THINK = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['role'] == 'assistant' and "
          "m.get('reasoning_content') %}<think>\n{{ m['reasoning_content'] }}\n</think>\n\n{% endif %}"
          "{{ m['content'] }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
@@ -76,7 +69,7 @@ PLAIN = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}
 
 
 def test_a_reasoning_reply_is_audited_as_its_template_renders_it():
-    tok = Retokenizer.for_model(TARGET_DIR).tokenizer
+    tok = load_tokenizer(TARGET_DIR)
     msgs = [{"role": "user", "content": "2+2?"}]
     got = reasoning_reply(tok, msgs, "Two and two.", "4", "w", THINK)
     assert got == "<think>\nTwo and two.\n</think>\n\n4"

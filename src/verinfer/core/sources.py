@@ -24,12 +24,12 @@ from pathlib import Path
 from verinfer.core.collect import InHand
 from verinfer.claims import Claim
 from verinfer.errors import VerinferError
-from verinfer.providers.chat_contract import cut_by_stop, reasoning_reply, stop_strings, whole_text
+from verinfer.providers.chat_contract import cut_by_stop, reasoning_reply, stop_strings
 from verinfer.providers.chat_http import ChatEndpoint, ChatReply, request_chat
 from verinfer.providers.chat_contract import ContractError
 from verinfer.providers.chat_log import ChatLogError, iter_chat_log, unusable_for_replay
 from verinfer.providers.openai_http import Endpoint, EndpointError, check_token_reply, request_completion
-from verinfer.retokenize import DERIVED, PLAIN_CHAT_TEMPLATE, RETURNED, Retokenizer
+from verinfer.retokenize import DERIVED, PLAIN_CHAT_TEMPLATE, RETURNED, Retokenizer, whole_token_text
 from verinfer.sampling.params import SamplingParams
 
 
@@ -82,7 +82,7 @@ def scored_text(retok: Retokenizer, messages: list[dict], text: str, finish_reas
     """The text of a reply its claim's ids come from, by the chat contract (`chat_contract`): up to
     its last whole character (a reply cut by max_tokens inside one), and after its reasoning block
     as the model's template renders it (a template without a reasoning segment refuses it)."""
-    text = whole_text(text, finish_reason)
+    text, _ = whole_token_text(text, finish_reason)
     if reasoning:
         template = retok.chat_template or (None if getattr(retok.tokenizer, "chat_template", None)
                                            else PLAIN_CHAT_TEMPLATE)

@@ -25,7 +25,7 @@ and every reply feature is understood or refused:
     stop cut          `cut_by_stop` (above)
     cut mid-character finish "length" inside a multi-byte character: the text ends in U+FFFD, the
                       detokenizer's stand-in for the partial character; it is scored up to its last
-                      whole character (`whole_text`), the partial token dropped
+                      whole character (`retokenize.whole_token_text`), the partial token dropped
     stripped space    a vendor that strips the reply's leading or trailing whitespace: the replay
                       re-cuts the boundary tokens where the reference's carry exactly that
                       whitespace (`retokenize`)
@@ -82,7 +82,6 @@ REFUSED_KINDS = {
     "reasoning": "a reply with a reasoning block, and the model's chat template has no reasoning segment: where "
                  "the block sat in the model's tokens is unknown",
 }
-REPLACEMENT = "\ufffd"  # what a detokenizer writes for a partial UTF-8 character
 
 
 class ContractError(VerinferError):
@@ -182,13 +181,6 @@ def model_end_of(choice: dict) -> bool | None:
     return choice["stop_reason"] is None
 
 
-def whole_text(text: str, finish_reason: str) -> str:
-    """The reply's text up to its last whole character: a reply cut by max_tokens inside a multi-byte
-    character ends in U+FFFD (the detokenizer's stand-in for the partial bytes), which no token of
-    the model spells; those are dropped. A reply that stopped is the model's whole text, kept as is."""
-    return text.rstrip(REPLACEMENT) if finish_reason == "length" else text
-
-
 def reasoning_reply(tokenizer, messages: list[dict], reasoning: str, text: str, where: str,
                     chat_template: str | None = None) -> str:
     """The text the model generated for a reply with a reasoning block: the assistant turn as its own
@@ -214,4 +206,4 @@ def reasoning_reply(tokenizer, messages: list[dict], reasoning: str, text: str, 
 
 __all__ = ["AUDIT_FIELDS", "CONSTRAINED_FIELDS", "ContractError", "NEUTRAL_FIELDS", "PENALTIES", "REFUSED_KINDS",
            "TEMPLATE_FIELDS", "TOOL_FIELDS", "check_request", "cut_by_stop", "is_set", "model_end_of",
-           "reasoning_reply", "replay_refusal", "stop_strings", "whole_text"]
+           "reasoning_reply", "replay_refusal", "stop_strings"]
