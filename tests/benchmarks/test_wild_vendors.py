@@ -2,15 +2,21 @@
 rendered with jinja2, and one real vLLM server (the honest vendor) answering a chat request.
 
 Needs vLLM (the [vllm] venv) and SmolLM2-135M-Instruct (`verinfer models get smollm2-135m-instruct`):
-skipped where either is missing."""
+skipped where either is missing, except in CI (VERINFER_REQUIRE_VLLM=1, VERINFER_REQUIRE_REAL_MODEL=1:
+a failure)."""
 
 from __future__ import annotations
+
+import os
 
 from pathlib import Path
 
 import pytest
 
-pytest.importorskip("vllm")
+if os.environ.get("VERINFER_REQUIRE_VLLM") == "1":
+    import vllm  # noqa: F401  (fails loudly in CI)
+else:
+    pytest.importorskip("vllm")
 jinja2 = pytest.importorskip("jinja2")
 
 from benchmarks.wild_vendors import (CLAIMED_NAME, SMOKE_MESSAGES, VENDOR_SYSTEM_PROMPT, VENDORS,  # noqa: E402
@@ -28,7 +34,10 @@ SMOLLM2_SYSTEM = "<|im_start|>system\nYou are a helpful AI assistant named SmolL
 @pytest.fixture(scope="module")
 def model_dir() -> Path:
     if not (MODEL_DIR / "chat_template.jinja").is_file():
-        pytest.skip(f"SmolLM2-135M-Instruct is not in {MODEL_DIR} (verinfer models get smollm2-135m-instruct)")
+        why = f"SmolLM2-135M-Instruct is not in {MODEL_DIR} (verinfer models get smollm2-135m-instruct)"
+        if os.environ.get("VERINFER_REQUIRE_REAL_MODEL") == "1":
+            pytest.fail(f"VERINFER_REQUIRE_REAL_MODEL=1 but {why}")
+        pytest.skip(why)
     return MODEL_DIR
 
 

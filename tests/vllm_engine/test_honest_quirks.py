@@ -8,9 +8,14 @@ Needs vLLM (the [vllm] venv) and SmolLM2 (`verinfer models get smollm2-135m-inst
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
-pytest.importorskip("vllm")
+if os.environ.get("VERINFER_REQUIRE_VLLM") == "1":
+    import vllm  # noqa: F401  (fails loudly in CI)
+else:
+    pytest.importorskip("vllm")
 
 from benchmarks.quirks_battery import QUIRK_KINDS, run  # noqa: E402
 from verinfer.models.catalog import SMOLLM2_135M_INSTRUCT, model_path  # noqa: E402
@@ -25,7 +30,10 @@ REFUSED = {"stop-kept-in-text": "include_stop_str_in_output", "unknown-field": "
 def test_no_honest_quirk_is_flagged_on_real_vllm(tmp_path):
     model = model_path(SMOLLM2_135M_INSTRUCT)
     if not (model / "chat_template.jinja").is_file():
-        pytest.skip(f"SmolLM2-135M-Instruct is not in {model} (verinfer models get smollm2-135m-instruct)")
+        why = f"SmolLM2-135M-Instruct is not in {model} (verinfer models get smollm2-135m-instruct)"
+        if os.environ.get("VERINFER_REQUIRE_REAL_MODEL") == "1":
+            pytest.fail(f"VERINFER_REQUIRE_REAL_MODEL=1 but {why}")
+        pytest.skip(why)
     rows = run(model, tmp_path, engine="vllm", quirks=CI_QUIRKS, n=20, calib_n=24, max_tokens=40)
     assert set(rows) == set(CI_QUIRKS) | {f"kind:{k}" for k in QUIRK_KINDS[1:]}
     assert [q for q, r in rows.items() if r["flagged"]] == []
