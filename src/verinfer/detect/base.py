@@ -9,7 +9,8 @@
                                           more_tokens_needed, decision, score (what the statistic
                                           is), + detector extras
     det.to_json() / det.save(path)        the fitted detector as JSON (atomic write); no pickle
-    Detector.load(path)                   the inverse (`registry.load_detector` picks the class)
+    Detector.load(path)                   the inverse (`registry.load_detector` picks the class, and
+                                          refuses a file without its calibration record)
 
 A table is a pyarrow Table of `verinfer score` rows or a dict of equal-length columns. A detector
 reads the columns it names in `columns()` and raises a VerinferError naming the missing ones and
@@ -241,6 +242,7 @@ class Detector(abc.ABC):
 
     def _set_record(self, provenance: Provenance | None, calibration: record.Calibration | None) -> None:
         self.provenance_, self.calibration_ = provenance, calibration
+        self.unrecorded_: str | None = None  # set by from_json: a file loaded without its record
 
     @abc.abstractmethod
     def token_scores(self, table) -> np.ndarray:
@@ -304,17 +306,24 @@ class Detector(abc.ABC):
     def _load_fitted(self, fitted: dict) -> None:
         """Set the learned attributes from `_fitted_json`'s output (raise ValueError if inconsistent)."""
 
+    def json_config(self) -> dict:
+        """The config as the file's "config" writes it (JSON names and values)."""
+        return {self.JSON_NAMES.get(k, k): list(v) if isinstance(v, tuple) else v for k, v in self.config().items()}
+
     def to_json(self) -> dict:
-        cfg = {self.JSON_NAMES.get(k, k): list(v) if isinstance(v, tuple) else v for k, v in self.config().items()}
-        return {"format": self.FORMAT, "version": self.FORMAT_VERSION, "config": cfg, "fitted": self._fitted_json(),
-                **record.to_json(self)}
+        return {"format": self.FORMAT, "version": self.FORMAT_VERSION, "config": self.json_config(),
+                "fitted": self._fitted_json(), **record.to_json(self)}
 
     def save(self, path: str | Path) -> None:
         """Write the detector as JSON (atomically: temp file + os.replace). No pickle."""
         atomic_write_text(path, json.dumps(self.to_json(), indent=1) + "\n")
 
     @classmethod
-    def from_json(cls, d: dict, where: str = "<dict>") -> "Detector":
+    def from_json(cls, d: dict, where: str = "<dict>", *, allow_unrecorded: bool = True) -> "Detector":
+        """The detector of a file's JSON, its fitted values and config checked against its
+        calibration record (`detect.record`). allow_unrecorded=False (the audits' loader,
+        `registry.load_detector`): a file without that record is refused (`UnrecordedCalibration`);
+        a detector loaded without it says so in `unrecorded_`."""
         def bad(what: str) -> VerinferError:
             return VerinferError(what, where=where, fix=cls.REFIT)
 
@@ -330,19 +339,31 @@ class Detector(abc.ABC):
         except (KeyError, TypeError, ValueError) as e:
             raise bad(f"malformed detector ({type(e).__name__}: {e})") from e
         det._set_record(*record.read(d, where, cls.REFIT))
+        det.unrecorded_ = record.unrecorded(det.calibration_)
+        if det.unrecorded_ is not None:
+            if not allow_unrecorded:
+                raise record.UnrecordedCalibration(
+                    f"{det.unrecorded_}: verinfer cannot check the detector's settings and fitted values against what "
+                    "its calibration produced", where=where,
+                    fix=f"recalibrate with `verinfer calibrate`, or pass {record.ALLOW_UNRECORDED_CALIBRATION} to "
+                        "`verinfer audit` to use it anyway (each verdict then says the calibration was not checked)")
+            det.unrecorded_ += f": calibration not checked ({record.ALLOW_UNRECORDED_CALIBRATION})"
         try:
+            if det.calibration_ is not None and det.calibration_.config is not None:
+                record.check_config(det.json_config(), det.calibration_)
             det._check_record()
         except ValueError as e:
             raise bad(f"inconsistent detector ({e}): it was edited or corrupted") from e
         return det
 
     def _check_record(self) -> None:
-        """A ValueError when the learned values disagree with the recorded calibration (detectors
-        that can check it override this)."""
+        """A ValueError when the learned values disagree with what the recorded calibration
+        (`calibration_`, None when unrecorded) can produce (detectors that can check it override this)."""
 
     @classmethod
-    def load(cls, path: str | Path) -> "Detector":
-        return cls.from_json(read_detector_json(path, fix=cls.REFIT), where=str(path))
+    def load(cls, path: str | Path, *, allow_unrecorded: bool = True) -> "Detector":
+        return cls.from_json(read_detector_json(path, fix=cls.REFIT), where=str(path),
+                             allow_unrecorded=allow_unrecorded)
 
 
 class ColumnStatistics(Detector):

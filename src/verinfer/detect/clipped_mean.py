@@ -505,17 +505,64 @@ class ClippedMeanDetector(Detector):
         self.claim_sums_ = fitted.claim_sums()
 
     def _check_record(self) -> None:
-        """Against the recorded calibration (tokens and claims per honest configuration): the
-        calibration tokens add up to n_train_ at least, and no design effect exceeds the longest
-        claim any configuration can hold (its tokens - claims + 1; `design_effect` is at most the
-        longest claim's length, by Cauchy-Schwarz)."""
-        cal = getattr(self, "calibration_", None)
-        if cal is None:
-            return
-        longest = max(cal.tokens[k] - cal.claims.get(k, 1) + 1 for k in cal.tokens)
-        if max(self.design_effects_) > max(1, longest):
-            raise ValueError(f"design_effects {self.design_effects_} exceed the longest claim the recorded "
-                             f"calibration can hold ({longest} tokens)")
-        if self.score_name not in ACTIVATION_SCORES and sum(cal.tokens.values()) != self.n_train_:
-            raise ValueError(f"n_train_ = {self.n_train_} but the recorded calibration has "
-                             f"{sum(cal.tokens.values())} tokens")
+        """Against the recorded calibration (tokens and claims per honest configuration, in the
+        order of the null's groups) and the claim sums: the configurations are the null's groups
+        and each one's claims are its claim sums; the calibration tokens add up to n_train_ and
+        each configuration's reach 1/target_fpr (fit refuses fewer); and no design effect exceeds
+        what its group can produce (`design_effect_bounds`)."""
+        cal = self.calibration_
+        sums = getattr(self, "claim_sums_", None)
+        if cal is not None:
+            groups = cal.groups()
+            if len(groups) != len(self.null_group_sizes_):
+                raise ValueError(f"the calibration records {len(groups)} honest configurations "
+                                 f"({', '.join(k for k, _, _ in groups)}), the null has {len(self.null_group_sizes_)} "
+                                 "groups (null_group_sizes)")
+            need = math.ceil(1.0 / self.target_fpr)
+            cap = max(1, MAX_NULL_SAMPLE // len(groups))
+            for g, (name, tokens, claims) in enumerate(groups):
+                if sums is not None and sums[g].size != claims:
+                    raise ValueError(f"calibration.claims[{name!r}] = {claims}, but its claim sums "
+                                     f"(claim_sums_f8_base64[{g}]) hold {sums[g].size} claims")
+                if tokens < need:
+                    raise ValueError(f"calibration.tokens[{name!r}] = {tokens} is fewer than 1/FPR = {need} for "
+                                     f"target_fpr {self.target_fpr:g}: a fit at that target_fpr refuses it")
+                size = self.null_group_sizes_[g]
+                if size > tokens or (tokens <= cap and size != tokens):
+                    raise ValueError(f"null_group_sizes[{g}] = {size}, but calibration.tokens[{name!r}] = {tokens} "
+                                     f"(the null keeps every token of a configuration, or {cap} of them)")
+                if sums is not None and size == tokens and not math.isclose(
+                        float(sums[g].sum()), float(self._groups()[g].sum()), rel_tol=1e-9, abs_tol=1e-9):
+                    raise ValueError(f"the claim sums of {name!r} (claim_sums_f8_base64[{g}]) add up to "
+                                     f"{float(sums[g].sum())!r}, its null sample to {float(self._groups()[g].sum())!r}")
+            if self.score_name not in ACTIVATION_SCORES and sum(cal.tokens.values()) != self.n_train_:
+                raise ValueError(f"n_train_ = {self.n_train_} but the recorded calibration has "
+                                 f"{sum(cal.tokens.values())} tokens")
+        for g, (deff, (bound, why)) in enumerate(zip(self.design_effects_, self.design_effect_bounds())):
+            if deff > bound * (1.0 + 1e-9):
+                raise ValueError(f"design_effects[{g}] = {deff!r} exceeds {bound}: {why}")
+
+    def design_effect_bounds(self) -> list[tuple[int, str]]:
+        """Per null group, the largest design effect its calibration can produce, and why: 1 for a
+        group of fewer than MIN_CLAIMS_FOR_DEFF claims (`design_effect` takes it as 1); else its
+        longest possible claim, tokens - claims + 1 (Kish's design effect of batches of whole claims
+        is at most the longest claim's length, by Cauchy-Schwarz). Claims: the claim sums' count,
+        else the recorded calibration's; tokens: the recorded calibration's, else what n_train_
+        leaves beside the other groups' null samples."""
+        cal, sums, sizes = self.calibration_, getattr(self, "claim_sums_", None), self.null_group_sizes_
+        groups = cal.groups() if cal is not None else [(None, None, None)] * len(sizes)
+        out = []
+        for g, (name, tokens, claims) in enumerate(groups):
+            what = f"honest configuration {name!r}" if name is not None else f"null group {g}"
+            claims = sums[g].size if sums is not None else claims
+            if tokens is None:
+                tokens = self.n_train_ - (sum(sizes) - sizes[g])
+            if claims is not None and claims < MIN_CLAIMS_FOR_DEFF:
+                out.append((1, f"{what} has {claims} claims, fewer than {MIN_CLAIMS_FOR_DEFF}: its design effect is 1 "
+                               "by construction"))
+            else:
+                longest = max(1, tokens - (claims or 1) + 1)
+                out.append((longest, f"{what} holds {tokens} tokens in {claims or 'an unrecorded number of'} claims, so "
+                                     f"no claim longer than {longest} tokens, and a design effect is at most the "
+                                     "longest claim's length"))
+        return out
