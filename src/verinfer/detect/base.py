@@ -240,9 +240,11 @@ class Detector(abc.ABC):
         which `warnings_` holds what the fit warns about)."""
         raise NotImplementedError(f"{type(self).__name__} defines no _fit")
 
-    def _set_record(self, provenance: Provenance | None, calibration: record.Calibration | None) -> None:
-        self.provenance_, self.calibration_ = provenance, calibration
-        self.unrecorded_: str | None = None  # set by from_json: a file loaded without its record
+    def _set_record(self, provenance: Provenance | None, calibration: record.Calibration | None,
+                    unrecorded: str | None = None) -> None:
+        """The record; `unrecorded_`: what a file loaded without its calibration record lacks (None:
+        nothing, or a fit)."""
+        self.provenance_, self.calibration_, self.unrecorded_ = provenance, calibration, unrecorded
 
     @abc.abstractmethod
     def token_scores(self, table) -> np.ndarray:
@@ -338,16 +340,16 @@ class Detector(abc.ABC):
             det._load_fitted(d["fitted"])
         except (KeyError, TypeError, ValueError) as e:
             raise bad(f"malformed detector ({type(e).__name__}: {e})") from e
-        det._set_record(*record.read(d, where, cls.REFIT))
-        det.unrecorded_ = record.unrecorded(det.calibration_)
-        if det.unrecorded_ is not None:
-            if not allow_unrecorded:
-                raise record.UnrecordedCalibration(
-                    f"{det.unrecorded_}: verinfer cannot check the detector's settings and fitted values against what "
-                    "its calibration produced", where=where,
-                    fix=f"recalibrate with `verinfer calibrate`, or pass {record.ALLOW_UNRECORDED_CALIBRATION} to "
-                        "`verinfer audit` to use it anyway (each verdict then says the calibration was not checked)")
-            det.unrecorded_ += f": calibration not checked ({record.ALLOW_UNRECORDED_CALIBRATION})"
+        provenance, calibration = record.read(d, where, cls.REFIT)
+        unrecorded = record.unrecorded(calibration)
+        if unrecorded is not None and not allow_unrecorded:
+            raise record.UnrecordedCalibration(
+                f"{unrecorded}: verinfer cannot check the detector's settings and fitted values against what its "
+                "calibration produced", where=where,
+                fix=f"recalibrate with `verinfer calibrate`, or pass {record.ALLOW_UNRECORDED_CALIBRATION} to "
+                    "`verinfer audit` to use it anyway (each verdict then says the calibration was not checked)")
+        det._set_record(provenance, calibration, unrecorded=None if unrecorded is None else
+                        f"{unrecorded}: calibration not checked ({record.ALLOW_UNRECORDED_CALIBRATION})")
         try:
             if det.calibration_ is not None and det.calibration_.config is not None:
                 record.check_config(det.json_config(), det.calibration_)
