@@ -89,15 +89,35 @@ def test_design_effects_of_groups_under_10_claims_are_1(small, tmp_path):
     assert "verinfer calibrate" in e.fix
 
 
-def test_design_effects_are_bounded_per_group(uneven, tmp_path):
-    """A group's design effect is at most its longest claim (tokens - claims + 1): h-b's 300 tokens in
-    12 claims allow 289, however many tokens h-a holds."""
+def test_design_effects_are_the_claims_own(uneven, tmp_path):
+    """With claims of 25 tokens, Kish's bound (the longest claim) lets a design effect reach 25, which
+    hides any shift; the claim sums and lengths the file keeps give each group's design effect, and
+    any other value is refused."""
+    det, path = uneven
+    deff = list(det.design_effects_)
+    for bad in ([deff[0], deff[1] * 1.5], [min(25.0, deff[0] * 10), deff[1]], [1.0, deff[1]]):
+        if bad != deff:
+            _refused(_edit(path, tmp_path, lambda d: d["fitted"].__setitem__("design_effects", bad)),
+                     "design_effects[", "claim sums and lengths")
+    _refused(_edit(path, tmp_path, lambda d: d["fitted"].pop("claim_lengths_f8_base64")), "claim_lengths")
+
+
+def test_without_claim_lengths_design_effects_are_bounded_per_group(uneven, tmp_path):
+    """A file without claim lengths (an older verinfer's, loaded with the flag): a group's design
+    effect is at most its longest possible claim (tokens - claims + 1): h-b's 300 tokens in 12
+    claims allow 289, however many tokens h-a holds."""
     det, path = uneven
     assert det.calibration_.claims == {"h-a": 40, "h-b": 12}
     deff = list(det.design_effects_)
-    load_detector(_edit(path, tmp_path, lambda d: d["fitted"].__setitem__("design_effects", [deff[0], 289.0])))
-    edited = _edit(path, tmp_path, lambda d: d["fitted"].__setitem__("design_effects", [deff[0], 500.0]))
-    _refused(edited, "design_effects[1]", "h-b", "289")
+
+    def older(values):
+        def edit(d):
+            d["calibration"].pop("config")
+            d["fitted"].pop("claim_lengths_f8_base64")
+            d["fitted"]["design_effects"] = values
+        return edit
+    load_detector(_edit(path, tmp_path, older([deff[0], 289.0])), allow_unrecorded=True)
+    _refused(_edit(path, tmp_path, older([deff[0], 500.0])), "design_effects[1]", "h-b", "289", allow_unrecorded=True)
 
 
 def test_claim_counts_must_agree_with_the_claim_sums(uneven, tmp_path):
@@ -105,10 +125,14 @@ def test_claim_counts_must_agree_with_the_claim_sums(uneven, tmp_path):
     _, path = uneven
     _refused(_edit(path, tmp_path, lambda d: d["calibration"]["claims"].__setitem__("h-b", 6)), "claims", "h-b")
 
-    def pad(d):
-        sums = d["fitted"]["claim_sums_f8_base64"]
-        sums[1] = encode_f8(np.r_[decode_f8(sums[1]), np.zeros(5)])
-    _refused(_edit(path, tmp_path, pad), "claim_sums", "h-b")
+    def pad(*keys):
+        def edit(d):
+            for key in keys:
+                x = d["fitted"][key]
+                x[1] = encode_f8(np.r_[decode_f8(x[1]), np.ones(5)])
+        return edit
+    _refused(_edit(path, tmp_path, pad("claim_sums_f8_base64")), "claim_lengths", "claim_sums")
+    _refused(_edit(path, tmp_path, pad("claim_sums_f8_base64", "claim_lengths_f8_base64")), "claims", "h-b")
 
 
 def test_a_detector_without_its_calibration_record_needs_the_flag(small, tmp_path):
@@ -190,3 +214,27 @@ def test_a_cached_detector_of_an_older_verinfer_is_fit_again(small, tmp_path):
     cache.path.write_text(json.dumps(d))
     with pytest.raises(VerinferError, match="design_effects"):
         cache.get({"m": 1}, fit=lambda: det)
+
+
+def test_a_subsampled_groups_design_effect_is_checked_against_its_kept_null():
+    """A group of more tokens than its null keeps: its design effect is measured against the kept
+    values' spread (what the resampled null draws from), so a file can check it exactly; it stays
+    within a few percent of the one measured on every token."""
+    from verinfer.detect.clipped_mean import MAX_NULL_SAMPLE, ClippedMeanDetector, design_effect
+
+    rng = np.random.default_rng(7)
+    n_claims, length = 1100, 100  # 110,000 tokens per group, the null keeps 100,000
+    level = np.exp(rng.normal(0.0, 0.7, 2 * n_claims))
+    t = {"margin": np.repeat(level, length) * rng.exponential(1.0, 2 * n_claims * length),
+         "claim_id": np.repeat(np.arange(2 * n_claims), length)}
+    groups = np.repeat([0, 1], n_claims * length)
+    det = ClippedMeanDetector(n_null_batches=100).fit(t, groups=groups)
+    assert det.null_group_sizes_ == [MAX_NULL_SAMPLE // 2] * 2
+    w = np.minimum(t["margin"], det.clip_)
+    full = [design_effect(w[groups == k], t["claim_id"][groups == k]) for k in (0, 1)]
+    assert det.design_effects_ == pytest.approx(full, rel=0.05) and min(full) > 3
+    d = det.to_json()
+    assert type(det).from_json(d).design_effects_ == det.design_effects_
+    d["fitted"]["design_effects"] = [full[0] * 1.2, full[1]]
+    with pytest.raises(VerinferError, match=r"design_effects\[0\].*claim sums and lengths of null group 0"):
+        type(det).from_json(d)

@@ -82,6 +82,7 @@ class _Fitted(BaseModel):
     design_effects: list[float]
     null_sample_f8_base64: str
     claim_sums_f8_base64: list[str] | None = None  # per group; absent in files fit without claim ids
+    claim_lengths_f8_base64: list[str] | None = None  # per group, as the sums; absent in older files
 
     def claim_sums(self) -> list[np.ndarray] | None:
         if self.claim_sums_f8_base64 is None:
@@ -91,6 +92,20 @@ class _Fitted(BaseModel):
             raise ValueError(f"claim_sums must hold one non-empty list of sums >= 0 per null group "
                              f"({len(self.null_group_sizes)})")
         return out
+
+    def claim_lengths(self, sums: list[np.ndarray] | None) -> list[np.ndarray] | None:
+        """Each claim's tokens, per group (the claims of `sums`, in its order); a claim's sum is at
+        most clip_ per token."""
+        if self.claim_lengths_f8_base64 is None:
+            return None
+        out = [decode_f8(t) for t in self.claim_lengths_f8_base64]
+        if sums is None or [x.size for x in out] != [x.size for x in sums]:
+            raise ValueError("claim_lengths must hold one length per claim sum (claim_sums_f8_base64)")
+        for g, (n, s) in enumerate(zip(out, sums)):
+            if (n < 1).any() or (n != np.round(n)).any() or (s > self.clip_ * n * (1.0 + 1e-9)).any():
+                raise ValueError(f"claim_lengths[{g}] must be whole numbers of tokens >= 1, each at least its claim's "
+                                 "sum / clip_")
+        return [n.astype(np.int64) for n in out]
 
     def sample(self) -> tuple[np.ndarray, list[int]]:
         s = decode_f8(self.null_sample_f8_base64)
@@ -130,17 +145,33 @@ def claim_sums(w: np.ndarray, claims: np.ndarray) -> np.ndarray:
     return np.bincount(inv.ravel(), weights=w)[np.argsort(first)]
 
 
+def claim_lengths(claims: np.ndarray) -> np.ndarray:
+    """Each claim's number of tokens (claims in order of first appearance, as `claim_sums`)."""
+    _, first, inv = np.unique(claims, return_index=True, return_inverse=True)
+    return np.bincount(inv.ravel())[np.argsort(first)]
+
+
+def design_effect_of(sums: np.ndarray, lengths: np.ndarray, mean: float, var: float) -> float:
+    """Kish's design effect of batch means of whole claims (module docstring) from the claims'
+    sums S_c and lengths L_c: sum_c (S_c - m L_c)^2 / (sum_c L_c s^2), at least 1; 1 with fewer
+    than MIN_CLAIMS_FOR_DEFF claims or no variance."""
+    if sums.size < MIN_CLAIMS_FOR_DEFF or not var > 0:
+        return 1.0
+    return max(1.0, float(((sums - mean * lengths) ** 2).sum() / (lengths.sum() * var)))
+
+
 def design_effect(w: np.ndarray, claims: np.ndarray) -> float:
-    """Kish's design effect of batch means of whole claims (module docstring): sum_c (S_c - m L_c)^2
-    / (sum_c L_c s^2), at least 1; 1 with fewer than MIN_CLAIMS_FOR_DEFF claims or no variance."""
+    """`design_effect_of` the claims of w (m and s^2: w's mean and variance)."""
     _, inv = np.unique(claims, return_inverse=True)
-    if inv.max(initial=-1) + 1 < MIN_CLAIMS_FOR_DEFF:
-        return 1.0
-    var = float(w.var())
-    if not var > 0:
-        return 1.0
-    sums, lengths = np.bincount(inv, weights=w), np.bincount(inv)
-    return max(1.0, float(((sums - w.mean() * lengths) ** 2).sum() / (lengths.sum() * var)))
+    return design_effect_of(np.bincount(inv, weights=w), np.bincount(inv), w.mean(), float(w.var()))
+
+
+def kept_design_effect(kept: np.ndarray, sums: np.ndarray, lengths: np.ndarray) -> float:
+    """The design effect of a group whose null keeps a subsample `kept` of its values: m from the
+    claims (every value), s^2 the kept values' spread around it, which is what the resampled null
+    draws from (and what a loaded file can check it against)."""
+    mean = float(sums.sum() / lengths.sum())
+    return design_effect_of(sums, lengths, mean, float(np.mean((kept - mean) ** 2)))
 
 
 @dataclass(eq=True)
@@ -242,13 +273,17 @@ class ClippedMeanDetector(Detector):
     def fit_null(self, w: np.ndarray, groups, clip: float, claims: np.ndarray | None = None) -> None:
         """The null from winsorized honest values w: per group (one label per value; None: one
         group), its values, or a sorted random subsample of MAX_NULL_SAMPLE / groups of them, and
-        its design effect from `claims` (one claim label per value; None: 1)."""
+        its design effect from `claims` (one claim label per value; None: 1; `kept_design_effect`
+        for a subsampled group), with its claims' sums and lengths (what a file checks it by)."""
         labels = group_labels(groups, w.size)
         parts = stratified_subsample(w, labels, MAX_NULL_SAMPLE, self.random_state, sort_values=True)
-        deff = None if claims is None else [design_effect(w[labels == k], claims[labels == k])
-                                             for k in range(len(parts))]
-        self.claim_sums_ = None if claims is None else [claim_sums(w[labels == k], claims[labels == k])
-                                                         for k in range(len(parts))]
+        deff, self.claim_sums_, self.claim_lengths_ = None, None, None
+        if claims is not None:
+            ks = range(len(parts))
+            self.claim_sums_ = [claim_sums(w[labels == k], claims[labels == k]) for k in ks]
+            self.claim_lengths_ = [claim_lengths(claims[labels == k]) for k in ks]
+            deff = [design_effect(w[labels == k], claims[labels == k]) if parts[k].size == np.count_nonzero(labels == k)
+                    else kept_design_effect(parts[k], self.claim_sums_[k], self.claim_lengths_[k]) for k in ks]
         self.set_null(np.concatenate(parts), [int(p.size) for p in parts], n_train=int(w.size), clip=clip,
                       design_effects=deff)
 
@@ -490,7 +525,9 @@ class ClippedMeanDetector(Detector):
                 "design_effects": list(self.design_effects_),
                 "null_sample_f8_base64": encode_f8(self.null_sample_),
                 **({} if getattr(self, "claim_sums_", None) is None
-                   else {"claim_sums_f8_base64": [encode_f8(c) for c in self.claim_sums_]})}
+                   else {"claim_sums_f8_base64": [encode_f8(c) for c in self.claim_sums_]}),
+                **({} if getattr(self, "claim_lengths_", None) is None
+                   else {"claim_lengths_f8_base64": [encode_f8(n) for n in self.claim_lengths_]})}
 
     def _load_fitted(self, f: dict) -> None:
         """Validated (`_Fitted`): a field that is missing, NaN, infinite or out of range is refused."""
@@ -503,13 +540,15 @@ class ClippedMeanDetector(Detector):
         self.set_null(s, sizes, n_train=fitted.n_train_, clip=fitted.clip_, mean=fitted.null_mean_,
                       std=fitted.null_std_, design_effects=fitted.design_effects)
         self.claim_sums_ = fitted.claim_sums()
+        self.claim_lengths_ = fitted.claim_lengths(self.claim_sums_)
 
     def _check_record(self) -> None:
         """Against the recorded calibration (tokens and claims per honest configuration, in the
         order of the null's groups) and the claim sums: the configurations are the null's groups
         and each one's claims are its claim sums; the calibration tokens add up to n_train_ and
         each configuration's reach 1/target_fpr (fit refuses fewer); and no design effect exceeds
-        what its group can produce (`design_effect_bounds`)."""
+        what its group can produce: the value its claims' sums and lengths give, or, in a file
+        without the lengths (loaded with the flag), at most `design_effect_bounds`."""
         cal = self.calibration_
         sums = getattr(self, "claim_sums_", None)
         if cal is not None:
@@ -538,9 +577,29 @@ class ClippedMeanDetector(Detector):
             if self.score_name not in ACTIVATION_SCORES and sum(cal.tokens.values()) != self.n_train_:
                 raise ValueError(f"n_train_ = {self.n_train_} but the recorded calibration has "
                                  f"{sum(cal.tokens.values())} tokens")
-        for g, (deff, (bound, why)) in enumerate(zip(self.design_effects_, self.design_effect_bounds())):
-            if deff > bound * (1.0 + 1e-9):
-                raise ValueError(f"design_effects[{g}] = {deff!r} exceeds {bound}: {why}")
+        lengths = getattr(self, "claim_lengths_", None)
+        if lengths is None:
+            if sums is not None and self.unrecorded_ is None:  # a file of this verinfer: deleted
+                raise ValueError("claim_lengths_f8_base64 is missing beside claim_sums_f8_base64 (the design effects "
+                                 "are checked by both)")
+            for g, (deff, (bound, why)) in enumerate(zip(self.design_effects_, self.design_effect_bounds())):
+                if deff > bound * (1.0 + 1e-9):
+                    raise ValueError(f"design_effects[{g}] = {deff!r} exceeds {bound}: {why}")
+            return
+        names = [k for k, _, _ in cal.groups()] if cal is not None else [None] * len(lengths)
+        for g, (deff, kept, s, n, name) in enumerate(zip(self.design_effects_, self._groups(), sums, lengths, names)):
+            what = f"{name!r}" if name is not None else f"null group {g}"
+            if kept.size > n.sum() or (cal is not None and n.sum() != cal.tokens[name]):
+                raise ValueError(f"the claim lengths of {what} (claim_lengths_f8_base64[{g}]) add up to {int(n.sum())} "
+                                 f"tokens, its null keeps {kept.size}"
+                                 + (f" and calibration.tokens records {cal.tokens[name]}" if cal is not None else ""))
+            want = (design_effect_of(s, n, float(kept.mean()), float(kept.var())) if kept.size == n.sum()
+                    else kept_design_effect(kept, s, n))
+            if not math.isclose(deff, want, rel_tol=1e-9):
+                raise ValueError(f"design_effects[{g}] = {deff!r}, but the claim sums and lengths of {what} give "
+                                 f"{want!r} (Kish's design effect of its {s.size} claims"
+                                 + (f", fewer than {MIN_CLAIMS_FOR_DEFF}: 1 by construction)" if s.size < MIN_CLAIMS_FOR_DEFF
+                                    else ")"))
 
     def design_effect_bounds(self) -> list[tuple[int, str]]:
         """Per null group, the largest design effect its calibration can produce, and why: 1 for a
