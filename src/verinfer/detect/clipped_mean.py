@@ -282,7 +282,8 @@ class ClippedMeanDetector(Detector):
             ks = range(len(parts))
             self.claim_sums_ = [claim_sums(w[labels == k], claims[labels == k]) for k in ks]
             self.claim_lengths_ = [claim_lengths(claims[labels == k]) for k in ks]
-            deff = [design_effect(w[labels == k], claims[labels == k]) if parts[k].size == np.count_nonzero(labels == k)
+            whole = [parts[k].size == np.count_nonzero(labels == k) for k in ks]
+            deff = [design_effect(w[labels == k], claims[labels == k]) if whole[k]
                     else kept_design_effect(parts[k], self.claim_sums_[k], self.claim_lengths_[k]) for k in ks]
         self.set_null(np.concatenate(parts), [int(p.size) for p in parts], n_train=int(w.size), clip=clip,
                       design_effects=deff)
@@ -543,41 +544,45 @@ class ClippedMeanDetector(Detector):
         self.claim_lengths_ = fitted.claim_lengths(self.claim_sums_)
 
     def _check_record(self) -> None:
-        """Against the recorded calibration (tokens and claims per honest configuration, in the
-        order of the null's groups) and the claim sums: the configurations are the null's groups
-        and each one's claims are its claim sums; the calibration tokens add up to n_train_ and
-        each configuration's reach 1/target_fpr (fit refuses fewer); and no design effect exceeds
-        what its group can produce: the value its claims' sums and lengths give, or, in a file
-        without the lengths (loaded with the flag), at most `design_effect_bounds`."""
+        """Against the recorded calibration (`_check_calibration`) and the claims' sums and lengths
+        (`_check_design_effects`)."""
+        if self.calibration_ is not None:
+            self._check_calibration(self.calibration_)
+        self._check_design_effects()
+
+    def _check_calibration(self, cal) -> None:
+        """Its honest configurations are the null's groups (in order), each one's claims are its
+        claim sums, its tokens reach 1/target_fpr (fit refuses fewer) and hold its null sample, and
+        they add up to n_train_."""
+        groups, sums = cal.groups(), getattr(self, "claim_sums_", None)
+        if len(groups) != len(self.null_group_sizes_):
+            raise ValueError(f"the calibration records {len(groups)} honest configurations "
+                             f"({', '.join(k for k, _, _ in groups)}), the null has {len(self.null_group_sizes_)} "
+                             "groups (null_group_sizes)")
+        need = math.ceil(1.0 / self.target_fpr)
+        cap = max(1, MAX_NULL_SAMPLE // len(groups))
+        for g, (name, tokens, claims) in enumerate(groups):
+            if sums is not None and sums[g].size != claims:
+                raise ValueError(f"calibration.claims[{name!r}] = {claims}, but its claim sums "
+                                 f"(claim_sums_f8_base64[{g}]) hold {sums[g].size} claims")
+            if tokens < need:
+                raise ValueError(f"calibration.tokens[{name!r}] = {tokens} is fewer than 1/FPR = {need} for "
+                                 f"target_fpr {self.target_fpr:g}: a fit at that target_fpr refuses it")
+            size = self.null_group_sizes_[g]
+            if size > tokens or (tokens <= cap and size != tokens):
+                raise ValueError(f"null_group_sizes[{g}] = {size}, but calibration.tokens[{name!r}] = {tokens} "
+                                 f"(the null keeps every token of a configuration, or {cap} of them)")
+        if self.score_name not in ACTIVATION_SCORES and sum(cal.tokens.values()) != self.n_train_:
+            raise ValueError(f"n_train_ = {self.n_train_} but the recorded calibration has "
+                             f"{sum(cal.tokens.values())} tokens")
+
+    def _check_design_effects(self) -> None:
+        """Each group's design effect is the one its claims' sums and lengths give (`design_effect_of`;
+        `kept_design_effect` where the null subsamples the group), the lengths add up to its tokens
+        and the sums to its null sample's where it keeps every token. A file without the lengths
+        (an older verinfer's, loaded with the flag): at most `design_effect_bounds`."""
         cal = self.calibration_
-        sums = getattr(self, "claim_sums_", None)
-        if cal is not None:
-            groups = cal.groups()
-            if len(groups) != len(self.null_group_sizes_):
-                raise ValueError(f"the calibration records {len(groups)} honest configurations "
-                                 f"({', '.join(k for k, _, _ in groups)}), the null has {len(self.null_group_sizes_)} "
-                                 "groups (null_group_sizes)")
-            need = math.ceil(1.0 / self.target_fpr)
-            cap = max(1, MAX_NULL_SAMPLE // len(groups))
-            for g, (name, tokens, claims) in enumerate(groups):
-                if sums is not None and sums[g].size != claims:
-                    raise ValueError(f"calibration.claims[{name!r}] = {claims}, but its claim sums "
-                                     f"(claim_sums_f8_base64[{g}]) hold {sums[g].size} claims")
-                if tokens < need:
-                    raise ValueError(f"calibration.tokens[{name!r}] = {tokens} is fewer than 1/FPR = {need} for "
-                                     f"target_fpr {self.target_fpr:g}: a fit at that target_fpr refuses it")
-                size = self.null_group_sizes_[g]
-                if size > tokens or (tokens <= cap and size != tokens):
-                    raise ValueError(f"null_group_sizes[{g}] = {size}, but calibration.tokens[{name!r}] = {tokens} "
-                                     f"(the null keeps every token of a configuration, or {cap} of them)")
-                if sums is not None and size == tokens and not math.isclose(
-                        float(sums[g].sum()), float(self._groups()[g].sum()), rel_tol=1e-9, abs_tol=1e-9):
-                    raise ValueError(f"the claim sums of {name!r} (claim_sums_f8_base64[{g}]) add up to "
-                                     f"{float(sums[g].sum())!r}, its null sample to {float(self._groups()[g].sum())!r}")
-            if self.score_name not in ACTIVATION_SCORES and sum(cal.tokens.values()) != self.n_train_:
-                raise ValueError(f"n_train_ = {self.n_train_} but the recorded calibration has "
-                                 f"{sum(cal.tokens.values())} tokens")
-        lengths = getattr(self, "claim_lengths_", None)
+        sums, lengths = getattr(self, "claim_sums_", None), getattr(self, "claim_lengths_", None)
         if lengths is None:
             if sums is not None and self.unrecorded_ is None:  # a file of this verinfer: deleted
                 raise ValueError("claim_lengths_f8_base64 is missing beside claim_sums_f8_base64 (the design effects "
@@ -586,20 +591,27 @@ class ClippedMeanDetector(Detector):
                 if deff > bound * (1.0 + 1e-9):
                     raise ValueError(f"design_effects[{g}] = {deff!r} exceeds {bound}: {why}")
             return
+        if sum(int(n.sum()) for n in lengths) != self.n_train_:
+            raise ValueError(f"the claim lengths add up to {sum(int(n.sum()) for n in lengths)} tokens, "
+                             f"n_train_ = {self.n_train_}")
         names = [k for k, _, _ in cal.groups()] if cal is not None else [None] * len(lengths)
         for g, (deff, kept, s, n, name) in enumerate(zip(self.design_effects_, self._groups(), sums, lengths, names)):
             what = f"{name!r}" if name is not None else f"null group {g}"
-            if kept.size > n.sum() or (cal is not None and n.sum() != cal.tokens[name]):
-                raise ValueError(f"the claim lengths of {what} (claim_lengths_f8_base64[{g}]) add up to {int(n.sum())} "
+            tokens = int(n.sum())
+            if kept.size > tokens or (cal is not None and tokens != cal.tokens[name]):
+                raise ValueError(f"the claim lengths of {what} (claim_lengths_f8_base64[{g}]) add up to {tokens} "
                                  f"tokens, its null keeps {kept.size}"
                                  + (f" and calibration.tokens records {cal.tokens[name]}" if cal is not None else ""))
-            want = (design_effect_of(s, n, float(kept.mean()), float(kept.var())) if kept.size == n.sum()
-                    else kept_design_effect(kept, s, n))
+            whole = kept.size == tokens
+            if whole and not math.isclose(float(s.sum()), float(kept.sum()), rel_tol=1e-9, abs_tol=1e-9):
+                raise ValueError(f"the claim sums of {what} (claim_sums_f8_base64[{g}]) add up to "
+                                 f"{float(s.sum())!r}, its null sample to {float(kept.sum())!r}")
+            want = design_effect_of(s, n, float(kept.mean()), float(kept.var())) if whole else \
+                kept_design_effect(kept, s, n)
             if not math.isclose(deff, want, rel_tol=1e-9):
+                few = f", fewer than {MIN_CLAIMS_FOR_DEFF}: 1 by construction" if s.size < MIN_CLAIMS_FOR_DEFF else ""
                 raise ValueError(f"design_effects[{g}] = {deff!r}, but the claim sums and lengths of {what} give "
-                                 f"{want!r} (Kish's design effect of its {s.size} claims"
-                                 + (f", fewer than {MIN_CLAIMS_FOR_DEFF}: 1 by construction)" if s.size < MIN_CLAIMS_FOR_DEFF
-                                    else ")"))
+                                 f"{want!r} (Kish's design effect of its {s.size} claims{few})")
 
     def design_effect_bounds(self) -> list[tuple[int, str]]:
         """Per null group, the largest design effect its calibration can produce, and why: 1 for a
@@ -621,7 +633,7 @@ class ClippedMeanDetector(Detector):
                                "by construction"))
             else:
                 longest = max(1, tokens - (claims or 1) + 1)
-                out.append((longest, f"{what} holds {tokens} tokens in {claims or 'an unrecorded number of'} claims, so "
-                                     f"no claim longer than {longest} tokens, and a design effect is at most the "
-                                     "longest claim's length"))
+                n_claims = claims or "an unrecorded number of"
+                out.append((longest, f"{what} holds {tokens} tokens in {n_claims} claims, so no claim longer than "
+                                     f"{longest} tokens, and a design effect is at most the longest claim's length"))
         return out
