@@ -89,3 +89,26 @@ def test_a_missing_scores_file_is_an_error_not_a_crash(tmp_path):
         calibrate_files([tmp_path / "none.parquet"], tmp_path / "d.json")
     r = CliRunner().invoke(app, ["calibrate", str(tmp_path / "none.parquet"), "-o", str(tmp_path / "d.json")])
     assert r.exit_code == 2 and "no such scores file" in r.output   # 1 would mean "flagged"
+
+
+def test_audit_refuses_a_detector_without_its_calibration_unless_allowed(claims_file, tmp_path):
+    """Issue 45 through the CLI: a detector whose calibration block was deleted is an error (exit 2)
+    naming the flag; with the flag every verdict says the calibration was not checked."""
+    from typer.testing import CliRunner
+
+    from verinfer.cli.main import app
+
+    honest = score_file(claims_file, TARGET_DIR, tmp_path / "h.parquet", draft_dir=DRAFT_DIR, show_progress=False)
+    calibrate_files([honest.out], tmp_path / "det.json", detector="greedy", fpr_batch_tokens=50)
+    d = json.loads((tmp_path / "det.json").read_text())
+    d.pop("calibration")
+    (tmp_path / "stripped.json").write_text(json.dumps(d))
+    run = lambda *a: CliRunner().invoke(app, ["audit", str(honest.out), "-d", *map(str, a)])  # noqa: E731
+    r = run(tmp_path / "stripped.json")
+    assert r.exit_code == 2 and "records no calibration" in r.output and "--allow-unrecorded-calibration" in r.output
+    r = run(tmp_path / "stripped.json", "--allow-unrecorded-calibration", "--json", tmp_path / "v.json")
+    assert r.exit_code == 0 and "calibration unchecked (--allow-unrecorded-calibration)" in " ".join(r.output.split())
+    (v,) = json.loads((tmp_path / "v.json").read_text())
+    assert v["calibration"] == "unchecked (--allow-unrecorded-calibration)"
+    r = run(tmp_path / "det.json", "--json", tmp_path / "v.json")
+    assert r.exit_code == 0 and "calibration" not in json.loads((tmp_path / "v.json").read_text())[0]

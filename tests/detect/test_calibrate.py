@@ -57,6 +57,7 @@ def test_calibrate_records_size_heldout_fpr_and_provenance():
     det = calibrate(t, ["h-a", "h-b"], seed=4, fpr_batch_tokens=100)
     cal, held = det.calibration_, det.calibration_.heldout
     assert cal.tokens == {"h-a": 1000, "h-b": 1000} and cal.claims == {"h-a": 40, "h-b": 40}
+    assert cal.config == det.json_config() == det.to_json()["config"]  # what a loaded file's config is checked against
     assert det.provenance_ == PROV and det.to_json()["provenance"] == PROV.model_dump(mode="json")
     # 8 claims (200 tokens) per fold and provider: 2 batches of 100 each, 5 folds, 2 providers
     assert (held.folds, held.batch_tokens, held.batches) == (5, 100, 20) and held.fpr == held.flagged / 20
@@ -85,8 +86,8 @@ def test_the_record_is_set_by_fit_and_a_plain_refit_clears_it(tmp_path):
 
     t = _table(np.random.default_rng(5)).slice(0, 2000)
     groups = np.repeat(["h-a", "h-b"], 1000)
-    cal = Calibration(tokens={"h-a": 1000, "h-b": 1000}, claims={"h-a": 40, "h-b": 40})
     det = make_detector("clipped-mean", random_state=4)
+    cal = Calibration(tokens={"h-a": 1000, "h-b": 1000}, claims={"h-a": 40, "h-b": 40}, config=det.json_config())
     assert det.fit(t, groups=groups, provenance=PROV, calibration=cal, warnings=["w"]) is det
     assert det.provenance_ == PROV and det.calibration_ == cal and det.warnings_[-1] == "w"
     d = det.to_json()

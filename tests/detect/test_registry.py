@@ -58,8 +58,11 @@ def test_registry_round_trip(fitted, tmp_path):
     assert bad.pooled == det.score(shifted, max_tokens=1000) > bad.threshold == det.threshold(1000)
     assert det.predict(shifted.slice(0, 1000)) and not det.predict(honest.slice(0, 1000))
     det.save(tmp_path / "d.json")
-    back = load_detector(tmp_path / "d.json")
-    assert type(back) is type(det) and back == det and back.config() == det.config()
+    with pytest.raises(VerinferError, match="records no calibration") as e:  # a fit in code: nothing to check against
+        load_detector(tmp_path / "d.json")
+    assert "--allow-unrecorded-calibration" in e.value.fix
+    back = load_detector(tmp_path / "d.json", allow_unrecorded=True)
+    assert type(back) is type(det) and back == det and back.config() == det.config() and back.unrecorded_
     for t in (honest, shifted):
         assert back.verdict(t, max_tokens=700) == det.verdict(t, max_tokens=700)
     assert json.loads((tmp_path / "d.json").read_text())["format"] == det.FORMAT

@@ -18,6 +18,7 @@ from verinfer.audit.replay import Scored
 from verinfer.claims import iter_claims
 from verinfer.detect import Detector, load_detector
 from verinfer.detect.calibrate import calibrate
+from verinfer.detect.record import ALLOW_UNRECORDED_CALIBRATION
 from verinfer.detect.verdict import Verdict, combine_verdicts
 from verinfer.errors import VerinferError
 from verinfer.io import atomic_write_text, output
@@ -96,22 +97,27 @@ class AuditOutcome:
 def audit_files(inputs: list[Path], detector_paths: list[Path], *, model_dir: Path | None = None,
                 model_names: tuple[str, ...] = (), provider: str | None = None, merge: bool = False,
                 max_tokens: int | None = None, sequential: bool = False,
-                json_out: Path | None = None, allow_unrecorded_provenance: bool = False) -> AuditOutcome:
+                json_out: Path | None = None, allow_unrecorded_provenance: bool = False,
+                allow_unrecorded_calibration: bool = False) -> AuditOutcome:
     """Verdicts per provider of scores files (claims JSONL inputs are scored first, next to them,
     as `<name>.scores.parquet`, with `model_dir`), under every detector (combined when several);
     scores replayed with another model or settings than a detector's calibration are refused.
     json_out: also write the verdicts there. allow_unrecorded_provenance: audit scores or detectors
-    that record no provenance (refused otherwise); each verdict then reports `provenance`: unchecked."""
+    that record no provenance (refused otherwise); each verdict then reports `provenance`: unchecked.
+    allow_unrecorded_calibration: the same for a detector without its calibration record
+    (`detect.record`); each verdict then reports `calibration`: unchecked."""
     held = output(json_out, "verdicts JSON", inputs=[*inputs, *detector_paths]) if json_out else nullcontext()
     with held:
         return _audit_files(inputs, detector_paths, model_dir=model_dir, model_names=model_names, provider=provider,
                             merge=merge, max_tokens=max_tokens, sequential=sequential, json_out=json_out,
-                            allow_unrecorded=allow_unrecorded_provenance)
+                            allow_unrecorded=allow_unrecorded_provenance,
+                            allow_unrecorded_calibration=allow_unrecorded_calibration)
 
 
 def _audit_files(inputs, detector_paths, *, model_dir, model_names, provider, merge, max_tokens, sequential,
-                 json_out, allow_unrecorded) -> AuditOutcome:
-    dets = [load_detector(d) for d in detector_paths]
+                 json_out, allow_unrecorded, allow_unrecorded_calibration) -> AuditOutcome:
+    dets = [load_detector(d, allow_unrecorded=allow_unrecorded_calibration) for d in detector_paths]
+    unchecked = [f"{p}: {det.unrecorded_}" for p, det in zip(detector_paths, dets) if det.unrecorded_]
     gaps = any(d.requires_gaps for d in dets)
     paths = []
     for p in inputs:
@@ -127,6 +133,9 @@ def _audit_files(inputs, detector_paths, *, model_dir, model_names, provider, me
                                  for det in dets])
     if notes:  # audited without provenance, as the user asked: every verdict says so
         verdicts = [v.with_(provenance=f"unchecked ({ALLOW_UNRECORDED})") for v in verdicts]
+    if unchecked:  # a detector without its calibration record, as the user asked: the same
+        verdicts = [v.with_(calibration=f"unchecked ({ALLOW_UNRECORDED_CALIBRATION})") for v in verdicts]
+        notes = [*notes, *unchecked]
     if json_out:
         atomic_write_text(json_out, json.dumps([v.to_dict() for v in verdicts], indent=1, default=float))
     return AuditOutcome(verdicts, notes)

@@ -259,14 +259,16 @@ def audit(inputs: List[Path] = O.AUDIT_INPUTS_ARG, detector: List[Path] = O.DETE
           model: Optional[str] = O.AUDIT_MODEL, model_name: List[str] = O.model_names(),
           json_out: Optional[Path] = O.JSON_OUT, max_tokens: Optional[int] = O.AUDIT_MAX_TOKENS,
           provider: Optional[str] = O.AUDIT_PROVIDER, merge: bool = O.MERGE, sequential: bool = O.SEQUENTIAL,
-          allow_unrecorded_provenance: bool = O.ALLOW_UNRECORDED_PROVENANCE):
+          allow_unrecorded_provenance: bool = O.ALLOW_UNRECORDED_PROVENANCE,
+          allow_unrecorded_calibration: bool = O.ALLOW_UNRECORDED_CALIBRATION):
     """Verdict per provider: flagged or not, tokens used, tail probability under the honest null."""
     from verinfer.apps.files import audit_files
 
     model_dir = _model_dir(model) if any(p.suffix == ".jsonl" for p in inputs) else None
     res = audit_files(inputs, detector, model_dir=model_dir, model_names=tuple(model_name or ()), provider=provider,
                       merge=merge, max_tokens=max_tokens, sequential=sequential, json_out=json_out,
-                      allow_unrecorded_provenance=allow_unrecorded_provenance)
+                      allow_unrecorded_provenance=allow_unrecorded_provenance,
+                      allow_unrecorded_calibration=allow_unrecorded_calibration)
     for note in res.notes:
         typer.secho(f"warning: {note}", fg="yellow", err=True)
     render.verdicts(res.verdicts)

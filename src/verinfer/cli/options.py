@@ -219,6 +219,10 @@ MERGE = typer.Option(False, help="Pool a provider found in several files into on
 ALLOW_UNRECORDED_PROVENANCE = typer.Option(False, help="Audit scores or a detector that record no provenance "
                                                       "(refused otherwise: the model and settings cannot be "
                                                       "checked); every verdict then says 'provenance: unchecked'.")
+ALLOW_UNRECORDED_CALIBRATION = typer.Option(False, help="Audit with a detector that records no calibration (refused "
+                                                        "otherwise: its settings and fitted values cannot be checked "
+                                                        "against what calibration produced); every verdict then says "
+                                                        "'calibration: unchecked'.")
 SEQUENTIAL = typer.Option(False, help="Anytime-valid audit (glrt detector): read each provider's tokens in order and "
                                       "flag once the e-value reaches 1/FPR; reports the tokens at which it decided.")
 

@@ -133,6 +133,10 @@ def verdicts(rows: list[Verdict]) -> None:
         if v.get("provenance"):
             console.print(f"[yellow]{escape(v.provider)}: provenance {escape(str(v.get('provenance')))}: the scores' "
                           "model and settings were not checked against the detector's[/yellow]", soft_wrap=True)
+        if v.get("calibration"):
+            console.print(f"[yellow]{escape(v.provider)}: calibration {escape(str(v.get('calibration')))}: the "
+                          "detector's settings and fitted values were not checked against its calibration[/yellow]",
+                          soft_wrap=True)
 
 
 def more_tokens(v: Verdict) -> str:

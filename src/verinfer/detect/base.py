@@ -9,7 +9,8 @@
                                           more_tokens_needed, decision, score (what the statistic
                                           is), + detector extras
     det.to_json() / det.save(path)        the fitted detector as JSON (atomic write); no pickle
-    Detector.load(path)                   the inverse (`registry.load_detector` picks the class)
+    Detector.load(path)                   the inverse (`registry.load_detector` picks the class, and
+                                          refuses a file without its calibration record)
 
 A table is a pyarrow Table of `verinfer score` rows or a dict of equal-length columns. A detector
 reads the columns it names in `columns()` and raises a VerinferError naming the missing ones and
@@ -239,8 +240,11 @@ class Detector(abc.ABC):
         which `warnings_` holds what the fit warns about)."""
         raise NotImplementedError(f"{type(self).__name__} defines no _fit")
 
-    def _set_record(self, provenance: Provenance | None, calibration: record.Calibration | None) -> None:
-        self.provenance_, self.calibration_ = provenance, calibration
+    def _set_record(self, provenance: Provenance | None, calibration: record.Calibration | None,
+                    unrecorded: str | None = None) -> None:
+        """The record; `unrecorded_`: what a file loaded without its calibration record lacks (None:
+        nothing, or a fit)."""
+        self.provenance_, self.calibration_, self.unrecorded_ = provenance, calibration, unrecorded
 
     @abc.abstractmethod
     def token_scores(self, table) -> np.ndarray:
@@ -304,17 +308,24 @@ class Detector(abc.ABC):
     def _load_fitted(self, fitted: dict) -> None:
         """Set the learned attributes from `_fitted_json`'s output (raise ValueError if inconsistent)."""
 
+    def json_config(self) -> dict:
+        """The config as the file's "config" writes it (JSON names and values)."""
+        return {self.JSON_NAMES.get(k, k): list(v) if isinstance(v, tuple) else v for k, v in self.config().items()}
+
     def to_json(self) -> dict:
-        cfg = {self.JSON_NAMES.get(k, k): list(v) if isinstance(v, tuple) else v for k, v in self.config().items()}
-        return {"format": self.FORMAT, "version": self.FORMAT_VERSION, "config": cfg, "fitted": self._fitted_json(),
-                **record.to_json(self)}
+        return {"format": self.FORMAT, "version": self.FORMAT_VERSION, "config": self.json_config(),
+                "fitted": self._fitted_json(), **record.to_json(self)}
 
     def save(self, path: str | Path) -> None:
         """Write the detector as JSON (atomically: temp file + os.replace). No pickle."""
         atomic_write_text(path, json.dumps(self.to_json(), indent=1) + "\n")
 
     @classmethod
-    def from_json(cls, d: dict, where: str = "<dict>") -> "Detector":
+    def from_json(cls, d: dict, where: str = "<dict>", *, allow_unrecorded: bool = True) -> "Detector":
+        """The detector of a file's JSON, its fitted values and config checked against its
+        calibration record (`detect.record`). allow_unrecorded=False (the audits' loader,
+        `registry.load_detector`): a file without that record is refused (`UnrecordedCalibration`);
+        a detector loaded without it says so in `unrecorded_`."""
         def bad(what: str) -> VerinferError:
             return VerinferError(what, where=where, fix=cls.REFIT)
 
@@ -329,20 +340,32 @@ class Detector(abc.ABC):
             det._load_fitted(d["fitted"])
         except (KeyError, TypeError, ValueError) as e:
             raise bad(f"malformed detector ({type(e).__name__}: {e})") from e
-        det._set_record(*record.read(d, where, cls.REFIT))
+        provenance, calibration = record.read(d, where, cls.REFIT)
+        unrecorded = record.unrecorded(calibration)
+        if unrecorded is not None and not allow_unrecorded:
+            raise record.UnrecordedCalibration(
+                f"{unrecorded}: verinfer cannot check the detector's settings and fitted values against what its "
+                "calibration produced", where=where,
+                fix=f"recalibrate with `verinfer calibrate`, or pass {record.ALLOW_UNRECORDED_CALIBRATION} to "
+                    "`verinfer audit` to use it anyway (each verdict then says the calibration was not checked)")
+        det._set_record(provenance, calibration, unrecorded=None if unrecorded is None else
+                        f"{unrecorded}: calibration not checked ({record.ALLOW_UNRECORDED_CALIBRATION})")
         try:
+            if det.calibration_ is not None and det.calibration_.config is not None:
+                record.check_config(det.json_config(), det.calibration_)
             det._check_record()
         except ValueError as e:
             raise bad(f"inconsistent detector ({e}): it was edited or corrupted") from e
         return det
 
     def _check_record(self) -> None:
-        """A ValueError when the learned values disagree with the recorded calibration (detectors
-        that can check it override this)."""
+        """A ValueError when the learned values disagree with what the recorded calibration
+        (`calibration_`, None when unrecorded) can produce (detectors that can check it override this)."""
 
     @classmethod
-    def load(cls, path: str | Path) -> "Detector":
-        return cls.from_json(read_detector_json(path, fix=cls.REFIT), where=str(path))
+    def load(cls, path: str | Path, *, allow_unrecorded: bool = True) -> "Detector":
+        return cls.from_json(read_detector_json(path, fix=cls.REFIT), where=str(path),
+                             allow_unrecorded=allow_unrecorded)
 
 
 class ColumnStatistics(Detector):

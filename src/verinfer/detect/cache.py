@@ -2,7 +2,8 @@
 sidecar (the settings of the calibration: trusted model weights, sampling, honest configurations,
 detector and options). An audit reuses a saved detector only when the sidecar equals the settings it
 would calibrate with; the audit decides what a mismatch means (audit-api's user-given --detector
-path: an error before the first request; a chat audit's own directory: calibrate again).
+path: an error before the first request; a chat audit's own directory: calibrate again). A saved
+detector is loaded as `verinfer audit` loads one: checked against its calibration record.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from verinfer.detect.base import Detector
+from verinfer.detect.record import UnrecordedCalibration
 from verinfer.detect.registry import load_detector
 from verinfer.io import atomic_write_json, side_path
 
@@ -42,7 +44,12 @@ class DetectorCache:
         return det
 
     def get(self, meta: dict, fit: Callable[[], Detector]) -> Detector:
-        """The saved detector when it was made for `meta`, else `fit()` saved with `meta`."""
+        """The saved detector when it was made for `meta`, else `fit()` saved with `meta`; a saved
+        detector without its calibration record (an older verinfer's) is fit again like one made
+        for other settings."""
         if self.saved_meta() == meta:
-            return self.load()
+            try:
+                return self.load()
+            except UnrecordedCalibration:
+                pass
         return self.save(fit(), meta)

@@ -17,8 +17,6 @@ from __future__ import annotations
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-from scipy.stats import beta
-
 from verinfer.detect import record
 from verinfer.detect.base import Detector
 from verinfer.detect.registry import make_detector
@@ -95,7 +93,8 @@ def calibrate(table: pa.Table, honest: list[str], *, detector: str = "clipped-me
     fold, order, groups = np.concatenate(fold_of), np.concatenate(order_of), np.asarray(groups)
     heldout, warnings = heldout_fpr(honest_rows, groups, fold, order, folds, fpr_batch_tokens, detector, seed, options)
     return det.fit(honest_rows, groups=groups, provenance=provenance_of_schema(table.schema, "the honest scores"),
-                   calibration=record.Calibration(tokens=tokens, claims=claims, heldout=heldout), warnings=warnings)
+                   calibration=record.Calibration(tokens=tokens, claims=claims, heldout=heldout,
+                                                  config=det.json_config()), warnings=warnings)
 
 
 def heldout_fpr(rows: pa.Table, groups: np.ndarray, fold: np.ndarray, order: np.ndarray, folds: int, batch_tokens: int,
@@ -122,5 +121,4 @@ def heldout_fpr(rows: pa.Table, groups: np.ndarray, fold: np.ndarray, order: np.
             f"no held-out FPR: no fold of an honest configuration holds {batch_tokens} tokens "
             f"(calibrate on more claims, or a smaller --fpr-batch-tokens)"]
     return record.Heldout(folds=folds, batch_tokens=batch_tokens, batches=batches, flagged=flagged,
-                          fpr=flagged / batches, fpr_upper95=float(beta.ppf(0.95, flagged + 1, batches - flagged))
-                          if flagged < batches else 1.0), []
+                          fpr=flagged / batches, fpr_upper95=record.upper95(flagged, batches)), []

@@ -82,6 +82,7 @@ class _Fitted(BaseModel):
     design_effects: list[float]
     null_sample_f8_base64: str
     claim_sums_f8_base64: list[str] | None = None  # per group; absent in files fit without claim ids
+    claim_lengths_f8_base64: list[str] | None = None  # per group, as the sums; absent in older files
 
     def claim_sums(self) -> list[np.ndarray] | None:
         if self.claim_sums_f8_base64 is None:
@@ -91,6 +92,20 @@ class _Fitted(BaseModel):
             raise ValueError(f"claim_sums must hold one non-empty list of sums >= 0 per null group "
                              f"({len(self.null_group_sizes)})")
         return out
+
+    def claim_lengths(self, sums: list[np.ndarray] | None) -> list[np.ndarray] | None:
+        """Each claim's tokens, per group (the claims of `sums`, in its order); a claim's sum is at
+        most clip_ per token."""
+        if self.claim_lengths_f8_base64 is None:
+            return None
+        out = [decode_f8(t) for t in self.claim_lengths_f8_base64]
+        if sums is None or [x.size for x in out] != [x.size for x in sums]:
+            raise ValueError("claim_lengths must hold one length per claim sum (claim_sums_f8_base64)")
+        for g, (n, s) in enumerate(zip(out, sums)):
+            if (n < 1).any() or (n != np.round(n)).any() or (s > self.clip_ * n * (1.0 + 1e-9)).any():
+                raise ValueError(f"claim_lengths[{g}] must be whole numbers of tokens >= 1, each at least its claim's "
+                                 "sum / clip_")
+        return [n.astype(np.int64) for n in out]
 
     def sample(self) -> tuple[np.ndarray, list[int]]:
         s = decode_f8(self.null_sample_f8_base64)
@@ -130,17 +145,33 @@ def claim_sums(w: np.ndarray, claims: np.ndarray) -> np.ndarray:
     return np.bincount(inv.ravel(), weights=w)[np.argsort(first)]
 
 
+def claim_lengths(claims: np.ndarray) -> np.ndarray:
+    """Each claim's number of tokens (claims in order of first appearance, as `claim_sums`)."""
+    _, first, inv = np.unique(claims, return_index=True, return_inverse=True)
+    return np.bincount(inv.ravel())[np.argsort(first)]
+
+
+def design_effect_of(sums: np.ndarray, lengths: np.ndarray, mean: float, var: float) -> float:
+    """Kish's design effect of batch means of whole claims (module docstring) from the claims'
+    sums S_c and lengths L_c: sum_c (S_c - m L_c)^2 / (sum_c L_c s^2), at least 1; 1 with fewer
+    than MIN_CLAIMS_FOR_DEFF claims or no variance."""
+    if sums.size < MIN_CLAIMS_FOR_DEFF or not var > 0:
+        return 1.0
+    return max(1.0, float(((sums - mean * lengths) ** 2).sum() / (lengths.sum() * var)))
+
+
 def design_effect(w: np.ndarray, claims: np.ndarray) -> float:
-    """Kish's design effect of batch means of whole claims (module docstring): sum_c (S_c - m L_c)^2
-    / (sum_c L_c s^2), at least 1; 1 with fewer than MIN_CLAIMS_FOR_DEFF claims or no variance."""
+    """`design_effect_of` the claims of w (m and s^2: w's mean and variance)."""
     _, inv = np.unique(claims, return_inverse=True)
-    if inv.max(initial=-1) + 1 < MIN_CLAIMS_FOR_DEFF:
-        return 1.0
-    var = float(w.var())
-    if not var > 0:
-        return 1.0
-    sums, lengths = np.bincount(inv, weights=w), np.bincount(inv)
-    return max(1.0, float(((sums - w.mean() * lengths) ** 2).sum() / (lengths.sum() * var)))
+    return design_effect_of(np.bincount(inv, weights=w), np.bincount(inv), w.mean(), float(w.var()))
+
+
+def kept_design_effect(kept: np.ndarray, sums: np.ndarray, lengths: np.ndarray) -> float:
+    """The design effect of a group whose null keeps a subsample `kept` of its values: m from the
+    claims (every value), s^2 the kept values' spread around it, which is what the resampled null
+    draws from (and what a loaded file can check it against)."""
+    mean = float(sums.sum() / lengths.sum())
+    return design_effect_of(sums, lengths, mean, float(np.mean((kept - mean) ** 2)))
 
 
 @dataclass(eq=True)
@@ -242,13 +273,18 @@ class ClippedMeanDetector(Detector):
     def fit_null(self, w: np.ndarray, groups, clip: float, claims: np.ndarray | None = None) -> None:
         """The null from winsorized honest values w: per group (one label per value; None: one
         group), its values, or a sorted random subsample of MAX_NULL_SAMPLE / groups of them, and
-        its design effect from `claims` (one claim label per value; None: 1)."""
+        its design effect from `claims` (one claim label per value; None: 1; `kept_design_effect`
+        for a subsampled group), with its claims' sums and lengths (what a file checks it by)."""
         labels = group_labels(groups, w.size)
         parts = stratified_subsample(w, labels, MAX_NULL_SAMPLE, self.random_state, sort_values=True)
-        deff = None if claims is None else [design_effect(w[labels == k], claims[labels == k])
-                                             for k in range(len(parts))]
-        self.claim_sums_ = None if claims is None else [claim_sums(w[labels == k], claims[labels == k])
-                                                         for k in range(len(parts))]
+        deff, self.claim_sums_, self.claim_lengths_ = None, None, None
+        if claims is not None:
+            ks = range(len(parts))
+            self.claim_sums_ = [claim_sums(w[labels == k], claims[labels == k]) for k in ks]
+            self.claim_lengths_ = [claim_lengths(claims[labels == k]) for k in ks]
+            whole = [parts[k].size == np.count_nonzero(labels == k) for k in ks]
+            deff = [design_effect(w[labels == k], claims[labels == k]) if whole[k]
+                    else kept_design_effect(parts[k], self.claim_sums_[k], self.claim_lengths_[k]) for k in ks]
         self.set_null(np.concatenate(parts), [int(p.size) for p in parts], n_train=int(w.size), clip=clip,
                       design_effects=deff)
 
@@ -490,7 +526,9 @@ class ClippedMeanDetector(Detector):
                 "design_effects": list(self.design_effects_),
                 "null_sample_f8_base64": encode_f8(self.null_sample_),
                 **({} if getattr(self, "claim_sums_", None) is None
-                   else {"claim_sums_f8_base64": [encode_f8(c) for c in self.claim_sums_]})}
+                   else {"claim_sums_f8_base64": [encode_f8(c) for c in self.claim_sums_]}),
+                **({} if getattr(self, "claim_lengths_", None) is None
+                   else {"claim_lengths_f8_base64": [encode_f8(n) for n in self.claim_lengths_]})}
 
     def _load_fitted(self, f: dict) -> None:
         """Validated (`_Fitted`): a field that is missing, NaN, infinite or out of range is refused."""
@@ -503,19 +541,99 @@ class ClippedMeanDetector(Detector):
         self.set_null(s, sizes, n_train=fitted.n_train_, clip=fitted.clip_, mean=fitted.null_mean_,
                       std=fitted.null_std_, design_effects=fitted.design_effects)
         self.claim_sums_ = fitted.claim_sums()
+        self.claim_lengths_ = fitted.claim_lengths(self.claim_sums_)
 
     def _check_record(self) -> None:
-        """Against the recorded calibration (tokens and claims per honest configuration): the
-        calibration tokens add up to n_train_ at least, and no design effect exceeds the longest
-        claim any configuration can hold (its tokens - claims + 1; `design_effect` is at most the
-        longest claim's length, by Cauchy-Schwarz)."""
-        cal = getattr(self, "calibration_", None)
-        if cal is None:
-            return
-        longest = max(cal.tokens[k] - cal.claims.get(k, 1) + 1 for k in cal.tokens)
-        if max(self.design_effects_) > max(1, longest):
-            raise ValueError(f"design_effects {self.design_effects_} exceed the longest claim the recorded "
-                             f"calibration can hold ({longest} tokens)")
+        """Against the recorded calibration (`_check_calibration`) and the claims' sums and lengths
+        (`_check_design_effects`)."""
+        if self.calibration_ is not None:
+            self._check_calibration(self.calibration_)
+        self._check_design_effects()
+
+    def _check_calibration(self, cal) -> None:
+        """Its honest configurations are the null's groups (in order), each one's claims are its
+        claim sums, its tokens reach 1/target_fpr (fit refuses fewer) and hold its null sample, and
+        they add up to n_train_."""
+        groups, sums = cal.groups(), getattr(self, "claim_sums_", None)
+        if len(groups) != len(self.null_group_sizes_):
+            raise ValueError(f"the calibration records {len(groups)} honest configurations "
+                             f"({', '.join(k for k, _, _ in groups)}), the null has {len(self.null_group_sizes_)} "
+                             "groups (null_group_sizes)")
+        need = math.ceil(1.0 / self.target_fpr)
+        cap = max(1, MAX_NULL_SAMPLE // len(groups))
+        for g, (name, tokens, claims) in enumerate(groups):
+            if sums is not None and sums[g].size != claims:
+                raise ValueError(f"calibration.claims[{name!r}] = {claims}, but its claim sums "
+                                 f"(claim_sums_f8_base64[{g}]) hold {sums[g].size} claims")
+            if tokens < need:
+                raise ValueError(f"calibration.tokens[{name!r}] = {tokens} is fewer than 1/FPR = {need} for "
+                                 f"target_fpr {self.target_fpr:g}: a fit at that target_fpr refuses it")
+            size = self.null_group_sizes_[g]
+            if size > tokens or (tokens <= cap and size != tokens):
+                raise ValueError(f"null_group_sizes[{g}] = {size}, but calibration.tokens[{name!r}] = {tokens} "
+                                 f"(the null keeps every token of a configuration, or {cap} of them)")
         if self.score_name not in ACTIVATION_SCORES and sum(cal.tokens.values()) != self.n_train_:
             raise ValueError(f"n_train_ = {self.n_train_} but the recorded calibration has "
                              f"{sum(cal.tokens.values())} tokens")
+
+    def _check_design_effects(self) -> None:
+        """Each group's design effect is the one its claims' sums and lengths give (`design_effect_of`;
+        `kept_design_effect` where the null subsamples the group), the lengths add up to its tokens
+        and the sums to its null sample's where it keeps every token. A file without the lengths
+        (an older verinfer's, loaded with the flag): at most `design_effect_bounds`."""
+        cal = self.calibration_
+        sums, lengths = getattr(self, "claim_sums_", None), getattr(self, "claim_lengths_", None)
+        if lengths is None:
+            if sums is not None and self.unrecorded_ is None:  # a file of this verinfer: deleted
+                raise ValueError("claim_lengths_f8_base64 is missing beside claim_sums_f8_base64 (the design effects "
+                                 "are checked by both)")
+            for g, (deff, (bound, why)) in enumerate(zip(self.design_effects_, self.design_effect_bounds())):
+                if deff > bound * (1.0 + 1e-9):
+                    raise ValueError(f"design_effects[{g}] = {deff!r} exceeds {bound}: {why}")
+            return
+        if sum(int(n.sum()) for n in lengths) != self.n_train_:
+            raise ValueError(f"the claim lengths add up to {sum(int(n.sum()) for n in lengths)} tokens, "
+                             f"n_train_ = {self.n_train_}")
+        names = [k for k, _, _ in cal.groups()] if cal is not None else [None] * len(lengths)
+        for g, (deff, kept, s, n, name) in enumerate(zip(self.design_effects_, self._groups(), sums, lengths, names)):
+            what = f"{name!r}" if name is not None else f"null group {g}"
+            tokens = int(n.sum())
+            if kept.size > tokens or (cal is not None and tokens != cal.tokens[name]):
+                raise ValueError(f"the claim lengths of {what} (claim_lengths_f8_base64[{g}]) add up to {tokens} "
+                                 f"tokens, its null keeps {kept.size}"
+                                 + (f" and calibration.tokens records {cal.tokens[name]}" if cal is not None else ""))
+            whole = kept.size == tokens
+            if whole and not math.isclose(float(s.sum()), float(kept.sum()), rel_tol=1e-9, abs_tol=1e-9):
+                raise ValueError(f"the claim sums of {what} (claim_sums_f8_base64[{g}]) add up to "
+                                 f"{float(s.sum())!r}, its null sample to {float(kept.sum())!r}")
+            want = design_effect_of(s, n, float(kept.mean()), float(kept.var())) if whole else \
+                kept_design_effect(kept, s, n)
+            if not math.isclose(deff, want, rel_tol=1e-9):
+                few = f", fewer than {MIN_CLAIMS_FOR_DEFF}: 1 by construction" if s.size < MIN_CLAIMS_FOR_DEFF else ""
+                raise ValueError(f"design_effects[{g}] = {deff!r}, but the claim sums and lengths of {what} give "
+                                 f"{want!r} (Kish's design effect of its {s.size} claims{few})")
+
+    def design_effect_bounds(self) -> list[tuple[int, str]]:
+        """Per null group, the largest design effect its calibration can produce, and why: 1 for a
+        group of fewer than MIN_CLAIMS_FOR_DEFF claims (`design_effect` takes it as 1); else its
+        longest possible claim, tokens - claims + 1 (Kish's design effect of batches of whole claims
+        is at most the longest claim's length, by Cauchy-Schwarz). Claims: the claim sums' count,
+        else the recorded calibration's; tokens: the recorded calibration's, else what n_train_
+        leaves beside the other groups' null samples."""
+        cal, sums, sizes = self.calibration_, getattr(self, "claim_sums_", None), self.null_group_sizes_
+        groups = cal.groups() if cal is not None else [(None, None, None)] * len(sizes)
+        out = []
+        for g, (name, tokens, claims) in enumerate(groups):
+            what = f"honest configuration {name!r}" if name is not None else f"null group {g}"
+            claims = sums[g].size if sums is not None else claims
+            if tokens is None:
+                tokens = self.n_train_ - (sum(sizes) - sizes[g])
+            if claims is not None and claims < MIN_CLAIMS_FOR_DEFF:
+                out.append((1, f"{what} has {claims} claims, fewer than {MIN_CLAIMS_FOR_DEFF}: its design effect is 1 "
+                               "by construction"))
+            else:
+                longest = max(1, tokens - (claims or 1) + 1)
+                n_claims = claims or "an unrecorded number of"
+                out.append((longest, f"{what} holds {tokens} tokens in {n_claims} claims, so no claim longer than "
+                                     f"{longest} tokens, and a design effect is at most the longest claim's length"))
+        return out

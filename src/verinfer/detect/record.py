@@ -2,13 +2,20 @@
 
     "provenance":  the model and settings that replayed its honest calibration scores
                    (`verinfer.scores.Provenance`; `verinfer audit` refuses scores of others)
-    "calibration": its calibration data's size (tokens and claims per honest configuration) and
-                   the false-positive rate measured on honest claims held out of the fit (`Heldout`)
+    "calibration": its calibration data's size (tokens and claims per honest configuration), the
+                   false-positive rate measured on honest claims held out of the fit (`Heldout`),
+                   and the config the fit used ("config", as the file's "config" writes it)
 
-Both are optional (a detector fit in code, or a file of an older verinfer, has neither; `audit`
-then says the settings are not recorded). Every number of a detector's "fitted" part is checked
-finite (`check_numbers`, +inf allowed where a detector stores it, never NaN), and float64 arrays
-(*_f8_base64) decoded and checked the same way; each detector checks its own ranges on top.
+A detector fit in code, or a file of an older verinfer, has neither. Loading checks the fitted
+values against the calibration (each detector's `_check_record`: what the recorded claims and
+tokens can produce) and the file's config against the recorded one: an edited setting is refused,
+whether the detector uses it (target_fpr: the thresholds move, the held-out FPR does not) or not
+(clip_quantile: clip_ is fitted). Without a calibration that records its config, the audits'
+loader (`registry.load_detector`) refuses the file (`UnrecordedCalibration`) unless the user
+passes ALLOW_UNRECORDED_CALIBRATION; the detector's `unrecorded_` then says so, and so does every
+verdict. Every number of a detector's "fitted" part is checked finite (`check_numbers`, +inf
+allowed where a detector stores it, never NaN), and float64 arrays (*_f8_base64) decoded and
+checked the same way; each detector checks its own ranges on top.
 """
 
 from __future__ import annotations
@@ -18,9 +25,16 @@ import math
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from scipy.stats import beta
 
 from verinfer.errors import VerinferError
 from verinfer.scores import Provenance, parse_provenance
+
+ALLOW_UNRECORDED_CALIBRATION = "--allow-unrecorded-calibration"
+
+
+class UnrecordedCalibration(VerinferError):
+    """A detector file without the calibration record its values are checked against."""
 
 
 class Heldout(BaseModel):
@@ -41,7 +55,18 @@ class Heldout(BaseModel):
     def _counts(self):
         if self.flagged > self.batches:
             raise ValueError(f"{self.flagged} flagged of {self.batches} batches")
+        fpr, upper = (None, None) if self.batches == 0 else (self.flagged / self.batches, upper95(self.flagged,
+                                                                                                  self.batches))
+        for name, have, want in (("fpr", self.fpr, fpr), ("fpr_upper95", self.fpr_upper95, upper)):
+            if have != want and (have is None or want is None or not math.isclose(have, want, rel_tol=1e-9)):
+                raise ValueError(f"heldout.{name} is {have!r}, but {self.flagged} of {self.batches} held-out batches "
+                                 f"flagged make it {want!r}")
         return self
+
+
+def upper95(flagged: int, batches: int) -> float:
+    """The 95% Clopper-Pearson upper bound of a rate of `flagged` of `batches`."""
+    return float(beta.ppf(0.95, flagged + 1, batches - flagged)) if flagged < batches else 1.0
 
 
 class Calibration(BaseModel):
@@ -50,12 +75,23 @@ class Calibration(BaseModel):
     tokens: dict[str, int] = Field(description="calibration tokens per honest configuration")
     claims: dict[str, int] = Field(description="calibration claims per honest configuration")
     heldout: Heldout | None = None
+    config: dict | None = Field(default=None, description="the detector's config at the fit (JSON names)")
 
     @model_validator(mode="after")
     def _positive(self):
         if not self.tokens or min(self.tokens.values()) < 1 or min(self.claims.values(), default=0) < 1:
             raise ValueError("every honest configuration needs >= 1 token and >= 1 claim")
+        if set(self.claims) != set(self.tokens):
+            raise ValueError(f"claims name the honest configurations {sorted(self.claims)}, tokens "
+                             f"{sorted(self.tokens)}")
+        if any(self.claims[k] > self.tokens[k] for k in self.tokens):
+            raise ValueError("an honest configuration records more claims than tokens")
         return self
+
+    def groups(self) -> list[tuple[str, int, int]]:
+        """(name, tokens, claims) per honest configuration, in the order of the null's groups
+        (`base.group_labels`: the names sorted)."""
+        return [(k, self.tokens[k], self.claims[k]) for k in sorted(self.tokens)]
 
 
 def to_json(det) -> dict:
@@ -64,7 +100,30 @@ def to_json(det) -> dict:
         out["provenance"] = det.provenance_.model_dump(mode="json")
     if getattr(det, "calibration_", None) is not None:
         out["calibration"] = det.calibration_.model_dump(mode="json")
+        if out["calibration"]["config"] is None:  # a fit in code given a calibration without it
+            del out["calibration"]["config"]
     return out
+
+
+def unrecorded(cal: Calibration | None) -> str | None:
+    """What the calibration record lacks to check a detector against (None: nothing)."""
+    if cal is None:
+        return "the detector records no calibration (its \"calibration\" block is missing)"
+    if cal.config is None:
+        return ("the detector's calibration record holds no config (a file of an older verinfer, or the block was "
+                "edited)")
+    return None
+
+
+def check_config(config: dict, cal: Calibration) -> None:
+    """A ValueError naming the first field of the file's "config" that differs from the config the
+    calibration recorded (the fit, its thresholds and its held-out FPR hold for that one only)."""
+    for key in sorted(set(config) | set(cal.config)):
+        have, want = config.get(key), cal.config.get(key)
+        if have != want:
+            raise ValueError(f"config.{key} is {have!r}, but the detector was calibrated with {want!r} "
+                             f"(calibration.config.{key}): its fit, thresholds and held-out FPR hold for that value "
+                             "only")
 
 
 def read(d: dict, where: str, fix: str) -> tuple[Provenance | None, Calibration | None]:

@@ -40,12 +40,14 @@ def make_detector(name: str, **options) -> Detector:
         raise VerinferError(f"bad {name} detector option: {e}") from e
 
 
-def load_detector(path: str | Path) -> Detector:
-    """The detector in a JSON file, of the class its "format" field names (the file is read once)."""
+def load_detector(path: str | Path, *, allow_unrecorded: bool = False) -> Detector:
+    """The detector in a JSON file, of the class its "format" field names (the file is read once),
+    checked against its calibration record; a file without one (`detect.record.unrecorded`) is
+    refused unless allow_unrecorded (`verinfer audit --allow-unrecorded-calibration`)."""
     d = read_detector_json(path)
     fmt = d.get("format") if isinstance(d, dict) else None
     if fmt not in FORMATS:
         raise VerinferError(f"not a verinfer detector file (\"format\": {fmt!r}; this verinfer reads "
                             f"{', '.join(FORMATS)})", where=str(path),
                             fix=f"fit one with `verinfer calibrate --detector NAME` ({' | '.join(DETECTORS)})")
-    return FORMATS[fmt].from_json(d, where=str(path))
+    return FORMATS[fmt].from_json(d, where=str(path), allow_unrecorded=allow_unrecorded)
