@@ -156,10 +156,11 @@ class WidenedGreedyDetector(GreedyDetector):
 
 
 def widen(det: GreedyDetector, allowance: float) -> GreedyDetector:
-    """det with its allowance raised to `allowance` (a copy; det unchanged)."""
+    """det with its allowance raised to `allowance` (a copy sharing det's resampled null; det's
+    own verdicts unchanged)."""
     out = WidenedGreedyDetector.__new__(WidenedGreedyDetector)
     out.__dict__.update(det.__dict__)
-    out._cache = {}
+    out._cache = det._cache   # the resampled null per batch size: nothing in it depends on the allowance
     out.widened_allowance = float(allowance)
     return out
 
