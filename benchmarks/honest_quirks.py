@@ -338,6 +338,12 @@ def null(args) -> dict:
             print(f"{name}: {len(batches)} batches of {size}, flagged " +
                   ", ".join(f"{k}/{f} {sum(v)}" for (k, f), v in mine.items()), flush=True)
         row["batches"] = row["held_out"]["batches"]
+        held = claims_subset(t, ids[TAIL_CLAIMS:])   # post hoc, after the held-out batches: read, not used by the rule
+        row["whole_stream"] = {k: {"fixed_flagged": bool(dets[k].verdict(held).flagged),
+                                   "fixed_p": float(dets[k].verdict(held).p_value),
+                                   "sequential_flagged": bool(seqs[k].verdict(held).flagged),
+                                   "sequential_p": float(seqs[k].verdict(held).p_value)} for k in dets}
+        row["tail_check_held_out"] = check_assumption(det, held, bounds=bounds)
         x, _ = claim_sums_of(det, t)
         row["claim_sums_all"] = x.tolist()          # for the plot
         per[name] = row
@@ -483,6 +489,18 @@ def render_markdown(r: dict) -> str:
             for f, v in rows.items():
                 lines.append(f"| {k} | {f}, batches of {size} claims | {v['batches']} | {v['flagged']} | "
                              f"{_f(v['rate'], '.4f')} | {_f(v['upper95'], '.4f')} |")
+    lines += ["", "Post hoc (read after the held-out batches were scored; the rule did not see it): each "
+              "configuration's held-out claims as one stream, the tail check on them and both tests over all of them.",
+              "", "| configuration | held-out claims | mean s (bound) | log-MGF / worst at lambda 0.125 .. 2 (f) "
+              "| tail check | fixed p calibrated (covering) | sequential p calibrated (covering) |",
+              "|---|---|---|---|---|---|---|"]
+    for name, c in n["configs"].items():
+        t, ws = c["tail_check_held_out"], c["whole_stream"]
+        lines.append(f"| {name} | {t['claims']} | {t['mean']:.4f} ({t['mean_bound']:.4f}) | "
+                     f"{' '.join(f'{x:.2f}' for x in t['log_mgf_ratio'])} ({t['scale']:.2f}) | "
+                     f"{'holds' if t['holds'] else 'FAILS: ' + ', '.join(t['failing'])} | "
+                     f"{ws['calibrated']['fixed_p']:.2g} ({ws['covering']['fixed_p']:.2g}) | "
+                     f"{ws['calibrated']['sequential_p']:.2g} ({ws['covering']['sequential_p']:.2g}) |")
     m = r["misconfigured"]
     lines += ["", "audit_wild's misconfigured vendors (their 200 replies in order) with each pass line: sequential, "
               "the anytime-valid audit's tokens (requests) to decide; fixed, the fixed-size test over all replies (p) "
