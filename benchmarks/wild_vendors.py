@@ -28,6 +28,12 @@ Vendors (VENDORS):
 - honest-stop:   the honest server, asked by the auditor with a stop string (`audit_extra`
                  {"stop": ["\\n"]}): honest replies cut at their first newline.
 
+Honest serving configurations of the null (NULL_VENDORS, benchmarks/honest_quirks.py; not in
+VENDORS, so audit_wild's default vendor list stays as it was): honest-b8 and honest-b64
+(`--max-num-seqs` 8, 64), honest-no-prefix-cache, honest-no-chunked-prefill (vLLM 0.32's V1
+engine turns both on by default) and honest-fp32 (`--dtype float32` after the server's bf16);
+with honest-b1 above, the six honest configurations whose replies measure the null.
+
 `--smoke` starts each vendor once (one server at a time), sends the same chat request twice with
 `return_token_ids` (which fields come back), then a few prompts concurrently, and writes the
 findings (start-up seconds, replies, which vendors answer exactly as honest does) to
@@ -129,6 +135,23 @@ VENDORS: Registry[VendorSpec] = Registry("vendor", {
                               audit_extra={"stop": ["\n"]}),
 })
 
+# honest serving configurations whose replies measure the null (benchmarks/honest_quirks.py)
+NULL_VENDORS: Registry[VendorSpec] = Registry("honest vendor", {
+    "honest-b8": VendorSpec("at most 8 requests in a batch (--max-num-seqs 8)", ("--max-num-seqs", "8"), honest=True),
+    "honest-b64": VendorSpec("at most 64 requests in a batch (--max-num-seqs 64)", ("--max-num-seqs", "64"),
+                             honest=True),
+    "honest-no-prefix-cache": VendorSpec("prefix caching off (--no-enable-prefix-caching)",
+                                         ("--no-enable-prefix-caching",), honest=True),
+    "honest-no-chunked-prefill": VendorSpec("chunked prefill off (--no-enable-chunked-prefill)",
+                                            ("--no-enable-chunked-prefill",), honest=True),
+    "honest-fp32": VendorSpec("fp32 weights and activations (--dtype float32)", ("--dtype", "float32"), honest=True),
+})
+
+
+def vendor_spec(name: str) -> VendorSpec:
+    """The spec of a vendor of VENDORS or NULL_VENDORS."""
+    return NULL_VENDORS[name] if name in NULL_VENDORS else VENDORS.get(name)
+
 
 class RewritingProxy:
     """A loopback HTTP proxy in front of a vendor's server that overwrites request fields (a vendor
@@ -186,7 +209,7 @@ class RewritingProxy:
 def serve_vendor(name: str, model_dir: str | Path, work_dir: str | Path,
                  claimed_name: str = CLAIMED_NAME) -> Iterator[dict]:
     """Start vendor `name`'s vLLM server (its log: work_dir/<name>.server.log); yield its vendor row."""
-    spec = VENDORS.get(name)
+    spec = vendor_spec(name)
     model_dir, work_dir = Path(model_dir), Path(work_dir)
     work_dir.mkdir(parents=True, exist_ok=True)
     served = spec.served_dir(model_dir, work_dir) if spec.served_dir else model_dir
