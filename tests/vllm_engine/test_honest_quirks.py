@@ -34,13 +34,16 @@ def test_no_honest_quirk_is_flagged_on_real_vllm(tmp_path):
         if os.environ.get("VERINFER_REQUIRE_REAL_MODEL") == "1":
             pytest.fail(f"VERINFER_REQUIRE_REAL_MODEL=1 but {why}")
         pytest.skip(why)
-    rows = run(model, tmp_path, engine="vllm", quirks=CI_QUIRKS, n=20, calib_n=24, max_tokens=40)
+    # CI's size (two honest configurations, 12 conversations of each kind mix, 32 tokens): the benchmark
+    # (benchmarks/honest_quirks.py) runs every server configuration with 25 conversations, 3 configurations
+    rows = run(model, tmp_path, engine="vllm", quirks=CI_QUIRKS, n=12, calib_n=16, max_tokens=32,
+               honest=("honest-bf16-b8", "honest-fp32-b4"))
     assert set(rows) == set(CI_QUIRKS) | {f"kind:{k}" for k in QUIRK_KINDS[1:]}
     assert [q for q, r in rows.items() if r["flagged"]] == []
     assert {q for q, r in rows.items() if r["refused"]} == set(REFUSED), rows
     for q, said in REFUSED.items():
         assert said in rows[q]["reason"], rows[q]
     audited = {q: r for q, r in rows.items() if not r["refused"] and not q.startswith("kind:")}
-    assert all(r["requests"] == 20 and r["tokens"] > 0 for r in audited.values()), audited
+    assert all(r["requests"] == 12 and r["tokens"] > 0 for r in audited.values()), audited
     assert rows["stop-strings"]["stopped_by_string"] > 0          # the quirk bit: replies were cut by a stop string
-    assert rows["short-max-tokens"]["cut_by_length"] == 20
+    assert rows["short-max-tokens"]["cut_by_length"] >= 9          # capped at 3-10 tokens (a few end sooner)
