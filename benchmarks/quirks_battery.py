@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import random
 import time
@@ -271,8 +272,7 @@ def _audit_quirk(audit, det, bands, q: str, url: str, served_name: str, ChatEndp
         return {"description": quirk.description, "flagged": False, "refused": True, "reason": e.message}
     with (QuirkProxy(url, quirk.request, quirk.reply) if quirk.request or quirk.reply
           else contextlib.nullcontext(url)) as base:
-        row = audit.vendor(ChatEndpoint(q, base, served_name, extra=dict(quirk.extra), concurrency=4, timeout=600.0),
-                           det, bands)
+        row = audit.vendor(dataclasses.replace(ep, base_url=base), det, bands)
     if row.error is not None:
         return {"description": quirk.description, "flagged": False, "refused": True, "reason": row.error}
     claims = [json.loads(x) for x in (audit.out / "vendors" / q / "claims.jsonl").read_text().splitlines()]

@@ -153,56 +153,13 @@ def vendor_spec(name: str) -> VendorSpec:
     return NULL_VENDORS[name] if name in NULL_VENDORS else VENDORS.get(name)
 
 
-class RewritingProxy:
+def RewritingProxy(upstream: str, force: dict):
     """A loopback HTTP proxy in front of a vendor's server that overwrites request fields (a vendor
-    whose serving layer changes what the client asked for); GET and POST, JSON bodies."""
+    whose serving layer changes what the client asked for): `quirks_battery.QuirkProxy`."""
+    from benchmarks.quirks_battery import QuirkProxy
 
-    def __init__(self, upstream: str, force: dict):
-        import http.server
-        import threading
-        import urllib.error
-        import urllib.request
-
-        force = dict(force)
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def _forward(self, body: bytes | None):
-                if body:
-                    body = json.dumps({**json.loads(body), **force}).encode()
-                req = urllib.request.Request(upstream.removesuffix("/v1") + self.path, data=body,
-                                             method=self.command, headers={"Content-Type": "application/json"})
-                try:
-                    with urllib.request.urlopen(req, timeout=900) as r:
-                        status, data = r.status, r.read()
-                except urllib.error.HTTPError as e:
-                    status, data = e.code, e.read()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            def do_GET(self):
-                self._forward(None)
-
-            def do_POST(self):
-                self._forward(self.rfile.read(int(self.headers.get("Content-Length", 0))))
-
-            def log_message(self, *a):
-                pass
-
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1"
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-
-    def __enter__(self) -> str:
-        self.thread.start()
-        return self.url
-
-    def __exit__(self, *exc):
-        self.server.shutdown()
-        self.server.server_close()
-
+    force = dict(force)
+    return QuirkProxy(upstream, request=lambda body: {**body, **force})
 
 
 @contextlib.contextmanager
