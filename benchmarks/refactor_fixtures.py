@@ -21,8 +21,10 @@ directory per recording machine, `check` compares against the one recorded on th
                       bf16, bf16 with fp32 matmuls, and fp32: sha256 per claim + full rows at a
                       few positions (the only part that uses internal API: `replay_logits`)
 
-Everything else runs the `verinfer` command (the typer app `verinfer.cli:app`, in a subprocess) in a
-temp dir, at the recorded torch thread count (OMP_NUM_THREADS / MKL_NUM_THREADS). Bitwise results
+Everything else runs the `verinfer` command (the typer app `verinfer.cli:app`) in a temp dir, at the
+recorded torch thread count (OMP_NUM_THREADS / MKL_NUM_THREADS), in a few fresh processes that each run
+their share of the items one after another (start-up, ~8 of an item's ~9 CPU seconds, paid once per
+process; a command that leaked state into the next would show as a difference). Bitwise results
 can depend on the CPU ISA, thread count and torch build: `check` on another CPU or torch version
 says so and exits 3 (the test skips) instead of reporting differences.
 """
@@ -96,14 +98,35 @@ def items() -> list[dict]:
     return out
 
 
-def run_cli(argv: list[str], out: Path, threads: int) -> None:
-    """`verinfer <argv> -o out` in a fresh process at `threads` torch threads."""
+# a fresh process that runs `verinfer` commands one after another: stdin a JSON list of [argv, out];
+# the last stdout line the seconds each took
+_WORKER = """
+import json, os, sys, time
+from verinfer.cli import app
+seconds = []
+for argv, out in json.loads(sys.stdin.read()):
+    os.chdir(os.path.dirname(out))
+    t0 = time.time()
+    try:
+        app([*argv, "-o", out], prog_name="verinfer")
+    except SystemExit as e:
+        if e.code not in (0, None):
+            sys.exit(f"`verinfer {' '.join(argv)}` exited {e.code}")
+    seconds.append(time.time() - t0)
+print(json.dumps(seconds))
+"""
+
+
+def run_cli(jobs: list[tuple[list[str], Path]], threads: int) -> list[float]:
+    """`verinfer <argv> -o out` for each (argv, out), one after another in ONE fresh process at
+    `threads` torch threads; the seconds each took."""
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
            "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
-    cmd = [sys.executable, "-c", "from verinfer.cli import app; app()", *argv, "-o", str(out)]
-    r = subprocess.run(cmd, cwd=out.parent, env=env, capture_output=True, text=True)
+    r = subprocess.run([sys.executable, "-c", _WORKER], input=json.dumps([[a, str(o)] for a, o in jobs]),
+                       cwd=ROOT, env=env, capture_output=True, text=True)
     if r.returncode != 0:
-        raise RuntimeError(f"`verinfer {' '.join(argv)}` exited {r.returncode}:\n{r.stderr[-2000:]}")
+        raise RuntimeError(f"the fixture worker exited {r.returncode}:\n{r.stderr[-2000:]}")
+    return json.loads(r.stdout.strip().splitlines()[-1])
 
 
 def claims_record(path: Path) -> list[dict]:
@@ -192,10 +215,9 @@ def env_mismatch(rec: dict, now: dict) -> str | None:
 
 # --- record / check ------------------------------------------------------------------------------
 def compute(selected: list[dict], threads: int, log, jobs: int | None = None) -> tuple[dict, dict]:
-    """Run the selected items (and the items they read); returns (results, tensors). Each item is
-    its own `verinfer` process at `threads` torch threads, so `jobs` of them run side by side (default:
-    one per CPU) without changing a bit: first every item that reads no other item's output, then the
-    rest."""
+    """Run the selected items (and the items they read); returns (results, tensors). `jobs` fresh
+    processes at `threads` torch threads (default: one per CPU) share the items and run side by side
+    without changing a bit: first every item that reads no other item's output, then the rest."""
     results, tensors = {}, {}
     with tempfile.TemporaryDirectory(prefix="verinfer-fixtures-") as tmp:
         d = Path(tmp)
@@ -206,22 +228,25 @@ def compute(selected: list[dict], threads: int, log, jobs: int | None = None) ->
         needed = {src for it in selected for a in it["argv"] if a.startswith("{claims:") for src in [a[8:-1]]}
         todo = [it for it in items() if it["name"] in needed and it not in selected] + selected
 
-        def one(it: dict) -> tuple[dict, Path, float]:
-            t0 = time.time()
-            out = d / (it["name"].replace("/", "_") + (".parquet" if it["argv"][0] == "score" else ".jsonl"))
-            argv = [str(tau) if a == "{tau}" else str(files[a[8:-1]]) if a.startswith("{claims:") else a
+        def out_path(it: dict) -> Path:
+            return d / (it["name"].replace("/", "_") + (".parquet" if it["argv"][0] == "score" else ".jsonl"))
+
+        def argv(it: dict) -> list[str]:
+            return [str(tau) if a == "{tau}" else str(files[a[8:-1]]) if a.startswith("{claims:") else a
                     for a in it["argv"]]
-            run_cli(argv, out, threads)
-            return it, out, time.time() - t0
 
         reads = lambda it: any(a.startswith("{claims:") for a in it["argv"])  # noqa: E731
-        with ThreadPoolExecutor(max(1, jobs or os.cpu_count() or 1)) as pool:
+        n = max(1, jobs or os.cpu_count() or 1)
+        with ThreadPoolExecutor(n) as pool:
             for wave in ([it for it in todo if not reads(it)], [it for it in todo if reads(it)]):
-                for it, out, seconds in pool.map(one, wave):
-                    files[it["name"]] = out
-                    if it in selected:
-                        results[it["name"]] = scores_record(out) if it["argv"][0] == "score" else claims_record(out)
-                    log(f"  {it['name']:32s} {seconds:5.1f} s")
+                shares = [s for s in (wave[i::n] for i in range(n)) if s]
+                done = pool.map(lambda share: run_cli([(argv(it), out_path(it)) for it in share], threads), shares)
+                for share, seconds in zip(shares, done):
+                    for it, sec in zip(share, seconds):
+                        out = files[it["name"]] = out_path(it)
+                        if it in selected:
+                            results[it["name"]] = scores_record(out) if it["argv"][0] == "score" else claims_record(out)
+                        log(f"  {it['name']:32s} {sec:5.1f} s")
     return results, tensors
 
 
