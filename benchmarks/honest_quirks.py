@@ -504,7 +504,20 @@ def render_markdown(r: dict) -> str:
         lines.append(f"| {name} | " + " | ".join(_decide(v[k]["sequential"]) for k in PASS_LINES) + " | " +
                      " | ".join(fx) + " |")
     q = r.get("quirks") or {}
-    lines += ["", "Quirks: " + (q["note"] if set(q) == {"note"} else "see `quirks` in the JSON") + "."]
+    if not q or set(q) == {"note"}:
+        lines += ["", "Quirks: " + q.get("note", "the quirks phase has not run") + "."]
+        return "\n".join(lines) + "\n"
+    lines += ["", "The honest-quirks battery (`benchmarks.quirks_battery`: one honest vLLM server per server "
+              "configuration, one vendor per quirk, the same mixed conversations; `kind:` rows are the plain vendor's "
+              "claims of one conversation kind alone):", "",
+              "| quirk | what it is | verdict | fixed-size p | requests | tokens | exact match | refused because |",
+              "|---|---|---|---|---|---|---|---|"]
+    for name, row in q.items():
+        verdict = "refused" if row["refused"] else ("FLAGGED" if row["flagged"] else "ok")
+        why = (row.get("reason") or "").split("\n")[0].replace("|", "/")
+        lines.append(f"| {name} | {row['description']} | {verdict} | {_f(row.get('fixed_p'))} | "
+                     f"{row.get('requests', '-')} | {row.get('tokens', '-')} | {_f(row.get('exact_match'), '.4f')} | "
+                     f"{why} |")
     return "\n".join(lines) + "\n"
 
 
