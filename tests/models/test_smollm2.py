@@ -173,14 +173,14 @@ def test_standard_speculative_sampling_with_the_shipped_draft_is_lossless(smol_d
     target = LlamaLM.from_pretrained(smol_dir, dtype=torch.float32)
     draft = LlamaLM.from_pretrained(default_out(smol_dir), dtype=torch.float32)
     prompt = load_tokenizer(smol_dir).encode("import os\nimport ", add_special_tokens=False)
-    n, res = 2000, {}
+    n, res = 1500, {}
     for name, rule in [("standard", Rule("standard")), ("kl", Rule("kl", 2.0))]:
         outs = SpeculativeDecoder(target, draft, rule, gamma=3, temperature=1.0).generate(
             [prompt] * n, max_tokens=2, seeds=list(range(n)), batch_size=250)
         res[name] = (*two_token_chi_square(target, [tuple(o.output_token_ids[:2]) for o in outs], prompt),
                      sum(o.accepted for o in outs) / sum(o.drafted for o in outs))
     print(res)
-    assert res["standard"][2] >= 40, res  # enough bins to be a real test (57 expected counts >= 5 here)
+    assert res["standard"][2] >= 40, res  # enough bins to be a real test (42 expected counts >= 5 here)
     assert res["standard"][1] > 1e-3, res
     assert res["kl"][1] < 1e-6, res
     assert res["kl"][3] > res["standard"][3], res
