@@ -40,6 +40,12 @@ def test_neutral_values_and_fields_are_accepted(fields):
     ChatEndpoint("v", "http://h/v1", "m", extra=fields)
 
 
+@pytest.mark.parametrize("stop", [7, ["\n", 3], {"s": 1}])
+def test_a_malformed_stop_is_refused_with_its_value(stop):
+    with pytest.raises(VerinferError, match="request `stop`"):
+        ChatEndpoint("v", "http://h/v1", "m", extra={"stop": stop})
+
+
 def test_template_fields_and_unknown_fields_are_refused_for_a_replay():
     assert replay_refusal({"chat_template_kwargs": {"enable_thinking": True}}, "w").kind == "template-fields"
     assert replay_refusal({"reasoning_effort": "high"}, "w").kind == "template-fields"

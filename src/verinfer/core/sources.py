@@ -106,7 +106,8 @@ def reply_claim(i: int, msgs: list[dict], reply: ChatReply, endpoint: ChatEndpoi
         check_token_reply(reply.output_token_ids, reply.finish_reason, vocab_size=vocab_size,
                           max_tokens=params.max_tokens, request=f"request {i} of vendor {endpoint.name!r}",
                           where=endpoint.name, prompt_ids=reply.prompt_token_ids)
-    cut = cut_by_stop(reply.finish_reason, stop_strings(endpoint.extra), reply.model_end)
+    stops = stop_strings(endpoint.extra)
+    cut = cut_by_stop(reply.finish_reason, stops, reply.model_end)
     text = scored_text(retok, msgs, reply.text, reply.finish_reason, reply.reasoning,
                        f"request {i} of vendor {endpoint.name!r}")
     if tokens == DERIVED and (cut or reply.finish_reason == "length") and not text:
@@ -115,7 +116,7 @@ def reply_claim(i: int, msgs: list[dict], reply: ChatReply, endpoint: ChatEndpoi
                            retok, tokens=tokens, returned=(reply.prompt_token_ids, reply.output_token_ids),
                            usage=reply.usage, provider=endpoint.name,
                            extra={"served_model": reply.served_model} if reply.served_model else None,
-                           stop=stop_strings(endpoint.extra) if cut else None)
+                           stop=stops if cut else None)
 
 
 class ChatSource:

@@ -30,7 +30,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from verinfer.errors import VerinferError
-from verinfer.providers.chat_contract import ContractError, check_request, model_end_of, replay_refusal
+from verinfer.providers.chat_contract import check_request, model_end_of, replay_refusal
 from verinfer.openai_client import EndpointError, endpoint_errors, new_client
 from verinfer.providers.openai_http import TokenId, _short
 from verinfer.sampling.params import SamplingParams
@@ -60,13 +60,10 @@ class ChatEndpoint:
                                 "fields", fix=f"remove them from `extra` (the audit sets {', '.join(RESERVED)})")
         # the chat contract, as for a log's requests: refused before any request is sent
         where = f"vendor {self.name!r} (extra)"
-        try:
-            check_request(self.extra, where)
-        except ContractError as e:
-            raise VerinferError(e.what, where=where, fix=e.fix) from None
+        check_request(self.extra, where)  # a ContractError (a VerinferError) names the vendor and the field
         bad = replay_refusal(self.extra, where, tuple(self.neutral_fields))
         if bad is not None:
-            raise VerinferError(bad.what, where=where, fix=bad.fix)
+            raise bad
         if self.concurrency < 1:
             raise VerinferError(f"vendor {self.name!r}: concurrency must be >= 1, got {self.concurrency}")
 
