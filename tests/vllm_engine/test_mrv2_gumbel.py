@@ -26,6 +26,10 @@ import numpy as np
 import pytest
 import torch
 
+if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
+    raise RuntimeError("triton was imported before tests/vllm_engine/test_mrv2_gumbel.py (another test module\n"
+                       "imported vllm, which imports triton), so its kernels cannot run in Triton's interpreter:\n"
+                       "have that module find vllm with importlib.util.find_spec instead of importing it")
 os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported: its kernels run in numpy
 if os.environ.get("VERINFER_REQUIRE_VLLM") == "1":
     import triton  # noqa: F401  (fails loudly in CI)
