@@ -48,6 +48,7 @@ SEQUENTIAL_DETECTOR = "glrt"  # the e-process of --sequential runs on its per-to
 GREEDY_DETECTOR = "greedy"  # temperature-0 claims: mismatches counted, margins capped where honest near-ties end
 RECOGNISE_MIN = 0.75  # auto mode: a noise backend is recognised when it reproduces this share of the probe
 PLAIN_NOISES = tuple(n for n in NOISE_BACKENDS.names() if n != "speculative-keyed")  # what an endpoint can sample with
+# (sglang-seeded and -sorted included: SGLang's --enable-deterministic-inference with the request's seed)
 
 
 @dataclass(frozen=True)
@@ -128,7 +129,9 @@ def recognise_noise(prompt_ids: list[int], output_ids: list[int], params: Sampli
     """The noise backend an endpoint samples with, from one seeded reply: its tokens replayed by the
     trusted model (`engine`) under each candidate backend. (best, {backend: exact match}); best is
     the first candidate with the highest exact match, None when it is below RECOGNISE_MIN (no
-    known backend reproduces the reply: a wrong model or settings, which the audit then flags)."""
+    known backend reproduces the reply: a wrong model or settings, which the audit then flags).
+    Backends that refuse the probe's settings (SGLang's seeded sampler and min-p) are not candidates."""
+    candidates = tuple(n for n in candidates if params.min_p == 0 or NOISE_BACKENDS[n].supports_min_p)
     if not output_ids:
         return None, {}
     claims = [Claim(f"probe-{name}", model_name, list(prompt_ids), list(output_ids), replace(params, noise=name))
