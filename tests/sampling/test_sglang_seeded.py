@@ -36,7 +36,7 @@ import numpy as np
 import pytest
 import torch
 
-from verinfer.sampling.gap import postgumbel_margin, score_claimed
+from verinfer.sampling.gap import block_gaps, postgumbel_gaps, postgumbel_margin, score_claimed
 from verinfer.sampling.noise import get_backend
 from verinfer.sampling.params import SamplingParamError, SamplingParams
 from verinfer.sampling.sampler import replay_tokens, sample_batch, sample_one
@@ -258,6 +258,39 @@ def _our_scores(logits_TV, seed, positions_T, temperature, top_k, top_p, always_
     return logp_TV + g_TV if cols_TV is None else torch.empty_like(logp_TV).scatter_(1, cols_TV, logp_TV) + g_TV
 
 
+# --- what the backends assume of the rest of SGLang -------------------------------------------------
+WHEEL_SAYS = {  # file in the wheel -> passages (whitespace aside) the backends and their docstrings rely on
+    "sglang/srt/model_executor/model_runner.py": [  # positions: the last input token's
+        "forward_batch.positions if forward_batch.forward_mode.is_decode() else forward_batch.seq_lens - 1"],
+    "sglang/srt/model_executor/forward_batch_info.py": ["ret.positions = clamp_position(batch.seq_lens)"],
+    "sglang/kernels/ops/attention/clamp_position.py": ["torch.clamp(seq_lens - 1, min=0)"],
+    "sglang/srt/entrypoints/openai/protocol.py": ['"sampling_seed": self.seed'],        # chat `seed`
+    "sglang/srt/entrypoints/openai/serving_completions.py": ['"sampling_seed": request.seed'],
+    "sglang/srt/sampling/sampling_batch_info.py": [
+        "if r.sampling_params.sampling_seed is not None else 42", "dtype=torch.int64",
+        "need_top_p_sampling=any(r.sampling_params.top_p != 1.0 for r in reqs)",
+        "need_top_k_sampling=any(r.sampling_params.top_k != TOP_K_ALL for r in reqs)"],
+    "sglang/srt/sampling/sampling_params.py": ["_SAMPLING_EPS = 1e-6", "self.top_k = 1",
+                                               "-(2**63) <= self.sampling_seed <= 2**63 - 1"],
+    "sglang/srt/arg_groups/overrides.py": ['return {"sampling_backend": "pytorch"}'],
+    SAMPLER_PY: ["logits.div_(sampling_info.temperatures)",
+                 "torch.softmax(logits, dim=-1) if self.enable_deterministic else sampler_softmax(logits)",
+                 "simple_sampling_case = ( not sampling_info.need_top_p_sampling and not "
+                 "sampling_info.need_top_k_sampling and not sampling_info.need_min_p_sampling )"],
+}
+
+
+def test_the_wheel_says_what_the_backends_assume():
+    """The passages of SGLang outside the sampler functions that the module docstring cites (positions,
+    the seed's path from the OpenAI request, the batch-wide path choice, the pytorch backend under
+    deterministic inference, temperature and softmax): a new pinned wheel must still say them."""
+    with zipfile.ZipFile(_wheel()) as z:
+        for name, passages in WHEEL_SAYS.items():
+            text = " ".join(z.read(name).decode().split())
+            for passage in passages:
+                assert " ".join(passage.split()) in text, (name, passage)
+
+
 # --- noise ---------------------------------------------------------------------------------------
 def test_noise_bit_exact(sglang):
     """G(seed, position, column) == SGLang's, float64 bit patterns: 14 x 9 (seed, position) rows x 96
@@ -415,6 +448,9 @@ def test_replay_and_margins_on_sglang_tokens(sglang, temperature, top_k, top_p, 
     assert torch.allclose(margin, want, rtol=0, atol=1e-12)
     m2, r2, k2, _ = score_claimed([logits], [claimed], [p], [start])
     assert torch.equal(m2, margin) and torch.equal(r2, replay) and torch.equal(k2, kept)
+    gaps = postgumbel_gaps(logits, claimed, p, start, k=1)[:, 0]                # the top competitor's gap
+    assert torch.equal(gaps[sub], margin[sub]) and (gaps[~sub] < 0).all()
+    assert torch.equal(block_gaps([logits], [claimed], [p], [start], [1.0])[:, 0, 0], gaps)
     if top_k > 0:  # a token SGLang's top-k drops
         dropped = (~keep_TV[0]).nonzero()[0, 0]
         m3, _, k3 = postgumbel_margin(logits[:1], dropped[None], p, start)
