@@ -150,7 +150,8 @@ def _store(ptr: _Pointer, value, mask=None):
 
 
 _tl = types.SimpleNamespace(uint32=np.uint32, uint64=np.uint64, constexpr=int, load=_load, store=_store,
-                            program_id=lambda axis: _Jit.program[axis], arange=lambda a, b: np.arange(a, b).view(_Block))
+                            program_id=lambda axis: _Jit.program[axis],
+                            arange=lambda a, b: np.arange(a, b).view(_Block))
 _triton = types.SimpleNamespace(jit=_Jit, cdiv=lambda a, b: -(-a // b), language=_tl)
 
 
@@ -463,8 +464,9 @@ def test_noise_addressed_by_rank_not_token_id(sglang):
     T, V, start, seed = 30, 800, 5, 99
     logits = _logits(T, V, seed=12)
     p = SamplingParams(temperature=1.0, top_k=50, seed=seed, noise="sglang-seeded")
-    ref = sglang_tokens(sglang, logits, [1.0] * T, [50] * T, [1.0] * T, [seed] * T, torch.arange(start - 1, start - 1 + T))
+    pos = torch.arange(start - 1, start - 1 + T)
+    ref = sglang_tokens(sglang, logits, [1.0] * T, [50] * T, [1.0] * T, [seed] * T, pos)
     assert torch.equal(replay_tokens(logits, p, start), ref)
     _, logp_TV, _ = sglang_scores(logits, 1.0, 50, 1.0)
-    by_id = (logp_TV + sglang_gumbel(seed, torch.arange(start - 1, start - 1 + T)[:, None], torch.arange(V))).argmax(-1)
+    by_id = (logp_TV + sglang_gumbel(seed, pos[:, None], torch.arange(V))).argmax(-1)
     assert (by_id != ref).sum() > T // 3

@@ -121,7 +121,8 @@ def _check_claimed(claimed_T: torch.Tensor, T: int, V: int, device) -> torch.Ten
 def postgumbel_margin(logits_TV: torch.Tensor, claimed_T: torch.Tensor, params: SamplingParams,
                       start_position: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Token-DiFR margin per step: (margin_T float64, replay_T long, kept_T bool) (`token_difr_margin`
-    on the full vocabulary). Gumbel backends only (vllm-cpu, keyed, vllm-v1-exponential, vllm-mrv2-*, sglang-seeded*)."""
+    on the full vocabulary). Gumbel backends only (vllm-cpu, keyed, vllm-v1-exponential, vllm-mrv2-*,
+    sglang-seeded*)."""
     T, V = logits_TV.shape
     dev = logits_TV.device
     claimed_T = _check_claimed(claimed_T, T, V, dev)

@@ -123,7 +123,8 @@ def _sample_row(logits_V, scaled_V, keep_V, params: SamplingParams, noise: StepN
         u = torch.tensor([noise.uniform], dtype=torch.float64, device=scaled_V.device)
         return int(_inverse_cdf_pick(scaled_V[None], keep_V[None], u)[0])
     ids_K = keep_V.nonzero()[:, 0]
-    return _gumbel_argmax(scaled_V[ids_K].to(torch.float64), ids_K, noise if cols_V is None else noise.by_columns(cols_V))
+    noise = noise if cols_V is None else noise.by_columns(cols_V)  # SGLang's sorted path: noise by rank
+    return _gumbel_argmax(scaled_V[ids_K].to(torch.float64), ids_K, noise)
 
 
 def sample_one(logits_V: torch.Tensor, params: SamplingParams, noise: StepNoise | None) -> int:
