@@ -179,10 +179,15 @@ def _functions(source: str) -> dict[str, ast.FunctionDef]:
 
 
 @pytest.fixture(scope="module")
-def sglang():
+def wheel() -> Path:
+    return _wheel()
+
+
+@pytest.fixture(scope="module")
+def sglang(wheel):
     """SGLang's seeded-sampler functions from the wheel: a namespace (dict) holding WANTED and all the
     module-level functions they call, in sampler.py or murmur_hash.py."""
-    with zipfile.ZipFile(_wheel()) as z:
+    with zipfile.ZipFile(wheel) as z:
         sampler_defs = _functions(z.read(SAMPLER_PY).decode())
         murmur_defs = _functions(z.read(MURMUR_PY).decode())
     defs = {**murmur_defs, **sampler_defs}
@@ -281,11 +286,11 @@ WHEEL_SAYS = {  # file in the wheel -> passages (whitespace aside) the backends 
 }
 
 
-def test_the_wheel_says_what_the_backends_assume():
+def test_the_wheel_says_what_the_backends_assume(wheel):
     """The passages of SGLang outside the sampler functions that the module docstring cites (positions,
     the seed's path from the OpenAI request, the batch-wide path choice, the pytorch backend under
     deterministic inference, temperature and softmax): a new pinned wheel must still say them."""
-    with zipfile.ZipFile(_wheel()) as z:
+    with zipfile.ZipFile(wheel) as z:
         for name, passages in WHEEL_SAYS.items():
             text = " ".join(z.read(name).decode().split())
             for passage in passages:
