@@ -32,7 +32,10 @@ One step of a request with temperature T (SGLang samples T < 1e-6 greedily, veri
   token = the column's token (idx[r], or c) at argmax x                    (the first maximum)
 So the noise is addressed by rank in the sorted probabilities on the sorted path: a token's G
 depends on how many tokens the verifier's own probabilities rank above it (`sglang_scores` returns
-that column map; the sampler reads the noise through it, noise.py `by_columns`).
+that column map; the sampler reads the noise through it, noise.py `by_columns`). A logit difference
+between server and verifier that swaps two tokens' order above a candidate changes its noise, so the
+replay of the sorted path is far more sensitive to numerics than token-id-addressed noise
+(docs/architecture.md gives measured rates).
 
 SGLang picks the path per *batch*: the sorted path whenever any request of the batch has top-k,
 top-p or min-p on or is greedy (SGLang samples greedy requests in a mixed batch as top_k = 1). An
