@@ -3,7 +3,7 @@ vendors and request budgets as verinfer's unseeded mode: RUT, Model Equality Tes
 paper's mean cross-entropy. Each takes replies (token ids, or per-reply scores from a trusted
 reference) and returns a p-value; small means "not the claimed model at the claimed settings".
 
-    PYTHONPATH=.:src .venv/bin/python -m benchmarks.sampled_peers --prompts 40 --local 30
+    PYTHONPATH=.:src .venv/bin/python -m benchmarks.sampled_peers --prompts 60 --local 20 --seed 2
         # the three peers on the shipped testbed: an honest vendor, temperature 1.5, the draft model
 
 Shape key: T = tokens of one reply, V = vocab, N = reply tokens of a replay batch.
@@ -70,7 +70,7 @@ T) with a torch.Generator, the way an unseeded API samples; no seed reaches the 
 from __future__ import annotations
 
 import argparse
-import math
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -287,31 +287,44 @@ def sample_replies(engine, prompts: Sequence[Sequence[int]], n: int, *, temperat
 
 # --- the three peers on the testbed ------------------------------------------------------------------------------
 
-def testbed_run(n_prompts: int = 40, m: int = 30, met_prompts: int = 20, met_per_prompt: int = 10,
-                max_tokens: int = 12, max_prompt_tokens: int = 24, temperature: float = 1.0, met_b: int = 100,
-                seed: int = 0) -> dict:
+def testbed_run(n_prompts: int = 60, m: int = 20, met_prompts: int = 30, met_per_prompt: int = 10,
+                max_tokens: int = 10, max_prompt_tokens: int = 24, temperature: float = 0.7, met_b: int = 100,
+                seed: int = 2) -> dict:
     """Each peer's p-value for three vendors of the testbed target at `temperature`: honest (same
-    model and settings), temperature 1.5, and the testbed draft at `temperature`. Budgets per
-    vendor: RUT and mean-CE one reply for each of n_prompts prompts against m local samples each;
-    MET met_per_prompt replies for each of the first met_prompts prompts against as many local ones
-    (the first of them is RUT's reply)."""
+    model and settings), temperature 1.5, and the testbed draft at `temperature`. Requests per
+    vendor: RUT and mean-CE one reply for each of n_prompts prompts (against m local samples each);
+    MET met_prompts x met_per_prompt replies, each to a prompt drawn uniformly from the first
+    met_prompts (the paper's joint prompt-completion sample, "an average of 10 samples per
+    prompt"; the package's permutation null assumes prompts drawn so), against as many local
+    samples drawn the same way (the local samples of RUT, in order)."""
     from verinfer.engine.engine import Engine
     from verinfer.models.load import load_model, model_info
     from verinfer.models.prompts import prompts_for
     from verinfer.models.testbed import DRAFT_DIR, TARGET_DIR
 
-    if not (1 <= met_prompts <= n_prompts and 1 <= met_per_prompt <= m):
-        raise ValueError("need 1 <= met_prompts <= n_prompts and 1 <= met_per_prompt <= m")
+    if not (1 <= met_prompts <= n_prompts and met_per_prompt >= 1):
+        raise ValueError("need 1 <= met_prompts <= n_prompts and met_per_prompt >= 1")
     eos = model_info(TARGET_DIR).eos_token_id
     target = Engine(load_model(TARGET_DIR), eos_token_id=eos)
     draft = Engine(load_model(DRAFT_DIR), eos_token_id=eos)
     prompts = prompts_for(TARGET_DIR, n_prompts, seed, max_prompt_tokens)
     local = sample_replies(target, prompts, m, temperature=temperature, max_tokens=max_tokens, seed=seed + 1)
+    rng = np.random.default_rng(seed)
+    n_met = met_prompts * met_per_prompt
+    local_idx, api_idx = rng.integers(0, met_prompts, n_met), rng.integers(0, met_prompts, n_met)
+    if np.bincount(local_idx).max() > m:
+        raise ValueError(f"a MET prompt drew more than m = {m} local samples: raise m")
+    seen = np.zeros(met_prompts, dtype=int)
+    met_local = []
+    for i in local_idx:
+        met_local.append((int(i), local[i][seen[i]]))
+        seen[i] += 1
 
-    def vendor(engine, t, s):  # met_per_prompt replies to the MET prompts, one to the others
-        return (sample_replies(engine, prompts[:met_prompts], met_per_prompt, temperature=t, max_tokens=max_tokens,
-                               seed=s)
-                + sample_replies(engine, prompts[met_prompts:], 1, temperature=t, max_tokens=max_tokens, seed=s + 1))
+    def vendor(engine, t, s):  # (one reply per prompt, MET's (prompt index, reply) pairs)
+        one = sample_replies(engine, prompts, 1, temperature=t, max_tokens=max_tokens, seed=s)
+        met = sample_replies(engine, [prompts[i] for i in api_idx], 1, temperature=t, max_tokens=max_tokens,
+                             seed=s + 1)
+        return [r[0] for r in one], [(int(i), r[0]) for i, r in zip(api_idx, met)]
 
     vendors = {"honest": vendor(target, temperature, seed + 10), "temperature-1.5": vendor(target, 1.5, seed + 20),
                "draft": vendor(draft, temperature, seed + 30)}
@@ -319,15 +332,13 @@ def testbed_run(n_prompts: int = 40, m: int = 30, met_prompts: int = 20, met_per
                           temperature=temperature)
     local_lr = lr.reshape(n_prompts, m)
     local_ce = [ce[i * m : (i + 1) * m] for i in range(n_prompts)]
-    met_local = [(i, r) for i, rs in enumerate(local[:met_prompts]) for r in rs[:met_per_prompt]]
     out = {"budget": {"prompts": n_prompts, "local_per_prompt": m, "met_prompts": met_prompts,
-                      "met_per_prompt": met_per_prompt, "max_tokens": max_tokens, "met_permutations": met_b,
+                      "met_samples": n_met, "max_tokens": max_tokens, "met_permutations": met_b,
                       "temperature": temperature}}
-    for name, rs in vendors.items():
-        api_lr, api_ce = reply_scores(target, prompts, [r[0] for r in rs], temperature=temperature)
+    for name, (one, met) in vendors.items():
+        api_lr, api_ce = reply_scores(target, prompts, one, temperature=temperature)
         out[name] = {"rut": rut_test(api_lr, local_lr, seed=seed),
-                     "met": met_test([(i, r) for i, x in enumerate(rs[:met_prompts]) for r in x], met_local,
-                                     n_prompts=met_prompts, b=met_b, seed=seed),
+                     "met": met_test(met, met_local, n_prompts=met_prompts, b=met_b, seed=seed),
                      "mean_ce": mean_ce_test(api_ce, local_ce),
                      "api_mean_log_rank": float(np.mean(api_lr)), "local_mean_log_rank": float(local_lr.mean()),
                      "api_mean_ce": mean_cross_entropy(api_ce), "local_mean_ce": mean_cross_entropy(ce)}
@@ -336,17 +347,19 @@ def testbed_run(n_prompts: int = 40, m: int = 30, met_prompts: int = 20, met_per
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--prompts", type=int, default=40, help="prompts of RUT and mean-CE (the paper's 100)")
-    ap.add_argument("--local", type=int, default=30, help="local samples per prompt (RUT's m; the paper's 100)")
-    ap.add_argument("--met-prompts", type=int, default=20)
-    ap.add_argument("--met-per-prompt", type=int, default=10)
-    ap.add_argument("--max-tokens", type=int, default=12)
+    ap.add_argument("--prompts", type=int, default=60, help="prompts of RUT and mean-CE (RUT's paper: 100)")
+    ap.add_argument("--local", type=int, default=20, help="local samples per prompt (RUT's m; its paper: 100)")
+    ap.add_argument("--met-prompts", type=int, default=30)
+    ap.add_argument("--met-per-prompt", type=int, default=10, help="MET samples per prompt, on average")
+    ap.add_argument("--max-tokens", type=int, default=10)
+    ap.add_argument("--temperature", type=float, default=0.7, help="the claimed temperature (RUT's paper: 0.5)")
     ap.add_argument("--met-b", type=int, default=100, help="MET permutations (the demo's 100; the package's default 1000)")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=2)
     args = ap.parse_args(argv)
+    os.environ.setdefault("TQDM_DISABLE", "1")  # the package's per-permutation progress bar
     start = time.perf_counter()
     res = testbed_run(args.prompts, args.local, args.met_prompts, args.met_per_prompt, args.max_tokens,
-                      met_b=args.met_b, seed=args.seed)
+                      temperature=args.temperature, met_b=args.met_b, seed=args.seed)
     res.pop("budget")
     print("| vendor | RUT p | MET p | mean-CE p | API / local mean log-rank | API / local mean CE |")
     print("|---|---|---|---|---|---|")
