@@ -11,9 +11,10 @@ Shape key: T = tokens of one reply, V = vocab, N = reply tokens of a replay batc
 1. RUT, the rank-based uniformity test (Zhu, Ye, Qiu, Zhu, Tan, Mannan, Michala, Popa, Neiswanger,
    "Auditing Black-Box LLM APIs with a Rank-Based Uniformity Test", arXiv 2506.06975, ICLR 2026;
    code github.com/xyzhu123/RUT). The authors' code could not be read here (no stored snapshot of
-   the repository; no file of it in the code index), so this follows the paper's definitions,
-   read from the paper's text as quoted with its equations (sections 3-4; the
-   `en.papernotes.org` ICLR 2026 note of the paper), and cites no file or line of theirs:
+   the repository, no file of it in the code index), so this implements the paper's definitions,
+   as its equations and settings are quoted by a published note of the paper (en.papernotes.org,
+   ICLR 2026, "Auditing Black-Box LLM APIs with a Rank-Based Uniformity Test"), and cites no file
+   or line of theirs:
      - one API reply per prompt; m local samples per prompt from the reference model at the same
        sampling parameters (paper: m = 100, 100 prompts, temperature 0.5, 30 tokens);
      - score f(y, x) = log-rank: the mean over the reply's tokens of log(rank), the rank of each
@@ -30,6 +31,10 @@ Shape key: T = tokens of one reply, V = vocab, N = reply tokens of a replay batc
    the position in an argsort); ranks come from the raw logits (temperature does not change them;
    top-k / top-p do not re-rank kept tokens); the score covers the reply's tokens only, every one
    including a final end token; U_i come from numpy's default_rng(seed).
+   The paper's r_i is reproduced as written, dividing by m: without ties it takes the m + 1 values
+   k/m, not a continuous uniform, and at small m the CvM test rejects a little more often than
+   alpha (simulated: 6.5% at alpha 0.05 for m = 20, n = 60; 5.7% at the paper's m = n = 100;
+   (k + U)/(m + 1) would be exact). Keep m large where the level matters.
 
 2. Model Equality Testing (Gao, Liang, Guestrin, arXiv 2410.20247, ICLR 2025): its own package,
    `model-equality-testing` 0.0.2 (PyPI, github.com/i-gao/model-equality-testing, MIT), called as
@@ -42,7 +47,10 @@ Shape key: T = tokens of one reply, V = vocab, N = reply tokens of a replay batc
    a permutation p-value = the fraction of b label permutations of the pooled rows (prompt index
    and completion together) whose MMD is >= the observed one (no +1: it can be 0). Its defaults
    kept: b = 1000 (the package's; the demo uses 100), alpha = 0.05 (README, demo), about 10
-   samples per prompt per side (the paper's budget). Adaptations, nothing of the package
+   samples per prompt per side (the paper's budget: "an average of 10 samples per prompt", each
+   request's prompt drawn uniformly, as the demo's samples are; the permutation null, which
+   shuffles prompt indices with completions, is exact for such draws, not for a fixed number per
+   prompt: `testbed_run` draws them so). Adaptations, nothing of the package
    re-implemented: the permutations draw from torch's global generator (`torch.randperm`); the
    call runs under `torch.random.fork_rng()` seeded with `seed`, so a p-value is reproducible and
    the caller's torch stream untouched. L defaults to the longest completion, not the paper's 1000
@@ -70,11 +78,9 @@ T) with a torch.Generator, the way an unseeded API samples; no seed reaches the 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from collections.abc import Sequence
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -356,7 +362,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--met-b", type=int, default=100, help="MET permutations (the demo's 100; the package's default 1000)")
     ap.add_argument("--seed", type=int, default=2)
     args = ap.parse_args(argv)
-    os.environ.setdefault("TQDM_DISABLE", "1")  # the package's per-permutation progress bar
     start = time.perf_counter()
     res = testbed_run(args.prompts, args.local, args.met_prompts, args.met_per_prompt, args.max_tokens,
                       temperature=args.temperature, met_b=args.met_b, seed=args.seed)
