@@ -166,6 +166,25 @@ def test_met_level_and_power():
     assert sp.met_test(a, b, b=100) < 0.01 and sp.met_test(a, a[::-1], b=100) > 0.5
 
 
+@pytest.mark.skipif(not (TARGET_DIR / "config.json").is_file(), reason="testbed not built")
+def test_reply_scores_are_teacher_forced_per_reply():
+    """The batched scores (replay batches of several claims) equal the per-reply functions on one
+    un-batched forward of prompt + reply, row t of which is the distribution of token t + 1."""
+    from verinfer.engine.engine import Engine
+    from verinfer.models.load import load_model, model_info
+    from verinfer.models.prompts import prompts_for
+
+    engine = Engine(load_model(TARGET_DIR), eos_token_id=model_info(TARGET_DIR).eos_token_id)
+    prompts = prompts_for(TARGET_DIR, 3, 0, 24)
+    replies = [r[0] for r in sp.sample_replies(engine, prompts, 1, temperature=0.7, max_tokens=6, seed=0)]
+    lr, ce = sp.reply_scores(engine, prompts, replies, temperature=0.7, top_k=20)
+    for p, r, lr_i, ce_i in zip(prompts, replies, lr, ce):
+        logits_TV = engine.forward_sequence(p + r)[0][len(p) - 1 : len(p) + len(r) - 1]
+        assert lr_i == pytest.approx(sp.log_rank(logits_TV, r), abs=1e-9)
+        assert ce_i == pytest.approx(sp.token_cross_entropies(logits_TV, r, temperature=0.7, top_k=20), abs=1e-4)
+        assert len(r) == 6 or r[-1] == engine.eos_token_id
+
+
 # --- on the testbed ---------------------------------------------------------------------------------------------------
 
 # claimed temperature 0.7; 60 prompts x 20 local samples (RUT, mean CE); MET on 300 requests to 30
