@@ -54,8 +54,9 @@ def test_vendors_file_errors_name_the_vendor_and_field(tmp_path, text, message):
 
 
 def test_exchanges_a_greedy_replay_cannot_use(tmp_path):
-    """Kept by the log reader, refused by the greedy audit: sampled, another template, a field the chat
-    contract does not know (unless declared neutral). A reasoning block is the contract's to render
+    """Kept by the log reader, refused by the replay: another template, a field the chat contract does
+    not know (unless declared neutral); a sampled exchange is not refused (judged seeded or recorded
+    unseeded by core.sources). A reasoning block is the contract's to render
     (tests/providers/test_chat_contract.py)."""
     from verinfer.providers.chat_log import unusable_for_replay
     from verinfer.providers.chat_log import read_chat_log
@@ -72,7 +73,7 @@ def test_exchanges_a_greedy_replay_cannot_use(tmp_path):
     p.write_text("".join(json.dumps(x) + "\n" for x in lines))
     exchanges = read_chat_log(p)
     kinds = [getattr(unusable_for_replay(ex), "kind", None) for ex in exchanges]
-    assert kinds == [None, "sampled", None, "template-fields", "unknown-field"]
+    assert kinds == [None, None, None, "template-fields", "unknown-field"]
     assert "--neutral-field x_gateway_trace" in unusable_for_replay(exchanges[4]).fix
     assert unusable_for_replay(exchanges[4], ("x_gateway_trace",)) is None
 

@@ -128,7 +128,7 @@ class VendorsDoc(_Model):
     created: str
     verinfer_version: str
     target_fpr: float = Field(gt=0, lt=1)
-    mode: Literal["greedy"]
+    mode: Literal["greedy", "seeded", "mixed"]  # the claims' modes (apps.audit_chat: "mixed" when several)
     settings: dict
     bands: dict[str, Band]
     vendors: list[Vendor] = Field(min_length=1)
