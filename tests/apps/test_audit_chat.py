@@ -204,15 +204,18 @@ def test_log_audits_end_to_end(servers, tmp_path):
     args = ["audit-log", str(path), "--out", str(out), "--calib-n", "24", "--honest", "honest-bf16-b8", "--honest",
             "honest-fp32-b4", "--honest", "honest-bf16-eager-t1", "--bands", "bf16", "--bands", "int4"]
     r = CliRunner().invoke(app, args)
-    assert r.exit_code == 2 and "sampled" in r.output  # unusable exchanges stop it, saying which and where
+    assert r.exit_code == 2 and "tools" in r.output  # unusable exchanges stop it, saying which and where
     r = CliRunner().invoke(app, [*args, "--skip-unusable"])
     assert r.exit_code == 1, r.output  # the smaller model's replies are flagged
-    assert "skipped 2 exchange(s) of the log: 1 sampled, 1 tool-calls" in r.output  # counted on screen too
+    assert "skipped 1 exchange(s) of the log: 1 tool-calls" in r.output  # counted on screen too
+    # the sampled exchange (no seed) is recorded unseeded, not refused and not scored
+    assert "claims by mode: 36 greedy, 0 seeded, 1 unseeded" in r.output
     doc = json.loads((out / "vendors.json").read_text())
     rows = {v["name"]: v for v in doc["vendors"]}
     assert not rows["verinfer-testbed-target"]["verdict"]["flagged"] and rows["verinfer-testbed-target"]["n_requests"] == 24
     assert rows["verinfer-testbed-draft"]["verdict"]["flagged"]
-    assert sorted(k for _, k, _ in doc["skipped"]) == ["sampled", "tool-calls"] and doc["exchanges"] == 36
+    assert sorted(k for _, k, _ in doc["skipped"]) == ["tool-calls"] and doc["exchanges"] == 37
+    assert doc["modes"] == {"greedy": 36, "seeded": 0, "unseeded": 1} and doc["unseeded"][0]["n_claims"] == 1
     claims = out / "vendors" / "verinfer-testbed-target" / "claims.jsonl"
     saved = claims.read_text()
     r = CliRunner().invoke(app, ["score", str(claims), "-o", str(tmp_path / "s.parquet")])

@@ -95,7 +95,7 @@ def write_results(audit: ChatAudit, rows: list[VendorResult], title: str, source
     doc = {"title": title, "model": rows[0].served_model if rows else "", "trusted_model": audit.info.name,
            "trusted_weights_sha256": audit.info.weights_sha256,
            "created": datetime.now(timezone.utc).isoformat(timespec="seconds"), "verinfer_version": __version__,
-           "target_fpr": cfg.target_fpr, "mode": _mode(modes), "modes": modes, "settings": cfg.settings(),
+           "target_fpr": cfg.target_fpr, "mode": _mode({m: n for m, n in modes.items() if m != "unseeded"}), "modes": modes, "settings": cfg.settings(),
            "detector": {"summary": det.summary() if det else None, "heldout": _heldout(det) if det else None},
            "detectors": {k: d.summary() for k, (d, _) in audit.seen.items()},
            "bands": bands, "bands_by_sampling": {k: b for k, (_, b) in audit.seen.items()},
@@ -114,7 +114,7 @@ def write_results(audit: ChatAudit, rows: list[VendorResult], title: str, source
 
 
 def _mode(modes: dict) -> str:
-    """The audit's mode: the one mode of every claim, or "mixed"."""
+    """The audit's mode: the one mode of every judged claim, or "mixed"."""
     used = [m for m, n in modes.items() if n]
     return used[0] if len(used) == 1 else "mixed" if used else "greedy"
 
