@@ -127,6 +127,8 @@ def test_seeded_vendors_side_by_side(proxy, tmp_path):
     assert all(c["mode"] == "seeded" and c["sampling"]["temperature"] == 0.7 for c in claims)
     assert len({c["sampling"]["seed"] for c in claims}) == 12  # a seed per request
     assert all(scored[c["id"]] == c["chat"]["returned_output_token_ids"] for c in claims)
+    # ...one of which the text re-encodes otherwise (measured 1 of 12): re-cut at the seeded sample
+    assert honest["drift"] == honest["resegmented"] == 1 / 12
     for bad in ("hot", "seed-offset"):
         assert rows[bad]["verdict"]["flagged"] and rows[bad]["exact_match"] < 0.95, json.dumps(rows[bad])
     assert rows["hot"]["probe"]["noise"] == "vllm-cpu"  # the probe (at temperature 1) is served as asked

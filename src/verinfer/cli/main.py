@@ -325,7 +325,6 @@ def audit_api(base_url: str = O.BASE_URL, model: str = O.ENDPOINT_MODEL, model_d
     if chat:
         from verinfer.api import audit_endpoint
 
-        sampled = temperature is not None and temperature > 0
         return _chat_exit(audit_endpoint(
             base_url, model, trusted_model=model_dir, out_dir=out, api_key_env=api_key_env, extra=extra,
             concurrency=concurrency, timeout=timeout, **_chat_settings(n=n, max_tokens=max_tokens, seed=seed,
@@ -333,13 +332,11 @@ def audit_api(base_url: str = O.BASE_URL, model: str = O.ENDPOINT_MODEL, model_d
                                                                        calib_n=calib_n or 64, honest=honest,
                                                                        bands=bands, band_engine=band_engine,
                                                                        device=device, matmul=matmul,
-                                                                       temperature=temperature, top_p=top_p,
-                                                                       top_k=top_k, min_p=min_p if sampled else None,
-                                                                       noise=noise, mode=mode if sampled else None)))
+                                                                       **_chat_sampling(temperature, top_p, top_k,
+                                                                                        min_p, noise, mode))))
     from verinfer.apps.audit_api import ApiAuditConfig, audit_api as run_audit_api
 
-    temperature, top_k, top_p = (1.0 if temperature is None else temperature, 50 if top_k is None else top_k,
-                                 0.95 if top_p is None else top_p)
+    temperature, top_k, top_p = _or(temperature, 1.0), _or(top_k, 50), _or(top_p, 0.95)  # completions' defaults
 
     kw = dict(honest=tuple(honest)) if honest else {}
     cfg = ApiAuditConfig(base_url, model, _model_dir(model_dir), out, n=n, max_tokens=max_tokens,
@@ -391,6 +388,17 @@ def audit_log(log: Path = O.LOG_FILE, model: Optional[str] = O.model(), out: Pat
                           neutral_fields=tuple(neutral_field), noise=noise, vendors_file=vendors, **_chat_settings(
         tokens=tokens, calib_n=calib_n, honest=honest, bands=bands, band_engine=band_engine, target_fpr=target_fpr,
         device=device, matmul=matmul)))
+
+
+def _or(value, default):
+    return default if value is None else value
+
+
+def _chat_sampling(temperature, top_p, top_k, min_p, noise, mode) -> dict:
+    """audit-api --chat's sampling: greedy unless --temperature > 0 (the options unset: the chat defaults)."""
+    sampled = temperature is not None and temperature > 0
+    return dict(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p if sampled else None, noise=noise,
+                mode=mode if sampled else None)
 
 
 def _chat_settings(**kw) -> dict:
