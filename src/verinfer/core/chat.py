@@ -173,8 +173,15 @@ class ChatAuditConfig:
         return ChatSampling(self.temperature, self.top_p, self.top_k, self.min_p, self.noise, self.mode)
 
     def sampling_for(self, endpoint: ChatEndpoint) -> ChatSampling:
-        """The vendor's sampling: the audit's, with the fields its vendors file sets."""
-        return replace(self.sampling, **endpoint.sampling)
+        """The vendor's sampling: the audit's, with the fields its vendors file sets (its mode greedy
+        alone: temperature 0)."""
+        own = dict(endpoint.sampling)
+        if own.get("mode") == "greedy":
+            own.setdefault("temperature", 0.0)
+        try:
+            return replace(self.sampling, **own)
+        except VerinferError as e:
+            raise VerinferError(f"vendor {endpoint.name!r}: {e.what}", fix=e.fix) from None
 
     def settings(self) -> dict:
         return {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(self).items()}
@@ -382,11 +389,10 @@ class ChatAudit:
         error is the row's `error`. An unseeded vendor's replies are collected (claims tagged mode
         "unseeded", for the unseeded detectors) and not scored: its row says UNSEEDED_NOTE.
         det, bands: the greedy audit's (default: `judged_at` the vendor's sampling)."""
-        sampling = self.cfg.sampling_for(endpoint)
         row = VendorResult(endpoint.name, endpoint.base_url, endpoint.model)
         out = self.out / "vendors" / endpoint.name
         try:
-            mode, sampling, probe = self.probe_vendor(endpoint, sampling, out)
+            mode, sampling, probe = self.probe_vendor(endpoint, self.cfg.sampling_for(endpoint), out)
         except (EndpointError, VerinferError) as e:
             row.error = str(e)
             return row
