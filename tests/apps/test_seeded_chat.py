@@ -197,3 +197,19 @@ def test_a_mixed_log_from_the_cli_and_the_api(proxy, tmp_path):
     wrong = res.vendor(f"{MODEL} [seeded-t0.7-p0.95-k-1-m0-keyed]")
     assert wrong.flagged and wrong.exact_match < 0.5 and not res.vendor(MODEL).flagged
     assert [v.name for v in res.unseeded] == [f"{MODEL} [unseeded]"]
+
+
+def test_audit_api_chat_at_a_temperature(proxy, tmp_path):
+    """`audit-api --chat --temperature 0.7 --top-p 0.95`: one vendor, probed and judged seeded (its
+    defaults otherwise the chat audit's: top-k off); the same command at --temperature 0 stays greedy."""
+    out = tmp_path / "api"
+    args = ["audit-api", "--chat", "--base-url", proxy.url("honest"), "--model", MODEL, "--n", "6", *ARGS[4:]]
+    r = CliRunner().invoke(app, [*args, "--out", str(out), "--temperature", "0.7", "--top-p", "0.95"])
+    assert r.exit_code == 0, r.output
+    (row,) = json.loads((out / "vendors.json").read_text())["vendors"]
+    assert row["mode"] == "seeded" and row["probe"]["noise"] == "vllm-cpu" and row["exact_match"] == 1.0
+    assert row["sampling"]["top_k"] == -1 and row["n_requests"] == 6 and not row["verdict"]["flagged"]
+    r = CliRunner().invoke(app, [*args, "--out", str(tmp_path / "greedy"), "--max-tokens", "16"])
+    assert r.exit_code == 0, r.output
+    (row,) = json.loads((tmp_path / "greedy" / "vendors.json").read_text())["vendors"]
+    assert row["mode"] == "greedy" and row["probe"] is None and row["sampling"] is None
