@@ -59,7 +59,7 @@ def test_the_converted_registries_keep_their_names_and_errors():
     assert PARAMS_NOISE is NOISE_BACKENDS
     assert NOISE_BACKENDS.names() == ("vllm-cpu", "vllm-v1-exponential", "keyed", "inverse-cdf", "speculative-keyed",
                                       "vllm-mrv2-gumbel-fp32", "vllm-mrv2-gumbel-fp64", "vllm-mrv2-philox-fp32",
-                                      "vllm-mrv2-philox-fp64")
+                                      "vllm-mrv2-philox-fp64", "sglang-seeded", "sglang-seeded-sorted")
     assert RULES == RELAX.names() == ("standard", "kl", "topk", "target_entropy", "draft_entropy", "autojudge")
     assert PROVIDERS.names() == HONEST.names() + MISCONFIGURED.names()
     assert set(KERNELS) == {"native", "fused", "fixed_shape", "tiled", "layercast"} and get_kernels("tiled").name == "tiled"

@@ -13,6 +13,7 @@ from verinfer.sampling.params import NOISE_BACKENDS, SamplingParams
 from verinfer.sampling.gap import postgumbel_margin
 from verinfer.sampling.sampler import (_gumbel_argmax, inverse_cdf_interval, replay_tokens, sample_batch,
                                        sample_one)
+from verinfer.sampling.sglang_seeded import sglang_sample, sglang_scores
 
 NEG_INF = float("-inf")
 
@@ -40,11 +41,22 @@ PARAMS = [dict(temperature=1.0), dict(temperature=0.7, top_k=10, top_p=0.9),
 def test_sample_one_is_argmax_of_the_backend_expression(name, kw):
     V, T = 60, 6
     logits = _logits(T, V, seed=1)
+    b = get_backend(name)
+    if kw.get("min_p", 0) > 0 and not b.supports_min_p:
+        pytest.skip(f"{name} refuses min-p")
     p = SamplingParams(seed=31, noise=name, **kw)
-    stream = get_backend(name).stream(31, V, start_position=3)
+    stream = b.stream(31, V, start_position=3)
     for t in range(T):
         noise = stream.next()
         x = _scaled(logits[t], p)
+        if b.pipeline == "sglang":  # SGLang's own filters, log p scores and columns (test_sglang_seeded.py)
+            sorted_ = b.always_sorted
+            expect = int(sglang_sample(logits[t][None], 31, torch.tensor([3 + t - 1]), p.temperature, p.top_k,
+                                       p.top_p, sorted_)[0])
+            got = sample_one(logits[t], p, noise)
+            assert got == expect
+            assert bool(sglang_scores(logits[t][None], p.temperature, p.top_k, p.top_p, sorted_)[0][0, got])
+            continue
         if name in ("vllm-cpu", "keyed", "speculative-keyed") or name.startswith("vllm-mrv2-"):
             # vLLM MRv2 fp32 adds in fp32 (noise.score_dtype); argmax: the first maximum
             expect = int((x.to(noise.score_dtype) + noise.gumbel_all().to(noise.score_dtype)).argmax())
@@ -158,6 +170,8 @@ def test_sample_batch_equals_sample_one_per_row():
 @pytest.mark.parametrize("name", NOISE_BACKENDS)
 @pytest.mark.parametrize("kw", PARAMS + [dict(temperature=0.0)])
 def test_replay_tokens_equal_step_by_step_sampling(name, kw, monkeypatch):
+    if kw.get("min_p", 0) > 0 and not get_backend(name).supports_min_p:
+        pytest.skip(f"{name} refuses min-p")
     V, T, start = 70, 12, 5
     logits = _logits(T, V, seed=4)
     p = SamplingParams(seed=8, noise=name, **kw)

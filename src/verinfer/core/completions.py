@@ -48,6 +48,7 @@ SEQUENTIAL_DETECTOR = "glrt"  # the e-process of --sequential runs on its per-to
 GREEDY_DETECTOR = "greedy"  # temperature-0 claims: mismatches counted, margins capped where honest near-ties end
 RECOGNISE_MIN = 0.75  # auto mode: a noise backend is recognised when it reproduces this share of the probe
 PLAIN_NOISES = tuple(n for n in NOISE_BACKENDS.names() if n != "speculative-keyed")  # what an endpoint can sample with
+# (sglang-seeded and -sorted included: SGLang's --enable-deterministic-inference with the request's seed)
 
 
 @dataclass(frozen=True)
@@ -136,7 +137,9 @@ def recognise_claim_noise(claim: Claim, engine, candidates: tuple[str, ...] = PL
     candidate with the highest exact match, None when it is below RECOGNISE_MIN (no known backend
     reproduces the reply: a wrong model or settings, or a sampler verinfer does not know).
     retokenizer: a chat claim derived from text is re-cut under each candidate
-    (`audit.replay.recut_claims`), so the ids compared are the sampled ones, not the canonical ones."""
+    (`audit.replay.recut_claims`), so the ids compared are the sampled ones, not the canonical ones.
+    Backends that refuse the probe's settings (SGLang's seeded sampler and min-p) are not candidates."""
+    candidates = tuple(n for n in candidates if claim.sampling.min_p == 0 or NOISE_BACKENDS[n].supports_min_p)
     if not claim.output_token_ids:
         return None, {}
     claims = [replace(claim, id=f"probe-{name}", sampling=replace(claim.sampling, noise=name)) for name in candidates]

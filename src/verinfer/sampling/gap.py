@@ -12,6 +12,9 @@ temperature-invariant scale of the raw logits (the sampler's expression times T)
 score of token v and the signed gap of a candidate c over the claimed token y are
     s_v = float64(l_v) + float64(fp32(T)) * G_v
     d_c = s_c - s_y                                                      `signed_gaps` (float64)
+SGLang's seeded sampler (sglang-seeded*, sglang_seeded.py) scores x_v = float64(log p_v) + G_v with
+its own filters and its own log p, so its gaps are taken in that score space and put on the same
+scale: d_c = float64(fp32(T)) * (x_c - x_y)                              `_claim_gaps`
 Every score of this module is built from d, one function per formula:
     Token-DiFR margin (DiFR eq. 1)                                       `token_difr_margin`
         delta = max_{c in S} d_c = max_{v in S}(l_v + T G_v) - (l_y + T G_y)   (>= 0)
@@ -55,7 +58,7 @@ from verinfer.sampling.filters import filter_mask_and_logits
 from verinfer.sampling.noise import HashTape, NoiseKindError, get_backend
 from verinfer.sampling.params import SamplingParams
 from verinfer.sampling.sampler import (_candidates, _filtered, _gumbel_replay, _param_rows, _replay, _tape,
-                                       _tape_gumbel, _temperature32, replay_tokens, sample_probs)
+                                       _tape_gumbel, _temperature32, _view, replay_tokens, sample_probs)
 
 HASH_BACKENDS = ("vllm-cpu", "keyed", "speculative-keyed")  # one 64-bit key per step: tapes of many claims stack row-wise
 BLOCK_SLACK = 16                       # extra columns of the top-k block past the largest top_k
@@ -93,6 +96,18 @@ def competitor_gaps(gaps_NK: torch.Tensor, competitor_NK: torch.Tensor, kept_N: 
     return out_Nk.masked_fill(~kept_N[:, None], math.inf)
 
 
+def _claim_gaps(logits_TV: torch.Tensor, scaled_TV: torch.Tensor, ids_TK: torch.Tensor, g_TJ: torch.Tensor,
+                claimed_T: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """d_TK float64 of the candidates ids_TK over the claimed tokens (g_TJ: their G, then the claimed
+    one's): `signed_gaps` on the raw logits, or for SGLang's sampler in its own scores (scaled_TV,
+    `sampler._view`) times fp32(T) (module docstring)."""
+    y_T1, t32 = claimed_T[:, None], _temperature32(params)
+    if get_backend(params.noise).pipeline == "sglang":
+        return t32 * signed_gaps(scaled_TV.gather(1, ids_TK), g_TJ[:, :-1], scaled_TV.gather(1, y_T1)[:, 0],
+                                 g_TJ[:, -1], 1.0)
+    return signed_gaps(logits_TV.gather(1, ids_TK), g_TJ[:, :-1], logits_TV.gather(1, y_T1)[:, 0], g_TJ[:, -1], t32)
+
+
 # --- one claim, full vocabulary (the references) --------------------------------------------------
 def _check_claimed(claimed_T: torch.Tensor, T: int, V: int, device) -> torch.Tensor:
     claimed_T = claimed_T.to(device=device, dtype=torch.int64)
@@ -106,7 +121,8 @@ def _check_claimed(claimed_T: torch.Tensor, T: int, V: int, device) -> torch.Ten
 def postgumbel_margin(logits_TV: torch.Tensor, claimed_T: torch.Tensor, params: SamplingParams,
                       start_position: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Token-DiFR margin per step: (margin_T float64, replay_T long, kept_T bool) (`token_difr_margin`
-    on the full vocabulary). Gumbel backends only (vllm-cpu, keyed, vllm-v1-exponential)."""
+    on the full vocabulary). Gumbel backends only (vllm-cpu, keyed, vllm-v1-exponential, vllm-mrv2-*,
+    sglang-seeded*)."""
     T, V = logits_TV.shape
     dev = logits_TV.device
     claimed_T = _check_claimed(claimed_T, T, V, dev)
@@ -121,16 +137,15 @@ def postgumbel_margin(logits_TV: torch.Tensor, claimed_T: torch.Tensor, params: 
     if T == 0:
         e = torch.empty(0, device=dev)
         return e.double(), e.long(), e.bool()
-    keep_TV, scaled_TV = _filtered(logits_TV, params)
-    tape = _tape(params, T, V, start_position)
+    keep_TV, scaled_TV, cols_TV = _view(logits_TV, params)
+    tape = _tape(params, T, V, start_position, cols_TV)
     ids_TK, valid_TK = _candidates(scaled_TV, keep_TV)
     # fast G for the candidates plus the claimed token, one noise call; exact G decides the replay
     ids_TJ = torch.cat([ids_TK, claimed_T[:, None]], dim=1)
     g_TJ = _tape_gumbel(tape, ids_TJ)
     replay_T = _replay(logits_TV, params, start_position, keep_TV, scaled_TV, tape, (ids_TK, valid_TK), g_TJ[:, :-1])
     kept_T = keep_TV.gather(1, claimed_T[:, None])[:, 0]
-    d_TK = signed_gaps(logits_TV.gather(1, ids_TK), g_TJ[:, :-1], logits_TV.gather(1, claimed_T[:, None])[:, 0],
-                       g_TJ[:, -1], _temperature32(params))
+    d_TK = _claim_gaps(logits_TV, scaled_TV, ids_TK, g_TJ, claimed_T, params)
     return token_difr_margin(d_TK, valid_TK, claimed_T == replay_T, kept_T), replay_T, kept_T
 
 
@@ -148,12 +163,11 @@ def postgumbel_gaps(logits_TV: torch.Tensor, claimed_T: torch.Tensor, params: Sa
         raise ValueError(f"claimed_T must have shape [{T}], got {tuple(claimed_T.shape)}")
     if T == 0:
         return torch.full((0, k), float("-inf"), dtype=torch.float64)
-    keep_TV, scaled_TV = _filtered(logits_TV, params)
+    keep_TV, scaled_TV, cols_TV = _view(logits_TV, params)
     ids_TK, valid_TK = _candidates(scaled_TV, keep_TV)
     ids_TJ = torch.cat([ids_TK, claimed_T[:, None]], dim=1)
-    g_TJ = _tape_gumbel(_tape(params, T, V, start_position), ids_TJ)
-    d_TK = signed_gaps(logits_TV.gather(1, ids_TK), g_TJ[:, :-1], logits_TV.gather(1, claimed_T[:, None])[:, 0],
-                       g_TJ[:, -1], _temperature32(params))
+    g_TJ = _tape_gumbel(_tape(params, T, V, start_position, cols_TV), ids_TJ)
+    d_TK = _claim_gaps(logits_TV, scaled_TV, ids_TK, g_TJ, claimed_T, params)
     kept_T = keep_TV.gather(1, claimed_T[:, None])[:, 0]
     return competitor_gaps(d_TK, valid_TK & (ids_TK != claimed_T[:, None]), kept_T, k).cpu()
 
@@ -375,7 +389,8 @@ def block_gaps(logits_list: list[torch.Tensor], claimed_list: list[torch.Tensor]
         if not gumbel:
             continue
         p = params_list[i]
-        block = topk_block(logits_list[i], [p] * n_i[i]) if p.top_k > 0 and p.min_p == 0 else None
+        block = (topk_block(logits_list[i], [p] * n_i[i])
+                 if p.top_k > 0 and p.min_p == 0 and get_backend(p.noise).pipeline == "verinfer" else None)
         if block is None or (rows and block[0].shape[1] != rows[0][1][0].shape[1]):
             out[offs[i] : offs[i + 1]] = block_gaps_loop(logits_list[i : i + 1], claimed_list[i : i + 1],
                                                          params_list[i : i + 1], starts[i : i + 1], factors, k)

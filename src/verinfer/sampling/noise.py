@@ -61,6 +61,17 @@ reproduces are in vllm_gumbel.py): counter-based in (seed, position, token id) l
     The draft salt (vLLM's draft rows: position + 2**30) is VllmMrV2Backend(drafting=True).
     Their "exact" G is the Triton interpreter's (numpy's log), not the C library's (below).
 
+sglang-seeded, sglang-seeded-sorted -- SGLang's seeded sampler (--enable-deterministic-inference,
+the pytorch sampling backend; the exact pipeline and the sglang version reproduced are in
+sglang_seeded.py): counter-based in (seed, position, noise column), its own filters and score space.
+    G_c = sglang_gumbel(seed, position - 1, c)     (SGLang keys a row by its last input token's position)
+    sample = token at argmax_c float64(log p)_c + G_c,   p = SGLang's filtered fp32 softmax(fp32 logits / T)
+    The column c is the token id on SGLang's unfiltered path and the token's rank in the sorted
+    probabilities on its sorted path (top-k / top-p on, or any such or greedy request in the batch):
+    the sampler maps token ids to columns (sglang_seeded.sglang_scores) and reads the noise through
+    `by_columns`. sglang-seeded takes the path of the request's own settings, -sorted always the
+    sorted one. Both refuse min_p > 0 (`supports_min_p`: SGLang's seeded sampler asserts it is off).
+
 log: G is defined with the C library's log (what vLLM's C++ kernel calls through std::log, and
 what Python's math.log calls). torch.log / numpy.log use SIMD approximations that differ from it
 in the last bit for ~0.3% of inputs, so `exact=True` (the default) evaluates the log on the host
@@ -71,6 +82,8 @@ is what the vectorized margin code uses. Sampling decisions are always made on e
 API: get_backend(name).stream(seed, V, start_position).next() -> StepNoise (one per sampled
 step, in order) and get_backend(name).tape(seed, n_steps, V, start_position) -> NoiseTape (the
 same noise for all steps at once, for replay). Tapes and streams agree exactly.
+noise.by_columns(columns_V) / tape.by_columns(columns_TV): the same noise with token id v read at
+column columns[v] (SGLang's sorted path; the sampler builds the map from the verifier's logits).
 speculative_noise(seed, V) -> SpeculativeNoise: the speculative-keyed draws of one request by round.
 """
 
@@ -82,6 +95,7 @@ from typing import Iterator
 import torch
 
 from verinfer.registry import Registry
+from verinfer.sampling.sglang_seeded import sglang_gumbel
 from verinfer.sampling.vllm_gumbel import mrv2_gumbel
 
 GOLDEN = 0x9E3779B97F4A7C15          # SplitMix64 increment: per-token counter stride
@@ -218,6 +232,11 @@ class StepNoise:
     def gumbel_all(self, exact: bool = True, device: torch.device | str | None = None) -> torch.Tensor:
         return self.gumbel(torch.arange(self.vocab_size, device=device), exact)
 
+    def by_columns(self, columns_V: torch.Tensor) -> "StepNoise":
+        """This noise read through a column map: token id v gets the noise of column columns_V[v]
+        (SGLang's sorted path addresses its noise by rank, sglang_seeded.py)."""
+        return ColumnStepNoise(self, columns_V)
+
     @property
     def uniform(self) -> float:
         raise NoiseKindError(f"backend {self.backend!r} draws Gumbel noise, not a uniform; "
@@ -329,6 +348,11 @@ class NoiseTape:
 
     def step(self, t: int) -> StepNoise:
         raise NotImplementedError
+
+    def by_columns(self, columns_TV: torch.Tensor) -> "NoiseTape":
+        """This tape read through per-step column maps: at step t token id v gets the noise of
+        column columns_TV[t, v] (StepNoise.by_columns)."""
+        return ColumnTape(self, columns_TV)
 
     @property
     def uniforms_T(self) -> torch.Tensor:
@@ -492,6 +516,75 @@ class MrV2Tape(NoiseTape):
         return MrV2StepNoise(self.backend, t, self.start_position + t, self.vocab_size, self.seed)
 
 
+class ColumnStepNoise(StepNoise):
+    """A step's noise addressed by column: gumbel(ids_K) is the inner noise at columns_V[ids_K]."""
+
+    def __init__(self, inner: StepNoise, columns_V: torch.Tensor):
+        super().__init__(inner.backend, inner.step, inner.position, inner.vocab_size)
+        if columns_V.shape != (inner.vocab_size,):
+            raise ValueError(f"columns_V must have shape [{inner.vocab_size}], got {tuple(columns_V.shape)}")
+        self.inner, self.columns_V, self.score_dtype = inner, columns_V, inner.score_dtype
+
+    def gumbel(self, ids_K: torch.Tensor, exact: bool = True) -> torch.Tensor:
+        ids_K = _check_ids(ids_K, self.vocab_size)
+        return self.inner.gumbel(self.columns_V.to(ids_K.device)[ids_K], exact)
+
+
+class ColumnTape(NoiseTape):
+    """A tape addressed by per-step columns: token id v at step t reads column columns_TV[t, v]."""
+
+    def __init__(self, inner: NoiseTape, columns_TV: torch.Tensor):
+        super().__init__(inner.backend, inner.seed, inner.n_steps, inner.vocab_size, inner.start_position)
+        if columns_TV.shape != (inner.n_steps, inner.vocab_size):
+            raise ValueError(f"columns_TV must have shape [{inner.n_steps}, {inner.vocab_size}], "
+                             f"got {tuple(columns_TV.shape)}")
+        self.inner, self.columns_TV, self.score_dtype = inner, columns_TV, inner.score_dtype
+
+    def gumbel_rows(self, t0: int, ids_tK: torch.Tensor, exact: bool = True) -> torch.Tensor:
+        ids_tK = self._check_rows(t0, ids_tK)
+        cols_tK = self.columns_TV[t0 : t0 + ids_tK.shape[0]].to(ids_tK.device).gather(1, ids_tK)
+        return self.inner.gumbel_rows(t0, cols_tK, exact)
+
+    def gumbel_pairs(self, t_N: torch.Tensor, ids_N: torch.Tensor, exact: bool = True) -> torch.Tensor:
+        ids_N = _check_ids(ids_N, self.vocab_size)
+        t_N = t_N.to(ids_N.device)
+        return self.inner.gumbel_pairs(t_N, self.columns_TV.to(ids_N.device)[t_N, ids_N], exact)
+
+    def step(self, t: int) -> StepNoise:
+        return self.inner.step(t).by_columns(self.columns_TV[t])
+
+
+class SglangStepNoise(StepNoise):
+    """SGLang's seeded Gumbel of one step: gumbel(cols_K) = G(seed, position - 1, column)."""
+
+    def __init__(self, backend: str, step: int, position: int, vocab_size: int, seed: int):
+        super().__init__(backend, step, position, vocab_size)
+        self.seed = int(seed)
+
+    def gumbel(self, cols_K: torch.Tensor, exact: bool = True) -> torch.Tensor:
+        cols_K = _check_ids(cols_K, self.vocab_size)
+        return sglang_gumbel(self.seed, torch.tensor(self.position - 1, device=cols_K.device), cols_K, exact)
+
+
+class SglangTape(NoiseTape):
+    """SGLang's seeded Gumbel of steps 0..n_steps-1 by noise column (no state: any rows, any order)."""
+
+    def gumbel_rows(self, t0: int, cols_tK: torch.Tensor, exact: bool = True) -> torch.Tensor:
+        cols_tK = self._check_rows(t0, cols_tK)
+        pos_t1 = (self.positions_T[t0 : t0 + cols_tK.shape[0]] - 1).to(cols_tK.device)[:, None]
+        return sglang_gumbel(self.seed, pos_t1, cols_tK, exact)
+
+    def gumbel_pairs(self, t_N: torch.Tensor, cols_N: torch.Tensor, exact: bool = True) -> torch.Tensor:
+        cols_N = _check_ids(cols_N, self.vocab_size)
+        pos_N = (self.positions_T - 1).to(cols_N.device)[t_N.to(cols_N.device)]
+        return sglang_gumbel(self.seed, pos_N, cols_N, exact)
+
+    def step(self, t: int) -> StepNoise:
+        if not 0 <= t < self.n_steps:
+            raise IndexError(f"step {t} out of range for a tape of {self.n_steps} steps")
+        return SglangStepNoise(self.backend.name, t, self.start_position + t, self.vocab_size, self.seed)
+
+
 # --- backends -------------------------------------------------------------------------------
 class NoiseBackend:
     """Maps (seed, step/position, vocab) to the noise a sampler used. Stateless; see module doc."""
@@ -499,6 +592,8 @@ class NoiseBackend:
     name = ""
     kind = "gumbel"
     score_dtype = torch.float64
+    pipeline = "verinfer"    # the sampler this noise drives: filters.py + sampler.py, or "sglang" (sglang_seeded.py)
+    supports_min_p = True
 
     def stream(self, seed: int, vocab_size: int, start_position: int = 0) -> NoiseStream:
         return NoiseStream(self, seed, vocab_size, start_position)
@@ -614,6 +709,31 @@ MRV2_BACKENDS = tuple(VllmMrV2Backend(f"vllm-mrv2-{kind}-{fp}", rng, fp == "fp64
                       for kind, rng in (("gumbel", "murmur3"), ("philox", "philox")) for fp in ("fp32", "fp64"))
 
 
+class SglangSeededBackend(NoiseBackend):
+    """SGLang's seeded sampler (sglang_seeded.py): its own filters and log-prob scores, noise by
+    (seed, position - 1, column); always_sorted: the sorted path even for unfiltered requests."""
+
+    pipeline = "sglang"
+    supports_min_p = False
+
+    def __init__(self, name: str, always_sorted: bool):
+        self.name, self.always_sorted = name, always_sorted
+
+    def _init_state(self, seed):
+        return None
+
+    def _draw(self, state, seed, step, position, vocab_size):
+        return SglangStepNoise(self.name, step, position, vocab_size, seed)
+
+    def tape(self, seed, n_steps, vocab_size, start_position=0):
+        if seed is None:
+            raise ValueError("a noise tape needs a seed (greedy requests draw no noise)")
+        return SglangTape(self, seed, n_steps, vocab_size, start_position)
+
+
+SGLANG_BACKENDS = (SglangSeededBackend("sglang-seeded", False), SglangSeededBackend("sglang-seeded-sorted", True))
+
+
 def speculative_keys(seed: int, rounds: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
     """speculative-keyed: key(r, c) = keyed_keys(seed ^ SPEC_SALT, r * SPEC_ROUND_STRIDE + c), broadcasting."""
     return keyed_keys(int(seed) ^ SPEC_SALT, rounds.to(torch.int64) * SPEC_ROUND_STRIDE + counters.to(torch.int64))
@@ -671,7 +791,7 @@ def speculative_noise(seed: int, vocab_size: int) -> SpeculativeNoise:
 
 NOISE_BACKENDS: Registry[NoiseBackend] = Registry("noise backend", {
     b.name: b for b in (VllmCpuBackend(), VllmV1ExponentialBackend(), KeyedBackend(), InverseCdfBackend(),
-                        SpeculativeKeyedBackend(), *MRV2_BACKENDS)})
+                        SpeculativeKeyedBackend(), *MRV2_BACKENDS, *SGLANG_BACKENDS)})
 
 
 def get_backend(name: str) -> NoiseBackend:

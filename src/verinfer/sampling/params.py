@@ -35,7 +35,11 @@ def check_sampling(*, temperature: float, top_p: float, min_p: float, seed: int 
         raise SamplingParamError("min_p", f"must be in [0, 1], got {min_p}")
     if max_tokens is not None and max_tokens < 1:
         raise SamplingParamError("max_tokens", f"must be >= 1, got {max_tokens}")
-    NOISE_BACKENDS.get(noise)  # an unknown name raises, listing the backends
+    backend = NOISE_BACKENDS.get(noise)  # an unknown name raises, listing the backends
+    if min_p > 0 and not backend.supports_min_p:
+        raise SamplingParamError("min_p", f"must be 0 with noise {noise!r}, got {min_p}: SGLang's seeded sampler "
+                                          "refuses min-p (an assert in top_k_top_p_min_p_sampling_from_probs_torch), "
+                                          "so no such reply exists to replay")
     if temperature > 0 and seed is None:
         raise SamplingParamError("seed", "is missing but temperature > 0: a seeded replay needs the seed the sampler "
                                          "drew with (set the seed, or sample at temperature 0)")

@@ -14,6 +14,10 @@ Pipeline reproduced for one step of one request (filters.py, then noise.py's bac
   inverse-cdf:            token = smallest i with cdf_i > u * cdf_{V-1},
                           cdf = cumsum(softmax(float64(scaled)))         (token-id order)
   speculative-keyed:      as keyed (step t = round t's token noise, noise.py)
+  sglang-seeded(-sorted): SGLang's own filters and scores instead (sglang_seeded.py):
+                          token = argmax_i float64(log p_i) + G_{col(i)}  (p: SGLang's filtered fp32
+                          probs; col: the token id, or its rank in the sorted probs on SGLang's
+                          sorted path, the noise read through noise.by_columns)
 From a probability vector p (speculative decoding, speculative-keyed noise):
   sample_probs:           token = argmax_{v: p_v > 0} float64(log p_v) + G_v
 Gumbel argmaxes are decided on exact G (C-library log, noise.py): the fast torch.log values pick
@@ -33,6 +37,7 @@ import torch
 from verinfer.sampling.filters import filter_mask_and_logits
 from verinfer.sampling.noise import ExponentialStepNoise, NoiseKindError, StepNoise, get_backend
 from verinfer.sampling.params import SamplingParams
+from verinfer.sampling.sglang_seeded import sglang_scores
 
 NEAR_TIE = 1e-9          # fast-vs-exact Gumbel scores differ by < 1e-12; re-score within this
 NEAR_TIE32 = 1e-4        # fp32 scores (vLLM MRv2 fp32): fast-vs-exact fp32 logs differ by a few ulp
@@ -46,9 +51,21 @@ def _param_rows(params_list: list[SamplingParams], device) -> tuple[torch.Tensor
             torch.tensor([p.min_p for p in params_list], dtype=torch.float32, device=device))
 
 
-def _filtered(logits_TV: torch.Tensor, params: SamplingParams):
+def _view(logits_TV: torch.Tensor, params: SamplingParams):
+    """(keep_TV, scaled_TV, cols_TV): the kept set, the scores the noise is added to and the noise
+    column of each token id (None: the token id itself) of the sampler params.noise drives. The
+    verinfer pipeline: filters.py's fp32 logits / T; SGLang's: its float64 log p and, on its sorted
+    path, each token's rank (sglang_seeded.sglang_scores)."""
+    if not params.greedy and get_backend(params.noise).pipeline == "sglang":
+        return sglang_scores(logits_TV, params.temperature, params.top_k, params.top_p,
+                             get_backend(params.noise).always_sorted)
     T = logits_TV.shape[0]
-    return filter_mask_and_logits(logits_TV, *_param_rows([params] * T, logits_TV.device))
+    return (*filter_mask_and_logits(logits_TV, *_param_rows([params] * T, logits_TV.device)), None)
+
+
+def _filtered(logits_TV: torch.Tensor, params: SamplingParams):
+    """(keep_TV, scaled_TV) of `_view`."""
+    return _view(logits_TV, params)[:2]
 
 
 def _temperature32(params: SamplingParams) -> float:
@@ -89,7 +106,7 @@ def _inverse_cdf_pick(scaled_TV: torch.Tensor, keep_TV: torch.Tensor, u_T: torch
     return torch.minimum(idx_T, last_kept_T)
 
 
-def _sample_row(logits_V, scaled_V, keep_V, params: SamplingParams, noise: StepNoise | None) -> int:
+def _sample_row(logits_V, scaled_V, keep_V, params: SamplingParams, noise: StepNoise | None, cols_V=None) -> int:
     if params.greedy:
         if noise is not None:
             raise ValueError("greedy sampling (temperature 0) draws no noise; pass noise=None")
@@ -106,6 +123,7 @@ def _sample_row(logits_V, scaled_V, keep_V, params: SamplingParams, noise: StepN
         u = torch.tensor([noise.uniform], dtype=torch.float64, device=scaled_V.device)
         return int(_inverse_cdf_pick(scaled_V[None], keep_V[None], u)[0])
     ids_K = keep_V.nonzero()[:, 0]
+    noise = noise if cols_V is None else noise.by_columns(cols_V)  # SGLang's sorted path: noise by rank
     return _gumbel_argmax(scaled_V[ids_K].to(torch.float64), ids_K, noise)
 
 
@@ -115,8 +133,8 @@ def sample_one(logits_V: torch.Tensor, params: SamplingParams, noise: StepNoise 
         if noise is not None:
             raise ValueError("greedy sampling (temperature 0) draws no noise; pass noise=None")
         return int(logits_V.argmax())
-    keep_1V, scaled_1V = _filtered(logits_V[None], params)
-    return _sample_row(logits_V, scaled_1V[0], keep_1V[0], params, noise)
+    keep_1V, scaled_1V, cols_1V = _view(logits_V[None], params)
+    return _sample_row(logits_V, scaled_1V[0], keep_1V[0], params, noise, None if cols_1V is None else cols_1V[0])
 
 
 def sample_probs(probs_V: torch.Tensor, noise: StepNoise) -> int:
@@ -145,7 +163,11 @@ def sample_batch(logits_BV: torch.Tensor, params_list: list[SamplingParams],
     if rows:
         keep_BV, scaled_BV = filter_mask_and_logits(logits_BV, *_param_rows(params_list, logits_BV.device))
         for b in rows:
-            out_B[b] = _sample_row(logits_BV[b], scaled_BV[b], keep_BV[b], params_list[b], noises[b])
+            keep_V, scaled_V, cols_V = keep_BV[b], scaled_BV[b], None
+            if get_backend(params_list[b].noise).pipeline != "verinfer":  # its own filters (SGLang's)
+                keep_1V, scaled_1V, cols_1V = _view(logits_BV[b : b + 1], params_list[b])
+                keep_V, scaled_V, cols_V = keep_1V[0], scaled_1V[0], None if cols_1V is None else cols_1V[0]
+            out_B[b] = _sample_row(logits_BV[b], scaled_V, keep_V, params_list[b], noises[b], cols_V)
     return out_B
 
 
@@ -205,8 +227,10 @@ def _replay(logits_TV, params, start_position, keep_TV, scaled_TV, tape, cand=No
     return _gumbel_replay(scaled_TV, ids_TK, valid_TK, tape, g_TK)
 
 
-def _tape(params: SamplingParams, T: int, V: int, start_position: int):
-    return get_backend(params.noise).tape(params.seed, T, V, start_position)
+def _tape(params: SamplingParams, T: int, V: int, start_position: int, cols_TV: torch.Tensor | None = None):
+    """The claim's noise tape, read through the column map of `_view` when it has one."""
+    tape = get_backend(params.noise).tape(params.seed, T, V, start_position)
+    return tape if cols_TV is None else tape.by_columns(cols_TV)
 
 
 def replay_tokens(logits_TV: torch.Tensor, params: SamplingParams, start_position: int) -> torch.Tensor:
@@ -215,8 +239,8 @@ def replay_tokens(logits_TV: torch.Tensor, params: SamplingParams, start_positio
     T, V = logits_TV.shape
     if params.greedy or T == 0:
         return logits_TV.argmax(dim=-1)
-    keep_TV, scaled_TV = _filtered(logits_TV, params)
-    return _replay(logits_TV, params, start_position, keep_TV, scaled_TV, _tape(params, T, V, start_position))
+    keep_TV, scaled_TV, cols_TV = _view(logits_TV, params)
+    return _replay(logits_TV, params, start_position, keep_TV, scaled_TV, _tape(params, T, V, start_position, cols_TV))
 
 
 def inverse_cdf_interval(logits_TV: torch.Tensor, claimed_T: torch.Tensor, params: SamplingParams,
