@@ -52,6 +52,9 @@ def test_a_vendors_file_sets_a_vendors_own_sampling(tmp_path):
     p.write_text('[[vendor]]\nname = "a"\nbase_url = "http://x/v1"\nmodel = "m"\nnoise = "dice"\n')
     with pytest.raises(VerinferError, match="unknown noise backend 'dice'"):
         read_vendors(p)
+    # sampling is the audit's own: `extra` cannot set it behind the replay's back
+    with pytest.raises(VerinferError, match=r"extra fields \['top_k'\] would override"):
+        ChatEndpoint("v", "http://x/v1", "m", extra={"top_k": 1})
 
 
 def test_the_seed_probe_says_why_a_vendor_is_unseeded():

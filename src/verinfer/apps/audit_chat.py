@@ -132,7 +132,7 @@ def audit_endpoint(base_url: str, model: str, cfg: ChatAuditConfig, *, name: str
             raise VerinferError(f"--extra is not JSON ({e.msg} at column {e.colno})",
                                 fix='e.g. --extra \'{"provider": {"order": ["acme"]}}\'') from None
         if not isinstance(extra, dict):
-            raise VerinferError("--extra must be a JSON object", fix='e.g. --extra \'{"top_k": 1}\'')
+            raise VerinferError("--extra must be a JSON object", fix='e.g. --extra \'{"return_token_ids": true}\'')
     if api_key_env is None and os.environ.get("OPENAI_API_KEY"):
         api_key_env = "OPENAI_API_KEY"
     ep = ChatEndpoint(name, base_url, model, api_key_env, dict(extra or {}), concurrency, timeout)

@@ -38,7 +38,7 @@ from verinfer.providers.openai_http import TokenId, _short
 from verinfer.sampling.noise import NOISE_BACKENDS
 from verinfer.sampling.params import SamplingParams
 
-RESERVED = ("model", "messages", "max_tokens", "temperature", "top_p", "seed", "n", "stream")
+RESERVED = ("model", "messages", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "n", "stream")
 SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "noise", "mode")  # a vendor's own audit sampling
 
 
