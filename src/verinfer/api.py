@@ -14,7 +14,9 @@ command calls these same functions. Importing `verinfer` is cheap: they load on 
 trusted_model: the trusted local copy of the model the endpoints claim to serve: a directory, a
 name from `verinfer models list`, or None for the shipped testbed target. settings: the fields of
 `core.chat.ChatAuditConfig` (n, max_tokens, seed, system_prompt, tokens, sequential,
-target_fpr, honest, calib_n, bands, device, matmul).
+target_fpr, honest, calib_n, bands, device, matmul, and the sampling: temperature, top_p, top_k,
+min_p, noise, mode; temperature > 0 audits seeded, a vendor that ignores seeds is reported in
+`ChatAuditResult.unseeded`).
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ def audit_endpoint(base_url: str, model: str, *, trusted_model: str | Path | Non
                    out_dir: str | Path = DEFAULT_OUT, api_key_env: str | None = None, extra: dict | str | None = None,
                    concurrency: int = 4, timeout: float = 120.0, show_progress: bool = True,
                    **settings) -> ChatAuditResult:
-    """Audit one chat endpoint (`/v1/chat/completions`, text replies) at temperature 0: the verdict,
+    """Audit one chat endpoint (`/v1/chat/completions`, text replies) at temperature 0 or seeded: the verdict,
     the nearest reference band, and what the audit cost (`ChatAuditResult.vendor("endpoint")`)."""
     return _audit_endpoint(base_url, model, _config(trusted_model, out_dir, settings), api_key_env=api_key_env,
                            extra=extra, concurrency=concurrency, timeout=timeout, show_progress=show_progress)
@@ -55,13 +57,17 @@ def audit_vendors(vendors: str | Path | list[ChatEndpoint], *, trusted_model: st
 
 
 def audit_log(log: str | Path, *, trusted_model: str | Path | None = None, out_dir: str | Path = DEFAULT_OUT,
-              skip_unusable: bool = False, neutral_fields: tuple[str, ...] = (), show_progress: bool = True,
-              **settings) -> ChatAuditResult:
+              skip_unusable: bool = False, neutral_fields: tuple[str, ...] = (), noise: str | None = None,
+              vendors_file: str | Path | None = None, show_progress: bool = True, **settings) -> ChatAuditResult:
     """Audit a log of past chat exchanges (OpenAI request/response JSON, one per line): a row per
-    model the log names, reference bands run on the log's own conversations. neutral_fields: request
+    model the log names and sampling, reference bands run on the log's own conversations. Greedy
+    exchanges are judged greedy; sampled ones with a seed seeded, with the sampler the auditor
+    declares (noise; vendors_file: a vendors TOML whose `noise` names a vendor's); the others are
+    recorded unseeded (`ChatAuditResult.unseeded`, `modes`: claims per mode). neutral_fields: request
     fields of the log's own that change no token (`providers.chat_contract`)."""
     return _audit_log(Path(log), _config(trusted_model, out_dir, settings), skip_unusable=skip_unusable,
-                      neutral=tuple(neutral_fields), show_progress=show_progress)
+                      neutral=tuple(neutral_fields), noise=noise, vendors_file=vendors_file,
+                      show_progress=show_progress)
 
 
 def score_claims(claims: str | Path, out: str | Path, *, trusted_model: str | Path | None = None,

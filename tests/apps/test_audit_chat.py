@@ -54,8 +54,9 @@ def test_vendors_file_errors_name_the_vendor_and_field(tmp_path, text, message):
 
 
 def test_exchanges_a_greedy_replay_cannot_use(tmp_path):
-    """Kept by the log reader, refused by the greedy audit: sampled, another template, a field the chat
-    contract does not know (unless declared neutral). A reasoning block is the contract's to render
+    """Kept by the log reader, refused by the replay: another template, a field the chat contract does
+    not know (unless declared neutral); a sampled exchange is not refused (judged seeded or recorded
+    unseeded by core.sources). A reasoning block is the contract's to render
     (tests/providers/test_chat_contract.py)."""
     from verinfer.providers.chat_log import unusable_for_replay
     from verinfer.providers.chat_log import read_chat_log
@@ -72,7 +73,7 @@ def test_exchanges_a_greedy_replay_cannot_use(tmp_path):
     p.write_text("".join(json.dumps(x) + "\n" for x in lines))
     exchanges = read_chat_log(p)
     kinds = [getattr(unusable_for_replay(ex), "kind", None) for ex in exchanges]
-    assert kinds == [None, "sampled", None, "template-fields", "unknown-field"]
+    assert kinds == [None, None, None, "template-fields", "unknown-field"]
     assert "--neutral-field x_gateway_trace" in unusable_for_replay(exchanges[4]).fix
     assert unusable_for_replay(exchanges[4], ("x_gateway_trace",)) is None
 
@@ -203,15 +204,18 @@ def test_log_audits_end_to_end(servers, tmp_path):
     args = ["audit-log", str(path), "--out", str(out), "--calib-n", "24", "--honest", "honest-bf16-b8", "--honest",
             "honest-fp32-b4", "--honest", "honest-bf16-eager-t1", "--bands", "bf16", "--bands", "int4"]
     r = CliRunner().invoke(app, args)
-    assert r.exit_code == 2 and "sampled" in r.output  # unusable exchanges stop it, saying which and where
+    assert r.exit_code == 2 and "tools" in r.output  # unusable exchanges stop it, saying which and where
     r = CliRunner().invoke(app, [*args, "--skip-unusable"])
     assert r.exit_code == 1, r.output  # the smaller model's replies are flagged
-    assert "skipped 2 exchange(s) of the log: 1 sampled, 1 tool-calls" in r.output  # counted on screen too
+    assert "skipped 1 exchange(s) of the log: 1 tool-calls" in r.output  # counted on screen too
+    # the sampled exchange (no seed) is recorded unseeded, not refused and not scored
+    assert "claims by mode: 36 greedy, 0 seeded, 1 unseeded" in r.output
     doc = json.loads((out / "vendors.json").read_text())
     rows = {v["name"]: v for v in doc["vendors"]}
     assert not rows["verinfer-testbed-target"]["verdict"]["flagged"] and rows["verinfer-testbed-target"]["n_requests"] == 24
     assert rows["verinfer-testbed-draft"]["verdict"]["flagged"]
-    assert sorted(k for _, k, _ in doc["skipped"]) == ["sampled", "tool-calls"] and doc["exchanges"] == 36
+    assert sorted(k for _, k, _ in doc["skipped"]) == ["tool-calls"] and doc["exchanges"] == 37
+    assert doc["modes"] == {"greedy": 36, "seeded": 0, "unseeded": 1} and doc["unseeded"][0]["n_claims"] == 1
     claims = out / "vendors" / "verinfer-testbed-target" / "claims.jsonl"
     saved = claims.read_text()
     r = CliRunner().invoke(app, ["score", str(claims), "-o", str(tmp_path / "s.parquet")])

@@ -53,26 +53,65 @@ def test_an_unsafe_or_long_name_is_hashed_not_cut(name):
 
 def test_a_reply_beyond_the_models_context_is_refused_and_an_all_skipped_log_says_what_was_skipped(tmp_path):
     """A reply whose usage says 2M tokens (no max_tokens in the request) is refused at its line, not
-    generated against; when nothing is left the error counts the skipped kinds (nothing is printed above)."""
+    generated against; when nothing is left the error counts the skipped kinds (nothing is printed above).
+    A sampled exchange is no longer skipped: without a seed it is recorded unseeded, and a log holding
+    only such exchanges is not an error."""
     from verinfer.errors import VerinferError
     from verinfer.providers.chat_log import ChatLogError
 
     big = json.loads(exchange("acme/llama", "r0"))
     del big["request"]["max_tokens"]
     big["response"]["usage"] = {"completion_tokens": 2_000_000}
-    sampled = json.loads(exchange("acme/llama", "r1"))
+    tools = json.loads(exchange("acme/llama", "r1"))
+    tools["request"]["tools"] = [{"type": "function"}]
+    sampled = json.loads(exchange("acme/llama", "r2"))
     sampled["request"]["temperature"] = 0.7
     log = tmp_path / "log.jsonl"
-    log.write_text(json.dumps(big) + "\n" + json.dumps(sampled) + "\n")
+    log.write_text(json.dumps(big) + "\n" + json.dumps(tools) + "\n")
     args = (log, "verinfer-testbed-target", SamplingParams(0.0, -1, 1.0, 0.0, None, 16, "vllm-cpu"), "derived",
             Retokenizer.for_model(TARGET_DIR))
     with pytest.raises(ChatLogError, match="2000000 output tokens, more than the model's context of 128") as e:
         log_sources(*args, max_positions=128)
     assert e.value.kind == "over-length" and e.value.where == f"{log}:1"
     skipped: list = []
-    with pytest.raises(VerinferError, match=r"no exchange that can be audited \(skipped 1 over-length, 1 sampled\)"):
+    with pytest.raises(VerinferError, match=r"no exchange that can be audited \(skipped 1 over-length, 1 tool-calls\)"):
         log_sources(*args, max_positions=128, skip_unusable=True, skipped=skipped)
-    assert [k for _, k, _ in skipped] == ["over-length", "sampled"]
+    assert [k for _, k, _ in skipped] == ["over-length", "tool-calls"]
+    log.write_text(json.dumps(big) + "\n" + json.dumps(sampled) + "\n")
+    skipped, unseeded = [], []
+    assert log_sources(*args, max_positions=128, skip_unusable=True, skipped=skipped, unseeded=unseeded) == {}
+    assert [k for _, k, _ in skipped] == ["over-length"]
+    ((vendor, rec),) = unseeded
+    assert vendor == "acme/llama" and rec["mode"] == "unseeded" and rec["id"] == "r2"
+    assert rec["sampling"] == {"temperature": 0.7, "top_k": -1, "top_p": 1.0, "min_p": 0.0, "seed": None, "noise": None}
+
+
+def test_a_log_mixes_greedy_seeded_and_unseeded_exchanges(tmp_path):
+    """Greedy exchanges under the vendor's name; seeded ones (a seed and a declared sampler) in their own
+    group with their own params; sampled ones without a seed, or without a declared sampler, recorded
+    unseeded: never a seeded claim."""
+    base = json.loads(exchange("acme/llama", "g"))
+    seeded = json.loads(exchange("acme/llama", "s"))
+    seeded["request"].update(temperature=0.7, top_p=0.95, seed=11)
+    no_seed = json.loads(exchange("acme/llama", "u"))
+    no_seed["request"].update(temperature=0.7)
+    other = json.loads(exchange("other", "o"))
+    other["request"].update(temperature=1.0, seed=5, top_k=20)
+    log = tmp_path / "log.jsonl"
+    log.write_text("".join(json.dumps(x) + "\n" for x in (base, seeded, no_seed, other)))
+    params = SamplingParams(0.0, -1, 1.0, 0.0, None, 16, "vllm-cpu")
+    retok = Retokenizer.for_model(TARGET_DIR)
+    unseeded: list = []
+    groups = log_sources(log, "t", params, "derived", retok, noise_for={"acme/llama": "keyed"}, unseeded=unseeded)
+    assert sorted(groups) == ["acme/llama", "acme/llama [seeded-t0.7-p0.95-k-1-m0-keyed]"]
+    (s,) = groups["acme/llama [seeded-t0.7-p0.95-k-1-m0-keyed]"].claims
+    assert (s.sampling.seed, s.sampling.noise, s.sampling.temperature, s.extra["mode"]) == (11, "keyed", 0.7, "seeded")
+    assert groups["acme/llama"].claims[0].extra["mode"] == "greedy"
+    assert sorted((v, r["id"], r["sampling"]["seed"]) for v, r in unseeded) == [("acme/llama", "u", None),
+                                                                                ("other", "o", 5)]
+    unseeded = []
+    groups = log_sources(log, "t", params, "derived", retok, noise="vllm-cpu", unseeded=unseeded)
+    assert "other [seeded-t1-p1-k20-m0-vllm-cpu]" in groups and [r["id"] for _, r in unseeded] == ["u"]
 
 
 def _line(req: dict | None = None, msg: dict | None = None, rid: str = "r", **choice) -> str:

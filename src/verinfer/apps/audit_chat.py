@@ -1,9 +1,12 @@
-"""Audit the chat endpoints people buy from, one vendor or several side by side, at temperature 0,
-from the text they return: `verinfer audit-vendors` and `audit-api --chat`, adapters of the audit
-core (`core.chat.ChatAudit` on `core.auditor.AuditCore`; the sources in `core.sources`).
+"""Audit the chat endpoints people buy from, one vendor or several side by side, at temperature 0 or
+at any sampling with per-request seeds, from the text they return: `verinfer audit-vendors` and
+`audit-api --chat`, adapters of the audit core (`core.chat.ChatAudit` on `core.auditor.AuditCore`;
+the sources in `core.sources`).
 
-    prompts, calibration, bands   `core.chat.ChatAudit` (computed once, cached in out_dir)
-    each vendor                   collected (resumable, `core.collect`), streamed as an anytime-valid
+    prompts, calibration, bands   `core.chat.ChatAudit` (computed once per sampling, cached in out_dir)
+    each vendor                   its mode (greedy, seeded, or by the seed probe; a vendor that ignores
+                                  seeds is unseeded: collected, not scored, said so in `unseeded`),
+                                  collected (resumable, `core.collect`), streamed as an anytime-valid
                                   e-process (requests stop once it flags), replayed once, judged
                                   (`detect.judge.judge_vendor`)
     outputs                       out_dir/vendors.json (the dashboard's input), vendors.md and
@@ -24,7 +27,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from verinfer._version import __version__
-from verinfer.core.chat import BAND_ENGINES, TOKEN_MODES, ChatAudit, ChatAuditConfig, VendorResult, chat_source
+from verinfer.core.chat import (BAND_ENGINES, JUDGED_MODES, TOKEN_MODES, ChatAudit, ChatAuditConfig, VendorResult,
+                                chat_source)
 from verinfer.core.collect import StopRule, collect
 from verinfer.core.local_runs import CHAT_BANDS as BANDS
 from verinfer.claims import Claim
@@ -42,6 +46,8 @@ class ChatAuditResult:
     html: Path | None
     timings: dict = field(default_factory=dict)
     skipped: list = field(default_factory=list)  # a log's exchanges left out: (file:line, kind, why)
+    unseeded: list[VendorResult] = field(default_factory=list)  # recorded, not scored (`core.chat.UNSEEDED_NOTE`)
+    modes: dict = field(default_factory=dict)    # claims per mode: greedy / seeded judged, unseeded recorded
 
     def vendor(self, name: str) -> VendorResult:
         return next(v for v in self.vendors if v.name == name)
@@ -63,35 +69,54 @@ def audit_vendors(vendors: list[ChatEndpoint], cfg: ChatAuditConfig, *, show_pro
         raise VerinferError(f"vendor names must be unique and at least one given, got {names}")
     t0 = time.perf_counter()
     audit = ChatAudit(cfg, show_progress)
-    det = audit.detector()
-    bands = audit.bands(det)
     rows = []
     for ep in vendors:
         t = time.perf_counter()
-        rows.append(audit.vendor(ep, det, bands))
+        rows.append(audit.vendor(ep))
         audit.timings[f"vendor_{ep.name}_s"] = time.perf_counter() - t
     audit.timings["total_s"] = time.perf_counter() - t0
-    return write_results(audit, det, bands, rows,
+    return write_results(audit, rows,
                           title or f"verinfer audit of {len(vendors)} chat endpoint(s) serving {vendors[0].model}",
                           {"endpoints": [v.public() for v in vendors]})
 
 
-def write_results(audit: ChatAudit, det, bands: dict, rows: list[VendorResult], title: str,
-                   source: dict) -> ChatAuditResult:
-    """vendors.json (the dashboard's input), vendors.md and vendors.html in the audit's directory."""
+def write_results(audit: ChatAudit, rows: list[VendorResult], title: str, source: dict) -> ChatAuditResult:
+    """vendors.json (the dashboard's input), vendors.md and vendors.html in the audit's directory.
+    Rows of unseeded vendors are not verdicts: they go to `unseeded` (and a paragraph of vendors.md);
+    `modes` counts the claims each mode judged (unseeded: recorded). The bands and detector shown
+    are those of the first sampling judged (greedy first); `detectors` lists each sampling's."""
     cfg = audit.cfg
+    judged = [r for r in rows if r.mode != "unseeded" or r.error]
+    unseeded = [r for r in rows if r.mode == "unseeded" and not r.error]
+    modes = {m: sum(r.n_claims for r in rows if r.mode == m and not r.error) for m in JUDGED_MODES}
+    modes = {**modes, **source.pop("modes", {})}
+    keys = sorted(audit.seen, key=lambda k: k != "greedy")
+    det, bands = audit.seen[keys[0]] if keys else (None, {})
     doc = {"title": title, "model": rows[0].served_model if rows else "", "trusted_model": audit.info.name,
            "trusted_weights_sha256": audit.info.weights_sha256,
            "created": datetime.now(timezone.utc).isoformat(timespec="seconds"), "verinfer_version": __version__,
-           "target_fpr": cfg.target_fpr, "mode": "greedy", "settings": cfg.settings(),
-           "detector": {"summary": det.summary(), "heldout": _heldout(det)},
-           "bands": bands, "vendors": [asdict(r) for r in rows], **source, "timings": audit.timings}
+           "target_fpr": cfg.target_fpr, "mode": _mode({m: n for m, n in modes.items() if m != "unseeded"}), "modes": modes, "settings": cfg.settings(),
+           "detector": {"summary": det.summary() if det else None, "heldout": _heldout(det) if det else None},
+           "detectors": {k: d.summary() for k, (d, _) in audit.seen.items()},
+           "bands": bands, "bands_by_sampling": {k: b for k, (_, b) in audit.seen.items()},
+           "vendors": [asdict(r) for r in judged], "unseeded": [asdict(r) for r in unseeded], **source,
+           "timings": audit.timings}
     from verinfer.report.vendors import render_vendors_html, render_vendors_markdown  # matplotlib: load when writing
 
     path = atomic_write_json(cfg.out_dir / "vendors.json", doc)
-    atomic_write_text(cfg.out_dir / "vendors.md", render_vendors_markdown(doc))
-    html = render_vendors_html(doc, cfg.out_dir / "vendors.html")
-    return ChatAuditResult(rows, bands, path, html, audit.timings, list(source.get("skipped", [])))
+    md = render_vendors_markdown(doc) if judged else f"# {title}\n\nNo vendor could be scored.\n"
+    if unseeded:
+        md += "\n## Not scored: unseeded\n\n" + "".join(f"- {r.name}: {r.note} ({r.n_claims} claims recorded)\n"
+                                                          for r in unseeded)
+    atomic_write_text(cfg.out_dir / "vendors.md", md)
+    html = render_vendors_html(doc, cfg.out_dir / "vendors.html") if judged else None
+    return ChatAuditResult(judged, bands, path, html, audit.timings, list(source.get("skipped", [])), unseeded, modes)
+
+
+def _mode(modes: dict) -> str:
+    """The audit's mode: the one mode of every judged claim, or "mixed"."""
+    used = [m for m, n in modes.items() if n]
+    return used[0] if len(used) == 1 else "mixed" if used else "greedy"
 
 
 def audit_endpoint(base_url: str, model: str, cfg: ChatAuditConfig, *, name: str = "endpoint",
@@ -107,7 +132,7 @@ def audit_endpoint(base_url: str, model: str, cfg: ChatAuditConfig, *, name: str
             raise VerinferError(f"--extra is not JSON ({e.msg} at column {e.colno})",
                                 fix='e.g. --extra \'{"provider": {"order": ["acme"]}}\'') from None
         if not isinstance(extra, dict):
-            raise VerinferError("--extra must be a JSON object", fix='e.g. --extra \'{"top_k": 1}\'')
+            raise VerinferError("--extra must be a JSON object", fix='e.g. --extra \'{"return_token_ids": true}\'')
     if api_key_env is None and os.environ.get("OPENAI_API_KEY"):
         api_key_env = "OPENAI_API_KEY"
     ep = ChatEndpoint(name, base_url, model, api_key_env, dict(extra or {}), concurrency, timeout)

@@ -1,57 +1,118 @@
 """`verinfer audit-log`: a log of chat exchanges audited like vendors, an adapter of the audit core.
 
     source       the log's exchanges (`core.sources.log_sources`: one source per model the replies
-                 name, keyed by the exact name; each exchange a claim; exchanges a greedy replay
-                 cannot use are refused, or skipped and counted with --skip-unusable)
-    collect      each vendor's claims saved through the one collector (`core.collect`) into
-                 out_dir/vendors/<vendor>/ under its lock and manifest: a directory that holds
-                 another log's claims is refused, never mixed
+                 name and sampling: greedy exchanges, and seeded ones (a seed, and the sampler the
+                 auditor declares: --noise, or per vendor a vendors file's `noise`; a log cannot be
+                 probed); sampled exchanges without either are recorded unseeded (kept, counted, not
+                 scored); exchanges a replay cannot use are refused, or skipped and counted with
+                 --skip-unusable)
+    collect      each group's claims saved through the one collector (`core.collect`) into
+                 out_dir/vendors/<vendor>/ (seeded: <vendor>--<sampling key>/) under its lock and
+                 manifest: a directory that holds another log's claims is refused, never mixed;
+                 unseeded records in out_dir/vendors/<vendor>--unseeded/unseeded.jsonl
     calibrate    the honest calibration and the reference bands run locally on the log's own
-                 conversations, each with its reply's length as max_tokens (`core.chat.ChatAudit`)
-    judge        a row per vendor (`detect.judge.judge_vendor`), written like audit-vendors'
+                 conversations of each sampling, each with its reply's length as max_tokens
+                 (`core.chat.ChatAudit`)
+    judge        a row per vendor and sampling (`detect.judge.judge_vendor`), written like
+                 audit-vendors'; `modes` counts the claims each mode judged
 """
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
 from verinfer.apps.audit_chat import ChatAuditResult, write_results
-from verinfer.core.chat import ChatAudit, ChatAuditConfig, VendorResult
+from verinfer.core.chat import UNSEEDED_NOTE, ChatAudit, ChatAuditConfig, ChatSampling, VendorResult
 from verinfer.core.sources import log_sources, vendor_dir_name
-from verinfer.io import check_writable
+from verinfer.io import atomic_write_text, check_writable
 from verinfer.models.load import model_info
+from verinfer.providers.chat_http import read_vendors
 from verinfer.retokenize import Retokenizer
 
 
+def declared_noise(vendors_file: str | Path | None) -> dict[str, str]:
+    """{vendor: noise backend} of a vendors file's [[vendor]] tables that declare `noise`, by their
+    served `model` and by their `name` (a log names vendors by the model its replies name)."""
+    out: dict[str, str] = {}
+    for ep in read_vendors(vendors_file) if vendors_file else []:
+        if "noise" in ep.sampling:
+            out.setdefault(ep.model, ep.sampling["noise"])
+            out.setdefault(ep.name, ep.sampling["noise"])
+    return out
+
+
 def audit_log(log: Path, cfg: ChatAuditConfig, *, skip_unusable: bool = False, neutral: tuple[str, ...] = (),
+              noise: str | None = None, vendors_file: str | Path | None = None,
               show_progress: bool = True) -> ChatAuditResult:
-    """Audit a log of chat exchanges: a row per model the replies name, judged like a vendor; the
-    honest calibration and the reference bands run locally on the log's own conversations (each
-    with the reply's length as max_tokens). Skipped exchanges are counted in vendors.json."""
+    """Audit a log of chat exchanges: a row per model the replies name and sampling, judged like a
+    vendor; the honest calibration and the reference bands run locally on the log's own
+    conversations of that sampling (each with the reply's length as max_tokens). noise: the sampler
+    every vendor's seeded exchanges were drawn with (vendors_file: per vendor). Skipped exchanges are
+    counted in vendors.json, unseeded ones recorded (`unseeded`, `modes`)."""
     t0 = time.perf_counter()
     check_writable(cfg.out_dir, "audit directory", directory=True)
     retok = Retokenizer.for_model(cfg.model_dir)
     skipped: list = []
+    unseeded: list = []
     info = model_info(cfg.model_dir)
     sources = log_sources(log, info.name, cfg.params, cfg.tokens, retok, skip_unusable=skip_unusable,
-                          skipped=skipped, max_positions=info.max_positions, neutral=neutral)
+                          skipped=skipped, max_positions=info.max_positions, neutral=neutral, noise=noise,
+                          noise_for=declared_noise(vendors_file), unseeded=unseeded)
     every = [c for s in sources.values() for c in s.claims]
-    conv = [c.chat["messages"] for c in every]
-    lengths = [c.sampling.max_tokens for c in every]
-    audit = ChatAudit(cfg, show_progress, conversations=conv, max_tokens=lengths)
+    greedy = [c for c in every if c.sampling.greedy]
+    conv = [c.chat["messages"] for c in greedy]
+    lengths = [c.sampling.max_tokens for c in greedy]
+    audit = ChatAudit(cfg, show_progress, conversations=conv or [c.chat["messages"] for c in every],
+                      max_tokens=lengths)
     # collected first (nothing is sent): a directory holding another log's claims is refused before any compute
-    dirs = {vendor: audit.out / "vendors" / vendor_dir_name(vendor) for vendor in sources}
-    collected = {vendor: audit.core.collect(source, dirs[vendor], f"{vendor}: claims")
-                 for vendor, source in sources.items()}
-    audit.calibration = (conv[: cfg.calib_n], lengths[: cfg.calib_n])
-    det = audit.detector()
-    bands = audit.bands(det)
-    rows = [audit.judge(VendorResult(vendor, str(log), vendor), claims, sent, dirs[vendor], det, bands)
-            for vendor, (claims, sent) in collected.items()]
+    dirs = {g: audit.out / "vendors" / _group_dir(s.manifest) for g, s in sources.items()}
+    collected = {g: audit.core.collect(source, dirs[g], f"{g}: claims") for g, source in sources.items()}
+    rows = []
+    for key in sorted({ChatSampling.of(s.claims[0].sampling).key() for s in sources.values()},
+                      key=lambda k: k != "greedy"):
+        group = [g for g, s in sources.items() if ChatSampling.of(s.claims[0].sampling).key() == key]
+        claims = [c for g in group for c in sources[g].claims]
+        sampling = ChatSampling.of(claims[0].sampling)
+        calib = ([c.chat["messages"] for c in claims][: cfg.calib_n], [c.sampling.max_tokens for c in claims][: cfg.calib_n])
+        det = audit.detector(sampling, calib)
+        bands = audit.bands(det, sampling, [c.chat["messages"] for c in claims], [c.sampling.max_tokens for c in claims],
+                            None if sampling.greedy else [c.sampling.seed for c in claims])
+        audit.seen[key] = (det, bands)
+        for g in group:
+            got, sent = collected[g]
+            row = VendorResult(g, str(log), sources[g].manifest["vendor"], mode="greedy" if sampling.greedy else "seeded",
+                               sampling=None if sampling.greedy else sampling.settings())
+            rows.append(audit.judge(row, got, sent, dirs[g], det, bands, sampling=sampling, calibration=calib))
+    rows += _unseeded_rows(audit, log, unseeded)
     audit.timings["total_s"] = time.perf_counter() - t0
-    return write_results(audit, det, bands, rows, f"verinfer audit of the chat log {Path(log).name}",
-                         {"log": str(log), "exchanges": len(every), "skipped": [list(s) for s in skipped]})
+    return write_results(audit, rows, f"verinfer audit of the chat log {Path(log).name}",
+                         {"log": str(log), "exchanges": len(every) + len(unseeded),
+                          "skipped": [list(s) for s in skipped]})
 
 
-__all__ = ["audit_log"]
+def _group_dir(manifest: dict) -> str:
+    d = vendor_dir_name(manifest["vendor"])
+    return d if manifest.get("mode") != "seeded" else f"{d}--{manifest['sampling']}"
+
+
+def _unseeded_rows(audit: ChatAudit, log: Path, unseeded: list) -> list[VendorResult]:
+    """A row per vendor with unseeded exchanges (not scored), its records written for the unseeded
+    detectors in vendors/<vendor>--unseeded/unseeded.jsonl."""
+    by: dict[str, list[dict]] = {}
+    for vendor, record in unseeded:
+        by.setdefault(vendor, []).append(record)
+    rows = []
+    for vendor, records in by.items():
+        d = audit.out / "vendors" / f"{vendor_dir_name(vendor)}--unseeded"
+        d.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(d / "unseeded.jsonl", "".join(json.dumps(r) + "\n" for r in records))
+        no_seed = sum(r["sampling"]["seed"] is None for r in records)
+        rows.append(VendorResult(f"{vendor} [unseeded]", str(log), vendor, mode="unseeded", n_claims=len(records),
+                                 note=f"{UNSEEDED_NOTE} ({no_seed} sampled without a seed, {len(records) - no_seed} "
+                                      "with a seed but no declared sampler: --noise or a vendors file's `noise`)"))
+    return rows
+
+
+__all__ = ["audit_log", "declared_noise"]

@@ -320,7 +320,8 @@ def audit_api(base_url: str = O.BASE_URL, model: str = O.ENDPOINT_MODEL, model_d
               tokens: str = O.TOKENS, api_key_env: Optional[str] = O.API_KEY_ENV, extra: Optional[str] = O.EXTRA,
               concurrency: int = O.CONCURRENCY, bands: List[str] = O.BANDS, band_engine: str = O.BAND_ENGINE):
     """Audit an OpenAI-compatible endpoint: seeded (or temperature-0) prompts, replay, verdict, report.
-    With --chat: a chat endpoint that returns text, at temperature 0 (as `audit-vendors` with one vendor)."""
+    With --chat: a chat endpoint that returns text, at temperature 0 or seeded at --temperature > 0 (as
+    `audit-vendors` with one vendor; --mode auto probes it for seeds)."""
     if chat:
         from verinfer.api import audit_endpoint
 
@@ -330,8 +331,12 @@ def audit_api(base_url: str = O.BASE_URL, model: str = O.ENDPOINT_MODEL, model_d
                                                                        system_prompt=system_prompt, tokens=tokens,
                                                                        calib_n=calib_n or 64, honest=honest,
                                                                        bands=bands, band_engine=band_engine,
-                                                                       device=device, matmul=matmul)))
+                                                                       device=device, matmul=matmul,
+                                                                       **_chat_sampling(temperature, top_p, top_k,
+                                                                                        min_p, noise, mode))))
     from verinfer.apps.audit_api import ApiAuditConfig, audit_api as run_audit_api
+
+    temperature, top_k, top_p = _or(temperature, 1.0), _or(top_k, 50), _or(top_p, 0.95)  # completions' defaults
 
     kw = dict(honest=tuple(honest)) if honest else {}
     cfg = ApiAuditConfig(base_url, model, _model_dir(model_dir), out, n=n, max_tokens=max_tokens,
@@ -350,15 +355,20 @@ def audit_vendors(vendors: Path = O.VENDORS_FILE, model: Optional[str] = O.model
                   system_prompt: Optional[str] = O.SYSTEM_PROMPT, tokens: str = O.TOKENS,
                   calib_n: int = O.CHAT_CALIB_N, honest: List[str] = O.CHAT_HONEST, bands: List[str] = O.BANDS,
                   band_engine: str = O.BAND_ENGINE, sequential: bool = O.CHAT_SEQUENTIAL,
-                  target_fpr: float = O.TARGET_FPR_CHAT, device: str = O.device(), matmul: str = O.matmul()):
-    """Audit several chat endpoints side by side at temperature 0 (same prompts, one calibrated detector,
-    reference bands): a row per vendor in vendors.json / vendors.md / vendors.html. Exit 1 if any is flagged."""
+                  target_fpr: float = O.TARGET_FPR_CHAT, device: str = O.device(), matmul: str = O.matmul(),
+                  temperature: float = O.CHAT_TEMPERATURE, top_p: float = O.CHAT_TOP_P, top_k: int = O.CHAT_TOP_K,
+                  min_p: float = O.CHAT_MIN_P, noise: str = O.noise(O.CHAT_NOISE_HELP), mode: str = O.CHAT_MODE):
+    """Audit several chat endpoints side by side at temperature 0, or seeded at --temperature > 0 (same
+    prompts, one calibrated detector per sampling, reference bands): a row per vendor in vendors.json /
+    vendors.md / vendors.html; a vendor that ignores seeds is said so (unseeded, not scored). Exit 1 if
+    any is flagged."""
     from verinfer.api import audit_vendors as run
 
     return _chat_exit(run(vendors, trusted_model=model, out_dir=out, **_chat_settings(
         n=n, max_tokens=max_tokens, seed=seed, system_prompt=system_prompt, tokens=tokens, calib_n=calib_n,
         honest=honest, bands=bands, band_engine=band_engine, sequential=sequential, target_fpr=target_fpr,
-        device=device, matmul=matmul)))
+        device=device, matmul=matmul, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, noise=noise,
+        mode=mode)))
 
 
 @command(app, "audit-log")
@@ -366,15 +376,29 @@ def audit_log(log: Path = O.LOG_FILE, model: Optional[str] = O.model(), out: Pat
               calib_n: int = O.CHAT_CALIB_N, honest: List[str] = O.CHAT_HONEST, bands: List[str] = O.BANDS,
               band_engine: str = O.BAND_ENGINE, tokens: str = O.TOKENS, skip_unusable: bool = O.SKIP_UNUSABLE,
               neutral_field: List[str] = O.NEUTRAL_FIELD, target_fpr: float = O.TARGET_FPR_CHAT,
-              device: str = O.device(), matmul: str = O.matmul()):
-    """Audit a log of past chat exchanges (temperature 0): claims from its text, replay, a verdict per
-    served model, reference bands run on the log's own conversations. Exit 1 if any is flagged."""
+              device: str = O.device(), matmul: str = O.matmul(), noise: Optional[str] = O.LOG_NOISE,
+              vendors: Optional[Path] = O.LOG_VENDORS):
+    """Audit a log of past chat exchanges: claims from its text, replay, a verdict per served model and
+    sampling (greedy; seeded where an exchange has a seed and its sampler is declared, --noise / --vendors;
+    other sampled exchanges recorded unseeded, not scored), reference bands run on the log's own
+    conversations. Exit 1 if any is flagged."""
     from verinfer.api import audit_log as run
 
     return _chat_exit(run(log, trusted_model=model, out_dir=out, skip_unusable=skip_unusable,
-                          neutral_fields=tuple(neutral_field), **_chat_settings(
+                          neutral_fields=tuple(neutral_field), noise=noise, vendors_file=vendors, **_chat_settings(
         tokens=tokens, calib_n=calib_n, honest=honest, bands=bands, band_engine=band_engine, target_fpr=target_fpr,
         device=device, matmul=matmul)))
+
+
+def _or(value, default):
+    return default if value is None else value
+
+
+def _chat_sampling(temperature, top_p, top_k, min_p, noise, mode) -> dict:
+    """audit-api --chat's sampling: greedy unless --temperature > 0 (the options unset: the chat defaults)."""
+    sampled = temperature is not None and temperature > 0
+    return dict(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p if sampled else None, noise=noise,
+                mode=mode if sampled else None)
 
 
 def _chat_settings(**kw) -> dict:
@@ -384,6 +408,10 @@ def _chat_settings(**kw) -> dict:
 
 def _chat_exit(res) -> None:
     render.vendors(res)
+    for v in getattr(res, "unseeded", []):
+        typer.echo(f"{v.name}: {v.note} ({v.n_claims} claims recorded, not scored)")
+    if getattr(res, "modes", None):
+        typer.echo("claims by mode: " + ", ".join(f"{n} {m}" for m, n in res.modes.items()))
     if any(v.error for v in res.vendors):
         raise typer.Exit(2)
     if any(v.flagged for v in res.vendors):

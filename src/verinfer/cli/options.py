@@ -78,6 +78,7 @@ HONEST_NAMES = _names("verinfer.providers.simulated", "HONEST")
 LogLevel = Literal["critical", "error", "warning", "info", "debug", "trace"]   # uvicorn's levels (not ours)
 CHOICES = {("*", "noise"): NOISE, ("*", "matmul"): MATMUL, ("generate", "deterministic"): POLICY,
            ("generate", "speculative"): SPEC_RULE, ("generate", "engine"): ENGINES, ("audit-api", "mode"): AUDIT_MODES,
+           ("audit-vendors", "mode"): _names("verinfer.core.chat", "CHAT_MODES"),
            ("serve", "misconfig"): MISCONFIGS, ("serve", "deterministic"): SERVE_DETERMINISTIC_NAMES,
            ("serve", "batching"): SERVE_BATCHING_NAMES,
            ("calibrate", "score_name"): SCORE_NAMES, ("calibrate", "kind"): DETECTOR_NAMES,
@@ -270,10 +271,11 @@ API_N = typer.Option(32, help="Prompts to send.")
 API_MAX_TOKENS = typer.Option(64, help="max_tokens of each request.")
 MODE = typer.Option("auto", help="seeded: temperature > 0 with per-request seeds; greedy: temperature 0 (endpoints "
                                  "that ignore seeds); auto: send one seeded prompt twice and pick.")
-API_TEMPERATURE = typer.Option(1.0, help="Sampling temperature of seeded requests.")
+API_TEMPERATURE = typer.Option(None, help="Sampling temperature of seeded requests (default 1.0; with --chat 0, "
+                                          "greedy: a chat audit above 0 sends per-request seeds).")
 API_NOISE_HELP = "Noise backend the endpoint samples with (vllm-cpu for vLLM on CPU and verinfer serve)."
-API_TOP_K = typer.Option(50, help="top_k of seeded requests (<= 0: off).")
-API_TOP_P = typer.Option(0.95, help="top_p of seeded requests (1: off).")
+API_TOP_K = typer.Option(None, help="top_k of seeded requests (<= 0: off; default 50, with --chat off).")
+API_TOP_P = typer.Option(None, help="top_p of seeded requests (1: off; default 0.95, with --chat 1).")
 API_MIN_P = typer.Option(0.0, help="min_p of seeded requests (0: off).")
 IGNORE_EOS = typer.Option(False, help="Send vLLM's ignore_eos (fixed-length outputs).")
 API_KEY = typer.Option("EMPTY", envvar="OPENAI_API_KEY", help="API key sent to the endpoint.")
@@ -286,11 +288,28 @@ API_SEQUENTIAL = typer.Option(False, help="Anytime-valid audit (glrt detector, s
                                           "arrives and stop sending requests once the e-value reaches 1/FPR.")
 
 # -- chat endpoints (audit-api --chat, audit-vendors, audit-log) ----------------------------------
-CHAT = typer.Option(False, help="Audit a chat endpoint (/v1/chat/completions, text replies) at temperature 0: "
-                                "messages out, text back, token ids derived from the text with the model's "
-                                "chat template and tokenizer.")
+CHAT = typer.Option(False, help="Audit a chat endpoint (/v1/chat/completions, text replies) at temperature 0, or "
+                                "seeded at --temperature > 0: messages out, text back, token ids derived from the "
+                                "text with the model's chat template and tokenizer.")
 VENDORS_FILE = typer.Argument(..., help="TOML file, one [[vendor]] table per endpoint: name, base_url, model, "
-                                        "optional api_key_env, concurrency, extra.")
+                                        "optional api_key_env, concurrency, extra, and the sampling it is audited "
+                                        "at: temperature, top_p, top_k, min_p, noise, mode.")
+CHAT_TEMPERATURE = typer.Option(0.0, help="Temperature of every request (0: greedy; above 0 each request carries "
+                                          "its own seed and the vendor is probed for seeds, --mode).")
+CHAT_TOP_P = typer.Option(1.0, help="top_p of sampled requests (1: off).")
+CHAT_TOP_K = typer.Option(-1, help="top_k of sampled requests (<= 0: off).")
+CHAT_MIN_P = typer.Option(0.0, help="min_p of sampled requests (0: off).")
+CHAT_NOISE_HELP = ("Noise backend the vendors sample with: with --mode seeded the one replayed, with auto the "
+                   "probe's first candidate (vllm-cpu for vLLM on CPU and verinfer serve).")
+CHAT_MODE = typer.Option("auto", help="Sampled audits: auto (send one seeded request twice and once with another "
+                                      "seed: seeds honoured -> seeded with the sampler that reproduces the reply, "
+                                      "else unseeded, not scored), seeded (trust --noise), greedy (temperature 0).")
+LOG_NOISE = typer.Option(None, "--noise", help="Noise backend the log's seeded exchanges were sampled with (a log "
+                                               "cannot be probed); sampled exchanges without a seed or a declared "
+                                               "sampler are recorded unseeded, not scored.")
+LOG_VENDORS = typer.Option(None, "--vendors", help="Vendors TOML file whose `noise` declares a vendor's sampler "
+                                                   "(matched by its `model` or `name` to the names the log's replies "
+                                                   "give), beside --noise for the others.")
 CHAT_OUT = typer.Option(Path("runs/audit-chat"), "--out", "-o", help="Output directory (resumes per vendor).")
 CHAT_N = typer.Option(64, help="Prompts per vendor (the most requests each is sent).")
 SYSTEM_PROMPT = typer.Option(None, help="System message sent with every prompt (default: none, so the endpoint's "

@@ -83,7 +83,9 @@ def api_audit(res) -> None:
 def vendors(res) -> None:
     """What `verinfer audit-vendors` / `audit-log` / `audit-api --chat` print for an
     `apps.audit_chat.ChatAuditResult`: a row per vendor, then where the dashboard is."""
-    t = Table(title="verinfer: chat endpoints at temperature 0",
+    sampled = any(getattr(v, "mode", "greedy") == "seeded" for v in res.vendors)
+    t = Table(title="verinfer: chat endpoints " + ("seeded (Token-DiFR on each seeded sample)" if sampled
+                                                   else "at temperature 0"),
               caption="verdict: anytime-valid at the target FPR (requests stop once a vendor is flagged); nearest band: "
                       "the local configuration whose margin and cross-entropy the vendor's resemble")
     for col in ("vendor", "verdict", "nearest band", "exact match", "tokens", "requests", "decided at", "re-cut"):

@@ -124,24 +124,61 @@ def probe_params(cfg: ApiAuditConfig) -> SamplingParams:
                           min(16, cfg.max_tokens), cfg.noise)
 
 
-def recognise_noise(prompt_ids: list[int], output_ids: list[int], params: SamplingParams, engine, model_name: str,
-                    candidates: tuple[str, ...] = PLAIN_NOISES) -> tuple[str | None, dict[str, float]]:
-    """The noise backend an endpoint samples with, from one seeded reply: its tokens replayed by the
-    trusted model (`engine`) under each candidate backend. (best, {backend: exact match}); best is
-    the first candidate with the highest exact match, None when it is below RECOGNISE_MIN (no
-    known backend reproduces the reply: a wrong model or settings, which the audit then flags).
+def probe_candidates(noise: str) -> tuple[str, ...]:
+    """The noise backends a seed probe tries, in order: the declared `noise` first, then the other
+    PLAIN_NOISES (what `audit-api --mode auto` and the sampled chat audits both try)."""
+    return (noise,) + tuple(n for n in PLAIN_NOISES if n != noise)
+
+
+def recognise_claim_noise(claim: Claim, engine, candidates: tuple[str, ...] = PLAIN_NOISES,
+                          retokenizer=None) -> tuple[str | None, dict[str, float]]:
+    """The noise backend a seeded reply was sampled with: the claim replayed by the trusted model
+    (`engine`) under each candidate backend. (best, {backend: exact match}); best is the first
+    candidate with the highest exact match, None when it is below RECOGNISE_MIN (no known backend
+    reproduces the reply: a wrong model or settings, or a sampler verinfer does not know).
+    retokenizer: a chat claim derived from text is re-cut under each candidate
+    (`audit.replay.recut_claims`), so the ids compared are the sampled ones, not the canonical ones.
     Backends that refuse the probe's settings (SGLang's seeded sampler and min-p) are not candidates."""
-    candidates = tuple(n for n in candidates if params.min_p == 0 or NOISE_BACKENDS[n].supports_min_p)
-    if not output_ids:
+    candidates = tuple(n for n in candidates if claim.sampling.min_p == 0 or NOISE_BACKENDS[n].supports_min_p)
+    if not claim.output_token_ids:
         return None, {}
-    claims = [Claim(f"probe-{name}", model_name, list(prompt_ids), list(output_ids), replace(params, noise=name))
-              for name in candidates]
-    table = score_chunk(claims, engine)
+    claims = [replace(claim, id=f"probe-{name}", sampling=replace(claim.sampling, noise=name)) for name in candidates]
+    table = score_chunk(claims, engine, retokenizer=retokenizer)
     ids = np.asarray(table[CLAIM_ID].to_pylist())
     exact = np.asarray(table[EXACT_MATCH].to_numpy(zero_copy_only=False), dtype=bool)
     rates = {name: float(exact[ids == f"probe-{name}"].mean()) for name in candidates}
     best = max(candidates, key=lambda n: rates[n])  # max keeps the first of equals
     return (best if rates[best] >= RECOGNISE_MIN else None), rates
+
+
+def recognise_noise(prompt_ids: list[int], output_ids: list[int], params: SamplingParams, engine, model_name: str,
+                    candidates: tuple[str, ...] = PLAIN_NOISES) -> tuple[str | None, dict[str, float]]:
+    """`recognise_claim_noise` of one seeded token-id reply (a completions endpoint's)."""
+    return recognise_claim_noise(Claim("probe", model_name, list(prompt_ids), list(output_ids), params), engine,
+                                 candidates)
+
+
+def seed_probe(ask, engine, candidates: tuple[str, ...], retokenizer=None) -> dict:
+    """The one seed probe of every audit that sends requests (audit-api --mode auto, the sampled chat
+    audits): `ask(i)` sends probe request i and returns (reply, claim of it): requests 0 and 1 carry
+    the same seed, request 2 another. `honours_seeds`: the same seed gave the same reply and another
+    seed another one (a vendor that ignores seeds answers the same seed differently, or every seed
+    alike); then the noise backend that reproduces the reply (`recognise_claim_noise`: `noise`,
+    `recognised`, `probe_exact_match`). ask(2) returning None skips the second seed (token ids
+    compared alone, as audit-api does); a claim of None (a reply with nothing to score) is recognised
+    as no backend."""
+    (a, claim), (b, _) = ask(0), ask(1)
+    other = ask(2)
+    same_seed, seed_matters = a == b, other is None or other[0] != a
+    record = {"probe": "same seed twice" + ("" if other is None else ", another seed once"),
+              "same_seed_same_reply": same_seed, "honours_seeds": same_seed and seed_matters}
+    if other is not None:
+        record["other_seed_other_reply"] = seed_matters
+    if record["honours_seeds"]:
+        best, rates = (recognise_claim_noise(claim, engine, candidates, retokenizer) if claim is not None
+                       else (None, {}))
+        record.update(noise=best, recognised=best is not None, probe_exact_match=rates)
+    return record
 
 
 def claimed_params(cfg: ApiAuditConfig, mode: str, i: int) -> SamplingParams:
@@ -234,13 +271,23 @@ def probed_mode(cfg: ApiAuditConfig, client, prompt: list[int], core: AuditCore,
         saved = json.loads(mode_file.read_text())
         return saved["mode"], replace(cfg, noise=saved.get("noise", cfg.noise))
     probe = probe_params(cfg)
-    p_ids, a, b = probe_seed_replies(client, cfg.endpoint, prompt, probe, vocab_size=core.info.vocab_size)
-    mode = "seeded" if a == b else "greedy"
+    replies = {}
+
+    def ask(i: int):
+        if i == 2:
+            return None
+        if not replies:
+            replies.update(zip("pab", probe_seed_replies(client, cfg.endpoint, prompt, probe,
+                                                         vocab_size=core.info.vocab_size)))
+        reply = replies["a" if i == 0 else "b"]
+        return reply, Claim("probe", core.info.name, list(replies["p"]), list(reply), probe)
+
+    probed = seed_probe(ask, core.engine, noises)
+    mode = "seeded" if probed["honours_seeds"] else "greedy"
     record = {"mode": mode, "probe": "same seed twice"}
     if mode == "seeded":
-        best, rates = recognise_noise(p_ids, a, probe, core.engine, core.info.name, noises)
-        cfg = replace(cfg, noise=best or cfg.noise)
-        record.update(noise=cfg.noise, recognised=best is not None, probe_exact_match=rates)
+        cfg = replace(cfg, noise=probed["noise"] or cfg.noise)
+        record.update(noise=cfg.noise, recognised=probed["recognised"], probe_exact_match=probed["probe_exact_match"])
     atomic_write_text(mode_file, json.dumps(record))
     return mode, cfg
 
@@ -253,5 +300,6 @@ def completions_source(client, cfg: ApiAuditConfig, mode: str, prompts: list[lis
 
 
 __all__ = ["ApiAuditConfig", "BANDS", "MODES", "PLAIN_NOISES", "calibrated_detector", "claimed_params",
-           "collect_manifest", "completions_source", "detector_meta", "probe_params", "probed_mode",
-           "recognise_noise", "reference_bands", "reusable_detector"]
+           "collect_manifest", "completions_source", "detector_meta", "probe_candidates", "probe_params",
+           "probed_mode", "recognise_claim_noise", "recognise_noise", "reference_bands", "reusable_detector",
+           "seed_probe"]

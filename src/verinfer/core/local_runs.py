@@ -6,6 +6,7 @@ the audit's directory, so a rerun generates nothing again.
                        configurations, and the bf16 / fp8-KV / 4-bit bands of `TOKEN_BANDS`)
     chat_run_claims    chat conversations as a `Band` runs them (its numerics, an extra system
                        prompt, another chat template), greedy on verinfer's engine or local vLLM,
+                       or seeded (each conversation its own seed) on verinfer's engine,
                        then each reply claimed from its text against the plain conversation, as a
                        vendor's reply is (`CHAT_BANDS`, and the honest configurations as bands)
 """
@@ -78,7 +79,8 @@ def simulated_claims(names: list[str], model_dir: Path, prompts: list[list[int]]
 
 def _generate(band: Band, model_dir: Path, prompts: list[list[int]], params: list[SamplingParams], out: Path,
               engine: str, device: str, progress) -> list[tuple[list[int], str]]:
-    """(output ids, finish reason) of each prompt, greedy as the band runs it."""
+    """(output ids, finish reason) of each prompt, sampled with its params as the band runs it (local
+    vLLM: greedy)."""
     if engine == "vllm":
         from verinfer.providers.vllm import VllmRun, generate_greedy
 
@@ -91,11 +93,13 @@ def _generate(band: Band, model_dir: Path, prompts: list[list[int]], params: lis
 
 def chat_run_claims(band: Band, name: str, model_dir: Path, params: SamplingParams, conversations: list[list[dict]],
                     retok: Retokenizer, out: Path, model_name: str, *, max_tokens: list[int] | None = None,
-                    engine: str = "verinfer", device: str = "cpu", show_progress: bool = True) -> Path:
+                    engine: str = "verinfer", device: str = "cpu", show_progress: bool = True,
+                    seeds: list[int] | None = None) -> Path:
     """Claims of a local run (cached at out/<name>.jsonl): the conversations as the band runs them
-    (its system prompt, its template), greedy (each with its max_tokens, params.max_tokens by
-    default; on verinfer's engine, or engine "vllm": on local vLLM), then each reply claimed as a
-    vendor's is, from its text, against the plain conversation, as a claim of `model_name`."""
+    (its system prompt, its template), sampled with `params` (each with its max_tokens,
+    params.max_tokens by default, and at temperature > 0 its seed of `seeds`; on verinfer's engine,
+    or engine "vllm": on local vLLM, greedy only), then each reply claimed as a vendor's is, from its
+    text, against the plain conversation, as a claim of `model_name`."""
     path = out / f"{name}.jsonl"
     if path.is_file():
         return path
@@ -104,6 +108,10 @@ def chat_run_claims(band: Band, name: str, model_dir: Path, params: SamplingPara
                 for m in conversations]
     prompts = [run_retok.prompt_ids(m) for m in run_msgs]
     each = [replace(params, max_tokens=m) for m in (max_tokens or [params.max_tokens] * len(prompts))]
+    if not params.greedy:
+        if seeds is None or len(seeds) != len(prompts) or engine != "verinfer":
+            raise ValueError("a sampled local run needs one seed per conversation and verinfer's engine")
+        each = [replace(p, seed=s) for p, s in zip(each, seeds)]
     with progress_bar(f"{out.name}: generate {name}", len(prompts), show_progress) as adv:
         done = _generate(band, model_dir, prompts, each, out, engine, device, adv)
     claims = []

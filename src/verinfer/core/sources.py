@@ -7,7 +7,8 @@
                         audit-vendors): a claim per reply, its ids derived from the text or the
                         endpoint's own (`reply_claim`)
     log_sources         a chat log's exchanges (audit-log), one `collect.InHand` per vendor the
-                        replies name: nothing is sent, the collector only saves them
+                        replies name and sampling (greedy; seeded with a declared sampler); the
+                        unseeded ones recorded beside: nothing is sent, the collector only saves them
     collect.InHand      claims already in hand (a claims file)
 
 A new source is one more class with the `collect.Source` protocol: `manifest`, `concurrency`,
@@ -91,13 +92,15 @@ def scored_text(retok: Retokenizer, messages: list[dict], text: str, finish_reas
 
 
 def reply_claim(i: int, msgs: list[dict], reply: ChatReply, endpoint: ChatEndpoint, params: SamplingParams,
-                tokens: str, retok: Retokenizer, model_name: str, *, vocab_size: int) -> Claim | None:
+                tokens: str, retok: Retokenizer, model_name: str, *, vocab_size: int,
+                mode: str | None = None) -> Claim | None:
     """The claim of reply i. Where its ids are the endpoint's (tokens "returned", or "auto" with ids
     sent), they are checked against the trusted model's vocab_size and max_tokens first
     (`openai_http.check_token_reply`): a bad reply is an EndpointError, never a claim. A request
     with stop strings (`extra["stop"]`): a reply that stopped is claimed as possibly cut by one
     (`chat_contract.cut_by_stop`, `Claim.from_chat` stop), and one cut before any text is no claim
-    (None); its text is `scored_text`'s."""
+    (None); its text is `scored_text`'s. mode: the audit mode the claim is judged in (recorded as
+    its `mode`: greedy, seeded, unseeded)."""
     tokens = claim_tokens(tokens, reply.output_token_ids is not None)
     if tokens == RETURNED and reply.output_token_ids is None:
         raise EndpointError(f"request {i}: the endpoint returned no token ids (tokens='returned')",
@@ -115,18 +118,24 @@ def reply_claim(i: int, msgs: list[dict], reply: ChatReply, endpoint: ChatEndpoi
     return Claim.from_chat(f"{endpoint.name}-{i:05d}", model_name, msgs, text, reply.finish_reason, params,
                            retok, tokens=tokens, returned=(reply.prompt_token_ids, reply.output_token_ids),
                            usage=reply.usage, provider=endpoint.name,
-                           extra={"served_model": reply.served_model} if reply.served_model else None,
+                           extra={**({"served_model": reply.served_model} if reply.served_model else {}),
+                                  **({"mode": mode} if mode else {})} or None,
                            stop=stops if cut else None)
 
 
 class ChatSource:
     """A vendor's requests: each conversation to its `/v1/chat/completions`, `endpoint.concurrency`
-    in flight, greedy with `params`; a reply becomes a claim by `reply_claim` (a reply cut before any
-    text is none)."""
+    in flight, conversation i with `params[i]` (greedy, or sampled with its own seed; one
+    SamplingParams: every request alike); a reply becomes a claim by `reply_claim`, tagged `mode`
+    (a reply cut before any text is none)."""
 
-    def __init__(self, endpoint: ChatEndpoint, conversations: list[list[dict]], params: SamplingParams, tokens: str,
-                 retok: Retokenizer, model_name: str, vocab_size: int, manifest: dict):
-        self.endpoint, self.conversations, self.params, self.tokens = endpoint, conversations, params, tokens
+    def __init__(self, endpoint: ChatEndpoint, conversations: list[list[dict]],
+                 params: SamplingParams | list[SamplingParams], tokens: str, retok: Retokenizer, model_name: str,
+                 vocab_size: int, manifest: dict, mode: str | None = None):
+        if isinstance(params, SamplingParams):
+            params = [params] * len(conversations)
+        self.endpoint, self.conversations, self.params, self.tokens = endpoint, conversations, list(params), tokens
+        self.mode = mode
         self.retok, self.model_name, self.vocab_size, self.manifest = retok, model_name, vocab_size, manifest
         self.concurrency = endpoint.concurrency
         self.client = endpoint.client()
@@ -138,12 +147,12 @@ class ChatSource:
         return f"{self.endpoint.name}-{i:05d}"
 
     def send(self, i: int) -> ChatReply:
-        return request_chat(self.client, self.endpoint, self.conversations[i], self.params,
+        return request_chat(self.client, self.endpoint, self.conversations[i], self.params[i],
                             f"request {i} of vendor {self.endpoint.name!r}")
 
     def claim(self, i: int, reply: ChatReply) -> Claim | None:
-        return reply_claim(i, self.conversations[i], reply, self.endpoint, self.params, self.tokens, self.retok,
-                           self.model_name, vocab_size=self.vocab_size)
+        return reply_claim(i, self.conversations[i], reply, self.endpoint, self.params[i], self.tokens, self.retok,
+                           self.model_name, vocab_size=self.vocab_size, mode=self.mode)
 
     def interrupted(self, what: str, saved: int, path: Path) -> str:
         return f"{what} ({saved} of {len(self)} replies saved in {path}; rerun to resume)"
@@ -171,20 +180,65 @@ def _over_context(ex, n_out, max_positions: int | None) -> ChatLogError | None:
                         kind="over-length", where=ex.source, fix="audit exchanges of this model (or pass --skip-unusable)")
 
 
+def sampling_key(params: SamplingParams) -> str:
+    """A file-name-safe name of a claim's sampling settings (its seed and length aside): 'greedy', or
+    'seeded-t0.7-p0.95-k-1-m0-vllm-cpu' (`core.chat.ChatSampling.key`)."""
+    if params.greedy:
+        return "greedy"
+    return (f"seeded-t{params.temperature:g}-p{params.top_p:g}-k{params.top_k}-m{params.min_p:g}-{params.noise}")
+
+
+def exchange_params(ex, max_tokens: int, noise: str | None) -> SamplingParams | None:
+    """The sampling an exchange is replayed with: greedy at temperature 0; seeded where the request
+    carried a seed and the auditor declared the vendor's sampler (`noise`); None: unseeded (sampled
+    without a seed, or without a declared sampler, or a seed no sampler takes)."""
+    s = ex.sampling
+    if s.get("temperature", 1.0) == 0:
+        return SamplingParams(0.0, -1, 1.0, 0.0, None, max_tokens, "vllm-cpu")
+    if s.get("seed") is None or noise is None:
+        return None
+    top_k = s.get("top_k")
+    try:
+        return SamplingParams(float(s["temperature"]), top_k if top_k is not None and top_k > 0 else -1,
+                              float(s.get("top_p", 1.0)), float(s.get("min_p") or 0.0), int(s["seed"]), max_tokens,
+                              noise)
+    except ValueError:
+        return None
+
+
+def unseeded_record(ex, claim: Claim) -> dict:
+    """A sampled exchange no seeded replay can judge, claims-shaped for the unseeded detectors: the
+    claim's ids and chat, the sampling the request asked (seed null where it had none, noise null:
+    no sampler declared) and `mode` "unseeded". Not a claim the claims reader takes yet (a sampled
+    claim needs a seed and a noise backend there)."""
+    s = ex.sampling
+    top_k = s.get("top_k")
+    return {**claim.to_json(), "sampling": {"temperature": float(s.get("temperature", 1.0)),
+                                            "top_k": top_k if top_k is not None and top_k > 0 else -1,
+                                            "top_p": float(s.get("top_p", 1.0)), "min_p": float(s.get("min_p") or 0.0),
+                                            "seed": s.get("seed"), "noise": None}, "mode": "unseeded"}
+
+
 def log_sources(log: Path, model_name: str, params: SamplingParams, tokens: str, retok: Retokenizer, *,
                 skip_unusable: bool = False, skipped: list | None = None,
-                max_positions: int | None = None, neutral: tuple[str, ...] = ()) -> dict[str, InHand]:
+                max_positions: int | None = None, neutral: tuple[str, ...] = (), noise: str | None = None,
+                noise_for: dict[str, str] | None = None, unseeded: list | None = None) -> dict[str, InHand]:
     """The log's exchanges as claims of `model_name`, one `InHand` source per model the replies name
-    (its `model`, else the request's; keyed by that exact name, `vendor_dir_name` gives its directory):
-    ids derived from the text (or the ids the log holds, per
-    `tokens`), each with the reply's length as max_tokens. Only greedy exchanges can be replayed
-    without the provider's seed and sampler (`chat_log.unusable_for_replay`), and a reply longer than
-    the model's context (`max_positions`) is no reply of it; request fields and reply features follow
-    the chat contract as a live audit's do (`chat_contract`: stop strings replayed as cut, fields
-    declared `neutral` by the auditor, `scored_text`): an unusable one is raised, or with
-    skip_unusable counted in `skipped` as (source, kind, what)."""
+    (its `model`, else the request's; keyed by that exact name, `vendor_dir_name` gives its directory)
+    and sampling: greedy exchanges under the vendor's name, seeded ones under
+    "<vendor> [<sampling_key>]" (manifest `mode`, `sampling`). ids derived from the text (or the ids
+    the log holds, per `tokens`), each with the reply's length as max_tokens. A sampled exchange is
+    seeded where its request carried a seed and the auditor declared the vendor's sampler
+    (noise_for[vendor], else `noise`: a log cannot be probed), else unseeded: appended to `unseeded`
+    as (vendor, `unseeded_record`), kept and counted, never scored as seeded (`exchange_params`). A
+    reply longer than the model's context (`max_positions`) is no reply of it; request fields and
+    reply features follow the chat contract as a live audit's do (`chat_contract`: stop strings
+    replayed as cut, fields declared `neutral` by the auditor, `scored_text`): an unusable one is
+    raised, or with skip_unusable counted in `skipped` as (source, kind, what)."""
     groups: dict[str, list[Claim]] = {}
+    meta: dict[str, dict] = {}
     skipped = skipped if skipped is not None else []
+    unseeded = unseeded if unseeded is not None else []
     for ex in iter_chat_log(log, skip_unusable=skip_unusable, skipped=skipped):
         n_out = len(ex.output_token_ids) if ex.output_token_ids is not None else (ex.usage or {}).get("completion_tokens")
         err = unusable_for_replay(ex, neutral) or _over_context(ex, n_out, max_positions)
@@ -205,24 +259,34 @@ def log_sources(log: Path, model_name: str, params: SamplingParams, tokens: str,
         if how == RETURNED and ex.output_token_ids is None:
             raise VerinferError("the log holds no token ids for this exchange (--tokens returned)", where=ex.source,
                                 fix="derive them from the text (--tokens derived, the default)")
-        own = replace(params, max_tokens=max(1, int(ex.sampling.get("max_tokens") or n_out or params.max_tokens)))
+        length = max(1, int(ex.sampling.get("max_tokens") or n_out or params.max_tokens))
+        own = exchange_params(ex, length, (noise_for or {}).get(vendor, noise))
         if how == DERIVED and (cut or ex.finish_reason == "length") and not text:
             skipped.append((ex.source, "no-text", "nothing left to score: cut by a stop string or inside its first "
                                                   "character before any whole text"))
             continue
-        groups.setdefault(vendor, []).append(Claim.from_chat(
-            ex.id, model_name, list(ex.messages), text, ex.finish_reason, own, retok, tokens=how,
+        mode = "unseeded" if own is None else "greedy" if own.greedy else "seeded"
+        claim = Claim.from_chat(
+            ex.id, model_name, list(ex.messages), text, ex.finish_reason,
+            own or replace(params, max_tokens=length), retok, tokens=how,
             returned=(None if ex.prompt_token_ids is None else list(ex.prompt_token_ids),
                       None if ex.output_token_ids is None else list(ex.output_token_ids)),
-            usage=ex.usage, provider=vendor, extra={"source": ex.source}, stop=stops if cut else None))
-    if not groups:
+            usage=ex.usage, provider=vendor, extra={"source": ex.source, "mode": mode}, stop=stops if cut else None)
+        if own is None:
+            unseeded.append((vendor, unseeded_record(ex, claim)))
+            continue
+        key = sampling_key(own)
+        group = vendor if own.greedy else f"{vendor} [{key}]"
+        groups.setdefault(group, []).append(claim)
+        meta[group] = {"vendor": vendor} if own.greedy else {"vendor": vendor, "mode": "seeded", "sampling": key}
+    if not groups and not unseeded:
         kinds = Counter(kind for _, kind, _ in skipped)
         raise VerinferError("the log holds no exchange that can be audited (skipped "
                             + ", ".join(f"{n} {k}" for k, n in kinds.most_common()) + ")", where=str(log),
-                            fix="greedy chat exchanges with text replies are audited; chat_log.UNUSABLE_KINDS says "
+                            fix="chat exchanges with text replies are audited; chat_log.UNUSABLE_KINDS says "
                                 "why each skipped kind is not")
-    return {vendor: InHand(claims, {"log": Path(log).name, "vendor": vendor}) for vendor, claims in groups.items()}
+    return {group: InHand(claims, {"log": Path(log).name, **meta[group]}) for group, claims in groups.items()}
 
 
-__all__ = ["ChatSource", "CompletionsSource", "claim_tokens", "log_sources", "reply_claim", "scored_text",
-           "vendor_dir_name"]
+__all__ = ["ChatSource", "CompletionsSource", "claim_tokens", "exchange_params", "log_sources", "reply_claim",
+           "sampling_key", "scored_text", "unseeded_record", "vendor_dir_name"]

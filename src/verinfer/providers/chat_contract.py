@@ -141,7 +141,7 @@ def check_request(fields: dict, where: str, fix_tail: str = "") -> None:
 
 
 def replay_refusal(fields: dict, where: str, neutral: tuple[str, ...] = (), fix_tail: str = "") -> ContractError | None:
-    """Why a greedy replay cannot rebuild what the vendor did with these request fields (None if it
+    """Why a replay (greedy or seeded) cannot rebuild what the vendor did with these request fields (None if it
     can): a changed chat template, or a field no group of the contract holds (`neutral`: the
     vendor's own fields the auditor declares neutral)."""
     tail = f", {fix_tail}" if fix_tail else ""

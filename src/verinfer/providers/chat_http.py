@@ -2,8 +2,8 @@
 (`/v1/chat/completions`: hosted open-weight APIs, routers that pin a provider, a company's gateway,
 vLLM, SGLang), which take messages and return text.
 
-    request  {"model", "messages", "max_tokens", "temperature", "top_p", "seed" (seeded mode only),
-              **extra}   (extra: the vendor's own fields, passed through: e.g. OpenRouter's
+    request  {"model", "messages", "max_tokens", "temperature", "top_p", "top_k" / "min_p" (where they
+              filter: vLLM's extensions), "seed" (sampled requests only), **extra}   (extra: the vendor's own fields, passed through: e.g. OpenRouter's
               {"provider": {"order": ["X"], "allow_fallbacks": false}}, vLLM's
               {"return_token_ids": true}, stop strings; checked against `chat_contract` when
               the vendor is read: a field the replay cannot rebuild is refused there)
@@ -27,15 +27,19 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from verinfer.errors import VerinferError
 from verinfer.providers.chat_contract import check_request, model_end_of, replay_refusal
 from verinfer.openai_client import EndpointError, endpoint_errors, new_client
 from verinfer.providers.openai_http import TokenId, _short
+from verinfer.sampling.noise import NOISE_BACKENDS
 from verinfer.sampling.params import SamplingParams
 
-RESERVED = ("model", "messages", "max_tokens", "temperature", "top_p", "seed", "n", "stream")
+RESERVED = ("model", "messages", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "n", "stream")
+SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "noise", "mode")  # a vendor's own audit sampling
 
 
 @dataclass(frozen=True)
@@ -52,8 +56,13 @@ class ChatEndpoint:
     timeout: float = 120.0
     max_retries: int = 5
     neutral_fields: tuple[str, ...] = ()  # the vendor's own `extra` fields the auditor declares neutral
+    sampling: dict = field(default_factory=dict)  # SAMPLING_KEYS this vendor is audited at (else the audit's)
 
     def __post_init__(self):
+        unknown = [k for k in self.sampling if k not in SAMPLING_KEYS]
+        if unknown:
+            raise VerinferError(f"vendor {self.name!r}: unknown sampling fields {unknown}",
+                                fix=f"use {', '.join(SAMPLING_KEYS)}")
         clash = [k for k in self.extra if k in RESERVED]
         if clash:
             raise VerinferError(f"vendor {self.name!r}: extra fields {clash} would override the audit's own request "
@@ -82,7 +91,7 @@ class ChatEndpoint:
     def public(self) -> dict:
         """What may be written into outputs (the key's variable name, never its value)."""
         return {"name": self.name, "base_url": self.base_url, "model": self.model, "api_key_env": self.api_key_env,
-                "extra": self.extra}
+                "extra": self.extra, **({"sampling": self.sampling} if self.sampling else {})}
 
 
 class ChatMessageOut(BaseModel):
@@ -125,11 +134,17 @@ class ChatReply:
 
 
 def chat_request(endpoint: ChatEndpoint, messages: list[dict], params: SamplingParams) -> dict:
-    """The request body (without the key): sampling as asked; `seed` only when sampling is seeded."""
+    """The request body (without the key): sampling as asked; `seed` only when sampling is seeded,
+    `top_k` / `min_p` only where they filter (vLLM's and SGLang's extensions of the chat API)."""
     body = {"model": endpoint.model, "messages": list(messages), "max_tokens": params.max_tokens,
             "temperature": params.temperature, "top_p": params.top_p}
-    if params.seed is not None and not params.greedy:
-        body["seed"] = params.seed
+    if not params.greedy:
+        if params.top_k > 0:
+            body["top_k"] = params.top_k
+        if params.min_p > 0:
+            body["min_p"] = params.min_p
+        if params.seed is not None:
+            body["seed"] = params.seed
     return {**body, **endpoint.extra}
 
 
@@ -196,6 +211,21 @@ class VendorRecord(BaseModel):
     concurrency: int = Field(4, ge=1, le=256)
     timeout: float = Field(120.0, gt=0)
     max_retries: int = Field(5, ge=0, le=20)
+    # the sampling this vendor is audited at (default: the audit's --temperature, --top-p, ...); noise: the
+    # sampler it declares (the probe's first candidate; with mode "seeded" no probe is sent)
+    temperature: float | None = Field(None, ge=0, le=100)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0, le=1)
+    noise: str | None = None
+    mode: Literal["auto", "seeded", "greedy"] | None = None
+
+    @field_validator("noise")
+    @classmethod
+    def _known_noise(cls, v):
+        if v is not None and v not in NOISE_BACKENDS:
+            raise ValueError(f"unknown noise backend {v!r} (use one of {', '.join(NOISE_BACKENDS)})")
+        return v
 
 
 class VendorsFile(BaseModel):
@@ -214,6 +244,10 @@ def read_vendors(path: str | Path) -> list[ChatEndpoint]:
         concurrency = 4                                # requests in flight (default 4)
         extra = { provider = { order = ["acme"], allow_fallbacks = false } }   # passed through
         neutral_fields = []                            # extra fields of the vendor's own that change no token
+        temperature = 0.7                              # optional: audited at this sampling (else the audit's:
+        top_p = 0.95                                   #   --temperature, --top-p, --top-k, --min-p)
+        noise = "vllm-cpu"                             # optional: the sampler it declares (the probe tries it first)
+        mode = "auto"                                  # optional: auto (probe) | seeded (trust noise) | greedy
 
     `extra` is checked against the chat contract (`chat_contract`): a field that changes the tokens
     in a way the replay cannot rebuild is refused here, before any request is sent.
@@ -235,12 +269,19 @@ def read_vendors(path: str | Path) -> list[ChatEndpoint]:
         fld = ".".join(str(x) for x in loc[2:]) or ".".join(str(x) for x in loc)
         raise VerinferError(f"{who}: `{fld}` {err['msg']} (got {str(err.get('input'))[:60]!r})", where=str(p),
                             fix="each [[vendor]] needs name, base_url and model; optional api_key_env, concurrency, "
-                                "timeout, max_retries, extra") from None
+                                "timeout, max_retries, extra, neutral_fields, temperature, top_p, top_k, min_p, noise, "
+                                "mode") from None
     names = [v.name for v in vendors]
     dup = sorted({n for n in names if names.count(n) > 1})
     if dup:
         raise VerinferError(f"vendor names repeat: {dup}", where=str(p), fix="give each vendor its own name")
     try:
-        return [ChatEndpoint(**{**v.model_dump(), "neutral_fields": tuple(v.neutral_fields)}) for v in vendors]
+        eps = []
+        for v in vendors:
+            d = v.model_dump()
+            sampling = {k: d.pop(k) for k in SAMPLING_KEYS}
+            eps.append(ChatEndpoint(**{**d, "neutral_fields": tuple(v.neutral_fields)},
+                                    sampling={k: x for k, x in sampling.items() if x is not None}))
+        return eps
     except VerinferError as e:
         raise VerinferError(e.what, where=f"{p}: {e.where}", fix=e.fix) from None

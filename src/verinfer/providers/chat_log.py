@@ -68,7 +68,6 @@ reading goes on. Kinds of the file itself (FILE_KINDS): no such file, and no usa
     over-length      the reply's token count (its token_ids, else usage.completion_tokens) exceeds
                      the request's max_tokens (the caller bounds one without max_tokens by the
                      model's context)
-    sampled          temperature > 0: raised by `unusable_for_replay` (greedy audits), kept by this reader
     reasoning        a reply with a reasoning block the model's template does not render (raised by
                      `chat_contract.reasoning_reply`, kept here)
     template-fields  the request changed the chat template (chat_template, chat_template_kwargs, ...):
@@ -77,7 +76,10 @@ reading goes on. Kinds of the file itself (FILE_KINDS): no such file, and no usa
                      unless declared neutral)
 
 Which request fields and reply features an audit understands is `providers/chat_contract.py`'s,
-the same for this log's lines and a live audit's requests.
+the same for this log's lines and a live audit's requests. Sampled exchanges are not refused: the
+sampling fields are the audit's own (`chat_contract.AUDIT_FIELDS`), read into `sampling`; the caller
+judges an exchange seeded where it has a seed and a declared sampler, else records it unseeded
+(`core.sources.exchange_params`).
 """
 
 from __future__ import annotations
@@ -114,8 +116,6 @@ UNUSABLE_KINDS = {
     "too-long": "a line longer than 16 MiB (the claims files' limit): no exchange an audit replays is that long",
     "over-length": "the reply has more tokens than its request allowed (max_tokens) or than the model's context: "
                    "it is not a reply to this request",
-    "sampled": "sampled at temperature > 0: replayed only with the provider's seed and sampler (refused by "
-               "`unusable_for_replay` for a greedy audit; this reader keeps them)",
     **REFUSED_KINDS,  # the chat contract's, shared with the live path (providers/chat_contract.py)
 }
 FILE_KINDS = {
@@ -392,16 +392,11 @@ def _check_unicode(texts: list[tuple[str, str]], where: str) -> None:
 
 
 def unusable_for_replay(ex, neutral: tuple[str, ...] = ()) -> ChatLogError | None:
-    """Why a logged exchange cannot be replayed by a greedy audit (None if it can): sampled, or request
-    fields the replay cannot rebuild (`chat_contract.replay_refusal`: template fields, fields the
-    contract does not know and the auditor did not declare `neutral`). A reasoning block is the
+    """Why a logged exchange cannot be replayed (None if it can): request fields the replay cannot
+    rebuild (`chat_contract.replay_refusal`: template fields, fields the contract does not know and
+    the auditor did not declare `neutral`). Its sampling is the audit's own, never a refusal (a
+    sampled exchange is judged seeded or recorded unseeded by the caller). A reasoning block is the
     caller's to render (`chat_contract.reasoning_reply`)."""
-    t = ex.sampling.get("temperature", 1.0)
-    if t != 0:
-        return ChatLogError(f"sampled at temperature {t}: a sampled reply is replayed only with the provider's seed "
-                            "and sampler", kind="sampled", where=ex.source,
-                            fix="audit greedy (temperature 0) exchanges; sampled ones need `verinfer audit-api` "
-                                "with seeds")
     e = replay_refusal(ex.sampling.get("extra", {}), ex.source, neutral, "or pass --skip-unusable")
     return None if e is None else ChatLogError(e.what, kind=e.kind, where=e.where, fix=e.fix)
 

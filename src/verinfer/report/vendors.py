@@ -128,7 +128,7 @@ class VendorsDoc(_Model):
     created: str
     verinfer_version: str
     target_fpr: float = Field(gt=0, lt=1)
-    mode: Literal["greedy"]
+    mode: Literal["greedy", "seeded", "mixed"]  # the claims' modes (apps.audit_chat: "mixed" when several)
     settings: dict
     bands: dict[str, Band]
     vendors: list[Vendor] = Field(min_length=1)
@@ -345,11 +345,19 @@ def _rate(x: float | None) -> str:
     return "-" if x is None else f"{x:.3f}"
 
 
+def _mode_text(doc: dict) -> str:
+    """How the vendors were sampled: temperature 0, or the modes of a sampled audit (apps.audit_chat)."""
+    if doc.get("mode", "greedy") == "greedy":
+        return "temperature 0"
+    modes = doc.get("modes") or {}
+    return "modes " + ", ".join(f"{m} {n} claims" for m, n in modes.items() if n) if modes else f"mode {doc['mode']}"
+
+
 def render_vendors_markdown(doc: dict) -> str:
     """vendors.md: a vendors.json (audit-vendors, audit-api --chat, audit-log) as markdown tables."""
     lines = [f"# {doc['title']}", "",
              f"Trusted model {doc['trusted_model']} (weights sha256 {doc['trusted_weights_sha256'][:16]}...), "
-             f"temperature 0, target FPR {doc['target_fpr']}; detector: {doc['detector']['summary']}.", "",
+             f"{_mode_text(doc)}, target FPR {doc['target_fpr']}; detector: {doc['detector']['summary']}.", "",
              "| vendor | verdict | nearest band | exact match | mean margin | mean cross-entropy | tokens | requests | "
              "tokens to decide | requests to decide | re-cut |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for v in doc["vendors"]:

