@@ -98,8 +98,9 @@ def vendors_toml(proxy: Proxy, names) -> str:
 def test_seeded_vendors_side_by_side(proxy, tmp_path):
     """At temperature 0.7 / top-p 0.95 (mode auto): the honest vendor is recognised as sampling with
     vllm-cpu, every token matches (exact match 1.0: the re-cut restores the server's own ids) and it is
-    not flagged; 0.8 for 0.7 and seed + 1 are flagged; a vendor dropping seeds is reported unseeded,
-    with no verdict and no score."""
+    not flagged; 0.8 for 0.7 is flagged; a vendor dropping seeds, and one sampling with seed + 1 (it
+    honours seeds, but no known sampler reproduces it), are reported unseeded, with no verdict and no
+    score: a sampler verinfer does not know is never judged as if it were another one."""
     cfg = tmp_path / "vendors.toml"
     cfg.write_text(vendors_toml(proxy, REWRITES))
     out = tmp_path / "audit"
@@ -109,7 +110,7 @@ def test_seeded_vendors_side_by_side(proxy, tmp_path):
     assert "no-seed: unseeded: needs the unseeded detectors" in r.output
     doc = json.loads((out / "vendors.json").read_text())
     rows = {v["name"]: v for v in doc["vendors"]}
-    assert set(rows) == {"honest", "hot", "seed-offset"} and doc["mode"] == "seeded"
+    assert set(rows) == {"honest", "hot"} and doc["mode"] == "seeded"
     honest = rows["honest"]
     assert honest["mode"] == "seeded" and honest["sampling"] == {"temperature": 0.7, "top_p": 0.95, "top_k": -1,
                                                                  "min_p": 0.0, "noise": "vllm-cpu"}
@@ -129,18 +130,18 @@ def test_seeded_vendors_side_by_side(proxy, tmp_path):
     assert all(scored[c["id"]] == c["chat"]["returned_output_token_ids"] for c in claims)
     # ...one of which the text re-encodes otherwise (measured 1 of 12): re-cut at the seeded sample
     assert honest["drift"] == honest["resegmented"] == 1 / 12
-    for bad in ("hot", "seed-offset"):
-        assert rows[bad]["verdict"]["flagged"] and rows[bad]["exact_match"] < 0.95, json.dumps(rows[bad])
+    assert rows["hot"]["verdict"]["flagged"] and rows["hot"]["exact_match"] < 0.95, json.dumps(rows["hot"])
     assert rows["hot"]["probe"]["noise"] == "vllm-cpu"  # the probe (at temperature 1) is served as asked
-    assert not rows["seed-offset"]["probe"]["recognised"] and "no known sampler" in rows["seed-offset"]["note"]
-    assert rows["seed-offset"]["exact_match"] < 0.5
-    (u,) = doc["unseeded"]
+    u, offset = sorted(doc["unseeded"], key=lambda v: v["name"])
+    assert offset["name"] == "seed-offset" and offset["verdict"] is None and offset["probe"]["honours_seeds"]
+    assert not offset["probe"]["recognised"] and max(offset["probe"]["probe_exact_match"].values()) < 0.5
+    assert "no known sampler reproduces its seeded reply" in offset["note"]
     assert u["name"] == "no-seed" and u["mode"] == "unseeded" and u["verdict"] is None and u["exact_match"] is None
     assert u["note"].startswith("unseeded: needs the unseeded detectors (the same seeded request twice gave two")
     assert not u["probe"]["same_seed_same_reply"] and not (out / "vendors" / "no-seed" / "scores.parquet").exists()
     recorded = (out / "vendors" / "no-seed" / "claims.jsonl").read_text().splitlines()
     assert len(recorded) == u["n_claims"] == 12 and all(json.loads(x)["mode"] == "unseeded" for x in recorded)
-    assert doc["modes"]["unseeded"] == 12 and doc["modes"]["greedy"] == 0
+    assert doc["modes"]["unseeded"] == 24 and doc["modes"]["greedy"] == 0
     assert "## Not scored: unseeded" in (out / "vendors.md").read_text()
 
 

@@ -353,8 +353,10 @@ class ChatAudit:
         """(mode, sampling, the probe's record) of a vendor: greedy at temperature 0, seeded as
         declared with mode seeded, else (auto) the seed probe (`core.completions.seed_probe`) on the
         first conversation at max(temperature, 1) (a seed matters) and PROBE_TOKENS tokens: seeds
-        honoured -> seeded with the backend that reproduces the reply (none does: the declared one,
-        and the record says so), else unseeded. Kept in out/probe.json: a rerun asks nothing."""
+        honoured and a known backend reproduces the reply -> seeded with that backend, else unseeded (a
+        vendor whose sampler verinfer does not know is never judged as if it sampled with another one:
+        an honest vendor would be accused; `mode = "seeded"` with its `noise` forces the replay). Kept
+        in out/probe.json: a rerun asks nothing."""
         if sampling.greedy:
             return "greedy", sampling, None
         if sampling.mode == "seeded":
@@ -376,8 +378,7 @@ class ChatAudit:
                 return (reply.text, reply.finish_reason), claim
 
             record = seed_probe(ask, self.core.engine, probe_candidates(sampling.noise), self.retok)
-            record["mode"] = "seeded" if record["honours_seeds"] else "unseeded"
-            record["noise"] = record.get("noise") or (sampling.noise if record["honours_seeds"] else None)
+            record["mode"] = "seeded" if record["honours_seeds"] and record["recognised"] else "unseeded"
             out.mkdir(parents=True, exist_ok=True)
             path.write_text(json.dumps(record, indent=1) + "\n")
         if record["mode"] == "seeded":
@@ -400,9 +401,6 @@ class ChatAudit:
         row.sampling = None if sampling.greedy else sampling.settings()
         if mode == "unseeded":
             row.note = f"{UNSEEDED_NOTE} ({unseeded_reason(probe)})"
-        elif probe is not None and not probe.get("recognised", True):
-            row.note = (f"no known sampler reproduced the seed probe's reply (exact match by backend: "
-                        f"{probe.get('probe_exact_match')}): judged as sampling with {sampling.noise}, as declared")
         if mode != "unseeded" and (det is None or not sampling.greedy):
             det, bands = self.judged_at(sampling)
         stop = (self.core.stream(det, self.cfg.target_fpr, out / "claims.jsonl", out / "scores.parquet",
@@ -446,6 +444,9 @@ def unseeded_reason(probe: dict | None) -> str:
         return "the same seeded request twice gave two different replies: the vendor ignores seeds"
     if not probe.get("other_seed_other_reply", True):
         return "two different seeds gave the same reply: the vendor ignores seeds"
+    if probe.get("honours_seeds") and not probe.get("recognised", True):
+        return (f"the vendor honours seeds, but no known sampler reproduces its seeded reply (exact match by "
+                f"backend: {probe.get('probe_exact_match')}); mode seeded with its noise forces a seeded replay")
     return "the seed probe found no usable seed"
 
 
