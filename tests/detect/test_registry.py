@@ -25,7 +25,9 @@ def score_table(n: int, sigma: float, rng, columns) -> pa.Table:
     d = np.where(flip, a, -a)
     cols = {"provider": ["p"] * n, "margin": np.maximum(d, 0.0), "exact_match": ~flip,
             "cross_entropy": np.where(flip, 1.0 + a, 0.1) + rng.exponential(0.1, n),
-            "logit_gap": np.where(flip, rng.normal(0.0, 1.0, n), 0.0)}
+            "logit_gap": np.where(flip, rng.normal(0.0, 1.0, n), 0.0),
+            # unseeded rows: the honest provider's PIT is uniform, a noisier one's is not
+            "pit": rng.random(n) ** (sigma / 0.05), "entropy": np.full(n, 0.2)}
     for c in columns:
         if c.startswith(("gap", "env_gap")):
             cols[c] = d
@@ -106,7 +108,7 @@ def test_load_detector_errors(tmp_path):
 def test_make_detector_errors():
     with pytest.raises(UnknownNameError, match="unknown detector 'nope'") as e:
         make_detector("nope")
-    assert e.value.fix == "choose one of clipped-mean, greedy, glrt, likelihood-ratio"
+    assert e.value.fix == "choose one of clipped-mean, greedy, glrt, likelihood-ratio, xent-excess, pit-uniformity"
     with pytest.raises(UnknownNameError, match="unknown detector 'nope'"):
         detector_class("nope")
     with pytest.raises(VerinferError, match="takes no option score_name"):
