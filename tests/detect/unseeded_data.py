@@ -59,7 +59,7 @@ def unseeded_scores(provider: str, seed: int, temperature: float = 1.0, top_p: f
     prompts = _prompts()[:N_CLAIMS][:n_claims] if calibration else _prompts()[N_CLAIMS:][:n_claims]
     requests = [Request(f"{provider}-{seed}-{i}", list(p), replace(served, seed=seed * 100_003 + i))
                 for i, p in enumerate(prompts)]
-    done = _engine(model_dir, numerics).generate(requests, batch_size=32)
+    done = _engine(model_dir, numerics).generate(requests, batch_size=len(requests))  # one batch: fewest steps
     claimed = SamplingParams(temperature=temperature, top_p=top_p, seed=None, unseeded=True, max_tokens=CLAIM_TOKENS)
     name = model_info(TARGET_DIR).name
     claims = [Claim(c.id, name, c.prompt_token_ids, c.output_token_ids, claimed, provider=provider) for c in done]
