@@ -2,7 +2,13 @@
 and claimed with `"seed": null`, scored by `audit.replay.score_chunk` (the PIT, the entropy and the
 cross-entropy of every token), judged by the calibrated `pit-uniformity` and `xent-excess` detectors
 and their betting e-processes. Data: tests/detect/unseeded_data.py (80 claims x 64 tokens = 5,120
-tokens per provider; calibration on two honest configurations, bf16 split-K batches and fp32)."""
+tokens per provider; calibration on two honest configurations, bf16 split-K batches and fp32).
+
+Measured (1% FPR): honest KS p 0.26 (T 1.0) and 0.37 (T 0.7); Neyman Psi^2 (6 components) honest
+5.0 / 3.1 against a line of 16.7, temperature +0.1 164, top-p 0.9 112, the tuned draft 35 (its
+cross-entropy excess z 0.96 against a line of |z| 2.66). Tokens to the first flagged prefix
+(fixed-size / e-process): temperature +0.1 pit 512 / 1,829, xent 256 / 307; top-p 0.9 pit 1,280 /
+1,999, xent 3,072 / 5,009; tuned draft pit 2,048 / not within 5,120 (sup E 7), xent never."""
 
 import math
 
@@ -57,7 +63,9 @@ def test_pit_of_honest_claims_is_uniform(temperature):
 
 
 def test_honest_claims_pass_both_detectors(pit_det, xent_det):
-    assert pit_det.calibration_.heldout.fpr <= 0.05 and xent_det.calibration_.heldout.fpr <= 0.05
+    # held-out honest batches of 250 tokens (5 folds): pit 0 of 40 flagged, xent 2 of 40 (the
+    # excess's spread varies by prompt, which the token bootstrap of its null does not see)
+    assert pit_det.calibration_.heldout.fpr <= 0.025 and xent_det.calibration_.heldout.fpr <= 0.05
     for temperature in (0.7, 1.0):
         t = unseeded_scores("honest", 2, temperature=temperature)
         for det in (pit_det, xent_det):
