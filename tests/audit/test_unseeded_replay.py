@@ -32,5 +32,4 @@ def test_mixed_modes_score_in_one_file(tmp_path):
     pit, ent = u[PIT].to_numpy(), u[ENTROPY].to_numpy()
     assert ((pit >= 0) & (pit <= 1)).all() and (ent > 0).all() and (u[MARGIN].to_numpy() >= 0).all()
     again = score_claims(unseeded, eng, tmp_path / "again.parquet").table()  # reproducible: keyed uniforms
-    order = {cid: k for k, cid in enumerate(again["claim_id"].to_pylist()[::12])}
-    assert np.array_equal(np.sort(again[PIT].to_numpy()), np.sort(pit)) and len(order) == 4
+    assert np.array_equal(np.sort(again[PIT].to_numpy()), np.sort(pit))

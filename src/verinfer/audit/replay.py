@@ -42,7 +42,8 @@ from verinfer.sampling.gap import block_gaps, score_claimed
 from verinfer.sampling.pit import pit_uniforms, unseeded_rows
 from verinfer.fingerprint import check_layer, l2_distances, parse_fingerprint
 from verinfer.scores import (CLAIM_ID, CROSS_ENTROPY, DEFAULT_SIGMA, ENTROPY, ENVELOPE_PREFIX, EXACT_MATCH, FP_L2,
-                             GAP_TEMPERATURE_FACTORS, GAP_TOP_P_SLACK, LIKELIHOOD, MARGIN, MODE, PIT, POSITION, PROVIDER,
+                             GAP_TEMPERATURE_FACTORS, GAP_TOP_P_SLACK, LIKELIHOOD, MARGIN, MODE, PIT, POSITION,
+                             PROVIDER,
                              REPLAY_TOKEN_ID, SCORE_SCHEMA, TOKEN_ID, UNKNOWN_PROVIDER, Provenance, gap_column_names,
                              likelihood_score, make_provenance, part_is_readable, read_part, read_scores,
                              schema as scores_schema,

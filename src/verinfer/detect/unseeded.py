@@ -91,7 +91,8 @@ import pyarrow.compute as pc
 from numpy.polynomial import legendre
 from scipy.stats import chi2, norm
 
-from verinfer.detect.base import ColumnStatistics, decode_groups, encode_f8, group_labels, num_rows, stratified_subsample
+from verinfer.detect.base import (ColumnStatistics, decode_groups, encode_f8, group_labels, num_rows,
+                                  stratified_subsample)
 from verinfer.detect.tail import MIN_RESAMPLED_HITS, compress, mean_tail
 from verinfer.errors import VerinferError
 from verinfer.sampling.params import UNSEEDED
@@ -170,7 +171,8 @@ class UnseededDetector(ColumnStatistics):
         rows = self.token_rows(table)
         raw = self.features(rows)
         if raw.size < 100:
-            raise VerinferError(f"only {raw.size} honest unseeded tokens: too few to calibrate the {self.NAME} detector",
+            raise VerinferError(f"only {raw.size} honest unseeded tokens: too few to calibrate the {self.NAME} "
+                                "detector",
                                 fix="score more honest unseeded claims (>= 100 tokens; 1/FPR per configuration)")
         labels = group_labels(groups, raw.size)
         need = math.ceil(1.0 / self.target_fpr)
