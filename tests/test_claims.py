@@ -110,3 +110,24 @@ def test_non_utf8_claims_file_is_a_claim_error_with_file_and_line(tmp_path):
     with pytest.raises(ClaimError) as e:
         read_claims(p)
     assert f"{p}:2" in e.value.message and "not UTF-8" in e.value.message and "byte 11 of the line" in e.value.message
+
+
+def test_seed_null_at_temperature_above_zero_marks_an_unseeded_claim(tmp_path):
+    """`"seed": null` written out: a sampled claim without a usable seed (audit mode "unseeded");
+    an absent seed stays an error, a stated seed stays seeded, greedy stays greedy."""
+    unseeded = json.loads(json.dumps(GOOD))
+    unseeded["sampling"]["seed"] = None
+    greedy = {**GOOD, "id": "g", "sampling": {"temperature": 0.0, "seed": None}}
+    p = _write(tmp_path, [json.dumps(GOOD), json.dumps({**unseeded, "id": "u"}), json.dumps(greedy)])
+    seeded_c, unseeded_c, greedy_c = read_claims(p)
+    assert [c.sampling.audit_mode for c in (seeded_c, unseeded_c, greedy_c)] == ["seeded", "unseeded", "greedy"]
+    assert unseeded_c.sampling.unseeded and unseeded_c.sampling.seed is None
+    write_claims(tmp_path / "o.jsonl", [unseeded_c])
+    (back,) = read_claims(tmp_path / "o.jsonl")
+    assert back.sampling.unseeded and back.to_json() == unseeded_c.to_json()
+    with pytest.raises(ValueError, match="seed is missing but temperature > 0"):
+        SamplingParams(temperature=1.0, seed=None)
+    with pytest.raises(ValueError, match="seed is 3 in an unseeded claim"):
+        SamplingParams(temperature=1.0, seed=3, unseeded=True)
+    with pytest.raises(ValueError, match="temperature is 0 in an unseeded claim"):
+        SamplingParams(temperature=0.0, unseeded=True)

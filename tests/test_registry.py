@@ -65,7 +65,7 @@ def test_the_converted_registries_keep_their_names_and_errors():
     assert set(KERNELS) == {"native", "fused", "fixed_shape", "tiled", "layercast"} and get_kernels("tiled").name == "tiled"
     assert set(POLICIES) == {"bf16", "batch_invariant", "layercast", "margingate", "margingate_live_cache", "llm42",
                              "gated_llm42", "best"}
-    assert DETECTORS.names() == ("clipped-mean", "greedy", "glrt", "likelihood-ratio")
+    assert DETECTORS.names() == ("clipped-mean", "greedy", "glrt", "likelihood-ratio", "xent-excess", "pit-uniformity")
     assert [c.NAME for c in FORMATS.values()] == list(DETECTORS)
     for fn, kind in ((get_backend, "noise backend"), (get_provider, "provider"), (get_kernels, "kernel strategy"),
                      (POLICIES.get, "determinism policy"), (RELAX.get, "acceptance rule"),

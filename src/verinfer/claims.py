@@ -11,8 +11,11 @@
 
 `sampling.temperature` is required; at temperature > 0 every other `sampling` field is too (a
 missing one is an error naming it, never a default); at temperature 0 (greedy) the filters, seed
-and noise change nothing and may be absent. A line is at most MAX_LINE_BYTES (16 MiB):
-a longer one is refused with its line number before it is read whole or parsed.
+and noise change nothing and may be absent. `"seed": null` written out at temperature > 0 marks a
+sampled claim without a usable seed: it is audited in mode "unseeded" (`SamplingParams.unseeded`;
+the reference's distribution alone, sampling/pit.py), where an absent seed stays an error. A
+line is at most MAX_LINE_BYTES (16 MiB): a longer one is refused with its line number before it
+is read whole or parsed.
 
 Token ids are what is scored. A chat reply (`chat`) keeps the messages and the text it was made
 from and says how its ids were obtained: returned by the endpoint, or derived from the text with
@@ -61,6 +64,11 @@ class SamplingRecord(BaseModel):
     seed: StrictInt | None = None
     noise: str | None = None
 
+    @property
+    def unseeded(self) -> bool:
+        """Sampled (temperature > 0) with `"seed": null` stated: audited without a seed."""
+        return self.temperature > 0 and self.seed is None and "seed" in self.model_fields_set
+
     @model_validator(mode="after")
     def _in_range(self) -> "SamplingRecord":
         missing = [k for k, v in GREEDY_DEFAULTS.items() if getattr(self, k) is None]
@@ -71,7 +79,7 @@ class SamplingRecord(BaseModel):
             setattr(self, k, GREEDY_DEFAULTS[k])
         try:
             check_sampling(temperature=self.temperature, top_p=self.top_p, min_p=self.min_p, seed=self.seed,
-                           noise=self.noise)
+                           noise=self.noise, unseeded=self.unseeded)
         except SamplingParamError as e:  # name the field the way the reader names every field
             raise ValueError(f"`sampling.{e.field}` {e.detail}") from None
         except UnknownNameError as e:
@@ -247,7 +255,7 @@ def parse_claim(obj: object, where: str) -> Claim:
         raise _claim_error(e, where) from None
     s = rec.sampling
     params = SamplingParams(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, min_p=s.min_p, seed=s.seed,
-                            max_tokens=len(rec.output_token_ids), noise=s.noise)
+                            max_tokens=len(rec.output_token_ids), noise=s.noise, unseeded=s.unseeded)
     known = {"id", "model", "prompt_token_ids", "output_token_ids", "sampling", "provider"}
     return Claim(str(rec.id), rec.model, list(rec.prompt_token_ids), list(rec.output_token_ids), params, rec.provider,
                  {k: v for k, v in obj.items() if k not in known}, source=where)

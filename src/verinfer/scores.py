@@ -14,6 +14,16 @@ apps read them only through it. Columns (every name a constant of this module):
     likelihood       log Phi(-margin / (sqrt(2) sigma)) <= 0 (DiFR appendix A; `likelihood_score`)
     fp_l2            Activation-DiFR: L2 distance between the claim's fingerprint and the
                      verifier's recomputation; null at unlogged positions / claims without one
+    audit_mode       the audit mode the claim was scored in (`sampling.params.AUDIT_MODES`):
+                     "seeded", "greedy" or "unseeded" (sampled, no usable seed: `"seed": null`)
+    pit, entropy     unseeded rows only (null elsewhere; `sampling.pit`): the randomized
+                     probability integral transform u in [0, 1] of the claimed token under the
+                     verifier's filtered distribution (descending probability, u = 1 if filtered
+                     out) and that distribution's entropy H (nats); cross_entropy - entropy is the
+                     cross-entropy excess. In unseeded rows margin, replay_token_id and
+                     exact_match are the noise-free ones (replay = the argmax of the filtered
+                     distribution, margin = its raw logit minus the claimed token's): no seed
+                     regenerates the sampler's noise, so they are not Token-DiFR's
 
 With `verinfer score --gaps`, the signed gaps the perturbation GLRT reads: `gap{s}` (signed
 post-Gumbel gap of the claimed token to its strongest competitor: > 0 the margin of a token the
@@ -53,12 +63,14 @@ from scipy.special import log_ndtr
 from verinfer._version import __version__
 from verinfer.errors import VerinferError
 from verinfer.io import atomic_write
+from verinfer.sampling.params import AUDIT_MODES
 
 # -- column names ---------------------------------------------------------------------------------
 CLAIM_ID, PROVIDER, POSITION, TOKEN_ID, REPLAY_TOKEN_ID = "claim_id", "provider", "position", "token_id", \
     "replay_token_id"
 MARGIN, EXACT_MATCH, CROSS_ENTROPY, LIKELIHOOD, FP_L2 = "margin", "exact_match", "cross_entropy", "likelihood", \
     "fp_l2"
+MODE, PIT, ENTROPY = "audit_mode", "pit", "entropy"  # the audit mode of every row; unseeded rows' features
 SCORES = (MARGIN, LIKELIHOOD, EXACT_MATCH, CROSS_ENTROPY)  # Token-DiFR family (one per token)
 ACTIVATION_SCORES = (FP_L2,)  # Activation-DiFR: one per logged token (null elsewhere)
 ALL_SCORES = SCORES + ACTIVATION_SCORES
@@ -69,6 +81,7 @@ SCORE_SCHEMA = pa.schema([
     (CLAIM_ID, pa.string()), (PROVIDER, pa.string()), (POSITION, pa.int32()), (TOKEN_ID, pa.int32()),
     (REPLAY_TOKEN_ID, pa.int32()), (MARGIN, pa.float64()), (EXACT_MATCH, pa.bool_()),
     (CROSS_ENTROPY, pa.float64()), (LIKELIHOOD, pa.float64()), (FP_L2, pa.float64()),
+    (MODE, pa.string()), (PIT, pa.float64()), (ENTROPY, pa.float64()),
 ])
 DEFAULT_SIGMA = 0.1  # the likelihood score's noise scale when none is fitted
 
@@ -371,7 +384,8 @@ def read_scores(path: str | Path) -> pa.Table:
 # The values each score column can hold (`verinfer score` writes nothing else): (low, high, nulls allowed).
 # NaN is never a score (fp_l2's unlogged positions are null).
 COLUMN_RANGES = {MARGIN: (0.0, np.inf, False), CROSS_ENTROPY: (0.0, np.inf, False),
-                 LIKELIHOOD: (-np.inf, 0.0, True), FP_L2: (0.0, np.inf, True),
+                 LIKELIHOOD: (-np.inf, 0.0, True), FP_L2: (0.0, np.inf, True), PIT: (0.0, 1.0, True),
+                 ENTROPY: (0.0, np.inf, True),
                  POSITION: (0, None, False), TOKEN_ID: (0, None, False), REPLAY_TOKEN_ID: (-1, None, True)}
 
 
@@ -401,6 +415,11 @@ def validate_scores(t: pa.Table, where: str) -> None:
             i = int(np.flatnonzero(bad)[0])
             raise VerinferError(f"column {name} holds {v[i]!r} at row {i} ({int(bad.sum())} such rows): a {name} lies "
                                 f"in [{low}, {'inf' if high is None else high}]", where=where, fix=fix)
+    if MODE in t.column_names:
+        bad_modes = set(t[MODE].unique().to_pylist()) - set(AUDIT_MODES)
+        if bad_modes:
+            raise VerinferError(f"column {MODE} holds {sorted(map(str, bad_modes))}: a mode is one of "
+                                f"{', '.join(AUDIT_MODES)}", where=where, fix=fix)
     if POSITION in t.column_names:
         keys = t.select([PROVIDER, CLAIM_ID, POSITION])
         if keys.group_by(keys.column_names).aggregate([]).num_rows != t.num_rows:

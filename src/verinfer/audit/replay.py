@@ -39,9 +39,11 @@ from verinfer.engine.engine import Engine, Replay
 from verinfer.errors import VerinferError
 from verinfer.retokenize import Retokenizer
 from verinfer.sampling.gap import block_gaps, score_claimed
+from verinfer.sampling.pit import pit_uniforms, unseeded_rows
 from verinfer.fingerprint import check_layer, l2_distances, parse_fingerprint
-from verinfer.scores import (CLAIM_ID, CROSS_ENTROPY, DEFAULT_SIGMA, ENVELOPE_PREFIX, EXACT_MATCH, FP_L2,
-                             GAP_TEMPERATURE_FACTORS, GAP_TOP_P_SLACK, LIKELIHOOD, MARGIN, POSITION, PROVIDER,
+from verinfer.scores import (CLAIM_ID, CROSS_ENTROPY, DEFAULT_SIGMA, ENTROPY, ENVELOPE_PREFIX, EXACT_MATCH, FP_L2,
+                             GAP_TEMPERATURE_FACTORS, GAP_TOP_P_SLACK, LIKELIHOOD, MARGIN, MODE, PIT, POSITION,
+                             PROVIDER,
                              REPLAY_TOKEN_ID, SCORE_SCHEMA, TOKEN_ID, UNKNOWN_PROVIDER, Provenance, gap_column_names,
                              likelihood_score, make_provenance, part_is_readable, read_part, read_scores,
                              schema as scores_schema,
@@ -129,37 +131,77 @@ def fingerprint_distances(claims: list[Claim], replays: list[Replay], fps: list)
 def scores_table(claims: list[Claim], replays: list[Replay], sigma: float = DEFAULT_SIGMA,
                  fp_l2: np.ndarray | None = None, gaps: bool = False) -> pa.Table:
     """One row per claimed token: Token-DiFR margin, replayed token, exact match, cross-entropy
-    (-log p_y under the verifier's filtered sampling distribution, +inf if filtered out) and
-    the likelihood score. All claims of the chunk are scored in one vectorized pass.
-    gaps: also the signed-gap columns (module docstring)."""
-    margin_N, replay_N, kept_N, logp_N = (x.cpu() for x in score_claimed(*gap_args(claims, replays)))
+    (-log p_y under the verifier's filtered sampling distribution, +inf if filtered out),
+    the likelihood score and the row's audit mode. All claims of the chunk are scored in one
+    vectorized pass per mode. Unseeded claims (`SamplingParams.unseeded`) are scored from the
+    distribution alone (`unseeded_columns`): they add pit and entropy, and their margin, replay and
+    exact match are the noise-free ones. gaps: also the signed-gap columns (module docstring;
+    NaN in unseeded rows, which have no noise to gap)."""
     n_i = [len(c.output_token_ids) for c in claims]
+    N = sum(n_i)
     token_N = (np.concatenate([np.asarray(c.output_token_ids, dtype=np.int32) for c in claims]) if claims
                else np.zeros(0, np.int32))
-    margin = margin_N.numpy()
-    xent = np.where(kept_N.numpy(), -logp_N.numpy(), math.inf)
+    unseeded_i = np.array([c.sampling.unseeded for c in claims], dtype=bool)
+    unseeded_N = np.repeat(unseeded_i, n_i)
+    margin, replay, kept, logp = (np.empty(N, np.float64), np.empty(N, np.int64), np.empty(N, bool),
+                                  np.empty(N, np.float64))
+    pit, ent = np.full(N, np.nan), np.full(N, np.nan)
+    for sel, fn in ((~unseeded_i, _seeded_columns), (unseeded_i, unseeded_columns)):
+        if sel.any():
+            idx = np.flatnonzero(sel)
+            rows = np.repeat(sel, n_i)
+            cols = fn([claims[i] for i in idx], [replays[i] for i in idx])
+            margin[rows], replay[rows], kept[rows], logp[rows] = cols[:4]
+            if fn is unseeded_columns:
+                pit[rows], ent[rows] = cols[4:]
+    xent = np.where(kept, -logp, math.inf)
     table = pa.table({
         CLAIM_ID: np.repeat(np.array([c.id for c in claims], dtype=object), n_i),
         PROVIDER: np.repeat(np.array([c.provider or UNKNOWN_PROVIDER for c in claims], dtype=object), n_i),
         POSITION: np.concatenate([np.arange(n, dtype=np.int32) for n in n_i]) if claims else np.zeros(0, np.int32),
         TOKEN_ID: token_N,
-        REPLAY_TOKEN_ID: replay_N.numpy().astype(np.int32),
+        REPLAY_TOKEN_ID: replay.astype(np.int32),
         MARGIN: margin,
-        EXACT_MATCH: replay_N.numpy() == token_N,
+        EXACT_MATCH: replay == token_N,
         CROSS_ENTROPY: xent,
         LIKELIHOOD: likelihood_score(margin, sigma),
         FP_L2: (pa.array(fp_l2, mask=np.isnan(fp_l2), type=pa.float64()) if fp_l2 is not None
                 else pa.nulls(token_N.size, pa.float64())),
+        MODE: np.repeat(np.array([c.sampling.audit_mode for c in claims], dtype=object), n_i),
+        PIT: pa.array(pit, mask=~unseeded_N, type=pa.float64()),
+        ENTROPY: pa.array(ent, mask=~unseeded_N, type=pa.float64()),
     }, schema=SCORE_SCHEMA)
     if gaps:
-        for name, col in gap_columns_of(claims, replays).items():
+        cols = {name: np.full(N, np.nan) for name in gap_column_names()}
+        if (~unseeded_i).any():
+            idx = np.flatnonzero(~unseeded_i)
+            for name, col in gap_columns_of([claims[i] for i in idx], [replays[i] for i in idx]).items():
+                cols[name][~unseeded_N] = col
+        for name, col in cols.items():
             table = table.append_column(pa.field(name, pa.float64()), pa.array(col, pa.float64()))
     return table
 
 
+def _seeded_columns(claims: list[Claim], replays: list[Replay]) -> tuple[np.ndarray, ...]:
+    """(margin, replay, kept, log p_y) of seeded and greedy claims (`sampling.gap.score_claimed`)."""
+    return tuple(x.cpu().numpy() for x in score_claimed(*gap_args(claims, replays)))
+
+
+def unseeded_columns(claims: list[Claim], replays: list[Replay]) -> tuple[np.ndarray, ...]:
+    """(margin, replay, kept, log p_y, pit, entropy) of unseeded claims (`sampling.pit.unseeded_rows`:
+    noise-free margin and replay; the PIT's uniforms from `pit_uniforms`, keyed by claim id), computed
+    on the replay's device, [N] each to the host."""
+    l_NV = torch.cat([r.logits_TV for r in replays])
+    x_N = torch.cat([torch.tensor(c.output_token_ids, dtype=torch.long) for c in claims])
+    v_N = torch.cat([pit_uniforms(c.id, len(c.output_token_ids)) for c in claims])
+    params_N = [c.sampling for c in claims for _ in c.output_token_ids]
+    r = unseeded_rows(l_NV, x_N, params_N, v_N)
+    return tuple(t.cpu().numpy() for t in (r.margin, r.replay, r.kept, r.logp, r.pit, r.entropy))
+
+
 def _manifest(model_sha: str, numerics: dict, sigma: float, chunk: int, gaps: bool = False, references=()) -> dict:
     """What every part of a scores job shares; each part's own claims are named by its `part_key`."""
-    m = {"model_weights_sha256": model_sha, "numerics": numerics, "sigma": sigma, "chunk_claims": chunk, "format": 3}
+    m = {"model_weights_sha256": model_sha, "numerics": numerics, "sigma": sigma, "chunk_claims": chunk, "format": 4}
     if gaps:
         m["gaps"] = list(GAP_TEMPERATURE_FACTORS)
     if references:

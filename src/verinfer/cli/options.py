@@ -203,10 +203,13 @@ FPR_BATCH_TOKENS = typer.Option(250, min=1, help="Tokens per held-out batch of t
                                                  "honest file's claims, each audited by a detector fit on the other "
                                                  "four).")
 DETECTOR_KIND = typer.Option("clipped-mean", "--detector",
-                             help="clipped-mean | greedy | glrt | likelihood-ratio (detect.DETECTORS): clipped-mean "
+                             help="clipped-mean | greedy | glrt | likelihood-ratio | xent-excess | pit-uniformity "
+                                  "(detect.DETECTORS): clipped-mean "
                                   "(one --score column), greedy (temperature-0 claims: each mismatch counted, plus its "
                                   "margin up to where honest near-ties end), glrt (perturbation GLRT, the detection "
-                                  "lab's `best`; needs scores from `verinfer score --gaps`)")
+                                  "lab's `best`; needs scores from `verinfer score --gaps`), xent-excess and "
+                                  "pit-uniformity (unseeded claims, `\"seed\": null`: the mean cross-entropy excess; "
+                                  "Neyman's smooth test of the PIT values)")
 
 # -- audit ----------------------------------------------------------------------------------------
 AUDIT_INPUTS_ARG = typer.Argument(..., help="Scores Parquet or claims JSONL files.")

@@ -30,12 +30,14 @@ from pathlib import Path
 from typing import ClassVar, TypeVar
 
 import numpy as np
+import pyarrow.compute as pc
 from verinfer.detect import record
 from verinfer.detect.tail import MIN_RESAMPLED_HITS, compress, mean_tail
 from verinfer.detect.verdict import Verdict
 from verinfer.errors import VerinferError
 from verinfer.io import atomic_write_text
-from verinfer.scores import CLAIM_ID, Provenance
+from verinfer.sampling.params import UNSEEDED
+from verinfer.scores import CLAIM_ID, MODE, Provenance
 
 D = TypeVar("D", bound="Detector")
 
@@ -176,6 +178,7 @@ class Detector(abc.ABC):
     REFIT: ClassVar[str] = "refit the detector with `verinfer calibrate`"
     COLUMNS_FIX: ClassVar[str] = "rescore the claims with `verinfer score`"
     JSON_NAMES: ClassVar[dict] = {}  # config attribute -> its key in the JSON "config" (kept for old files)
+    UNSEEDED_ROWS: ClassVar[bool] = False  # whether the detector judges rows scored in unseeded mode
 
     target_fpr: float = field(default=0.01, kw_only=True)
     n_null_batches: int = field(default=2000, kw_only=True)
@@ -208,11 +211,22 @@ class Detector(abc.ABC):
         """The score columns this detector reads (of `table`, where names have alternatives)."""
 
     def require_columns(self, table) -> None:
+        """A VerinferError naming the columns the detector reads that `table` lacks, or (a seeded or
+        greedy detector) rows scored in unseeded mode: their margins are not Token-DiFR's."""
         names = set(column_names(table))
         missing = [c for c in self.columns(table) if c not in names]
         if missing:
             raise VerinferError(f"the scores lack the column{'s' if len(missing) > 1 else ''} "
                                 f"{', '.join(missing)} that the {self.NAME} detector reads", fix=self.COLUMNS_FIX)
+        if not self.UNSEEDED_ROWS and MODE in names:
+            modes = table[MODE]
+            n = int(pc.sum(pc.equal(modes, UNSEEDED)).as_py() or 0) if hasattr(modes, "type") else \
+                int(np.count_nonzero(np.asarray(modes, dtype=object) == UNSEEDED))
+            if n:
+                raise VerinferError(f"{n} scored tokens come from unseeded claims (`\"seed\": null`), which the "
+                                    f"{self.NAME} detector cannot judge: without the seed their margins are not "
+                                    "Token-DiFR's", fix="audit unseeded claims with the xent-excess and pit-uniformity "
+                                                        "detectors, seeded and greedy claims in other scores files")
 
     def token_rows(self, table):
         """The rows of `table` that carry a token for this detector (all rows unless overridden)."""

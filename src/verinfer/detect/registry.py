@@ -13,10 +13,12 @@ from verinfer.detect.clipped_mean import ClippedMeanDetector
 from verinfer.detect.glrt import PerturbationGLRTDetector
 from verinfer.detect.greedy import GreedyDetector
 from verinfer.detect.likelihood_ratio import LikelihoodRatioDetector
+from verinfer.detect.unseeded import CrossEntropyExcessDetector, PITUniformityDetector
 from verinfer.errors import VerinferError
 from verinfer.registry import Registry
 
-_CLASSES = (ClippedMeanDetector, GreedyDetector, PerturbationGLRTDetector, LikelihoodRatioDetector)
+_CLASSES = (ClippedMeanDetector, GreedyDetector, PerturbationGLRTDetector, LikelihoodRatioDetector,
+            CrossEntropyExcessDetector, PITUniformityDetector)
 DETECTORS: Registry[type[Detector]] = Registry("detector", {c.NAME: c for c in _CLASSES})
 FORMATS: Registry[type[Detector]] = Registry("detector file format", {c.FORMAT: c for c in _CLASSES})
 

@@ -50,6 +50,12 @@ sum of rare events (a greedy claim's near-ties) that is the worst configuration 
 rate raised by f_c, and it bounds every mean shift of the same size (log-MGF >= lambda x mean);
 the guarantee holds for providers whose claims' log-MGF is at most f_c psi_worst at every bet.
 "predictive" bounds each bet's log-MGF by its own prediction bound over the groups instead.
+
+null="betting" (the unseeded detectors', `detect.unseeded`): no log-MGF; the per-token betting
+e-process of `detect.betting` on the detector's bounded columns (`betting_lower()`) with its
+calibrated conditional-mean allowance (`betting_allowance_`), bets `lambdas` read as fractions of
+each column's largest safe bet (default `betting.FRACTIONS`). Valid token by token, so the
+decision may fall inside a claim.
 """
 
 from __future__ import annotations
@@ -61,12 +67,13 @@ import numpy as np
 from scipy.special import logsumexp
 
 from verinfer.detect.base import Detector, block_sizes
+from verinfer.detect.betting import FRACTIONS, betting_log_e
 from verinfer.detect.glrt import honest_allowance
 from verinfer.detect.verdict import Verdict
 from verinfer.errors import VerinferError
 
 LAMBDAS = tuple(2.0 ** -k for k in range(9, -1, -1))  # 1/512 .. 1: a claim's sum is ~its length x a token's
-NULLS = ("predictive", "worst-group", "scaled")
+NULLS = ("predictive", "worst-group", "scaled", "betting")
 MAX_LAMBDA = 4.0
 CHUNK = 4096  # tokens per block of the running sums (bounds memory at CHUNK x L x C)
 
@@ -97,14 +104,21 @@ class SequentialAudit:
                                     "--sequential")
         if not 0.0 < self.alpha < 1.0:
             raise ValueError(f"alpha must be in (0, 1), got {self.alpha}")
-        if self.lambdas is None:
-            self.lambdas = tuple(getattr(self.detector, "SEQUENTIAL_LAMBDAS", LAMBDAS))
         if self.null is None:
             self.null = getattr(self.detector, "SEQUENTIAL_NULL", "predictive")
+        if self.lambdas is None:
+            self.lambdas = FRACTIONS if self.null == "betting" else \
+                tuple(getattr(self.detector, "SEQUENTIAL_LAMBDAS", LAMBDAS))
         if not self.lambdas or any(not 0.0 < lam <= MAX_LAMBDA for lam in self.lambdas):
             raise ValueError(f"lambdas must be in (0, {MAX_LAMBDA:g}], got {self.lambdas}")
         if self.null not in NULLS:
             raise ValueError(f"null must be one of {NULLS}, got {self.null!r}")
+        if self.null == "betting":
+            if not hasattr(self.detector, "betting_lower") or any(lam >= 1.0 for lam in self.lambdas):
+                raise ValueError("null 'betting' needs a detector with bounded columns (betting_lower) and bet "
+                                 f"fractions in (0, 1), got {self.lambdas}")
+            self.psi_LC = np.zeros((len(self.lambdas), 0))
+            return
         groups = self.detector.sequential_blocks()
         per_group = np.stack([group_log_mgf(x, self.lambdas) for x in groups])  # [K, L, C]
         k, n_l, n_c = per_group.shape
@@ -126,6 +140,8 @@ class SequentialAudit:
         x = np.asarray(evidence_NC, dtype=np.float64)
         if x.ndim == 1:
             x = x[:, None]
+        if self.null == "betting":  # valid token by token: E moves at every token
+            return betting_log_e(x, self.detector.betting_lower(), self.detector.betting_allowance_, self.lambdas)
         sizes = block_sizes(claims, len(x))
         ends = np.cumsum(sizes)
         block_e = self._log_e_blocks(np.add.reduceat(x, ends - sizes, axis=0) if len(x) else x)

@@ -13,6 +13,8 @@ from typing import Collection
 
 from verinfer.sampling.noise import NOISE_BACKENDS
 
+SEEDED, GREEDY, UNSEEDED = "seeded", "greedy", "unseeded"
+AUDIT_MODES = (SEEDED, GREEDY, UNSEEDED)  # `SamplingParams.audit_mode`; recorded per scored token (scores.MODE)
 MAX_TEMPERATURE = 100.0  # beyond it logits / temperature leave no usable distribution (and 1e308 overflows)
 
 
@@ -25,8 +27,10 @@ class SamplingParamError(ValueError):
 
 
 def check_sampling(*, temperature: float, top_p: float, min_p: float, seed: int | None, noise: str,
-                   max_tokens: int | None = None) -> None:
-    """Raise SamplingParamError for the first setting out of range (top_k: any value; <= 0 is off)."""
+                   max_tokens: int | None = None, unseeded: bool = False) -> None:
+    """Raise SamplingParamError for the first setting out of range (top_k: any value; <= 0 is off).
+    unseeded: a sampled claim whose seed is unknown (audited distributionally, sampling/pit.py):
+    temperature > 0 and no seed."""
     if not (0.0 <= temperature <= MAX_TEMPERATURE):
         raise SamplingParamError("temperature", f"must be in [0, {MAX_TEMPERATURE:g}], got {temperature}")
     if not (0.0 < top_p <= 1.0):
@@ -40,9 +44,16 @@ def check_sampling(*, temperature: float, top_p: float, min_p: float, seed: int 
         raise SamplingParamError("min_p", f"must be 0 with noise {noise!r}, got {min_p}: SGLang's seeded sampler "
                                           "refuses min-p (an assert in top_k_top_p_min_p_sampling_from_probs_torch), "
                                           "so no such reply exists to replay")
-    if temperature > 0 and seed is None:
+    if unseeded:
+        if temperature == 0:
+            raise SamplingParamError("temperature", "is 0 in an unseeded claim: an unseeded claim is sampled "
+                                                    "(temperature > 0); a greedy one needs no seed")
+        if seed is not None:
+            raise SamplingParamError("seed", f"is {seed} in an unseeded claim (a claim with a seed is replayed seeded)")
+    elif temperature > 0 and seed is None:
         raise SamplingParamError("seed", "is missing but temperature > 0: a seeded replay needs the seed the sampler "
-                                         "drew with (set the seed, or sample at temperature 0)")
+                                         "drew with (set the seed, sample at temperature 0, or mark the claim "
+                                         "unseeded: `\"seed\": null` in a claims file)")
     if seed is not None and not (0 <= seed < 2**63):
         raise SamplingParamError("seed", f"must be in [0, 2**63), got {seed}")
 
@@ -63,7 +74,10 @@ class SamplingParams:
 
     temperature 0 means greedy (no noise is drawn, the generator does not advance).
     top_k <= 0, top_p >= 1 and min_p <= 0 switch that filter off.
-    seed is required whenever temperature > 0 (a replay without it is impossible).
+    seed is required whenever temperature > 0 (a replay without it is impossible), unless
+    unseeded: a sampled claim whose seed is unknown (`"seed": null` in a claims file), audited
+    from the reference's distribution alone (audit mode "unseeded", sampling/pit.py); it cannot
+    be generated or replayed seeded.
     noise names the backend that turns the seed into per-step noise (sampling/noise.py).
     """
 
@@ -74,14 +88,21 @@ class SamplingParams:
     seed: int | None = None
     max_tokens: int = 64
     noise: str = "vllm-cpu"
+    unseeded: bool = False
 
     def __post_init__(self):
         check_sampling(temperature=self.temperature, top_p=self.top_p, min_p=self.min_p, seed=self.seed,
-                       noise=self.noise, max_tokens=self.max_tokens)
+                       noise=self.noise, max_tokens=self.max_tokens, unseeded=self.unseeded)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def audit_mode(self) -> str:
+        """How a claim with these settings is audited: "greedy" (temperature 0), "unseeded" (sampled,
+        no usable seed) or "seeded" (the seed replays the sampler's noise)."""
+        return GREEDY if self.greedy else UNSEEDED if self.unseeded else SEEDED
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -94,5 +115,7 @@ def misconfigured(claimed: SamplingParams, temperature: float | None = None, see
     --misconfig and the vLLM runs."""
     if claimed.greedy:
         return claimed
+    if claimed.unseeded:
+        return replace(claimed, temperature=claimed.temperature if temperature is None else temperature)
     return replace(claimed, temperature=claimed.temperature if temperature is None else temperature,
                    seed=(claimed.seed + seed_offset) % 2**63)
