@@ -2,8 +2,17 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+
+# `pytest -n auto` (pytest-xdist, the README's test command): each worker computes on one thread,
+# and so do the servers and CLI processes its tests start (they inherit OMP_NUM_THREADS), so the
+# workers share the cores instead of oversubscribing them.
+if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")
