@@ -449,13 +449,18 @@ def load_score_tables(paths: list[str | Path], *, labels: list[str] | None = Non
     Inputs are keyed: a row's provider is its claim's, else `provider`, else the file's label
     (`labels[i]`, default the file's stem). The same file twice, or a claim id of a provider that
     another file also holds, is an error (it would count the same tokens twice). A provider found
-    in several files is reported per file ("name (label)") unless `merge` pools them."""
+    in several files is reported per file ("name (label)") unless `merge` pools them.
+
+    Files scored before audit modes were recorded (no audit_mode, pit, entropy) read with newer ones
+    keep those columns (`_fill_modes`): their rows' audit_mode is null (greedy or seeded: the rows
+    do not say which, but never unseeded), their pit and entropy null, so the seeded detectors'
+    refusal of unseeded rows and the unseeded detectors' row selection still see the newer files'."""
     labels = labels or [Path(p).stem for p in paths]
     _refuse_repeated_files(paths)
     tables = [_keyed(read_scores(p), provider or label) for p, label in zip(paths, labels)]
     if not tables:
         raise VerinferError("no scores files given", fix="pass the Parquet files `verinfer score` wrote")
-    tables = _common_columns(paths, tables)
+    tables = _common_columns(paths, _fill_modes(tables))
     files_of = _providers_by_file(paths, tables)
     if not merge:
         for name, ks in files_of.items():
@@ -465,6 +470,18 @@ def load_score_tables(paths: list[str | Path], *, labels: list[str] | None = Non
                 tables[k] = t.set_column(t.column_names.index(PROVIDER), PROVIDER, prov)
     common = common_provenance(paths, strict=False)
     return pa.concat_tables(tables).replace_schema_metadata(provenance_metadata(common))
+
+
+def _fill_modes(tables: list[pa.Table]) -> list[pa.Table]:
+    """Null audit_mode / pit / entropy columns in the tables that lack them where another table has
+    them (`load_score_tables`): a file without audit_mode predates unseeded scoring, so none of its
+    rows is unseeded; greedy and seeded rows hold the same columns, and nothing in them tells the two
+    apart (a scores row records no temperature), so the mode stays null rather than guessed."""
+    for name, typ in ((MODE, pa.string()), (PIT, pa.float64()), (ENTROPY, pa.float64())):
+        if any(name in t.column_names for t in tables):
+            tables = [t if name in t.column_names else t.append_column(pa.field(name, typ), pa.nulls(t.num_rows, typ))
+                      for t in tables]
+    return tables
 
 
 def _refuse_repeated_files(paths) -> None:

@@ -426,3 +426,69 @@ def test_impossible_row_rule():
     assert "above 0" in impossible_row({3: 0.01, 9: -9.0}, 3)
     assert "(the claimed token), which is not finite" in impossible_row({3: float("-inf"), 9: -0.1}, 3)
     assert "not finite" in impossible_row({3: -0.1, 9: float("inf")}, 3)
+
+
+@pytest.fixture(scope="module")
+def unseeded_claims(tmp_path_factory):
+    """Honest samples of the testbed claimed unseeded (`"seed": null`): top-k 8 (every kept token
+    within the K = 20 logprobs a server returns) and top-k 50 (not)."""
+    path = tmp_path_factory.mktemp("unseeded") / "claims.jsonl"
+    out = []
+    for name, top_k in (("topk8", 8), ("topk50", 50)):
+        got = run_provider(HONEST["honest-bf16-b8"], TARGET_DIR, prompts_for(TARGET_DIR, 2, 7), SamplingParams(
+            1.0, top_k, 0.95, 0.0, 0, 12, "vllm-cpu"), base_seed=7)
+        out += [c.__class__(f"u-{name}-{i}", c.model, c.prompt_token_ids, c.output_token_ids,
+                            replace(c.sampling, seed=None, unseeded=True), provider=name) for i, c in enumerate(got)]
+    write_claims(path, out)
+    return path
+
+
+@pytest.fixture(scope="module")
+def unseeded_stub(unseeded_claims):
+    s = StubVllm()
+    s.load(read_claims(unseeded_claims))
+    yield s
+    s.close()
+
+
+def _claims_file(src, dst, keep):
+    write_claims(dst, [c for c in read_claims(src) if keep(c)])
+    return dst
+
+
+def test_unseeded_claims_need_the_whole_kept_set(unseeded_claims, unseeded_stub, tmp_path):
+    """An unseeded claim's PIT sums every kept token's probability: on top-k logprob rows it is
+    refused before any request where its settings reach past the k returned (top-k 50 > K), and
+    after the fetch where a row ties at the k-th value; where every row holds its kept set (top-k 8)
+    its pit, entropy and cross-entropy equal local replay's."""
+    from verinfer.errors import VerinferError
+
+    wide = _claims_file(unseeded_claims, tmp_path / "wide.jsonl", lambda c: c.provider == "topk50")
+    unseeded_stub.requests = []
+    with pytest.raises(VerinferError) as e:
+        remote_score(wide, tmp_path / "wide.parquet", unseeded_stub, gaps=False)
+    msg = e.value.message
+    assert f"claim 'u-topk50-0', {wide}:1" in msg and "unseeded" in msg and "top_k=50 >= the 20" in msg, msg
+    assert "local reference" in msg and "--reference-logprobs" in msg, msg
+    assert unseeded_stub.requests == [] and not (tmp_path / "wide.parquet").exists()
+
+    narrow = _claims_file(unseeded_claims, tmp_path / "narrow.jsonl", lambda c: c.provider == "topk8")
+    r = remote_score(narrow, tmp_path / "narrow.parquet", unseeded_stub, gaps=False)
+    loc = pq.read_table(score(narrow, TARGET_DIR, tmp_path / "local.parquet", show_progress=False).path)
+    assert r.num_rows == loc.num_rows == 24 and not r["approximate"].to_numpy().any()
+    assert set(r["audit_mode"].to_pylist()) == {"unseeded"}
+    for c in ("pit", "entropy", "cross_entropy"):
+        np.testing.assert_allclose(r[c].to_numpy(), loc[c].to_numpy(), atol=1e-4, err_msg=c)
+
+    def tie(row, y):  # the 8th to 20th largest logprobs made equal: the top-8 cut may reach past them
+        order = sorted(row, key=row.get, reverse=True)
+        return {**row, **{i: row[order[19]] for i in order[7:20]}}
+
+    unseeded_stub.tamper = tie
+    try:
+        with pytest.raises(VerinferError) as e:
+            remote_score(narrow, tmp_path / "tie.parquet", unseeded_stub, gaps=False)
+    finally:
+        unseeded_stub.tamper = None
+    assert "claim 'u-topk8-0'" in e.value.message and "row of output token 0" in e.value.message, e.value.message
+    assert "tie at the server's 20-th logprob" in e.value.message, e.value.message

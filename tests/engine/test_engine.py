@@ -100,6 +100,23 @@ def test_prompt_over_context_is_refused(tiny_llama_dir):
         eng.prefill([Request("x", [3] * 120, SamplingParams(temperature=0.0, max_tokens=20))])
 
 
+def test_unseeded_params_are_refused_at_the_entry(tiny_llama_dir):
+    """A sampled generation draws noise from a seed; unseeded is an audit mode of received claims.
+    generate (before any batch is run) and prefill name the request and say what to do."""
+    from verinfer.errors import VerinferError
+
+    eng = _engine(tiny_llama_dir)
+    ok = Request("ok", [3, 4, 5], SamplingParams(temperature=1.0, seed=1, max_tokens=2))
+    bad = Request("r7", [3, 4, 5], SamplingParams(temperature=1.0, seed=None, max_tokens=2, unseeded=True))
+    calls = []
+    for call in (lambda: eng.generate([ok, bad], batch_size=1, progress=calls.append), lambda: eng.prefill([bad])):
+        with pytest.raises(VerinferError) as e:
+            call()
+        msg = e.value.message
+        assert "request 'r7'" in msg and "unseeded" in msg and "seed" in e.value.fix, msg
+    assert calls == []  # refused before the first batch
+
+
 def test_nan_logits_are_a_clear_error(tiny_llama_dir):
     from verinfer.errors import NumericsError
 

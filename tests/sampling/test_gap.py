@@ -63,3 +63,30 @@ def test_competitor_gaps_equal_a_loop():
             ref = sorted((float(d[n, c]) for c in range(9) if comp_NK[n, c]), reverse=True)[:k]
             ref += [-math.inf] * (k - len(ref))
             assert out[n].tolist() == ref
+
+
+def test_unseeded_claims_have_no_gap():
+    """An unseeded claim (`"seed": null`) has no noise to regenerate: block_gaps (and its loop
+    reference) give its rows NaN, as greedy ones, and leave the seeded claims' rows as alone; the
+    single-claim functions and score_claimed refuse it with what to use instead."""
+    import numpy as np
+    import pytest
+
+    from verinfer.sampling.gap import block_gaps, block_gaps_loop, postgumbel_gaps, postgumbel_margin, score_claimed
+    from verinfer.sampling.params import SamplingParams
+
+    g = torch.Generator().manual_seed(3)
+    logits = [torch.randn(5, 64, generator=g) * 3 for _ in range(3)]
+    claimed = [torch.randint(0, 64, (5,), generator=g) for _ in range(3)]
+    seeded = [SamplingParams(1.0, 8, 0.95, 0.0, 7 + i, 5) for i in range(2)]
+    unseeded = SamplingParams(1.0, 8, 0.95, 0.0, None, 5, unseeded=True)
+    for fn in (block_gaps, block_gaps_loop):
+        mixed = fn(logits, claimed, [seeded[0], unseeded, seeded[1]], [3, 3, 3], (1.0, 0.9))
+        alone = fn(logits[::2], claimed[::2], seeded, [3, 3], (1.0, 0.9))
+        assert mixed[5:10].isnan().all()
+        np.testing.assert_array_equal(torch.cat([mixed[:5], mixed[10:]]).numpy(), alone.numpy())
+    for call in (lambda: postgumbel_gaps(logits[1], claimed[1], unseeded, 3),
+                 lambda: postgumbel_margin(logits[1], claimed[1], unseeded, 3),
+                 lambda: score_claimed(logits, claimed, [seeded[0], unseeded, seeded[1]], [3, 3, 3])):
+        with pytest.raises(ValueError, match=r"unseeded.*sampling\.pit"):
+            call()

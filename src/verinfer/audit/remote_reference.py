@@ -25,6 +25,15 @@ the same way and marked: column `approximate` (bool) and `approximate_reason` (w
 exact). Greedy claims' cross_entropy is the server's -logprob of the claimed token (the full
 softmax local replay uses). fp_l2 is null: a server returns no activations.
 
+Unseeded claims (`"seed": null`, scored from the distribution alone: sampling/pit.py) need the
+whole filtered distribution: their PIT sums the probabilities of every kept token above the claimed
+one and their entropy every kept token's, so a row that may miss a kept token gives a wrong PIT, not
+an approximate one. Such a claim is refused (`unseeded_refusal`) unless each of its rows is exact by
+the rule above: before any request where its settings can never be (top_k off, or top_k >= k, with
+a vocabulary larger than k), else when a fetched row is not (a tie at the k-th logprob, a token at
+the min-p cut). The error names the claim; fix: score it locally, or ask for more logprobs than its
+top_k.
+
 A hosted reference that is not vLLM (protocol "echo"): OpenAI's completions API with
     {"model": NAME, "prompt": [ids], "max_tokens": 1, "echo": true, "logprobs": k}
 echoes the prompt with, per position, the actual token's logprob (`token_logprobs`) and the top k
@@ -158,6 +167,19 @@ def exactness(values_K: np.ndarray, params: SamplingParams, k: int) -> str | Non
         ratio = np.exp((v[:cut] - v[0]) / params.temperature)  # p / max p, what min-p compares with min_p
         if np.any(np.abs(ratio - params.min_p) <= MIN_P_TOL * params.min_p):
             return "a token within rounding of the min-p cut"
+    return None
+
+
+def unseeded_refusal(params: SamplingParams, k: int, vocab_size: int) -> str | None:
+    """Why the top-k logprob rows of an unseeded claim with these settings can never be exact (its PIT
+    needs every token the filters keep; module docstring); None when they can (`exactness` then
+    decides row by row) or the claim is not unseeded."""
+    if not params.unseeded or vocab_size <= k:
+        return None
+    if params.top_k < 1:
+        return f"top_k is off, so its kept set may reach past the server's top {k} logprobs"
+    if params.top_k >= k:
+        return f"its top_k={params.top_k} >= the {k} logprobs asked, so its kept set may reach past them"
     return None
 
 
@@ -353,6 +375,28 @@ class RemoteReference:
         return out
 
     # --- scoring ------------------------------------------------------------------------------
+    def refuse_unseeded(self, claims: list[Claim], rows: list[list[dict[int, float]]] | None = None) -> None:
+        """A VerinferError naming the first unseeded claim whose rows are not, or (rows None: before
+        they are fetched) can never be, the whole filtered distribution its PIT needs (module docstring)."""
+        for i, c in enumerate(claims):
+            if not c.sampling.unseeded:
+                continue
+            why = unseeded_refusal(c.sampling, self.logprobs, self.config.vocab_size)
+            for t, row in enumerate(rows[i] if rows is not None and why is None else ()):
+                reason = exactness(np.fromiter(row.values(), float), c.sampling, self.logprobs)
+                if reason is not None:
+                    why = f"its row of output token {t} may miss a kept token ({reason})"
+                    break
+            if why is not None:
+                raise VerinferError(
+                    f"the claim is unseeded (`\"seed\": null`): its PIT and entropy need every token its filters "
+                    f"keep, and the {self.protocol} reference at {self.url} returns only the top {self.logprobs} "
+                    f"logprobs per position: {why}",
+                    where=f"claim {c.id!r}{', ' + c.source if c.source else ''}",
+                    fix="score unseeded claims with a local reference (`verinfer score` without --reference-url), "
+                        "or ask for more logprobs than the claims' top_k (--reference-logprobs; the server's "
+                        "--max-logprobs), up to the vocabulary size for a claim without top-k")
+
     def replays(self, claims: list[Claim], rows: list[list[dict[int, float]]]) -> list[Replay]:
         """The rows as Replay logits: [T, V] fp32, the returned logprobs at their ids, -inf elsewhere."""
         out = []
@@ -368,7 +412,9 @@ class RemoteReference:
     def score_chunk(self, claims: list[Claim], rows: list[list[dict[int, float]]], *, sigma: float = DEFAULT_SIGMA,
                     gaps: bool = False, logits_budget: int | None = None, **_) -> pa.Table:
         """`audit.replay.scores_table` over the rows, a group of claims of at most logits_budget
-        [rows, V] elements at a time, plus the exactness columns."""
+        [rows, V] elements at a time, plus the exactness columns. Unseeded claims whose rows are not
+        exact are refused (`refuse_unseeded`)."""
+        self.refuse_unseeded(claims, rows)
         budget = logits_budget or replay_batch_size(self.device)[2]
         tables, group, n = [], [], 0
         for i, c in enumerate(claims):
@@ -398,6 +444,7 @@ class RemoteReference:
         (`audit.replay.recut_claims`; each re-cut claim is fetched again)."""
         with ThreadPoolExecutor(self.concurrency) as pool:
             for k, claims, _fps, _layer in jobs:
+                self.refuse_unseeded(claims)  # settings no top-k row can serve: before any request
                 rows = list(pool.map(self.fetch, claims))
                 if retokenizer is None or not any(c.derived for c in claims):
                     yield k, self.score_chunk(claims, rows, **kwargs)

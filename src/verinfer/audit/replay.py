@@ -90,11 +90,21 @@ def gap_columns_of(claims: list[Claim], replays: list[Replay], factors=GAP_TEMPE
 def envelope_gap_columns(claims: list[Claim], primary: dict, references: dict) -> dict:
     """{"env_" + c: envelope} of every signed-gap column c of `primary` (the primary replay's
     `gap_columns_of`) and of each reference's replay of the same claims (references: name ->
-    (Reference, Engine with the reference's numerics); `audit.references.replay`)."""
+    (Reference, Engine with the reference's numerics); `audit.references.replay`). Unseeded claims
+    have no noise to gap: they are not replayed again, their rows stay NaN (as in `primary`)."""
     from verinfer.audit.references import envelope, replay
 
-    cols = [primary] + [gap_columns_of(claims, replay(ref, eng, claims)) for ref, eng in references.values()]
-    return {ENVELOPE_PREFIX + c: envelope([k[c] for k in cols]) for c in primary}
+    seeded_i = np.array([not c.sampling.unseeded for c in claims], dtype=bool)
+    rows_N = np.repeat(seeded_i, [len(c.output_token_ids) for c in claims])
+    gapped = [c for c, s in zip(claims, seeded_i) if s]
+    cols = [{c: v[rows_N] for c, v in primary.items()}]
+    if gapped:
+        cols += [gap_columns_of(gapped, replay(ref, eng, gapped)) for ref, eng in references.values()]
+    out = {}
+    for c in primary:
+        out[ENVELOPE_PREFIX + c] = np.full(rows_N.size, np.nan)
+        out[ENVELOPE_PREFIX + c][rows_N] = envelope([k[c] for k in cols])
+    return out
 
 
 def fingerprints_of(claims: list[Claim], config, first=None) -> tuple[list, int | None, object]:

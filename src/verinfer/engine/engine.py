@@ -17,12 +17,24 @@ from dataclasses import dataclass, field
 
 import torch
 
-from verinfer.errors import NumericsError
+from verinfer.errors import NumericsError, VerinferError
 from verinfer.models.llama import KVCache, LlamaLM
 from verinfer.numerics import Numerics
 from verinfer.sampling.noise import get_backend
 from verinfer.sampling.params import SamplingParams, stop_reason
 from verinfer.sampling.sampler import sample_batch
+
+
+def refuse_unseeded(requests: list["Request"]) -> None:
+    """A VerinferError naming the first request with unseeded SamplingParams: a sampled generation
+    draws its noise from the request's seed; unseeded is an audit mode of received claims."""
+    r = next((r for r in requests if r.params.unseeded), None)
+    if r is not None:
+        raise VerinferError("its sampling is unseeded (`\"seed\": null`), so there is no seed to draw the sampler's "
+                            "noise from: unseeded is an audit mode of claims received from a provider, not a way "
+                            "to generate", where=f"request {r.id!r}",
+                            fix="give the request a seed (SamplingParams(seed=..., unseeded=False)) or sample at "
+                                "temperature 0")
 
 
 @dataclass
@@ -203,6 +215,7 @@ class Engine:
         features_BTD: a feature-level draft head's per-position input (speculative/feature_head.py),
         aligned with the right-padded prompts; hidden_all: hidden_BTD at EVERY position (prompt +
         appended, [B, T, D]) instead of the returned ones (the head's prefill reads the target's)."""
+        refuse_unseeded(requests)
         B = len(requests)
         A = 0 if append_BA is None else append_BA.shape[1]
         lens = [len(r.prompt_token_ids) for r in requests]
@@ -376,7 +389,9 @@ class Engine:
         hidden_layer, each Completion carries hidden_TD (fp32), the rows `replay` replays.
         drop_finished: a finished row leaves the batch before the next forward (the speculative
         decoders' target-only baseline); by default it stays and is fed its last token (the bits
-        every recorded claim was produced with). extra_slots: `prefill`'s."""
+        every recorded claim was produced with). extra_slots: `prefill`'s. Unseeded SamplingParams
+        are refused before any batch runs (`refuse_unseeded`)."""
+        refuse_unseeded(requests)
         out: list[Completion] = []
         for i in range(0, len(requests), batch_size):
             group = requests[i : i + batch_size]

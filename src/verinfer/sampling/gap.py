@@ -118,11 +118,21 @@ def _check_claimed(claimed_T: torch.Tensor, T: int, V: int, device) -> torch.Ten
     return claimed_T
 
 
+def _refuse_unseeded(params_list: list[SamplingParams], what: str) -> None:
+    """A ValueError when a claim is unseeded: no seed regenerates its sampler's noise."""
+    i = next((i for i, p in enumerate(params_list) if p.unseeded), None)
+    if i is not None:
+        raise ValueError(f"{what}: claim #{i} is unseeded (`\"seed\": null`): no seed regenerates its sampler's "
+                         "noise, so it has no post-Gumbel margin or gap; score it from the distribution with "
+                         "sampling.pit.unseeded_rows (audit.replay.scores_table does)")
+
+
 def postgumbel_margin(logits_TV: torch.Tensor, claimed_T: torch.Tensor, params: SamplingParams,
                       start_position: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Token-DiFR margin per step: (margin_T float64, replay_T long, kept_T bool) (`token_difr_margin`
     on the full vocabulary). Gumbel backends only (vllm-cpu, keyed, vllm-v1-exponential, vllm-mrv2-*,
     sglang-seeded*)."""
+    _refuse_unseeded([params], "postgumbel_margin")
     T, V = logits_TV.shape
     dev = logits_TV.device
     claimed_T = _check_claimed(claimed_T, T, V, dev)
@@ -154,6 +164,7 @@ def postgumbel_gaps(logits_TV: torch.Tensor, claimed_T: torch.Tensor, params: Sa
     """gaps_Tk float64 (CPU): `competitor_gaps` of each step on the full vocabulary. Where y is not
     the replayed token, gaps[:, 0] is the Token-DiFR margin; Monte-Carlo DiFR perturbs these gaps
     (the detection lab's mc_difr, benchmarks/difr_variants.py). Gumbel backends only (vllm-cpu, keyed, vllm-v1-exponential)."""
+    _refuse_unseeded([params], "postgumbel_gaps")
     if params.greedy or get_backend(params.noise).kind != "gumbel":
         raise NoiseKindError(f"postgumbel_gaps needs per-token Gumbel noise and temperature > 0; "
                              f"got noise={params.noise!r}, temperature={params.temperature}")
@@ -278,7 +289,8 @@ def score_claimed(logits_list: list[torch.Tensor], claimed_list: list[torch.Tens
     (vllm-cpu, keyed) share one filter pass and one noise pass, others go one by one; inverse-cdf
     claims get margin 0 where the replay reproduces the claimed token, +inf elsewhere.
     Everything runs on the logits' device and the four results stay there ([N] each: only
-    they need cross to the host, never a [N, V] tensor)."""
+    they need cross to the host, never a [N, V] tensor). Unseeded claims are refused (no noise)."""
+    _refuse_unseeded(params_list, "score_claimed")
     fast = [i for i, p in enumerate(params_list) if not p.greedy and get_backend(p.noise).name in HASH_BACKENDS]
     n_i = [int(l.shape[0]) for l in logits_list]
     offs = _offsets(n_i)
@@ -359,8 +371,9 @@ def _score_rows(l_NV, y_N, rows_p, tape):
 
 
 def _gumbel_claims(params_list: list[SamplingParams], claimed_list: list[torch.Tensor]) -> list[bool]:
-    """Which claims have a post-Gumbel gap: sampled (temperature > 0) with a Gumbel backend, >= 1 token."""
-    return [len(y) > 0 and not p.greedy and get_backend(p.noise).kind == "gumbel"
+    """Which claims have a post-Gumbel gap: sampled (temperature > 0) with a seed (not unseeded) and a
+    Gumbel backend, >= 1 token."""
+    return [len(y) > 0 and not p.greedy and not p.unseeded and get_backend(p.noise).kind == "gumbel"
             for p, y in zip(params_list, claimed_list)]
 
 
@@ -368,7 +381,7 @@ def block_gaps(logits_list: list[torch.Tensor], claimed_list: list[torch.Tensor]
                starts: list[int], factors, k: int = 1, top_p_slack: float = 0.0) -> torch.Tensor:
     """[N, F, k] float64 (CPU), rows of all claims concatenated: `competitor_gaps` of every token
     at each temperature factor r (the claim's logits and noise, filters and T at r times its
-    temperature); NaN rows for claims without Gumbel noise (greedy, inverse-cdf). With k = 1 the
+    temperature); NaN rows for claims without Gumbel noise (greedy, unseeded, inverse-cdf). With k = 1 the
     signed top-competitor gap: d > 0 the Token-DiFR margin of a token the replay at r T does not
     reproduce, d < 0 minus the runner-up gap of one it does, +inf if the claimed token is filtered
     out at r T.
@@ -435,7 +448,8 @@ def block_gaps(logits_list: list[torch.Tensor], claimed_list: list[torch.Tensor]
 def block_gaps_loop(logits_list: list[torch.Tensor], claimed_list: list[torch.Tensor],
                     params_list: list[SamplingParams], starts: list[int], factors, k: int = 1) -> torch.Tensor:
     """Reference for `block_gaps` (no top-p slack): `postgumbel_gaps` (full-vocabulary filter) per
-    claim and factor, [N, F, k] float64 (CPU), NaN rows for claims without Gumbel noise."""
+    claim and factor, [N, F, k] float64 (CPU), NaN rows for claims without Gumbel noise (greedy, unseeded,
+    inverse-cdf)."""
     n_i = [len(y) for y in claimed_list]
     offs = _offsets(n_i)
     out = torch.full((offs[-1], len(factors), k), math.nan, dtype=torch.float64)
