@@ -7,19 +7,15 @@ a failure)."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
 
 from pathlib import Path
 
 import pytest
 
-# vLLM is found, not imported: importing it imports triton, which test_mrv2_gumbel must import first
-# (in its interpreter mode) when both modules run in one pytest process.
-if importlib.util.find_spec("vllm") is None:
-    if os.environ.get("VERINFER_REQUIRE_VLLM") == "1":
-        raise AssertionError("VERINFER_REQUIRE_VLLM=1 but vllm is not installed (the [vllm] extra)")
-    pytest.skip("needs vllm (the [vllm] extra)", allow_module_level=True)
+from tests.vllm_engine import require_vllm  # noqa: E402
+
+require_vllm()  # found, not imported (see there)
 jinja2 = pytest.importorskip("jinja2")
 
 from benchmarks.wild_vendors import (CLAIMED_NAME, SMOKE_MESSAGES, VENDOR_SYSTEM_PROMPT, VENDORS,  # noqa: E402

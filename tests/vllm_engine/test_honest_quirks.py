@@ -8,17 +8,13 @@ Needs vLLM (the [vllm] venv) and SmolLM2 (`verinfer models get smollm2-135m-inst
 
 from __future__ import annotations
 
-import importlib.util
 import os
 
 import pytest
 
-# vLLM is found, not imported: importing it imports triton, which test_mrv2_gumbel must import first
-# (in its interpreter mode) when both modules run in one pytest process.
-if importlib.util.find_spec("vllm") is None:
-    if os.environ.get("VERINFER_REQUIRE_VLLM") == "1":
-        raise AssertionError("VERINFER_REQUIRE_VLLM=1 but vllm is not installed (the [vllm] extra)")
-    pytest.skip("needs vllm (the [vllm] extra)", allow_module_level=True)
+from tests.vllm_engine import require_vllm  # noqa: E402
+
+require_vllm()  # found, not imported (see there)
 
 from benchmarks.quirks_battery import QUIRK_KINDS, run  # noqa: E402
 from verinfer.models.catalog import SMOLLM2_135M_INSTRUCT, model_path  # noqa: E402
