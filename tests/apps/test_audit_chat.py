@@ -216,8 +216,10 @@ def test_log_audits_end_to_end(servers, tmp_path):
     assert rows["verinfer-testbed-draft"]["verdict"]["flagged"]
     assert sorted(k for _, k, _ in doc["skipped"]) == ["tool-calls"] and doc["exchanges"] == 37
     assert doc["modes"] == {"greedy": 36, "seeded": 0, "unseeded": 1}
+    # its reply is a greedy one claimed at temperature 0.7: too probable for a 0.7 sample, which the fixed-size
+    # PIT test on its 32 tokens sees (measured p 6e-12; the anytime-valid one, p 0.046, needs more tokens)
     u = rows["verinfer-testbed-target [unseeded-t0.7-p1-k-1-m0]"]
-    assert u["mode"] == "unseeded" and u["n_claims"] == 1 and not u["verdict"]["flagged"], json.dumps(u)
+    assert u["mode"] == "unseeded" and u["n_claims"] == 1 and u["verdict"]["fixed_n"]["flagged"], json.dumps(u)
     claims = out / "vendors" / "verinfer-testbed-target" / "claims.jsonl"
     saved = claims.read_text()
     r = CliRunner().invoke(app, ["score", str(claims), "-o", str(tmp_path / "s.parquet")])

@@ -41,8 +41,13 @@ def seed_offset(body: dict) -> dict:  # samples with seed + 1
     return {**body, "seed": body["seed"] + 1} if "seed" in body else body
 
 
-def no_seed(body: dict) -> dict:   # ignores seeds (the server then draws a random one)
-    return {k: v for k, v in body.items() if k != "seed"}
+SEEN: dict = {}
+
+
+def no_seed(body: dict) -> dict:   # ignores seeds: its own, the k-th request of a conversation gets seed k
+    key = json.dumps(body.get("messages"), sort_keys=True)   # (reproducible whatever order requests come in)
+    SEEN[key] = SEEN.get(key, -1) + 1
+    return {**{k: v for k, v in body.items() if k != "seed"}, **({"seed": 7_000 + SEEN[key]} if "seed" in body else {})}
 
 
 def hot_no_seed(body: dict) -> dict:  # ignores seeds and serves temperature 1.0 when asked 0.7
@@ -116,7 +121,7 @@ def test_seeded_vendors_side_by_side(proxy, tmp_path):
     r = CliRunner().invoke(app, ["audit-vendors", str(cfg), "--out", str(out), "--temperature", "0.7",
                                  "--top-p", "0.95", *ARGS])
     assert r.exit_code == 1, r.output
-    assert "no-seed: unseeded: judged from the reference's distribution (no usable seed) (the same" in r.output
+    assert "no-seed: unseeded, judged from the reference's distribution alone: the same seeded" in r.output
     doc = json.loads((out / "vendors.json").read_text())
     rows = {v["name"]: v for v in doc["vendors"]}
     assert set(rows) == set(REWRITES) and doc["mode"] == "mixed" and "unseeded" not in doc
@@ -146,18 +151,20 @@ def test_seeded_vendors_side_by_side(proxy, tmp_path):
     assert not offset["probe"]["recognised"] and max(offset["probe"]["probe_exact_match"].values()) < 0.5
     assert "no known sampler reproduces its seeded reply" in offset["note"]
     assert u["mode"] == "unseeded" and not u["probe"]["same_seed_same_reply"]
-    assert u["note"].startswith("unseeded: judged from the reference's distribution (no usable seed) (the same "
-                                "seeded request twice gave two")
+    assert u["note"].startswith("unseeded, judged from the reference's distribution alone: the same seeded "
+                                "request twice gave two")
     key = "unseeded-t0.7-p0.95-k-1-m0"
     for row in (u, offset, wrong):
         assert row["sampling"] == {"temperature": 0.7, "top_p": 0.95, "top_k": -1, "min_p": 0.0, "noise": None}
         assert row["verdict"]["score"] == "sequential-e-process" and row["mismatch_test"] is None
         assert row["verdict"]["fixed_n"]["score"] == "pit-uniformity", json.dumps(row)
-    # the honest unseeded vendors: every request, not flagged (measured p: no-seed 1.0, seed-offset 1.0 -- TODO)
+    # the honest unseeded vendors: every request, not flagged (measured anytime-valid p: no-seed 0.92, seed-offset
+    # 0.99; fixed-size p 0.55, 0.43)
     for row in (u, offset):
         assert not row["verdict"]["flagged"] and row["n_requests"] == 12 and row["n_claims"] == 12, json.dumps(row)
-        assert row["tokens_to_decide"] is None and not row["verdict"]["fixed_n"]["flagged"]
-    # temperature 1.0 for 0.7, seeds dropped: flagged by the betting e-process, requests stopped (measured: TODO)
+        assert row["tokens_to_decide"] is None
+    # temperature 1.0 for 0.7, seeds dropped: flagged by the betting e-process, requests stopped (measured: after
+    # 76 tokens, 3 requests; 5 sent at concurrency 2; fixed-size p 1e-54 on its 127 tokens)
     assert wrong["verdict"]["flagged"] and wrong["verdict"]["fixed_n"]["flagged"], json.dumps(wrong)
     assert wrong["requests_to_decide"] <= 6 and wrong["n_requests"] < 12
     claims = [json.loads(x) for x in (out / "vendors" / "no-seed" / "claims.jsonl").read_text().splitlines()]
@@ -167,8 +174,8 @@ def test_seeded_vendors_side_by_side(proxy, tmp_path):
     assert set(table["audit_mode"].to_pylist()) == {"unseeded"} and table["pit"].null_count == 0
     # calibrated on verinfer's own honest sampled runs, claimed without their seeds: cached per sampling key
     assert doc["detectors"][key].startswith("PIT uniformity")
-    saved = json.loads((out / f"detector-{key}.json").read_text())
-    assert saved["calibration"]["heldout"]["batches"] > 0, saved["calibration"]
+    saved = json.loads((out / f"detector-{key}.json").read_text())["calibration"]
+    assert saved["tokens"] == {h: 384 for h in ARGS[7:12:2]} and set(saved["claims"].values()) == {12}
     calib = [json.loads(x) for x in (out / f"calibration-{key}" / "honest-bf16-b8.jsonl").read_text().splitlines()]
     assert len(calib) == 12 and all(c["sampling"]["seed"] is None for c in calib)
     assert doc["modes"] == {"greedy": 0, "seeded": rows["honest"]["n_claims"] + rows["hot"]["n_claims"],
@@ -190,7 +197,8 @@ def sampled_log(proxy: Proxy, n: int = 8) -> list[str]:
             req.update(temperature=0.7, top_p=0.95, seed=1000 + i)
         if i % 3 == 2:
             req.update(temperature=0.7)
-        resp = httpx.post(proxy.url("honest") + "/chat/completions", json=req, timeout=120).json()
+        sent = {**req, "seed": 5_000 + i} if i % 3 == 2 else req  # logged without it (reproducible replies)
+        resp = httpx.post(proxy.url("honest") + "/chat/completions", json=sent, timeout=120).json()
         lines.append(json.dumps({"request": req, "response": resp}))
     return lines
 
@@ -221,17 +229,21 @@ def test_a_mixed_log_from_the_cli_and_the_api(proxy, tmp_path):
     assert rows[key]["exact_match"] == 1.0 and rows[MODEL]["exact_match"] >= 0.99
     u = rows[ukey]
     assert "8 sampled without a seed" in u["note"] and u["verdict"]["fixed_n"]["score"] == "pit-uniformity"
-    assert u["verdict"]["p_value"] > 0.05, json.dumps(u)  # measured: TODO
+    assert u["verdict"]["p_value"] > 0.5, json.dumps(u)  # measured 0.97 (fixed-size 0.80)
     claims = (out / "vendors" / f"{MODEL}--unseeded-t0.7-p1-k-1-m0" / "claims.jsonl").read_text().splitlines()
     assert len(claims) == 8 and all(json.loads(x)["sampling"]["seed"] is None for x in claims)
     # the Python API, another directory, the wrong sampler declared: the seeded claims are flagged
     res = verinfer.audit_log(log, out_dir=tmp_path / "api", noise="keyed", calib_n=12,
                              honest=["honest-bf16-b8", "honest-fp32-b4", "honest-bf16-eager-t1"],
-                             bands=["bf16", "int4"], show_progress=False)
+                             bands=["bf16", "int4"], unseeded_detector="xent-excess", show_progress=False)
     assert res.modes == {"greedy": 8, "seeded": 8, "unseeded": 8}
     wrong = res.vendor(f"{MODEL} [seeded-t0.7-p0.95-k-1-m0-keyed]")
     assert wrong.flagged and wrong.exact_match < 0.5 and not res.vendor(MODEL).flagged
-    assert res.vendor(ukey).mode == "unseeded" and res.vendor(ukey).flagged is False
+    # the unseeded exchanges judged by the other unseeded detector, asked by name (measured anytime-valid p 0.09;
+    # its fixed-size test, 0.0095, is below 1%: docs/chat-audits.md, unseeded audits, says why)
+    judged = res.vendor(ukey)
+    assert judged.mode == "unseeded" and judged.flagged is False and judged.verdict["fixed_n"]["score"] == "xent-excess"
+    assert res.path.parent.joinpath("detector-unseeded-t0.7-p1-k-1-m0.json").read_text().count("CrossEntropyExcess")
 
 
 def test_audit_api_chat_at_a_temperature(proxy, tmp_path):

@@ -104,8 +104,8 @@ def _note(claims: list) -> str | None:
     if not claims[0].sampling.unseeded:
         return None
     with_seed = sum("request_seed" in c.extra for c in claims)
-    return (f"{UNSEEDED_NOTE} ({len(claims) - with_seed} sampled without a seed, {with_seed} with a seed but no "
-            "declared sampler: --noise or a vendors file's `noise`)")
+    return (f"{UNSEEDED_NOTE}: {len(claims) - with_seed} sampled without a seed, {with_seed} with a seed but no "
+            "declared sampler (--noise or a vendors file's `noise`)")
 
 
 __all__ = ["audit_log", "declared_noise"]

@@ -65,7 +65,7 @@ BAND_ENGINES = ("verinfer", "vllm")  # who runs the reference bands: verinfer's 
 CHAT_MODES = ("auto", "seeded", "greedy")  # what a sampled chat audit is told (auto: the seed probe decides)
 JUDGED_MODES = ("greedy", "seeded", "unseeded")  # what a claim is judged in
 UNSEEDED_DETECTORS = ("pit-uniformity", "xent-excess")  # `detect.unseeded`: the unseeded mode's detector (first: default)
-UNSEEDED_NOTE = "unseeded: judged from the reference's distribution (no usable seed)"
+UNSEEDED_NOTE = "unseeded, judged from the reference's distribution alone"
 PROBE_TOKENS = 32            # max_tokens of the seed probe's requests
 PROBE_SEED_INDEX = 10**6     # the probe's seeds: request_seed(seed, PROBE_SEED_INDEX + 0 / 1)
 GREEDY_NOISE = "vllm-cpu"    # what a greedy claim names (no noise is drawn)
@@ -434,7 +434,7 @@ class ChatAudit:
         row.mode, row.probe = mode, probe
         row.sampling = None if sampling.greedy else sampling.settings()
         if mode == "unseeded":
-            row.note = f"{UNSEEDED_NOTE} ({unseeded_reason(probe)})"
+            row.note = f"{UNSEEDED_NOTE}: {unseeded_reason(probe)}"
         if det is None or not sampling.greedy:
             det, bands = self.judged_at(sampling)
         stop = (self.core.stream(det, self.cfg.target_fpr, out / "claims.jsonl", out / "scores.parquet",
