@@ -328,14 +328,10 @@ def audit_api(base_url: str = O.BASE_URL, model: str = O.ENDPOINT_MODEL, model_d
 
         return _chat_exit(audit_endpoint(
             base_url, model, trusted_model=model_dir, out_dir=out, api_key_env=api_key_env, extra=extra,
-            concurrency=concurrency, timeout=timeout, **_chat_settings(n=n, max_tokens=max_tokens, seed=seed,
-                                                                       system_prompt=system_prompt, tokens=tokens,
-                                                                       calib_n=calib_n or 64, honest=honest,
-                                                                       bands=bands, band_engine=band_engine,
-                                                                       device=device, matmul=matmul,
-                                                                       unseeded_detector=unseeded_detector,
-                                                                       **_chat_sampling(temperature, top_p, top_k,
-                                                                                        min_p, noise, mode))))
+            concurrency=concurrency, timeout=timeout, **_chat_settings(
+                n=n, max_tokens=max_tokens, seed=seed, system_prompt=system_prompt, tokens=tokens, calib_n=calib_n or 64,
+                honest=honest, bands=bands, band_engine=band_engine, device=device, matmul=matmul,
+                unseeded_detector=unseeded_detector, **_chat_sampling(temperature, top_p, top_k, min_p, noise, mode))))
     from verinfer.apps.audit_api import ApiAuditConfig, audit_api as run_audit_api
 
     temperature, top_k, top_p = _or(temperature, 1.0), _or(top_k, 50), _or(top_p, 0.95)  # completions' defaults
