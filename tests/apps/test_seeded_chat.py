@@ -198,7 +198,8 @@ def sampled_log(proxy: Proxy, n: int = 8) -> list[str]:
         if i % 3 == 2:
             req.update(temperature=0.7)
         sent = {**req, "seed": 5_000 + i} if i % 3 == 2 else req  # logged without it (reproducible replies)
-        resp = httpx.post(proxy.url("honest") + "/chat/completions", json=sent, timeout=120).json()
+        resp = {**httpx.post(proxy.url("honest") + "/chat/completions", json=sent, timeout=120).json(),
+                "id": f"exchange-{i}"}  # the claim's id (the server's is random; it keys the PIT's uniforms)
         lines.append(json.dumps({"request": req, "response": resp}))
     return lines
 
@@ -229,7 +230,7 @@ def test_a_mixed_log_from_the_cli_and_the_api(proxy, tmp_path):
     assert rows[key]["exact_match"] == 1.0 and rows[MODEL]["exact_match"] >= 0.99
     u = rows[ukey]
     assert "8 sampled without a seed" in u["note"] and u["verdict"]["fixed_n"]["score"] == "pit-uniformity"
-    assert u["verdict"]["p_value"] > 0.5, json.dumps(u)  # measured 0.97 (fixed-size 0.80)
+    assert u["verdict"]["p_value"] > 0.3, json.dumps(u)  # measured 0.55 (fixed-size 0.11)
     claims = (out / "vendors" / f"{MODEL}--unseeded-t0.7-p1-k-1-m0" / "claims.jsonl").read_text().splitlines()
     assert len(claims) == 8 and all(json.loads(x)["sampling"]["seed"] is None for x in claims)
     # the Python API, another directory, the wrong sampler declared: the seeded claims are flagged
