@@ -55,8 +55,13 @@ def hot_no_seed(body: dict) -> dict:  # ignores seeds and serves temperature 1.0
     return {**body, "temperature": 1.0} if body.get("temperature") == 0.7 else body
 
 
+def wide_no_seed(body: dict) -> dict:  # ignores seeds and serves top-p 1.0 when asked 0.95
+    body = no_seed(body)
+    return {**body, "top_p": 1.0} if body.get("top_p") == 0.95 else body
+
+
 REWRITES = {"honest": lambda b: b, "hot": hot, "seed-offset": seed_offset, "no-seed": no_seed,
-            "hot-no-seed": hot_no_seed}
+            "hot-no-seed": hot_no_seed, "wide-no-seed": wide_no_seed}
 
 
 class Proxy:
@@ -146,7 +151,7 @@ def test_seeded_vendors_side_by_side(proxy, tmp_path):
     assert honest["drift"] == honest["resegmented"] == 1 / 12
     assert rows["hot"]["verdict"]["flagged"] and rows["hot"]["exact_match"] < 0.95, json.dumps(rows["hot"])
     assert rows["hot"]["probe"]["noise"] == "vllm-cpu"  # the probe (at temperature 1) is served as asked
-    u, offset, wrong = rows["no-seed"], rows["seed-offset"], rows["hot-no-seed"]
+    u, offset, wrong, wide = rows["no-seed"], rows["seed-offset"], rows["hot-no-seed"], rows["wide-no-seed"]
     assert offset["mode"] == "unseeded" and offset["probe"]["honours_seeds"]
     assert not offset["probe"]["recognised"] and max(offset["probe"]["probe_exact_match"].values()) < 0.5
     assert "no known sampler reproduces its seeded reply" in offset["note"]
@@ -154,7 +159,7 @@ def test_seeded_vendors_side_by_side(proxy, tmp_path):
     assert u["note"].startswith("unseeded, judged from the reference's distribution alone: the same seeded "
                                 "request twice gave two")
     key = "unseeded-t0.7-p0.95-k-1-m0"
-    for row in (u, offset, wrong):
+    for row in (u, offset, wrong, wide):
         assert row["sampling"] == {"temperature": 0.7, "top_p": 0.95, "top_k": -1, "min_p": 0.0, "noise": None}
         assert row["verdict"]["score"] == "sequential-e-process" and row["mismatch_test"] is None
         assert row["verdict"]["fixed_n"]["score"] == "pit-uniformity", json.dumps(row)
@@ -167,6 +172,10 @@ def test_seeded_vendors_side_by_side(proxy, tmp_path):
     # 76 tokens, 3 requests; 5 sent at concurrency 2; fixed-size p 1e-54 on its 127 tokens)
     assert wrong["verdict"]["flagged"] and wrong["verdict"]["fixed_n"]["flagged"], json.dumps(wrong)
     assert wrong["requests_to_decide"] <= 6 and wrong["n_requests"] < 12
+    # top-p 1.0 for 0.95, seeds dropped (a smaller change at 0.7: the nucleus's tail is thin): the fixed-size test
+    # on all 12 replies flags it (measured p 0.0014, 389 tokens), the anytime-valid verdict needs more replies than
+    # 12 (measured p 0.085: not flagged)
+    assert wide["verdict"]["fixed_n"]["flagged"] and wide["verdict"]["p_value"] < 0.2, json.dumps(wide)
     claims = [json.loads(x) for x in (out / "vendors" / "no-seed" / "claims.jsonl").read_text().splitlines()]
     assert len(claims) == 12 and all(c["mode"] == "unseeded" and c["sampling"]["seed"] is None
                                      and c["sampling"]["noise"] is None for c in claims)
@@ -179,7 +188,7 @@ def test_seeded_vendors_side_by_side(proxy, tmp_path):
     calib = [json.loads(x) for x in (out / f"calibration-{key}" / "honest-bf16-b8.jsonl").read_text().splitlines()]
     assert len(calib) == 12 and all(c["sampling"]["seed"] is None for c in calib)
     assert doc["modes"] == {"greedy": 0, "seeded": rows["honest"]["n_claims"] + rows["hot"]["n_claims"],
-                            "unseeded": 24 + wrong["n_claims"]}
+                            "unseeded": 24 + wrong["n_claims"] + wide["n_claims"]}
     md = (out / "vendors.md").read_text()
     assert "Not scored" not in md and "| no-seed | ok | unseeded |" in md and "| hot-no-seed | FLAGGED | unseeded |" in md
 
