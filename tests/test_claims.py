@@ -131,3 +131,27 @@ def test_seed_null_at_temperature_above_zero_marks_an_unseeded_claim(tmp_path):
         SamplingParams(temperature=1.0, seed=3, unseeded=True)
     with pytest.raises(ValueError, match="temperature is 0 in an unseeded claim"):
         SamplingParams(temperature=0.0, unseeded=True)
+
+
+def test_an_unseeded_claim_needs_no_noise(tmp_path):
+    """An unseeded claim draws no noise: `"noise": null` (or absent) is read and written back as null,
+    and no noise-specific check applies (SGLang's refusal of min-p); a seeded claim still needs its
+    noise, and a seeded SGLang claim with min-p is still refused."""
+    null = {**GOOD, "id": "n", "sampling": {**GOOD["sampling"], "seed": None, "noise": None}}
+    absent = {**GOOD, "id": "x", "sampling": {k: v for k, v in GOOD["sampling"].items() if k != "noise"} | {"seed": None}}
+    sglang = {**GOOD, "id": "s", "sampling": {**GOOD["sampling"], "seed": None, "noise": "sglang-seeded", "min_p": 0.1}}
+    p = _write(tmp_path, [json.dumps(x) for x in (null, absent, sglang)])
+    got = read_claims(p)
+    assert [(c.sampling.audit_mode, c.sampling.noise, c.sampling.min_p) for c in got] == [
+        ("unseeded", None, 0.0), ("unseeded", None, 0.0), ("unseeded", "sglang-seeded", 0.1)]
+    assert got[0].to_json()["sampling"] == {"temperature": 1.0, "top_k": 50, "top_p": 0.95, "min_p": 0.0,
+                                            "seed": None, "noise": None}
+    write_claims(tmp_path / "o.jsonl", got)
+    assert [c.to_json() for c in read_claims(tmp_path / "o.jsonl")] == [c.to_json() for c in got]
+    seeded_null = {**GOOD, "sampling": {**GOOD["sampling"], "noise": None}}
+    with pytest.raises(ClaimError, match="`sampling.noise` is missing"):
+        read_claims(_write(tmp_path, [json.dumps(seeded_null)]))
+    with pytest.raises(ClaimError, match="min_p"):
+        read_claims(_write(tmp_path, [json.dumps({**sglang, "sampling": {**sglang["sampling"], "seed": 3}})]))
+    with pytest.raises(ValueError, match="noise is missing"):
+        SamplingParams(temperature=1.0, seed=3, noise=None)

@@ -15,8 +15,8 @@ trusted_model: the trusted local copy of the model the endpoints claim to serve:
 name from `verinfer models list`, or None for the shipped testbed target. settings: the fields of
 `core.chat.ChatAuditConfig` (n, max_tokens, seed, system_prompt, tokens, sequential,
 target_fpr, honest, calib_n, bands, device, matmul, and the sampling: temperature, top_p, top_k,
-min_p, noise, mode; temperature > 0 audits seeded, a vendor that ignores seeds is reported in
-`ChatAuditResult.unseeded`).
+min_p, noise, mode; temperature > 0 audits seeded, a vendor that ignores seeds is judged unseeded
+by `unseeded_detector`, "pit-uniformity" or "xent-excess": its row's `mode` and `note`).
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ def audit_log(log: str | Path, *, trusted_model: str | Path | None = None, out_d
     model the log names and sampling, reference bands run on the log's own conversations. Greedy
     exchanges are judged greedy; sampled ones with a seed seeded, with the sampler the auditor
     declares (noise; vendors_file: a vendors TOML whose `noise` names a vendor's); the others are
-    recorded unseeded (`ChatAuditResult.unseeded`, `modes`: claims per mode). neutral_fields: request
+    judged unseeded, a row per model and sampling (`modes`: claims judged per mode). neutral_fields: request
     fields of the log's own that change no token (`providers.chat_contract`)."""
     return _audit_log(Path(log), _config(trusted_model, out_dir, settings), skip_unusable=skip_unusable,
                       neutral=tuple(neutral_fields), noise=noise, vendors_file=vendors_file,

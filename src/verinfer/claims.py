@@ -2,7 +2,7 @@
 
     {"id": str, "model": str, "prompt_token_ids": [int], "output_token_ids": [int],
      "sampling": {"temperature": float, "top_k": int, "top_p": float, "min_p": float,
-                  "seed": int | null, "noise": str},
+                  "seed": int | null, "noise": str | null},
      "provider": str (optional; who served it),
      "activations": {...} (optional; Activation-DiFR fingerprints, verinfer.fingerprint),
      "spec": {"method", "threshold", "gamma", "draft", "events"} (optional; speculative claims),
@@ -13,7 +13,8 @@
 missing one is an error naming it, never a default); at temperature 0 (greedy) the filters, seed
 and noise change nothing and may be absent. `"seed": null` written out at temperature > 0 marks a
 sampled claim without a usable seed: it is audited in mode "unseeded" (`SamplingParams.unseeded`;
-the reference's distribution alone, sampling/pit.py), where an absent seed stays an error. A
+the reference's distribution alone, sampling/pit.py), where an absent seed stays an error; such a
+claim draws no noise, so its `noise` may be null (or absent) and is not checked. A
 line is at most MAX_LINE_BYTES (16 MiB): a longer one is refused with its line number before it
 is read whole or parsed.
 
@@ -71,7 +72,8 @@ class SamplingRecord(BaseModel):
 
     @model_validator(mode="after")
     def _in_range(self) -> "SamplingRecord":
-        missing = [k for k, v in GREEDY_DEFAULTS.items() if getattr(self, k) is None]
+        missing = [k for k, v in GREEDY_DEFAULTS.items() if getattr(self, k) is None
+                   and not (k == "noise" and self.unseeded)]  # an unseeded claim draws no noise: null or absent
         if missing and self.temperature > 0:
             raise ValueError(f"`sampling.{missing[0]}` is missing: at temperature > 0 it changes what is sampled, so "
                              "the claim must state it (no default is assumed)")

@@ -208,14 +208,18 @@ def test_log_audits_end_to_end(servers, tmp_path):
     r = CliRunner().invoke(app, [*args, "--skip-unusable"])
     assert r.exit_code == 1, r.output  # the smaller model's replies are flagged
     assert "skipped 1 exchange(s) of the log: 1 tool-calls" in r.output  # counted on screen too
-    # the sampled exchange (no seed) is recorded unseeded, not refused and not scored
+    # the sampled exchange (no seed) is judged unseeded, in a row of its own (not refused)
     assert "claims by mode: 36 greedy, 0 seeded, 1 unseeded" in r.output
     doc = json.loads((out / "vendors.json").read_text())
     rows = {v["name"]: v for v in doc["vendors"]}
     assert not rows["verinfer-testbed-target"]["verdict"]["flagged"] and rows["verinfer-testbed-target"]["n_requests"] == 24
     assert rows["verinfer-testbed-draft"]["verdict"]["flagged"]
     assert sorted(k for _, k, _ in doc["skipped"]) == ["tool-calls"] and doc["exchanges"] == 37
-    assert doc["modes"] == {"greedy": 36, "seeded": 0, "unseeded": 1} and doc["unseeded"][0]["n_claims"] == 1
+    assert doc["modes"] == {"greedy": 36, "seeded": 0, "unseeded": 1}
+    # its reply is a greedy one claimed at temperature 0.7: too probable for a 0.7 sample, which the fixed-size
+    # PIT test on its 32 tokens sees (measured p 6e-12; the anytime-valid one, p 0.046, needs more tokens)
+    u = rows["verinfer-testbed-target [unseeded-t0.7-p1-k-1-m0]"]
+    assert u["mode"] == "unseeded" and u["n_claims"] == 1 and u["verdict"]["fixed_n"]["flagged"], json.dumps(u)
     claims = out / "vendors" / "verinfer-testbed-target" / "claims.jsonl"
     saved = claims.read_text()
     r = CliRunner().invoke(app, ["score", str(claims), "-o", str(tmp_path / "s.parquet")])

@@ -1,9 +1,11 @@
 """Seeded chat audits (issue 46) on the shipped testbed served by `verinfer serve`: vendors audited at
 temperature 0.7 / top-p 0.95 with per-request seeds, the sampler picked by the seed probe, Token-DiFR
-on the ids re-cut from the reply text; a vendor that serves another temperature or seed is flagged,
-one that ignores seeds is said so and not scored. Misbehaving vendors are the same honest server
-behind a rewriting proxy (`Proxy`): what a serving layer does to the request, the model untouched.
-A log mixing greedy, seeded and unseeded exchanges audits end to end from the CLI and the Python API."""
+on the ids re-cut from the reply text; a vendor that serves another temperature or seed is flagged;
+one that ignores seeds (or samples with one no known sampler reproduces) is judged unseeded, by the
+PIT-uniformity detector calibrated on verinfer's own honest sampled runs: flagged when it also serves
+another temperature. Misbehaving vendors are the same honest server behind a rewriting proxy
+(`Proxy`): what a serving layer does to the request, the model untouched. A log mixing greedy, seeded
+and unseeded exchanges gets verdicts in all three modes from the CLI and the Python API."""
 
 from __future__ import annotations
 
@@ -39,11 +41,27 @@ def seed_offset(body: dict) -> dict:  # samples with seed + 1
     return {**body, "seed": body["seed"] + 1} if "seed" in body else body
 
 
-def no_seed(body: dict) -> dict:   # ignores seeds (the server then draws a random one)
-    return {k: v for k, v in body.items() if k != "seed"}
+SEEN: dict = {}
 
 
-REWRITES = {"honest": lambda b: b, "hot": hot, "seed-offset": seed_offset, "no-seed": no_seed}
+def no_seed(body: dict) -> dict:   # ignores seeds: its own, the k-th request of a conversation gets seed k
+    key = json.dumps(body.get("messages"), sort_keys=True)   # (reproducible whatever order requests come in)
+    SEEN[key] = SEEN.get(key, -1) + 1
+    return {**{k: v for k, v in body.items() if k != "seed"}, **({"seed": 7_000 + SEEN[key]} if "seed" in body else {})}
+
+
+def hot_no_seed(body: dict) -> dict:  # ignores seeds and serves temperature 1.0 when asked 0.7
+    body = no_seed(body)
+    return {**body, "temperature": 1.0} if body.get("temperature") == 0.7 else body
+
+
+def wide_no_seed(body: dict) -> dict:  # ignores seeds and serves top-p 1.0 when asked 0.95
+    body = no_seed(body)
+    return {**body, "top_p": 1.0} if body.get("top_p") == 0.95 else body
+
+
+REWRITES = {"honest": lambda b: b, "hot": hot, "seed-offset": seed_offset, "no-seed": no_seed,
+            "hot-no-seed": hot_no_seed, "wide-no-seed": wide_no_seed}
 
 
 class Proxy:
@@ -99,18 +117,19 @@ def test_seeded_vendors_side_by_side(proxy, tmp_path):
     """At temperature 0.7 / top-p 0.95 (mode auto): the honest vendor is recognised as sampling with
     vllm-cpu, every token matches (exact match 1.0: the re-cut restores the server's own ids) and it is
     not flagged; 0.8 for 0.7 is flagged; a vendor dropping seeds, and one sampling with seed + 1 (it
-    honours seeds, but no known sampler reproduces it), are reported unseeded, with no verdict and no
-    score: a sampler verinfer does not know is never judged as if it were another one."""
+    honours seeds, but no known sampler reproduces it: never judged as if it were another sampler), are
+    judged unseeded and not flagged; one dropping seeds and serving temperature 1.0 for 0.7 is flagged
+    by the unseeded detector (PIT uniformity, its betting e-process)."""
     cfg = tmp_path / "vendors.toml"
     cfg.write_text(vendors_toml(proxy, REWRITES))
     out = tmp_path / "audit"
     r = CliRunner().invoke(app, ["audit-vendors", str(cfg), "--out", str(out), "--temperature", "0.7",
                                  "--top-p", "0.95", *ARGS])
     assert r.exit_code == 1, r.output
-    assert "no-seed: unseeded: needs the unseeded detectors" in r.output
+    assert "no-seed: unseeded, judged from the reference's distribution alone: the same seeded" in r.output
     doc = json.loads((out / "vendors.json").read_text())
     rows = {v["name"]: v for v in doc["vendors"]}
-    assert set(rows) == {"honest", "hot"} and doc["mode"] == "seeded"
+    assert set(rows) == set(REWRITES) and doc["mode"] == "mixed" and "unseeded" not in doc
     honest = rows["honest"]
     assert honest["mode"] == "seeded" and honest["sampling"] == {"temperature": 0.7, "top_p": 0.95, "top_k": -1,
                                                                  "min_p": 0.0, "noise": "vllm-cpu"}
@@ -132,17 +151,46 @@ def test_seeded_vendors_side_by_side(proxy, tmp_path):
     assert honest["drift"] == honest["resegmented"] == 1 / 12
     assert rows["hot"]["verdict"]["flagged"] and rows["hot"]["exact_match"] < 0.95, json.dumps(rows["hot"])
     assert rows["hot"]["probe"]["noise"] == "vllm-cpu"  # the probe (at temperature 1) is served as asked
-    u, offset = sorted(doc["unseeded"], key=lambda v: v["name"])
-    assert offset["name"] == "seed-offset" and offset["verdict"] is None and offset["probe"]["honours_seeds"]
+    u, offset, wrong, wide = rows["no-seed"], rows["seed-offset"], rows["hot-no-seed"], rows["wide-no-seed"]
+    assert offset["mode"] == "unseeded" and offset["probe"]["honours_seeds"]
     assert not offset["probe"]["recognised"] and max(offset["probe"]["probe_exact_match"].values()) < 0.5
     assert "no known sampler reproduces its seeded reply" in offset["note"]
-    assert u["name"] == "no-seed" and u["mode"] == "unseeded" and u["verdict"] is None and u["exact_match"] is None
-    assert u["note"].startswith("unseeded: needs the unseeded detectors (the same seeded request twice gave two")
-    assert not u["probe"]["same_seed_same_reply"] and not (out / "vendors" / "no-seed" / "scores.parquet").exists()
-    recorded = (out / "vendors" / "no-seed" / "claims.jsonl").read_text().splitlines()
-    assert len(recorded) == u["n_claims"] == 12 and all(json.loads(x)["mode"] == "unseeded" for x in recorded)
-    assert doc["modes"]["unseeded"] == 24 and doc["modes"]["greedy"] == 0
-    assert "## Not scored: unseeded" in (out / "vendors.md").read_text()
+    assert u["mode"] == "unseeded" and not u["probe"]["same_seed_same_reply"]
+    assert u["note"].startswith("unseeded, judged from the reference's distribution alone: the same seeded "
+                                "request twice gave two")
+    key = "unseeded-t0.7-p0.95-k-1-m0"
+    for row in (u, offset, wrong, wide):
+        assert row["sampling"] == {"temperature": 0.7, "top_p": 0.95, "top_k": -1, "min_p": 0.0, "noise": None}
+        assert row["verdict"]["score"] == "sequential-e-process" and row["mismatch_test"] is None
+        assert row["verdict"]["fixed_n"]["score"] == "pit-uniformity", json.dumps(row)
+    # the honest unseeded vendors: every request, not flagged (measured anytime-valid p: no-seed 0.92, seed-offset
+    # 0.99; fixed-size p 0.55, 0.43)
+    for row in (u, offset):
+        assert not row["verdict"]["flagged"] and row["n_requests"] == 12 and row["n_claims"] == 12, json.dumps(row)
+        assert row["tokens_to_decide"] is None
+    # temperature 1.0 for 0.7, seeds dropped: flagged by the betting e-process, requests stopped (measured: after
+    # 76 tokens, 3 requests; 5 sent at concurrency 2; fixed-size p 1e-54 on its 127 tokens)
+    assert wrong["verdict"]["flagged"] and wrong["verdict"]["fixed_n"]["flagged"], json.dumps(wrong)
+    assert wrong["requests_to_decide"] <= 6 and wrong["n_requests"] < 12
+    # top-p 1.0 for 0.95, seeds dropped (a smaller change at 0.7: the nucleus's tail is thin): the fixed-size test
+    # on all 12 replies flags it (measured p 0.0014, 389 tokens), the anytime-valid verdict needs more replies than
+    # 12 (measured p 0.085: not flagged)
+    assert wide["verdict"]["fixed_n"]["flagged"] and wide["verdict"]["p_value"] < 0.2, json.dumps(wide)
+    claims = [json.loads(x) for x in (out / "vendors" / "no-seed" / "claims.jsonl").read_text().splitlines()]
+    assert len(claims) == 12 and all(c["mode"] == "unseeded" and c["sampling"]["seed"] is None
+                                     and c["sampling"]["noise"] is None for c in claims)
+    table = pq.read_table(out / "vendors" / "no-seed" / "scores.parquet")
+    assert set(table["audit_mode"].to_pylist()) == {"unseeded"} and table["pit"].null_count == 0
+    # calibrated on verinfer's own honest sampled runs, claimed without their seeds: cached per sampling key
+    assert doc["detectors"][key].startswith("PIT uniformity")
+    saved = json.loads((out / f"detector-{key}.json").read_text())["calibration"]
+    assert saved["tokens"] == {h: 384 for h in ARGS[7:12:2]} and set(saved["claims"].values()) == {12}
+    calib = [json.loads(x) for x in (out / f"calibration-{key}" / "honest-bf16-b8.jsonl").read_text().splitlines()]
+    assert len(calib) == 12 and all(c["sampling"]["seed"] is None for c in calib)
+    assert doc["modes"] == {"greedy": 0, "seeded": rows["honest"]["n_claims"] + rows["hot"]["n_claims"],
+                            "unseeded": 24 + wrong["n_claims"] + wide["n_claims"]}
+    md = (out / "vendors.md").read_text()
+    assert "Not scored" not in md and "| no-seed | ok | unseeded |" in md and "| hot-no-seed | FLAGGED | unseeded |" in md
 
 
 def sampled_log(proxy: Proxy, n: int = 8) -> list[str]:
@@ -158,15 +206,18 @@ def sampled_log(proxy: Proxy, n: int = 8) -> list[str]:
             req.update(temperature=0.7, top_p=0.95, seed=1000 + i)
         if i % 3 == 2:
             req.update(temperature=0.7)
-        resp = httpx.post(proxy.url("honest") + "/chat/completions", json=req, timeout=120).json()
+        sent = {**req, "seed": 5_000 + i} if i % 3 == 2 else req  # logged without it (reproducible replies)
+        resp = {**httpx.post(proxy.url("honest") + "/chat/completions", json=sent, timeout=120).json(),
+                "id": f"exchange-{i}"}  # the claim's id (the server's is random; it keys the PIT's uniforms)
         lines.append(json.dumps({"request": req, "response": resp}))
     return lines
 
 
 def test_a_mixed_log_from_the_cli_and_the_api(proxy, tmp_path):
-    """Greedy and seeded exchanges judged (the seeded ones with the declared sampler: exact match 1.0,
-    not flagged), unseeded ones recorded and counted; the same from `verinfer.audit_log`. Declaring a
-    wrong sampler flags the seeded ones."""
+    """A verdict per mode: greedy and seeded exchanges (the seeded ones with the declared sampler: exact
+    match 1.0), and the unseeded ones (no seed: judged by the PIT-uniformity detector calibrated on the
+    log's own conversations sampled again locally), none flagged; the same from `verinfer.audit_log`.
+    Declaring a wrong sampler flags the seeded ones."""
     import verinfer
 
     log = tmp_path / "log.jsonl"
@@ -179,25 +230,30 @@ def test_a_mixed_log_from_the_cli_and_the_api(proxy, tmp_path):
     doc = json.loads((out / "vendors.json").read_text())
     assert doc["modes"] == {"greedy": 8, "seeded": 8, "unseeded": 8} and doc["mode"] == "mixed"
     rows = {v["name"]: v for v in doc["vendors"]}
-    key = f"{MODEL} [seeded-t0.7-p0.95-k-1-m0-vllm-cpu]"
-    assert set(rows) == {MODEL, key}
-    assert rows[MODEL]["mode"] == "greedy" and rows[key]["mode"] == "seeded"
+    key, ukey = f"{MODEL} [seeded-t0.7-p0.95-k-1-m0-vllm-cpu]", f"{MODEL} [unseeded-t0.7-p1-k-1-m0]"
+    assert set(rows) == {MODEL, key, ukey} and "unseeded" not in doc
+    assert [rows[k]["mode"] for k in (MODEL, key, ukey)] == ["greedy", "seeded", "unseeded"]
     for row in rows.values():
         assert not row["verdict"]["flagged"] and row["n_claims"] == 8, json.dumps(row)
     # seeded: every token (measured 1.0); greedy: one split-K near-tie of 192 tokens (measured 0.9948)
     assert rows[key]["exact_match"] == 1.0 and rows[MODEL]["exact_match"] >= 0.99
-    (u,) = doc["unseeded"]
-    assert u["n_claims"] == 8 and "8 sampled without a seed" in u["note"]
-    records = (out / "vendors" / f"{MODEL}--unseeded" / "unseeded.jsonl").read_text().splitlines()
-    assert len(records) == 8 and all(json.loads(x)["sampling"]["seed"] is None for x in records)
+    u = rows[ukey]
+    assert "8 sampled without a seed" in u["note"] and u["verdict"]["fixed_n"]["score"] == "pit-uniformity"
+    assert u["verdict"]["p_value"] > 0.3, json.dumps(u)  # measured 0.55 (fixed-size 0.11)
+    claims = (out / "vendors" / f"{MODEL}--unseeded-t0.7-p1-k-1-m0" / "claims.jsonl").read_text().splitlines()
+    assert len(claims) == 8 and all(json.loads(x)["sampling"]["seed"] is None for x in claims)
     # the Python API, another directory, the wrong sampler declared: the seeded claims are flagged
     res = verinfer.audit_log(log, out_dir=tmp_path / "api", noise="keyed", calib_n=12,
                              honest=["honest-bf16-b8", "honest-fp32-b4", "honest-bf16-eager-t1"],
-                             bands=["bf16", "int4"], show_progress=False)
+                             bands=["bf16", "int4"], unseeded_detector="xent-excess", show_progress=False)
     assert res.modes == {"greedy": 8, "seeded": 8, "unseeded": 8}
     wrong = res.vendor(f"{MODEL} [seeded-t0.7-p0.95-k-1-m0-keyed]")
     assert wrong.flagged and wrong.exact_match < 0.5 and not res.vendor(MODEL).flagged
-    assert [v.name for v in res.unseeded] == [f"{MODEL} [unseeded]"]
+    # the unseeded exchanges judged by the other unseeded detector, asked by name (measured anytime-valid p 0.09;
+    # its fixed-size test, 0.0095, is below 1%: docs/chat-audits.md, unseeded audits, says why)
+    judged = res.vendor(ukey)
+    assert judged.mode == "unseeded" and judged.flagged is False and judged.verdict["fixed_n"]["score"] == "xent-excess"
+    assert res.path.parent.joinpath("detector-unseeded-t0.7-p1-k-1-m0.json").read_text().count("CrossEntropyExcess")
 
 
 def test_audit_api_chat_at_a_temperature(proxy, tmp_path):

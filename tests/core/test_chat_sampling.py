@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from verinfer.core.chat import ChatAuditConfig, ChatSampling, request_params, unseeded_reason
+from verinfer.core.chat import ChatAuditConfig, ChatSampling, cycled, request_params, unseeded_reason
 from verinfer.core.completions import PLAIN_NOISES, probe_candidates, seed_probe
 from verinfer.errors import VerinferError
 from verinfer.models.testbed import TARGET_DIR
@@ -31,6 +31,27 @@ def test_sampling_settings_key_and_requests():
     assert (body["temperature"], body["top_p"], body["top_k"], body["min_p"], body["seed"]) == (0.7, 0.95, 40, 0.05, 11)
     greedy = chat_request(ep, [{"role": "user", "content": "hi"}], ChatSampling().params(None, 16))
     assert greedy["temperature"] == 0.0 and not {"seed", "top_k", "min_p"} & set(greedy)
+
+
+def test_unseeded_sampling_claims_without_seed_or_noise_and_requests_with_seeds():
+    """A vendor judged unseeded: its claims state no seed and no noise (key 'unseeded-...', settings noise
+    None), its requests still carry the audit's seeds (a vendor that ignores them loses nothing); the
+    unseeded detector is chosen by name; its calibration cycles the vendors' own conversations."""
+    u = ChatSampling(0.7, 0.95, -1, 0.0, "keyed", "auto", unseeded=True)
+    assert u.key() == "unseeded-t0.7-p0.95-k-1-m0" and not u.greedy
+    assert u.settings() == {"temperature": 0.7, "top_p": 0.95, "top_k": -1, "min_p": 0.0, "noise": None}
+    p = u.params(5, 16)
+    assert (p.seed, p.noise, p.unseeded, p.audit_mode) == (None, None, True, "unseeded")
+    assert ChatSampling.of(p) == ChatSampling(0.7, 0.95, -1, 0.0, mode="auto", unseeded=True)
+    cfg = ChatAuditConfig(TARGET_DIR, "out", n=3, temperature=0.7, top_p=0.95, noise="keyed")
+    assert [(q.seed, q.noise) for q in request_params(cfg, u, 2)] == [(request_seed(0, i), "keyed") for i in range(2)]
+    assert cfg.unseeded_detector == "pit-uniformity"
+    assert ChatAuditConfig(TARGET_DIR, "out", unseeded_detector="xent-excess").unseeded_detector == "xent-excess"
+    with pytest.raises(VerinferError, match="unseeded_detector must be one of pit-uniformity, xent-excess"):
+        ChatAuditConfig(TARGET_DIR, "out", unseeded_detector="greedy")
+    conv = [[{"role": "user", "content": str(i)}] for i in range(3)]
+    assert cycled(conv, [4, 5, 6], 7) == ([conv[i % 3] for i in range(7)], [4, 5, 6, 4, 5, 6, 4])
+    assert cycled(conv, None, 2) == (conv[:2], None)
 
 
 @pytest.mark.parametrize("kw, match", [({"mode": "greedy", "temperature": 0.7}, "mode greedy asks temperature 0"),

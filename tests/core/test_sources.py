@@ -8,6 +8,7 @@ import json
 
 import pytest
 
+from verinfer.claims import read_claims, write_claims
 from verinfer.core.sources import log_sources, vendor_dir_name
 from verinfer.models.testbed import TARGET_DIR
 from verinfer.retokenize import Retokenizer
@@ -78,18 +79,24 @@ def test_a_reply_beyond_the_models_context_is_refused_and_an_all_skipped_log_say
         log_sources(*args, max_positions=128, skip_unusable=True, skipped=skipped)
     assert [k for _, k, _ in skipped] == ["over-length", "tool-calls"]
     log.write_text(json.dumps(big) + "\n" + json.dumps(sampled) + "\n")
-    skipped, unseeded = [], []
-    assert log_sources(*args, max_positions=128, skip_unusable=True, skipped=skipped, unseeded=unseeded) == {}
+    skipped = []
+    groups = log_sources(*args, max_positions=128, skip_unusable=True, skipped=skipped)
     assert [k for _, k, _ in skipped] == ["over-length"]
-    ((vendor, rec),) = unseeded
-    assert vendor == "acme/llama" and rec["mode"] == "unseeded" and rec["id"] == "r2"
-    assert rec["sampling"] == {"temperature": 0.7, "top_k": -1, "top_p": 1.0, "min_p": 0.0, "seed": None, "noise": None}
+    (rec,) = groups["acme/llama [unseeded-t0.7-p1-k-1-m0]"].claims
+    assert rec.extra["mode"] == "unseeded" and rec.id == "r2" and rec.sampling.audit_mode == "unseeded"
+    assert rec.to_json()["sampling"] == {"temperature": 0.7, "top_k": -1, "top_p": 1.0, "min_p": 0.0, "seed": None,
+                                         "noise": None}
+    # an ordinary claim: the claims reader takes it back unchanged
+    write_claims(tmp_path / "u.jsonl", [rec])
+    (back,) = read_claims(tmp_path / "u.jsonl")
+    assert back.sampling == rec.sampling and back.sampling.unseeded
 
 
 def test_a_log_mixes_greedy_seeded_and_unseeded_exchanges(tmp_path):
     """Greedy exchanges under the vendor's name; seeded ones (a seed and a declared sampler) in their own
-    group with their own params; sampled ones without a seed, or without a declared sampler, recorded
-    unseeded: never a seeded claim."""
+    group with their own params; sampled ones without a seed, or without a declared sampler, claimed
+    unseeded (no seed, no noise; a request's seed kept as `request_seed`) in a group per sampling:
+    never a seeded claim."""
     base = json.loads(exchange("acme/llama", "g"))
     seeded = json.loads(exchange("acme/llama", "s"))
     seeded["request"].update(temperature=0.7, top_p=0.95, seed=11)
@@ -101,17 +108,20 @@ def test_a_log_mixes_greedy_seeded_and_unseeded_exchanges(tmp_path):
     log.write_text("".join(json.dumps(x) + "\n" for x in (base, seeded, no_seed, other)))
     params = SamplingParams(0.0, -1, 1.0, 0.0, None, 16, "vllm-cpu")
     retok = Retokenizer.for_model(TARGET_DIR)
-    unseeded: list = []
-    groups = log_sources(log, "t", params, "derived", retok, noise_for={"acme/llama": "keyed"}, unseeded=unseeded)
-    assert sorted(groups) == ["acme/llama", "acme/llama [seeded-t0.7-p0.95-k-1-m0-keyed]"]
+    groups = log_sources(log, "t", params, "derived", retok, noise_for={"acme/llama": "keyed"})
+    assert sorted(groups) == ["acme/llama", "acme/llama [seeded-t0.7-p0.95-k-1-m0-keyed]",
+                              "acme/llama [unseeded-t0.7-p1-k-1-m0]", "other [unseeded-t1-p1-k20-m0]"]
     (s,) = groups["acme/llama [seeded-t0.7-p0.95-k-1-m0-keyed]"].claims
     assert (s.sampling.seed, s.sampling.noise, s.sampling.temperature, s.extra["mode"]) == (11, "keyed", 0.7, "seeded")
     assert groups["acme/llama"].claims[0].extra["mode"] == "greedy"
-    assert sorted((v, r["id"], r["sampling"]["seed"]) for v, r in unseeded) == [("acme/llama", "u", None),
-                                                                                ("other", "o", 5)]
-    unseeded = []
-    groups = log_sources(log, "t", params, "derived", retok, noise="vllm-cpu", unseeded=unseeded)
-    assert "other [seeded-t1-p1-k20-m0-vllm-cpu]" in groups and [r["id"] for _, r in unseeded] == ["u"]
+    (u,) = groups["acme/llama [unseeded-t0.7-p1-k-1-m0]"].claims
+    (o,) = groups["other [unseeded-t1-p1-k20-m0]"].claims
+    assert (u.id, u.sampling.seed, u.sampling.noise, u.extra.get("request_seed")) == ("u", None, None, None)
+    assert (o.id, o.sampling.seed, o.sampling.top_k, o.extra["request_seed"]) == ("o", None, 20, 5)
+    assert groups["other [unseeded-t1-p1-k20-m0]"].manifest["mode"] == "unseeded"
+    groups = log_sources(log, "t", params, "derived", retok, noise="vllm-cpu")
+    assert "other [seeded-t1-p1-k20-m0-vllm-cpu]" in groups
+    assert [c.id for g, s in groups.items() if "unseeded" in g for c in s.claims] == ["u"]
 
 
 def _line(req: dict | None = None, msg: dict | None = None, rid: str = "r", **choice) -> str:

@@ -5,7 +5,8 @@ the sources in `core.sources`).
 
     prompts, calibration, bands   `core.chat.ChatAudit` (computed once per sampling, cached in out_dir)
     each vendor                   its mode (greedy, seeded, or by the seed probe; a vendor that ignores
-                                  seeds is unseeded: collected, not scored, said so in `unseeded`),
+                                  seeds, or whose seeded sampler no known backend reproduces, is judged
+                                  unseeded by `cfg.unseeded_detector`, its row saying why),
                                   collected (resumable, `core.collect`), streamed as an anytime-valid
                                   e-process (requests stop once it flags), replayed once, judged
                                   (`detect.judge.judge_vendor`)
@@ -46,8 +47,7 @@ class ChatAuditResult:
     html: Path | None
     timings: dict = field(default_factory=dict)
     skipped: list = field(default_factory=list)  # a log's exchanges left out: (file:line, kind, why)
-    unseeded: list[VendorResult] = field(default_factory=list)  # recorded, not scored (`core.chat.UNSEEDED_NOTE`)
-    modes: dict = field(default_factory=dict)    # claims per mode: greedy / seeded judged, unseeded recorded
+    modes: dict = field(default_factory=dict)    # claims judged per mode: greedy, seeded, unseeded
 
     def vendor(self, name: str) -> VendorResult:
         return next(v for v in self.vendors if v.name == name)
@@ -82,12 +82,12 @@ def audit_vendors(vendors: list[ChatEndpoint], cfg: ChatAuditConfig, *, show_pro
 
 def write_results(audit: ChatAudit, rows: list[VendorResult], title: str, source: dict) -> ChatAuditResult:
     """vendors.json (the dashboard's input), vendors.md and vendors.html in the audit's directory.
-    Rows of unseeded vendors are not verdicts: they go to `unseeded` (and a paragraph of vendors.md);
-    `modes` counts the claims each mode judged (unseeded: recorded). The bands and detector shown
-    are those of the first sampling judged (greedy first); `detectors` lists each sampling's."""
+    Every row is a verdict (or an error), in whichever mode it was judged (`mode`; an unseeded row's
+    `note` says why it is unseeded); `modes` counts the claims each mode judged. The bands and
+    detector shown are those of the first sampling judged (greedy first); `detectors` lists each
+    sampling's."""
     cfg = audit.cfg
-    judged = [r for r in rows if r.mode != "unseeded" or r.error]
-    unseeded = [r for r in rows if r.mode == "unseeded" and not r.error]
+    judged = rows
     modes = {m: sum(r.n_claims for r in rows if r.mode == m and not r.error) for m in JUDGED_MODES}
     modes = {**modes, **source.pop("modes", {})}
     keys = sorted(audit.seen, key=lambda k: k != "greedy")
@@ -95,22 +95,19 @@ def write_results(audit: ChatAudit, rows: list[VendorResult], title: str, source
     doc = {"title": title, "model": rows[0].served_model if rows else "", "trusted_model": audit.info.name,
            "trusted_weights_sha256": audit.info.weights_sha256,
            "created": datetime.now(timezone.utc).isoformat(timespec="seconds"), "verinfer_version": __version__,
-           "target_fpr": cfg.target_fpr, "mode": _mode({m: n for m, n in modes.items() if m != "unseeded"}), "modes": modes, "settings": cfg.settings(),
+           "target_fpr": cfg.target_fpr, "mode": _mode(modes), "modes": modes, "settings": cfg.settings(),
            "detector": {"summary": det.summary() if det else None, "heldout": _heldout(det) if det else None},
            "detectors": {k: d.summary() for k, (d, _) in audit.seen.items()},
            "bands": bands, "bands_by_sampling": {k: b for k, (_, b) in audit.seen.items()},
-           "vendors": [asdict(r) for r in judged], "unseeded": [asdict(r) for r in unseeded], **source,
+           "vendors": [asdict(r) for r in judged], **source,
            "timings": audit.timings}
     from verinfer.report.vendors import render_vendors_html, render_vendors_markdown  # matplotlib: load when writing
 
     path = atomic_write_json(cfg.out_dir / "vendors.json", doc)
     md = render_vendors_markdown(doc) if judged else f"# {title}\n\nNo vendor could be scored.\n"
-    if unseeded:
-        md += "\n## Not scored: unseeded\n\n" + "".join(f"- {r.name}: {r.note} ({r.n_claims} claims recorded)\n"
-                                                          for r in unseeded)
     atomic_write_text(cfg.out_dir / "vendors.md", md)
     html = render_vendors_html(doc, cfg.out_dir / "vendors.html") if judged else None
-    return ChatAuditResult(judged, bands, path, html, audit.timings, list(source.get("skipped", [])), unseeded, modes)
+    return ChatAuditResult(judged, bands, path, html, audit.timings, list(source.get("skipped", [])), modes)
 
 
 def _mode(modes: dict) -> str:

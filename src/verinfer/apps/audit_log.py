@@ -3,32 +3,32 @@
     source       the log's exchanges (`core.sources.log_sources`: one source per model the replies
                  name and sampling: greedy exchanges, and seeded ones (a seed, and the sampler the
                  auditor declares: --noise, or per vendor a vendors file's `noise`; a log cannot be
-                 probed); sampled exchanges without either are recorded unseeded (kept, counted, not
-                 scored); exchanges a replay cannot use are refused, or skipped and counted with
-                 --skip-unusable)
+                 probed); sampled exchanges without either are claimed unseeded (no seed, no noise)
+                 and grouped by their sampling; exchanges a replay cannot use are refused, or
+                 skipped and counted with --skip-unusable)
     collect      each group's claims saved through the one collector (`core.collect`) into
-                 out_dir/vendors/<vendor>/ (seeded: <vendor>--<sampling key>/) under its lock and
-                 manifest: a directory that holds another log's claims is refused, never mixed;
-                 unseeded records in out_dir/vendors/<vendor>--unseeded/unseeded.jsonl
+                 out_dir/vendors/<vendor>/ (sampled: <vendor>--<sampling key>/) under its lock and
+                 manifest: a directory that holds another log's claims is refused, never mixed
     calibrate    the honest calibration and the reference bands run locally on the log's own
                  conversations of each sampling, each with its reply's length as max_tokens
-                 (`core.chat.ChatAudit`)
+                 (`core.chat.ChatAudit`; unseeded: the unseeded detector, on honest runs sampled
+                 with seeds of the auditor's and claimed without them)
     judge        a row per vendor and sampling (`detect.judge.judge_vendor`), written like
                  audit-vendors'; `modes` counts the claims each mode judged
 """
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 
 from verinfer.apps.audit_chat import ChatAuditResult, write_results
-from verinfer.core.chat import UNSEEDED_NOTE, ChatAudit, ChatAuditConfig, ChatSampling, VendorResult
+from verinfer.core.chat import UNSEEDED_NOTE, ChatAudit, ChatAuditConfig, ChatSampling, VendorResult, cycled
 from verinfer.core.sources import log_sources, vendor_dir_name
-from verinfer.io import atomic_write_text, check_writable
+from verinfer.io import check_writable
 from verinfer.models.load import model_info
 from verinfer.providers.chat_http import read_vendors
+from verinfer.providers.simulated import request_seed
 from verinfer.retokenize import Retokenizer
 
 
@@ -49,17 +49,17 @@ def audit_log(log: Path, cfg: ChatAuditConfig, *, skip_unusable: bool = False, n
     """Audit a log of chat exchanges: a row per model the replies name and sampling, judged like a
     vendor; the honest calibration and the reference bands run locally on the log's own
     conversations of that sampling (each with the reply's length as max_tokens). noise: the sampler
-    every vendor's seeded exchanges were drawn with (vendors_file: per vendor). Skipped exchanges are
-    counted in vendors.json, unseeded ones recorded (`unseeded`, `modes`)."""
+    every vendor's seeded exchanges were drawn with (vendors_file: per vendor); the other sampled
+    exchanges are judged unseeded, a row per vendor and sampling. Skipped exchanges are counted in
+    vendors.json; `modes` counts the claims each mode judged."""
     t0 = time.perf_counter()
     check_writable(cfg.out_dir, "audit directory", directory=True)
     retok = Retokenizer.for_model(cfg.model_dir)
     skipped: list = []
-    unseeded: list = []
     info = model_info(cfg.model_dir)
     sources = log_sources(log, info.name, cfg.params, cfg.tokens, retok, skip_unusable=skip_unusable,
                           skipped=skipped, max_positions=info.max_positions, neutral=neutral, noise=noise,
-                          noise_for=declared_noise(vendors_file), unseeded=unseeded)
+                          noise_for=declared_noise(vendors_file))
     every = [c for s in sources.values() for c in s.claims]
     greedy = [c for c in every if c.sampling.greedy]
     conv = [c.chat["messages"] for c in greedy]
@@ -76,43 +76,36 @@ def audit_log(log: Path, cfg: ChatAuditConfig, *, skip_unusable: bool = False, n
         claims = [c for g in group for c in sources[g].claims]
         sampling = ChatSampling.of(claims[0].sampling)
         calib = ([c.chat["messages"] for c in claims][: cfg.calib_n], [c.sampling.max_tokens for c in claims][: cfg.calib_n])
+        if sampling.unseeded:  # each conversation sampled again with other seeds, up to calib_n runs
+            calib = cycled(*calib, cfg.calib_n)
         det = audit.detector(sampling, calib)
+        seeds = ([c.sampling.seed for c in claims] if not (sampling.greedy or sampling.unseeded)
+                 else [request_seed(cfg.seed, i) for i in range(len(claims))])  # unseeded: the bands' own seeds
         bands = audit.bands(det, sampling, [c.chat["messages"] for c in claims], [c.sampling.max_tokens for c in claims],
-                            None if sampling.greedy else [c.sampling.seed for c in claims])
+                            None if sampling.greedy else seeds)
         audit.seen[key] = (det, bands)
         for g in group:
             got, sent = collected[g]
-            row = VendorResult(g, str(log), sources[g].manifest["vendor"], mode="greedy" if sampling.greedy else "seeded",
-                               sampling=None if sampling.greedy else sampling.settings())
+            row = VendorResult(g, str(log), sources[g].manifest["vendor"], mode=got[0].sampling.audit_mode,
+                               sampling=None if sampling.greedy else sampling.settings(), note=_note(got))
             rows.append(audit.judge(row, got, sent, dirs[g], det, bands, sampling=sampling, calibration=calib))
-    rows += _unseeded_rows(audit, log, unseeded)
     audit.timings["total_s"] = time.perf_counter() - t0
     return write_results(audit, rows, f"verinfer audit of the chat log {Path(log).name}",
-                         {"log": str(log), "exchanges": len(every) + len(unseeded),
-                          "skipped": [list(s) for s in skipped]})
+                         {"log": str(log), "exchanges": len(every), "skipped": [list(s) for s in skipped]})
 
 
 def _group_dir(manifest: dict) -> str:
     d = vendor_dir_name(manifest["vendor"])
-    return d if manifest.get("mode") != "seeded" else f"{d}--{manifest['sampling']}"
+    return d if manifest.get("mode") not in ("seeded", "unseeded") else f"{d}--{manifest['sampling']}"
 
 
-def _unseeded_rows(audit: ChatAudit, log: Path, unseeded: list) -> list[VendorResult]:
-    """A row per vendor with unseeded exchanges (not scored), its records written for the unseeded
-    detectors in vendors/<vendor>--unseeded/unseeded.jsonl."""
-    by: dict[str, list[dict]] = {}
-    for vendor, record in unseeded:
-        by.setdefault(vendor, []).append(record)
-    rows = []
-    for vendor, records in by.items():
-        d = audit.out / "vendors" / f"{vendor_dir_name(vendor)}--unseeded"
-        d.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(d / "unseeded.jsonl", "".join(json.dumps(r) + "\n" for r in records))
-        no_seed = sum(r["sampling"]["seed"] is None for r in records)
-        rows.append(VendorResult(f"{vendor} [unseeded]", str(log), vendor, mode="unseeded", n_claims=len(records),
-                                 note=f"{UNSEEDED_NOTE} ({no_seed} sampled without a seed, {len(records) - no_seed} "
-                                      "with a seed but no declared sampler: --noise or a vendors file's `noise`)"))
-    return rows
+def _note(claims: list) -> str | None:
+    """Why a group's exchanges are judged unseeded (None for greedy and seeded ones)."""
+    if not claims[0].sampling.unseeded:
+        return None
+    with_seed = sum("request_seed" in c.extra for c in claims)
+    return (f"{UNSEEDED_NOTE}: {len(claims) - with_seed} sampled without a seed, {with_seed} with a seed but no "
+            "declared sampler (--noise or a vendors file's `noise`)")
 
 
 __all__ = ["audit_log", "declared_noise"]

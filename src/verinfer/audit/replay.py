@@ -508,7 +508,7 @@ class PartPlan:
                 return
             if self.check is not None:
                 self.check(chunk)
-            self.noise.update(c.sampling.noise for c in chunk)
+            self.noise.update(c.sampling.noise for c in chunk if c.sampling.noise is not None)  # unseeded: none
             self.parts, self.claims = k + 1, self.claims + len(chunk)
             self.tokens += sum(len(c.output_token_ids) for c in chunk)
             fps, layer, first_fp = fingerprints_of(chunk, self.config, first_fp)

@@ -318,7 +318,8 @@ def audit_api(base_url: str = O.BASE_URL, model: str = O.ENDPOINT_MODEL, model_d
               threads: Optional[int] = O.AUDITOR_THREADS, matmul: str = O.matmul(),
               sequential: bool = O.API_SEQUENTIAL, chat: bool = O.CHAT, system_prompt: Optional[str] = O.SYSTEM_PROMPT,
               tokens: str = O.TOKENS, api_key_env: Optional[str] = O.API_KEY_ENV, extra: Optional[str] = O.EXTRA,
-              concurrency: int = O.CONCURRENCY, bands: List[str] = O.BANDS, band_engine: str = O.BAND_ENGINE):
+              concurrency: int = O.CONCURRENCY, bands: List[str] = O.BANDS, band_engine: str = O.BAND_ENGINE,
+              unseeded_detector: str = O.UNSEEDED_DETECTOR):
     """Audit an OpenAI-compatible endpoint: seeded (or temperature-0) prompts, replay, verdict, report.
     With --chat: a chat endpoint that returns text, at temperature 0 or seeded at --temperature > 0 (as
     `audit-vendors` with one vendor; --mode auto probes it for seeds)."""
@@ -327,13 +328,10 @@ def audit_api(base_url: str = O.BASE_URL, model: str = O.ENDPOINT_MODEL, model_d
 
         return _chat_exit(audit_endpoint(
             base_url, model, trusted_model=model_dir, out_dir=out, api_key_env=api_key_env, extra=extra,
-            concurrency=concurrency, timeout=timeout, **_chat_settings(n=n, max_tokens=max_tokens, seed=seed,
-                                                                       system_prompt=system_prompt, tokens=tokens,
-                                                                       calib_n=calib_n or 64, honest=honest,
-                                                                       bands=bands, band_engine=band_engine,
-                                                                       device=device, matmul=matmul,
-                                                                       **_chat_sampling(temperature, top_p, top_k,
-                                                                                        min_p, noise, mode))))
+            concurrency=concurrency, timeout=timeout, **_chat_settings(
+                n=n, max_tokens=max_tokens, seed=seed, system_prompt=system_prompt, tokens=tokens, calib_n=calib_n or 64,
+                honest=honest, bands=bands, band_engine=band_engine, device=device, matmul=matmul,
+                unseeded_detector=unseeded_detector, **_chat_sampling(temperature, top_p, top_k, min_p, noise, mode))))
     from verinfer.apps.audit_api import ApiAuditConfig, audit_api as run_audit_api
 
     temperature, top_k, top_p = _or(temperature, 1.0), _or(top_k, 50), _or(top_p, 0.95)  # completions' defaults
@@ -357,18 +355,19 @@ def audit_vendors(vendors: Path = O.VENDORS_FILE, model: Optional[str] = O.model
                   band_engine: str = O.BAND_ENGINE, sequential: bool = O.CHAT_SEQUENTIAL,
                   target_fpr: float = O.TARGET_FPR_CHAT, device: str = O.device(), matmul: str = O.matmul(),
                   temperature: float = O.CHAT_TEMPERATURE, top_p: float = O.CHAT_TOP_P, top_k: int = O.CHAT_TOP_K,
-                  min_p: float = O.CHAT_MIN_P, noise: str = O.noise(O.CHAT_NOISE_HELP), mode: str = O.CHAT_MODE):
+                  min_p: float = O.CHAT_MIN_P, noise: str = O.noise(O.CHAT_NOISE_HELP), mode: str = O.CHAT_MODE,
+                  unseeded_detector: str = O.UNSEEDED_DETECTOR):
     """Audit several chat endpoints side by side at temperature 0, or seeded at --temperature > 0 (same
     prompts, one calibrated detector per sampling, reference bands): a row per vendor in vendors.json /
-    vendors.md / vendors.html; a vendor that ignores seeds is said so (unseeded, not scored). Exit 1 if
-    any is flagged."""
+    vendors.md / vendors.html; a vendor that ignores seeds is judged unseeded (--unseeded-detector). Exit
+    1 if any is flagged."""
     from verinfer.api import audit_vendors as run
 
     return _chat_exit(run(vendors, trusted_model=model, out_dir=out, **_chat_settings(
         n=n, max_tokens=max_tokens, seed=seed, system_prompt=system_prompt, tokens=tokens, calib_n=calib_n,
         honest=honest, bands=bands, band_engine=band_engine, sequential=sequential, target_fpr=target_fpr,
         device=device, matmul=matmul, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, noise=noise,
-        mode=mode)))
+        mode=mode, unseeded_detector=unseeded_detector)))
 
 
 @command(app, "audit-log")
@@ -377,17 +376,17 @@ def audit_log(log: Path = O.LOG_FILE, model: Optional[str] = O.model(), out: Pat
               band_engine: str = O.BAND_ENGINE, tokens: str = O.TOKENS, skip_unusable: bool = O.SKIP_UNUSABLE,
               neutral_field: List[str] = O.NEUTRAL_FIELD, target_fpr: float = O.TARGET_FPR_CHAT,
               device: str = O.device(), matmul: str = O.matmul(), noise: Optional[str] = O.LOG_NOISE,
-              vendors: Optional[Path] = O.LOG_VENDORS):
+              vendors: Optional[Path] = O.LOG_VENDORS, unseeded_detector: str = O.UNSEEDED_DETECTOR):
     """Audit a log of past chat exchanges: claims from its text, replay, a verdict per served model and
     sampling (greedy; seeded where an exchange has a seed and its sampler is declared, --noise / --vendors;
-    other sampled exchanges recorded unseeded, not scored), reference bands run on the log's own
+    other sampled exchanges judged unseeded, --unseeded-detector), reference bands run on the log's own
     conversations. Exit 1 if any is flagged."""
     from verinfer.api import audit_log as run
 
     return _chat_exit(run(log, trusted_model=model, out_dir=out, skip_unusable=skip_unusable,
                           neutral_fields=tuple(neutral_field), noise=noise, vendors_file=vendors, **_chat_settings(
         tokens=tokens, calib_n=calib_n, honest=honest, bands=bands, band_engine=band_engine, target_fpr=target_fpr,
-        device=device, matmul=matmul)))
+        device=device, matmul=matmul, unseeded_detector=unseeded_detector)))
 
 
 def _or(value, default):
@@ -408,8 +407,9 @@ def _chat_settings(**kw) -> dict:
 
 def _chat_exit(res) -> None:
     render.vendors(res)
-    for v in getattr(res, "unseeded", []):
-        typer.echo(f"{v.name}: {v.note} ({v.n_claims} claims recorded, not scored)")
+    for v in res.vendors:
+        if v.note and not v.error:
+            typer.echo(f"{v.name}: {v.note}")
     if getattr(res, "modes", None):
         typer.echo("claims by mode: " + ", ".join(f"{n} {m}" for m, n in res.modes.items()))
     if any(v.error for v in res.vendors):

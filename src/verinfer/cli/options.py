@@ -86,6 +86,7 @@ CHOICES = {("*", "noise"): NOISE, ("*", "matmul"): MATMUL, ("generate", "determi
            ("build-head", "budget"): HEAD_BUDGETS,
            ("*", "tokens"): TOKEN_MODES, ("*", "bands"): BAND_NAMES,
            ("*", "band_engine"): _names("verinfer.core.chat", "BAND_ENGINES"),
+           ("*", "unseeded_detector"): _names("verinfer.core.chat", "UNSEEDED_DETECTORS"),
            ("score", "reference_protocol"): _names("verinfer.audit.remote_reference", "PROTOCOLS"),
            ("calibrate", "policy"): _names("verinfer.determinism.tau", "GATED",
                                            renamed=("verinfer.determinism.scheduler", "RENAMED"))}
@@ -306,10 +307,16 @@ CHAT_NOISE_HELP = ("Noise backend the vendors sample with: with --mode seeded th
                    "probe's first candidate (vllm-cpu for vLLM on CPU and verinfer serve).")
 CHAT_MODE = typer.Option("auto", help="Sampled audits: auto (send one seeded request twice and once with another "
                                       "seed: seeds honoured -> seeded with the sampler that reproduces the reply, "
-                                      "else unseeded, not scored), seeded (trust --noise), greedy (temperature 0).")
+                                      "else unseeded: judged by --unseeded-detector), seeded (trust --noise), greedy "
+                                      "(temperature 0).")
+UNSEEDED_DETECTOR = typer.Option("pit-uniformity", help="Detector of unseeded vendors and exchanges (sampled, no "
+                                                        "usable seed), calibrated on verinfer's honest sampled runs "
+                                                        "at their sampling: pit-uniformity (the PIT's shape; catches "
+                                                        "a temperature-tuned substitute) or xent-excess (the mean "
+                                                        "cross-entropy excess).")
 LOG_NOISE = typer.Option(None, "--noise", help="Noise backend the log's seeded exchanges were sampled with (a log "
                                                "cannot be probed); sampled exchanges without a seed or a declared "
-                                               "sampler are recorded unseeded, not scored.")
+                                               "sampler are judged unseeded (--unseeded-detector).")
 LOG_VENDORS = typer.Option(None, "--vendors", help="Vendors TOML file whose `noise` declares a vendor's sampler "
                                                    "(matched by its `model` or `name` to the names the log's replies "
                                                    "give), beside --noise for the others.")

@@ -83,19 +83,24 @@ def api_audit(res) -> None:
 def vendors(res) -> None:
     """What `verinfer audit-vendors` / `audit-log` / `audit-api --chat` print for an
     `apps.audit_chat.ChatAuditResult`: a row per vendor, then where the dashboard is."""
-    sampled = any(getattr(v, "mode", "greedy") == "seeded" for v in res.vendors)
-    t = Table(title="verinfer: chat endpoints " + ("seeded (Token-DiFR on each seeded sample)" if sampled
-                                                   else "at temperature 0"),
+    modes = {getattr(v, "mode", "greedy") for v in res.vendors if not v.error}
+    t = Table(title="verinfer: chat endpoints " + ("sampled (" + "; ".join(
+        what for m, what in (("seeded", "seeded: Token-DiFR on each seeded sample"),
+                             ("unseeded", "unseeded: the tokens' place in the reference's distribution"))
+        if m in modes) + ")" if modes & {"seeded", "unseeded"} else "at temperature 0"),
               caption="verdict: anytime-valid at the target FPR (requests stop once a vendor is flagged); nearest band: "
                       "the local configuration whose margin and cross-entropy the vendor's resemble")
-    for col in ("vendor", "verdict", "nearest band", "exact match", "tokens", "requests", "decided at", "re-cut"):
+    for col in ("vendor", "verdict", "mode", "nearest band", "exact match", "tokens", "requests", "decided at",
+                "re-cut"):
         t.add_column(col, no_wrap=True)
     for v in res.vendors:
+        mode = getattr(v, "mode", "greedy")
         if v.error:
-            t.add_row(escape(v.name), "[yellow]error[/yellow]", "", "", "", "", "", "")
+            t.add_row(escape(v.name), "[yellow]error[/yellow]", mode, "", "", "", "", "", "")
             continue
         decided = "-" if v.tokens_to_decide is None else f"{v.tokens_to_decide} tok / {v.requests_to_decide} req"
-        t.add_row(escape(v.name), "[red]FLAGGED[/red]" if v.flagged else "[green]ok[/green]", escape(str(v.nearest_band)),
+        t.add_row(escape(v.name), "[red]FLAGGED[/red]" if v.flagged else "[green]ok[/green]", mode,
+                  escape(str(v.nearest_band)),
                   f"{v.exact_match:.4f}", str(v.n_tokens), str(v.n_requests), decided,
                   "-" if v.resegmented is None else f"{v.resegmented:.1%}")
     console = Console(width=max(140, Console().width))

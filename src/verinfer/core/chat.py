@@ -2,7 +2,8 @@
 K2 Vendor Verifier): what audit-api --chat, audit-vendors and audit-log share. Each vendor is judged
 in one mode (`ChatSampling`): `greedy` (temperature 0), `seeded` (temperature > 0, a per-request
 seed, the noise backend the vendor samples with: Token-DiFR on the seeded sample) or `unseeded`
-(sampled, and the vendor ignores seeds or none is known: recorded, not scored, UNSEEDED_NOTE).
+(sampled, and the vendor ignores seeds or no known sampler reproduces them: its claims are written
+without seed or noise and judged from the reference's distribution alone, `detect.unseeded`).
 
     mode         temperature 0: greedy; else `--mode seeded` (the declared noise backend) or `auto`
                  (`probe_vendor`: the first conversation sent twice with one seed and once with
@@ -18,7 +19,9 @@ seed, the noise backend the vendor samples with: Token-DiFR on the seeded sample
                  sampling (`core.local_runs.chat_run_claims`; other prompts and seeds; each
                  configuration one group of the null; one detector per sampling, `ChatSampling.key`),
                  and the mismatch-rate test (the same detector with floor 1: token-difr's
-                 statistic) beside it
+                 statistic) beside it; unseeded: `cfg.unseeded_detector` (pit-uniformity, or
+                 xent-excess) fit the same way on honest runs sampled at the vendor's settings
+                 (with seeds, claimed and scored without them), no mismatch-rate test
     bands        the reference bands (`local_runs.CHAT_BANDS`) run on the vendors' conversations and
                  summarized like a vendor (`detect.summary`)
     vendor       a `sources.ChatSource` collected through the core, streamed as an anytime-valid
@@ -60,8 +63,9 @@ from verinfer.sampling.params import SamplingParams
 TOKEN_MODES = ("derived", "returned", "auto")
 BAND_ENGINES = ("verinfer", "vllm")  # who runs the reference bands: verinfer's engine, or local vLLM (DiFR's way)
 CHAT_MODES = ("auto", "seeded", "greedy")  # what a sampled chat audit is told (auto: the seed probe decides)
-JUDGED_MODES = ("greedy", "seeded", "unseeded")  # what a claim is judged in (`unseeded`: recorded, not scored)
-UNSEEDED_NOTE = "unseeded: needs the unseeded detectors"
+JUDGED_MODES = ("greedy", "seeded", "unseeded")  # what a claim is judged in
+UNSEEDED_DETECTORS = ("pit-uniformity", "xent-excess")  # `detect.unseeded`: the unseeded mode's detector (first: default)
+UNSEEDED_NOTE = "unseeded, judged from the reference's distribution alone"
 PROBE_TOKENS = 32            # max_tokens of the seed probe's requests
 PROBE_SEED_INDEX = 10**6     # the probe's seeds: request_seed(seed, PROBE_SEED_INDEX + 0 / 1)
 GREEDY_NOISE = "vllm-cpu"    # what a greedy claim names (no noise is drawn)
@@ -79,6 +83,7 @@ class ChatSampling:
     min_p: float = 0.0
     noise: str = GREEDY_NOISE
     mode: str = "auto"
+    unseeded: bool = False   # judged without seeds (the vendor ignores them, or no known sampler reproduces them)
 
     def __post_init__(self):
         if self.mode not in CHAT_MODES:
@@ -98,21 +103,31 @@ class ChatSampling:
         return self.temperature == 0
 
     def params(self, seed: int | None, max_tokens: int) -> SamplingParams:
-        """A request's sampling (greedy: no seed, filters off)."""
+        """A request's sampling (greedy: no seed, filters off; unseeded: the claim's, no seed and no
+        noise, `SamplingParams.unseeded`)."""
         if self.greedy:
             return SamplingParams(0.0, -1, 1.0, 0.0, None, max_tokens, GREEDY_NOISE)
+        if self.unseeded:
+            return SamplingParams(float(self.temperature), self.top_k if self.top_k > 0 else -1, float(self.top_p),
+                                  float(self.min_p), None, max_tokens, None, unseeded=True)
         return SamplingParams(float(self.temperature), self.top_k if self.top_k > 0 else -1, float(self.top_p),
                               float(self.min_p), seed, max_tokens, self.noise)
 
+    def request(self, seed: int | None, max_tokens: int) -> SamplingParams:
+        """What a request asks: `params`, with the seed even where the claim is judged unseeded (a
+        vendor that ignores it loses nothing, and its claim states no seed)."""
+        return replace(self, unseeded=False).params(seed, max_tokens) if self.unseeded else self.params(seed, max_tokens)
+
     def settings(self) -> dict:
-        """What a seeded claim is replayed with (greedy: {"temperature": 0.0})."""
+        """What a seeded claim is replayed with (greedy: {"temperature": 0.0}; unseeded: noise None)."""
         if self.greedy:
             return {"temperature": 0.0}
         p = self.params(0, 1)
         return {"temperature": p.temperature, "top_p": p.top_p, "top_k": p.top_k, "min_p": p.min_p, "noise": p.noise}
 
     def key(self) -> str:
-        """A file-name-safe name of the settings: 'greedy', or 'seeded-t0.7-p0.95-k-1-m0-vllm-cpu'."""
+        """A file-name-safe name of the settings: 'greedy', 'seeded-t0.7-p0.95-k-1-m0-vllm-cpu' or
+        'unseeded-t0.7-p0.95-k-1-m0'."""
         return sampling_key(self.params(0, 1))
 
     @classmethod
@@ -120,6 +135,8 @@ class ChatSampling:
         """The sampling of a claim's params (its seed and max_tokens aside)."""
         if params.greedy:
             return cls()
+        if params.unseeded:
+            return cls(params.temperature, params.top_p, params.top_k, params.min_p, mode="auto", unseeded=True)
         return cls(params.temperature, params.top_p, params.top_k, params.min_p, params.noise, "seeded")
 
 
@@ -148,6 +165,7 @@ class ChatAuditConfig:
     min_p: float = 0.0
     noise: str = GREEDY_NOISE         # the declared sampler (mode seeded), or the probe's first candidate (auto)
     mode: str = "auto"                # auto | seeded | greedy (`ChatSampling`)
+    unseeded_detector: str = UNSEEDED_DETECTORS[0]  # what judges unseeded vendors and exchanges (UNSEEDED_DETECTORS)
 
     def __post_init__(self):
         if self.n < 1 or self.max_tokens < 1 or self.calib_n < 1:
@@ -161,6 +179,10 @@ class ChatAuditConfig:
             HONEST.get(name)
         for name in self.bands:
             CHAT_BANDS.get(name)
+        if self.unseeded_detector not in UNSEEDED_DETECTORS:
+            raise VerinferError(f"unseeded_detector must be one of {', '.join(UNSEEDED_DETECTORS)}, got "
+                                f"{self.unseeded_detector!r}", fix="--unseeded-detector pit-uniformity (the default) "
+                                                                   "or xent-excess")
         self.sampling  # validated
 
     @property
@@ -235,7 +257,7 @@ def collect_manifest(endpoint: ChatEndpoint, cfg: ChatAuditConfig, conversations
 
 def request_params(cfg: ChatAuditConfig, sampling: ChatSampling, n: int) -> list[SamplingParams]:
     """Each conversation's request: greedy, or sampled with seed request_seed(cfg.seed, i)."""
-    return [sampling.params(None if sampling.greedy else request_seed(cfg.seed, i), cfg.max_tokens) for i in range(n)]
+    return [sampling.request(None if sampling.greedy else request_seed(cfg.seed, i), cfg.max_tokens) for i in range(n)]
 
 
 def chat_source(endpoint: ChatEndpoint, cfg: ChatAuditConfig, conversations: list[list[dict]],
@@ -281,14 +303,23 @@ class ChatAudit:
     def detector(self, sampling: ChatSampling | None = None, calibration: tuple | None = None) -> Detector:
         """The mismatch-and-margin detector fit on the honest configurations' chat runs at `sampling`
         (default greedy; cached in out_dir/detector.json, a sampled one in detector-<key>.json, with
-        the settings it was made for). calibration: (conversations, max_tokens) to run them on
-        (default: self.calibration, else fresh prompts)."""
+        the settings it was made for); unseeded sampling: `cfg.unseeded_detector`, fit on the honest
+        runs at that sampling claimed without their seeds (detector-unseeded-<...>.json).
+        calibration: (conversations, max_tokens) to run them on (default: self.calibration, else
+        fresh prompts)."""
+        if sampling is not None and sampling.unseeded:
+            calibration = calibration or self.calibration or cycled(self.conversations, self.max_tokens, self.cfg.calib_n)
+            return self._fit("detector", self.cfg.unseeded_detector, {}, sampling, calibration)
         return self._fit("detector", "greedy", {}, sampling, calibration)
 
-    def mismatch_detector(self, sampling: ChatSampling | None = None, calibration: tuple | None = None) -> Detector:
+    def mismatch_detector(self, sampling: ChatSampling | None = None,
+                          calibration: tuple | None = None) -> Detector | None:
         """The calibrated mismatch-rate test (the greedy detector with floor 1: every mismatch counts 1,
         token-difr's statistic with verinfer's pass line and the same null), fit on the same honest
-        runs; out_dir/mismatch_detector.json (sampled: mismatch_detector-<key>.json)."""
+        runs; out_dir/mismatch_detector.json (sampled: mismatch_detector-<key>.json). None unseeded:
+        a sampled token without its seed has no mismatch to count."""
+        if sampling is not None and sampling.unseeded:
+            return None
         return self._fit("mismatch_detector", "greedy", {"floor": 1.0}, sampling, calibration)
 
     def _fit(self, base: str, kind: str, options: dict, sampling: ChatSampling | None,
@@ -355,8 +386,8 @@ class ChatAudit:
         first conversation at max(temperature, 1) (a seed matters) and PROBE_TOKENS tokens: seeds
         honoured and a known backend reproduces the reply -> seeded with that backend, else unseeded (a
         vendor whose sampler verinfer does not know is never judged as if it sampled with another one:
-        an honest vendor would be accused; `mode = "seeded"` with its `noise` forces the replay). Kept
-        in out/probe.json: a rerun asks nothing."""
+        an honest vendor would be accused; `mode = "seeded"` with its `noise` forces the replay); the
+        unseeded sampling is `ChatSampling.unseeded`. Kept in out/probe.json: a rerun asks nothing."""
         if sampling.greedy:
             return "greedy", sampling, None
         if sampling.mode == "seeded":
@@ -383,13 +414,16 @@ class ChatAudit:
             path.write_text(json.dumps(record, indent=1) + "\n")
         if record["mode"] == "seeded":
             sampling = replace(sampling, noise=record["noise"])
+        else:
+            sampling = replace(sampling, unseeded=True)
         return record["mode"], sampling, record
 
     def vendor(self, endpoint: ChatEndpoint, det: Detector | None = None, bands: dict | None = None) -> VendorResult:
         """Probe (sampled, mode auto), collect (resuming), replay and judge one vendor; an endpoint
-        error is the row's `error`. An unseeded vendor's replies are collected (claims tagged mode
-        "unseeded", for the unseeded detectors) and not scored: its row says UNSEEDED_NOTE.
-        det, bands: the greedy audit's (default: `judged_at` the vendor's sampling)."""
+        error is the row's `error`. An unseeded vendor's replies are claimed without seed or noise
+        (mode "unseeded") and judged by the unseeded detector calibrated at its sampling; its row's
+        note says why it is unseeded. det, bands: the greedy audit's (default: `judged_at` the
+        vendor's sampling)."""
         row = VendorResult(endpoint.name, endpoint.base_url, endpoint.model)
         out = self.out / "vendors" / endpoint.name
         try:
@@ -400,20 +434,17 @@ class ChatAudit:
         row.mode, row.probe = mode, probe
         row.sampling = None if sampling.greedy else sampling.settings()
         if mode == "unseeded":
-            row.note = f"{UNSEEDED_NOTE} ({unseeded_reason(probe)})"
-        if mode != "unseeded" and (det is None or not sampling.greedy):
+            row.note = f"{UNSEEDED_NOTE}: {unseeded_reason(probe)}"
+        if det is None or not sampling.greedy:
             det, bands = self.judged_at(sampling)
         stop = (self.core.stream(det, self.cfg.target_fpr, out / "claims.jsonl", out / "scores.parquet",
-                                 every=endpoint.concurrency) if self.cfg.sequential and mode != "unseeded" else None)
+                                 every=endpoint.concurrency) if self.cfg.sequential else None)
         try:
             claims, sent = self.core.collect(chat_source(endpoint, self.cfg, self.conversations, self.retok,
                                                          self.info, sampling, mode), out,
                                              f"{endpoint.name}: requests", stop)
         except (EndpointError, VerinferError) as e:
             row.error = str(e)
-            return row
-        if mode == "unseeded":
-            row.n_claims, row.n_requests = len(claims), int(sent)
             return row
         return self.judge(row, claims, sent, out, det, bands,
                           stopped_early=self.cfg.sequential and sent < len(self.conversations), sampling=sampling)
@@ -436,6 +467,15 @@ class ChatAudit:
         return row
 
 
+def cycled(conversations: list[list[dict]], max_tokens: list[int] | None, n: int) -> tuple[list, list[int] | None]:
+    """(conversations, max_tokens) repeated in turn up to n runs: what an unseeded detector is
+    calibrated on (the vendors' own conversations, each sampled again with other seeds: under
+    honest sampling a reply's PIT values are uniform whatever the prompt, so the honest runs of the
+    same prompts are the null of the vendor's)."""
+    idx = [i % len(conversations) for i in range(n)]
+    return [conversations[i] for i in idx], None if max_tokens is None else [max_tokens[i] for i in idx]
+
+
 def unseeded_reason(probe: dict | None) -> str:
     """Why the probe found a vendor unseeded, in words."""
     if probe is None:
@@ -451,5 +491,5 @@ def unseeded_reason(probe: dict | None) -> str:
 
 
 __all__ = ["BAND_ENGINES", "CHAT_MODES", "ChatAudit", "ChatAuditConfig", "ChatSampling", "JUDGED_MODES",
-           "TOKEN_MODES", "UNSEEDED_NOTE", "VendorResult", "chat_source", "collect_manifest", "request_params",
-           "unseeded_reason"]
+           "TOKEN_MODES", "UNSEEDED_DETECTORS", "UNSEEDED_NOTE", "VendorResult", "chat_source", "collect_manifest",
+           "cycled", "request_params", "unseeded_reason"]

@@ -8,7 +8,9 @@ the audit's directory, so a rerun generates nothing again.
                        prompt, another chat template), greedy on verinfer's engine or local vLLM,
                        or seeded (each conversation its own seed) on verinfer's engine,
                        then each reply claimed from its text against the plain conversation, as a
-                       vendor's reply is (`CHAT_BANDS`, and the honest configurations as bands)
+                       vendor's reply is (`CHAT_BANDS`, and the honest configurations as bands);
+                       unseeded params: sampled with the seeds all the same (noise SAMPLE_NOISE), and
+                       claimed without them, as an unseeded vendor's reply is
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from verinfer.registry import Registry
 from verinfer.retokenize import PLAIN_CHAT_TEMPLATE, Retokenizer
 from verinfer.sampling.params import SamplingParams
 
+SAMPLE_NOISE = "vllm-cpu"  # the sampler of a local run whose claims state no seed (any honest sampler would do)
 BAND_SYSTEM_PROMPT = "You are a helpful assistant. Keep your answers short and follow the instructions."
 # reference band -> the simulated provider that runs it (audit-api's greedy bands, token-id prompts)
 TOKEN_BANDS: Registry[str] = Registry("reference band", {"bf16": "honest-bf16-b8", "fp8-kv": "fp8-kv", "int4": "int4"})
@@ -99,7 +102,9 @@ def chat_run_claims(band: Band, name: str, model_dir: Path, params: SamplingPara
     (its system prompt, its template), sampled with `params` (each with its max_tokens,
     params.max_tokens by default, and at temperature > 0 its seed of `seeds`; on verinfer's engine,
     or engine "vllm": on local vLLM, greedy only), then each reply claimed as a vendor's is, from its
-    text, against the plain conversation, as a claim of `model_name`."""
+    text, against the plain conversation, as a claim of `model_name`. Unseeded params
+    (`SamplingParams.unseeded`): each conversation is sampled with its seed of `seeds` and
+    SAMPLE_NOISE, and claimed with `params` (no seed, no noise): an honest unseeded reply."""
     path = out / f"{name}.jsonl"
     if path.is_file():
         return path
@@ -108,10 +113,13 @@ def chat_run_claims(band: Band, name: str, model_dir: Path, params: SamplingPara
                 for m in conversations]
     prompts = [run_retok.prompt_ids(m) for m in run_msgs]
     each = [replace(params, max_tokens=m) for m in (max_tokens or [params.max_tokens] * len(prompts))]
+    claimed = each
     if not params.greedy:
         if seeds is None or len(seeds) != len(prompts) or engine != "verinfer":
             raise ValueError("a sampled local run needs one seed per conversation and verinfer's engine")
-        each = [replace(p, seed=s) for p, s in zip(each, seeds)]
+        sampled = {"unseeded": False, "noise": SAMPLE_NOISE} if params.unseeded else {}
+        each = [replace(p, seed=s, **sampled) for p, s in zip(each, seeds)]
+        claimed = claimed if params.unseeded else each
     with progress_bar(f"{out.name}: generate {name}", len(prompts), show_progress) as adv:
         done = _generate(band, model_dir, prompts, each, out, engine, device, adv)
     claims = []
@@ -121,7 +129,7 @@ def chat_run_claims(band: Band, name: str, model_dir: Path, params: SamplingPara
         if not text:
             continue
         claims.append(Claim.from_chat(f"{name}-{i:05d}", model_name, msgs, text, "stop" if stopped else "length",
-                                      each[i], retok, returned=(prompts[i], ids), provider=name))
+                                      claimed[i], retok, returned=(prompts[i], ids), provider=name))
     out.mkdir(parents=True, exist_ok=True)
     write_claims(path, claims)
     return path

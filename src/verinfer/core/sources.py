@@ -7,8 +7,8 @@
                         audit-vendors): a claim per reply, its ids derived from the text or the
                         endpoint's own (`reply_claim`)
     log_sources         a chat log's exchanges (audit-log), one `collect.InHand` per vendor the
-                        replies name and sampling (greedy; seeded with a declared sampler); the
-                        unseeded ones recorded beside: nothing is sent, the collector only saves them
+                        replies name and sampling (greedy; seeded with a declared sampler; unseeded,
+                        claimed without seed or noise): nothing is sent, the collector only saves them
     collect.InHand      claims already in hand (a claims file)
 
 A new source is one more class with the `collect.Source` protocol: `manifest`, `concurrency`,
@@ -100,7 +100,8 @@ def reply_claim(i: int, msgs: list[dict], reply: ChatReply, endpoint: ChatEndpoi
     with stop strings (`extra["stop"]`): a reply that stopped is claimed as possibly cut by one
     (`chat_contract.cut_by_stop`, `Claim.from_chat` stop), and one cut before any text is no claim
     (None); its text is `scored_text`'s. mode: the audit mode the claim is judged in (recorded as
-    its `mode`: greedy, seeded, unseeded)."""
+    its `mode`: greedy, seeded, unseeded; an unseeded claim states no seed and no noise, whatever
+    the request carried: `SamplingParams.unseeded`)."""
     tokens = claim_tokens(tokens, reply.output_token_ids is not None)
     if tokens == RETURNED and reply.output_token_ids is None:
         raise EndpointError(f"request {i}: the endpoint returned no token ids (tokens='returned')",
@@ -115,6 +116,8 @@ def reply_claim(i: int, msgs: list[dict], reply: ChatReply, endpoint: ChatEndpoi
                        f"request {i} of vendor {endpoint.name!r}")
     if tokens == DERIVED and (cut or reply.finish_reason == "length") and not text:
         return None
+    if mode == "unseeded" and not params.unseeded:
+        params = replace(params, seed=None, noise=None, unseeded=True)
     return Claim.from_chat(f"{endpoint.name}-{i:05d}", model_name, msgs, text, reply.finish_reason, params,
                            retok, tokens=tokens, returned=(reply.prompt_token_ids, reply.output_token_ids),
                            usage=reply.usage, provider=endpoint.name,
@@ -181,10 +184,12 @@ def _over_context(ex, n_out, max_positions: int | None) -> ChatLogError | None:
 
 
 def sampling_key(params: SamplingParams) -> str:
-    """A file-name-safe name of a claim's sampling settings (its seed and length aside): 'greedy', or
-    'seeded-t0.7-p0.95-k-1-m0-vllm-cpu' (`core.chat.ChatSampling.key`)."""
+    """A file-name-safe name of a claim's sampling settings (its seed and length aside): 'greedy',
+    'seeded-t0.7-p0.95-k-1-m0-vllm-cpu' or 'unseeded-t0.7-p0.95-k-1-m0' (`core.chat.ChatSampling.key`)."""
     if params.greedy:
         return "greedy"
+    if params.unseeded:
+        return f"unseeded-t{params.temperature:g}-p{params.top_p:g}-k{params.top_k}-m{params.min_p:g}"
     return (f"seeded-t{params.temperature:g}-p{params.top_p:g}-k{params.top_k}-m{params.min_p:g}-{params.noise}")
 
 
@@ -206,31 +211,34 @@ def exchange_params(ex, max_tokens: int, noise: str | None) -> SamplingParams | 
         return None
 
 
-def unseeded_record(ex, claim: Claim) -> dict:
-    """A sampled exchange no seeded replay can judge, claims-shaped for the unseeded detectors: the
-    claim's ids and chat, the sampling the request asked (seed null where it had none, noise null:
-    no sampler declared) and `mode` "unseeded". Not a claim the claims reader takes yet (a sampled
-    claim needs a seed and a noise backend there)."""
+def unseeded_params(ex, max_tokens: int) -> SamplingParams:
+    """The sampling a sampled exchange no seeded replay can judge is claimed with: the request's
+    temperature and filters, no seed and no noise (`SamplingParams.unseeded`); a ChatLogError
+    (kind "shape") where they are out of range."""
     s = ex.sampling
     top_k = s.get("top_k")
-    return {**claim.to_json(), "sampling": {"temperature": float(s.get("temperature", 1.0)),
-                                            "top_k": top_k if top_k is not None and top_k > 0 else -1,
-                                            "top_p": float(s.get("top_p", 1.0)), "min_p": float(s.get("min_p") or 0.0),
-                                            "seed": s.get("seed"), "noise": None}, "mode": "unseeded"}
+    try:
+        return SamplingParams(float(s.get("temperature", 1.0)), top_k if top_k is not None and top_k > 0 else -1,
+                              float(s.get("top_p", 1.0)), float(s.get("min_p") or 0.0), None, max_tokens, None,
+                              unseeded=True)
+    except ValueError as e:
+        raise ChatLogError(f"the request's sampling cannot be audited: {e}", kind="shape", where=ex.source,
+                           fix="fix the logged request (or pass --skip-unusable)") from None
 
 
 def log_sources(log: Path, model_name: str, params: SamplingParams, tokens: str, retok: Retokenizer, *,
                 skip_unusable: bool = False, skipped: list | None = None,
                 max_positions: int | None = None, neutral: tuple[str, ...] = (), noise: str | None = None,
-                noise_for: dict[str, str] | None = None, unseeded: list | None = None) -> dict[str, InHand]:
+                noise_for: dict[str, str] | None = None) -> dict[str, InHand]:
     """The log's exchanges as claims of `model_name`, one `InHand` source per model the replies name
     (its `model`, else the request's; keyed by that exact name, `vendor_dir_name` gives its directory)
-    and sampling: greedy exchanges under the vendor's name, seeded ones under
+    and sampling: greedy exchanges under the vendor's name, seeded and unseeded ones under
     "<vendor> [<sampling_key>]" (manifest `mode`, `sampling`). ids derived from the text (or the ids
     the log holds, per `tokens`), each with the reply's length as max_tokens. A sampled exchange is
     seeded where its request carried a seed and the auditor declared the vendor's sampler
-    (noise_for[vendor], else `noise`: a log cannot be probed), else unseeded: appended to `unseeded`
-    as (vendor, `unseeded_record`), kept and counted, never scored as seeded (`exchange_params`). A
+    (noise_for[vendor], else `noise`: a log cannot be probed), else unseeded: claimed without seed
+    or noise (`unseeded_params`; a request's seed kept as the claim's `request_seed`), judged by the
+    unseeded detectors, never scored as seeded (`exchange_params`). A
     reply longer than the model's context (`max_positions`) is no reply of it; request fields and
     reply features follow the chat contract as a live audit's do (`chat_contract`: stop strings
     replayed as cut, fields declared `neutral` by the auditor, `scored_text`): an unusable one is
@@ -238,7 +246,6 @@ def log_sources(log: Path, model_name: str, params: SamplingParams, tokens: str,
     groups: dict[str, list[Claim]] = {}
     meta: dict[str, dict] = {}
     skipped = skipped if skipped is not None else []
-    unseeded = unseeded if unseeded is not None else []
     for ex in iter_chat_log(log, skip_unusable=skip_unusable, skipped=skipped):
         n_out = len(ex.output_token_ids) if ex.output_token_ids is not None else (ex.usage or {}).get("completion_tokens")
         err = unusable_for_replay(ex, neutral) or _over_context(ex, n_out, max_positions)
@@ -261,25 +268,32 @@ def log_sources(log: Path, model_name: str, params: SamplingParams, tokens: str,
                                 fix="derive them from the text (--tokens derived, the default)")
         length = max(1, int(ex.sampling.get("max_tokens") or n_out or params.max_tokens))
         own = exchange_params(ex, length, (noise_for or {}).get(vendor, noise))
+        if own is None:
+            try:
+                own = unseeded_params(ex, length)
+            except ChatLogError as e:
+                if not skip_unusable:
+                    raise
+                skipped.append((ex.source, e.kind, e.what))
+                continue
         if how == DERIVED and (cut or ex.finish_reason == "length") and not text:
             skipped.append((ex.source, "no-text", "nothing left to score: cut by a stop string or inside its first "
                                                   "character before any whole text"))
             continue
-        mode = "unseeded" if own is None else "greedy" if own.greedy else "seeded"
+        mode = own.audit_mode
+        seed = ex.sampling.get("seed") if own.unseeded else None
         claim = Claim.from_chat(
-            ex.id, model_name, list(ex.messages), text, ex.finish_reason,
-            own or replace(params, max_tokens=length), retok, tokens=how,
+            ex.id, model_name, list(ex.messages), text, ex.finish_reason, own, retok, tokens=how,
             returned=(None if ex.prompt_token_ids is None else list(ex.prompt_token_ids),
                       None if ex.output_token_ids is None else list(ex.output_token_ids)),
-            usage=ex.usage, provider=vendor, extra={"source": ex.source, "mode": mode}, stop=stops if cut else None)
-        if own is None:
-            unseeded.append((vendor, unseeded_record(ex, claim)))
-            continue
+            usage=ex.usage, provider=vendor,
+            extra={"source": ex.source, "mode": mode, **({"request_seed": seed} if seed is not None else {})},
+            stop=stops if cut else None)
         key = sampling_key(own)
         group = vendor if own.greedy else f"{vendor} [{key}]"
         groups.setdefault(group, []).append(claim)
-        meta[group] = {"vendor": vendor} if own.greedy else {"vendor": vendor, "mode": "seeded", "sampling": key}
-    if not groups and not unseeded:
+        meta[group] = {"vendor": vendor} if own.greedy else {"vendor": vendor, "mode": mode, "sampling": key}
+    if not groups:
         kinds = Counter(kind for _, kind, _ in skipped)
         raise VerinferError("the log holds no exchange that can be audited (skipped "
                             + ", ".join(f"{n} {k}" for k, n in kinds.most_common()) + ")", where=str(log),
@@ -289,4 +303,4 @@ def log_sources(log: Path, model_name: str, params: SamplingParams, tokens: str,
 
 
 __all__ = ["ChatSource", "CompletionsSource", "claim_tokens", "exchange_params", "log_sources", "reply_claim",
-           "sampling_key", "scored_text", "unseeded_record", "vendor_dir_name"]
+           "sampling_key", "scored_text", "unseeded_params", "vendor_dir_name"]

@@ -8,7 +8,8 @@
                        verdict (`SequentialAudit`) with the fixed-size one beside it, what deciding
                        took (tokens, requests), the summary and nearest band (`detect.summary`),
                        and the calibrated mismatch-rate test on the same claims (token-difr's
-                       statistic with verinfer's pass line and null; sequential and fixed-size)
+                       statistic with verinfer's pass line and null; sequential and fixed-size;
+                       none for unseeded claims, which have no seeded sample to mismatch)
 """
 
 from __future__ import annotations
@@ -50,18 +51,28 @@ def decided(tokens: int | None, claim_ends: np.ndarray) -> tuple[int | None, int
     return int(tokens), int(np.searchsorted(claim_ends, tokens) + 1)
 
 
-def judge_vendor(table: pa.Table, det: Detector, mismatch: Detector, *, alpha: float, bands: dict,
+def judge_vendor(table: pa.Table, det: Detector, mismatch: Detector | None, *, alpha: float, bands: dict,
                  name: str, seed: int = 0, stopped_early: bool = False) -> dict:
     """One vendor's row from its scores (claims in the order they were collected): `verdict` (the
     anytime-valid one, `fixed_n` inside), `exact_match`, `margin` / `cross_entropy` / `mismatch`
     summaries, `nearest_band`, `tokens_to_decide` / `requests_to_decide`, `n_tokens` and
     `mismatch_test` (the `mismatch` detector's sequential and fixed-size verdicts on the same
     claims, sequential at the greedy detector's lambdas and null; `cut_short` when the requests
-    stopped early, `stopped_early`, because the verdict flagged: the test then saw only those replies)."""
+    stopped early, `stopped_early`, because the verdict flagged: the test then saw only those replies;
+    None without a `mismatch` detector: unseeded claims). The sequential verdict uses the detector's
+    own e-process (`SEQUENTIAL_NULL`: the unseeded detectors' per-token betting one)."""
     v = SequentialAudit(det, alpha=alpha).verdict(table)
     point = summarize(table, margin_clip(det), seed=seed)
     ends = np.cumsum(block_sizes(np.asarray(table[CLAIM_ID].to_pylist()), table.num_rows))
     tokens, requests = decided(v.extra.get("decided_at_tokens"), ends)
+    row = {"verdict": v.with_(provider=name, fixed_n=det.verdict(table).to_dict()).to_dict(),
+           "n_tokens": int(table.num_rows),
+           "exact_match": float(np.mean(table[EXACT_MATCH].to_numpy(zero_copy_only=False))),
+           "margin": point[MARGIN], "cross_entropy": point[CROSS_ENTROPY], "mismatch": point["mismatch"],
+           "nearest_band": nearest_band(point, bands), "tokens_to_decide": tokens, "requests_to_decide": requests,
+           "mismatch_test": None}
+    if mismatch is None:
+        return row
     mv = SequentialAudit(mismatch, alpha=alpha, lambdas=det.SEQUENTIAL_LAMBDAS, null=det.SEQUENTIAL_NULL).verdict(table)
     fixed = mismatch.verdict(table)
     m_tokens, m_requests = decided(mv.extra.get("decided_at_tokens"), ends)

@@ -26,8 +26,15 @@ from verinfer.scores import CLAIM_ID, CROSS_ENTROPY, EXACT_MATCH, MARGIN, diverg
 SUMMARY_AXES = (MARGIN, CROSS_ENTROPY)  # the axes of `nearest_band`
 
 
+UNSEEDED_MARGIN_CLIP = 10.0  # logits: where an unseeded audit's summary clips the noise-free margin
+
+
 def margin_clip(detector) -> float:
-    """Where a summary clips margins: the greedy detector's near-tie cap, another detector's clip."""
+    """Where a summary clips margins: the greedy detector's near-tie cap, another detector's clip;
+    an unseeded detector's (no margin of its own: its rows' margin is the noise-free one, the gap to
+    the reference's argmax) UNSEEDED_MARGIN_CLIP."""
+    if getattr(detector, "UNSEEDED_ROWS", False):
+        return UNSEEDED_MARGIN_CLIP
     return getattr(detector, "tie_clip_", None) or detector.clip_
 
 

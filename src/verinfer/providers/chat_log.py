@@ -78,7 +78,7 @@ reading goes on. Kinds of the file itself (FILE_KINDS): no such file, and no usa
 Which request fields and reply features an audit understands is `providers/chat_contract.py`'s,
 the same for this log's lines and a live audit's requests. Sampled exchanges are not refused: the
 sampling fields are the audit's own (`chat_contract.AUDIT_FIELDS`), read into `sampling`; the caller
-judges an exchange seeded where it has a seed and a declared sampler, else records it unseeded
+judges an exchange seeded where it has a seed and a declared sampler, else unseeded
 (`core.sources.exchange_params`).
 """
 
@@ -395,7 +395,7 @@ def unusable_for_replay(ex, neutral: tuple[str, ...] = ()) -> ChatLogError | Non
     """Why a logged exchange cannot be replayed (None if it can): request fields the replay cannot
     rebuild (`chat_contract.replay_refusal`: template fields, fields the contract does not know and
     the auditor did not declare `neutral`). Its sampling is the audit's own, never a refusal (a
-    sampled exchange is judged seeded or recorded unseeded by the caller). A reasoning block is the
+    sampled exchange is judged seeded or unseeded by the caller). A reasoning block is the
     caller's to render (`chat_contract.reasoning_reply`)."""
     e = replay_refusal(ex.sampling.get("extra", {}), ex.source, neutral, "or pass --skip-unusable")
     return None if e is None else ChatLogError(e.what, kind=e.kind, where=e.where, fix=e.fix)

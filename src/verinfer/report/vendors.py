@@ -94,6 +94,8 @@ class Vendor(_Model):
     base_url: str
     served_model: str
     verdict: VendorVerdict | None
+    mode: Literal["greedy", "seeded", "unseeded"] = "greedy"  # what its claims were judged in
+    note: str | None = None           # unseeded: why (the vendor ignores seeds, ...)
     nearest_band: str | None = None
     exact_match: float | None = None
     margin: Interval | None = None
@@ -128,7 +130,7 @@ class VendorsDoc(_Model):
     created: str
     verinfer_version: str
     target_fpr: float = Field(gt=0, lt=1)
-    mode: Literal["greedy", "seeded", "mixed"]  # the claims' modes (apps.audit_chat: "mixed" when several)
+    mode: Literal["greedy", "seeded", "unseeded", "mixed"]  # the claims' modes (apps.audit_chat: "mixed" when several)
     settings: dict
     bands: dict[str, Band]
     vendors: list[Vendor] = Field(min_length=1)
@@ -358,16 +360,21 @@ def render_vendors_markdown(doc: dict) -> str:
     lines = [f"# {doc['title']}", "",
              f"Trusted model {doc['trusted_model']} (weights sha256 {doc['trusted_weights_sha256'][:16]}...), "
              f"{_mode_text(doc)}, target FPR {doc['target_fpr']}; detector: {doc['detector']['summary']}.", "",
-             "| vendor | verdict | nearest band | exact match | mean margin | mean cross-entropy | tokens | requests | "
-             "tokens to decide | requests to decide | re-cut |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| vendor | verdict | mode | nearest band | exact match | mean margin | mean cross-entropy | tokens | "
+             "requests | tokens to decide | requests to decide | re-cut |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for v in doc["vendors"]:
         if v["error"]:
-            lines.append(f"| {v['name']} | error: {v['error'][:80]} |  |  |  |  |  |  |  |  |  |")
+            lines.append(f"| {v['name']} | error: {v['error'][:80]} | {v.get('mode', 'greedy')} |  |  |  |  |  |  |  |  |  |")
             continue
-        lines.append(f"| {v['name']} | {'FLAGGED' if v['verdict']['flagged'] else 'ok'} | {v['nearest_band']} | "
+        lines.append(f"| {v['name']} | {'FLAGGED' if v['verdict']['flagged'] else 'ok'} | {v.get('mode', 'greedy')} | "
+                     f"{v['nearest_band']} | "
                      f"{v[EXACT_MATCH]:.4f} | {v[MARGIN]['mean']:.4g} | {v[CROSS_ENTROPY]['mean']:.4g} | "
                      f"{v['n_tokens']} | {v['n_requests']} | {v['tokens_to_decide'] or '-'} | "
                      f"{v['requests_to_decide'] or '-'} | {_rate(v['resegmented'])} |")
+    notes = [f"- {v['name']}: {v['note']}" for v in doc["vendors"] if v.get("note") and not v["error"]]
+    if notes:
+        lines += ["", "Notes (an unseeded row is judged from the trusted model's distribution alone, by the "
+                      "unseeded detector calibrated on honest sampled runs):", "", *notes]
     lines += ["", "Reference bands (verinfer's own greedy runs, replayed like a vendor; 95% bootstrap CI):", "",
               "| band | what | mean clipped margin | mean cross-entropy | mismatch |", "|---|---|---|---|---|"]
     for name, b in doc["bands"].items():

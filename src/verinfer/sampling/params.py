@@ -26,11 +26,13 @@ class SamplingParamError(ValueError):
         super().__init__(f"{field} {detail}")
 
 
-def check_sampling(*, temperature: float, top_p: float, min_p: float, seed: int | None, noise: str,
+def check_sampling(*, temperature: float, top_p: float, min_p: float, seed: int | None, noise: str | None,
                    max_tokens: int | None = None, unseeded: bool = False) -> None:
     """Raise SamplingParamError for the first setting out of range (top_k: any value; <= 0 is off).
     unseeded: a sampled claim whose seed is unknown (audited distributionally, sampling/pit.py):
-    temperature > 0 and no seed."""
+    temperature > 0 and no seed; it draws no noise, so its `noise` may be None and is not checked
+    (neither the name nor a backend's limits, SGLang's refusal of min-p: the claim is judged from
+    the reference's filtered distribution alone)."""
     if not (0.0 <= temperature <= MAX_TEMPERATURE):
         raise SamplingParamError("temperature", f"must be in [0, {MAX_TEMPERATURE:g}], got {temperature}")
     if not (0.0 < top_p <= 1.0):
@@ -39,8 +41,12 @@ def check_sampling(*, temperature: float, top_p: float, min_p: float, seed: int 
         raise SamplingParamError("min_p", f"must be in [0, 1], got {min_p}")
     if max_tokens is not None and max_tokens < 1:
         raise SamplingParamError("max_tokens", f"must be >= 1, got {max_tokens}")
-    backend = NOISE_BACKENDS.get(noise)  # an unknown name raises, listing the backends
-    if min_p > 0 and not backend.supports_min_p:
+    if not unseeded:
+        if noise is None:
+            raise SamplingParamError("noise", "is missing: a greedy or seeded claim names its noise backend (only an "
+                                              "unseeded claim, `\"seed\": null` at temperature > 0, may leave it null)")
+        backend = NOISE_BACKENDS.get(noise)  # an unknown name raises, listing the backends
+    if not unseeded and min_p > 0 and not backend.supports_min_p:
         raise SamplingParamError("min_p", f"must be 0 with noise {noise!r}, got {min_p}: SGLang's seeded sampler "
                                           "refuses min-p (an assert in top_k_top_p_min_p_sampling_from_probs_torch), "
                                           "so no such reply exists to replay")
@@ -78,7 +84,8 @@ class SamplingParams:
     unseeded: a sampled claim whose seed is unknown (`"seed": null` in a claims file), audited
     from the reference's distribution alone (audit mode "unseeded", sampling/pit.py); it cannot
     be generated or replayed seeded.
-    noise names the backend that turns the seed into per-step noise (sampling/noise.py).
+    noise names the backend that turns the seed into per-step noise (sampling/noise.py); an
+    unseeded claim draws none: its noise may be None (and is never read).
     """
 
     temperature: float = 1.0
@@ -87,7 +94,7 @@ class SamplingParams:
     min_p: float = 0.0
     seed: int | None = None
     max_tokens: int = 64
-    noise: str = "vllm-cpu"
+    noise: str | None = "vllm-cpu"
     unseeded: bool = False
 
     def __post_init__(self):
