@@ -7,15 +7,18 @@
     simulated      otherwise                   claims of a simulated honest / misconfigured provider
 
 The request is validated once (`GenerateRequest`); `generate` returns what was written (`Generated`)
-for the CLI to render.
+for the CLI to render. unseeded: a sampled simulated or vLLM job's claims are written without their
+seeds (`"seed": null`, no noise): what a vendor that ignores seeds is claimed with, and the honest
+runs an unseeded detector (`calibrate --detector pit-uniformity`) is calibrated on.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from verinfer.apps import determinism, pipeline, speculative
+from verinfer.claims import read_claims, write_claims
 from verinfer.fingerprint import FingerprintSpec
 from verinfer.providers.simulated import DEFAULT_SPEC
 
@@ -42,6 +45,7 @@ class GenerateRequest:
     draft_confidence: float = 0.0       # dynamic draft length (SpeculativeDecoder)
     draft_dir: Path | None = None
     judge: Path | None = None           # AutoJudge head JSON (`verinfer speculative train-autojudge`)
+    unseeded: bool = False              # write the claims without seeds (module docstring)
 
     def __post_init__(self):
         if self.engine not in ENGINES:
@@ -56,6 +60,10 @@ class GenerateRequest:
         if self.draft_confidence and self.job != "speculative":
             raise ValueError(f"--draft-confidence sets the speculative decoder's draft length, not {self.job} "
                              "generation: add --speculative RULE or drop it")
+        if self.unseeded and (self.job not in ("simulated", "vllm") or not self.sampling["temperature"] > 0):
+            raise ValueError("--unseeded writes a sampled provider's claims without seeds: it needs --temperature > 0 "
+                             f"and a simulated or vLLM provider (this is {self.job} generation at temperature "
+                             f"{self.sampling['temperature']}); drop --unseeded")
 
     @property
     def job(self) -> str:
@@ -78,7 +86,15 @@ class Generated:
 
 def generate(req: GenerateRequest) -> Generated:
     """Run the request's job (module docstring)."""
-    return JOBS[req.job](req)
+    done = JOBS[req.job](req)
+    if req.unseeded:
+        write_claims(req.out, [without_seed(c) for c in read_claims(req.out)])
+    return done
+
+
+def without_seed(claim):
+    """The claim as a vendor that ignores seeds is claimed: its sampling kept, no seed, no noise."""
+    return replace(claim, sampling=replace(claim.sampling, seed=None, noise=None, unseeded=True))
 
 
 def _vllm(req: GenerateRequest) -> Generated:

@@ -204,7 +204,8 @@ def generate(provider: str = O.PROVIDER_ARG, out: Path = O.out("Claims JSONL to 
              deterministic: Optional[str] = O.DETERMINISTIC, tau_file: Path = O.TAU_FILE,
              fingerprint: Optional[str] = O.FINGERPRINT, speculative: Optional[str] = O.SPECULATIVE,
              threshold: float = O.THRESHOLD, gamma: int = O.GAMMA, draft: Optional[Path] = O.DRAFT,
-             judge: Optional[Path] = O.JUDGE, engine: str = O.ENGINE, draft_confidence: float = O.DRAFT_CONFIDENCE):
+             judge: Optional[Path] = O.JUDGE, engine: str = O.ENGINE, draft_confidence: float = O.DRAFT_CONFIDENCE,
+             unseeded: bool = O.UNSEEDED):
     """Write claims JSONL from a simulated (honest or misconfigured) provider, or from real vLLM."""
     from verinfer.apps.generate import GenerateRequest, generate as run_generate
 
@@ -213,7 +214,7 @@ def generate(provider: str = O.PROVIDER_ARG, out: Path = O.out("Claims JSONL to 
                           device=device,
                           engine=engine, fingerprint=fingerprint, deterministic=deterministic, tau_file=tau_file,
                           speculative=speculative, threshold=threshold, gamma=gamma, draft_dir=draft, judge=judge,
-                          draft_confidence=draft_confidence)
+                          draft_confidence=draft_confidence, unseeded=unseeded)
     typer.echo(render.generated(run_generate(req), req))
 
 

@@ -170,6 +170,8 @@ DRAFT = typer.Option(None, help="Draft model directory, or a feature-level head'
 JUDGE = typer.Option(None, help="Judge JSON for --speculative autojudge.")
 ENGINE = typer.Option("verinfer", help="verinfer (simulated providers) or vllm (real vLLM; provider honest | int4 | "
                                        "fp8-kv | temp-1.1 | wrong-seed)")
+UNSEEDED = typer.Option(False, "--unseeded", help="Write the sampled claims without seeds (\"seed\": null): honest "
+                                                  "runs to calibrate an unseeded detector (pit-uniformity) on.")
 
 # -- score ----------------------------------------------------------------------------------------
 CLAIMS_ARG = typer.Argument(..., help="Claims JSONL.")
