@@ -27,9 +27,8 @@ from pathlib import Path
 import numpy as np
 
 from verinfer.core.collect import collect
-from verinfer.core.completions import (PLAIN_NOISES, ApiAuditConfig, calibrated_detector,
-                                        completions_source, probed_mode, recognise_noise, reference_bands,
-                                        reusable_detector)
+from verinfer.core.completions import (ApiAuditConfig, calibrated_detector, completions_source, probe_candidates,
+                                        probed_mode, recognise_noise, reference_bands, reusable_detector)
 from verinfer.core.auditor import AuditCore
 from verinfer.claims import Claim
 from verinfer.detect.summary import interval, margin_clip, nearest_band, summarize
@@ -81,7 +80,7 @@ def audit_api(cfg: ApiAuditConfig, *, show_progress: bool = True) -> ApiAuditRes
     info = model_info(cfg.model_dir)
     prompts = prompts_for(cfg.model_dir, cfg.n, cfg.seed)
     client = openai_client(cfg.endpoint)
-    noises = (cfg.noise,) + tuple(n for n in PLAIN_NOISES if n != cfg.noise) if cfg.mode == "auto" else (cfg.noise,)
+    noises = probe_candidates(cfg.noise) if cfg.mode == "auto" else (cfg.noise,)
     reusable_detector(cfg, ("seeded", "greedy") if cfg.mode == "auto" else (cfg.mode,), info, noises)
     core = AuditCore(cfg.model_dir, cfg.out_dir, matmul=cfg.matmul, device=cfg.device, show_progress=show_progress,
                      gaps=cfg.sequential)
