@@ -7,24 +7,20 @@ a failure)."""
 
 from __future__ import annotations
 
-import os
-
 from pathlib import Path
 
 import pytest
 
-from tests.vllm_engine import require_vllm  # noqa: E402
+from tests.vllm_engine import require_vllm, smollm2_dir  # noqa: E402
 
 require_vllm()  # found, not imported (see there)
 jinja2 = pytest.importorskip("jinja2")
 
 from benchmarks.wild_vendors import (CLAIMED_NAME, SMOKE_MESSAGES, VENDOR_SYSTEM_PROMPT, VENDORS,  # noqa: E402
                                      serve_vendor)
-from verinfer.models.catalog import SMOLLM2_135M_INSTRUCT, model_path  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
-MODEL_DIR = model_path(SMOLLM2_135M_INSTRUCT)
 CHAT_PROMPT = ("<|im_start|>user\nWrite a Python function that adds two numbers.<|im_end|>\n"
                "<|im_start|>assistant\n")
 SMOLLM2_SYSTEM = "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
@@ -32,12 +28,7 @@ SMOLLM2_SYSTEM = "<|im_start|>system\nYou are a helpful AI assistant named SmolL
 
 @pytest.fixture(scope="module")
 def model_dir() -> Path:
-    if not (MODEL_DIR / "chat_template.jinja").is_file():
-        why = f"SmolLM2-135M-Instruct is not in {MODEL_DIR} (verinfer models get smollm2-135m-instruct)"
-        if os.environ.get("VERINFER_REQUIRE_REAL_MODEL") == "1":
-            pytest.fail(f"VERINFER_REQUIRE_REAL_MODEL=1 but {why}")
-        pytest.skip(why)
-    return MODEL_DIR
+    return smollm2_dir()
 
 
 def render(template: str, messages: list[dict]) -> str:

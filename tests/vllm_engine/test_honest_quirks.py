@@ -8,16 +8,14 @@ Needs vLLM (the [vllm] venv) and SmolLM2 (`verinfer models get smollm2-135m-inst
 
 from __future__ import annotations
 
-import os
 
 import pytest
 
-from tests.vllm_engine import require_vllm  # noqa: E402
+from tests.vllm_engine import require_vllm, smollm2_dir  # noqa: E402
 
 require_vllm()  # found, not imported (see there)
 
 from benchmarks.quirks_battery import QUIRK_KINDS, run  # noqa: E402
-from verinfer.models.catalog import SMOLLM2_135M_INSTRUCT, model_path  # noqa: E402
 
 pytestmark = pytest.mark.slow
 CI_QUIRKS = ("plain", "stop-strings", "neutral-penalties", "stripped-whitespace", "short-max-tokens", "ci-toggles",
@@ -27,12 +25,7 @@ REFUSED = {"stop-kept-in-text": "include_stop_str_in_output", "unknown-field": "
 
 
 def test_no_honest_quirk_is_flagged_on_real_vllm(tmp_path):
-    model = model_path(SMOLLM2_135M_INSTRUCT)
-    if not (model / "chat_template.jinja").is_file():
-        why = f"SmolLM2-135M-Instruct is not in {model} (verinfer models get smollm2-135m-instruct)"
-        if os.environ.get("VERINFER_REQUIRE_REAL_MODEL") == "1":
-            pytest.fail(f"VERINFER_REQUIRE_REAL_MODEL=1 but {why}")
-        pytest.skip(why)
+    model = smollm2_dir()
     # CI's size (two honest configurations, 12 conversations of each kind mix, 32 tokens): the benchmark
     # (benchmarks/honest_quirks.py) runs every server configuration with 25 conversations, 3 configurations
     rows = run(model, tmp_path, engine="vllm", quirks=CI_QUIRKS, n=12, calib_n=16, max_tokens=32,

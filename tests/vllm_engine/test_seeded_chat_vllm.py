@@ -9,15 +9,13 @@ Needs vLLM (the [vllm] venv) and SmolLM2 (`verinfer models get smollm2-135m-inst
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 
-from tests.vllm_engine import require_vllm  # noqa: E402
+from tests.vllm_engine import require_vllm, smollm2_dir  # noqa: E402
 
 require_vllm()  # found, not imported (see there)
 
-from verinfer.models.catalog import SMOLLM2_135M_INSTRUCT, model_path  # noqa: E402
 from verinfer.providers.vllm import api_server  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -34,12 +32,7 @@ def test_seeded_chat_audit_of_real_vllm_picks_its_sampler_and_restores_its_ids(t
     from verinfer.providers.chat_http import ChatEndpoint
     from verinfer.scores import CLAIM_ID, EXACT_MATCH, TOKEN_ID
 
-    model = model_path(SMOLLM2_135M_INSTRUCT)
-    if not (model / "chat_template.jinja").is_file():
-        why = f"SmolLM2-135M-Instruct is not in {model} (verinfer models get smollm2-135m-instruct)"
-        if os.environ.get("VERINFER_REQUIRE_REAL_MODEL") == "1":
-            pytest.fail(f"VERINFER_REQUIRE_REAL_MODEL=1 but {why}")
-        pytest.skip(why)
+    model = smollm2_dir()
     name = "HuggingFaceTB/SmolLM2-135M-Instruct"
     cfg = ChatAuditConfig(model, tmp_path / "audit", n=12, max_tokens=32, temperature=0.7, top_p=0.95)
     audit = ChatAudit(cfg, show_progress=False)
