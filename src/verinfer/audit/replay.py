@@ -370,9 +370,52 @@ def recut_claims(claims: list[Claim], per_claim: list[pa.Table], retokenizer: Re
             st.t, st.cand = hit[0], _with_ids(claims[i], hit[1])
             todo.append(i)
         if not todo:
-            return
+            break
         for i, t in zip(todo, rescore([state[i].cand for i in todo])):
             state[i].table = t
+    recut_unsupported(claims, per_claim, retokenizer, rescore)
+
+
+def recut_unsupported(claims: list[Claim], per_claim: list[pa.Table], retokenizer: Retokenizer,
+                      rescore: Callable[[list[Claim]], list[pa.Table]]) -> None:
+    """Re-cut unseeded derived claims in place where a claimed token lies outside the reference's
+    kept set (margin +inf, u = 1) although another segmentation of the same text does not.
+
+    A sampled model writes non-canonical pieces ("p" + "op" where the tokenizer writes "pop"), and
+    the canonical token may be one the claimed top-p / top-k / min-p filters drop: its u = 1 reads
+    as the least likely value there is, and the argmax-guided re-cut (`recut_claims`) does not see
+    it (the reference's argmax rarely spells the text there). At the first such position t, every
+    token that spells another prefix of the text from t (`Retokenizer.prefix_recuts`, the rest
+    encoded) is replayed; the one whose span (up to where it rejoins the claim, `rejoin`) costs
+    the least summed margin (ties: cross-entropy) replaces the claim if that cost is finite, i.e.
+    every token of its span is in the kept set. Search goes on after t until no position is left.
+    Honest and vendor claims go through the same re-cut (the unseeded calibration's local runs
+    are claimed from their text, `core.local_runs.chat_run_claims`), so the null sees what is left."""
+    start = {i: 0 for i, c in enumerate(claims) if c.derived and c.sampling.unseeded}
+    for _ in range(MAX_RECUTS):
+        asked: list[tuple[int, int, Claim]] = []
+        for i in list(start):
+            margin = per_claim[i][MARGIN].to_numpy(zero_copy_only=False)
+            outside = [t for t in np.flatnonzero(np.isposinf(margin)) if t >= start[i]]
+            cands = []
+            while outside and not cands:
+                t = int(outside.pop(0))
+                cands = retokenizer.prefix_recuts(claims[i].output_token_ids, t)
+            if not cands:
+                del start[i]
+                continue
+            start[i] = t + 1
+            asked += [(i, t, _with_ids(claims[i], ids)) for ids in cands]
+        if not asked:
+            return
+        best: dict[int, tuple[tuple[float, float], Claim, pa.Table]] = {}
+        for (i, t, cand), table in zip(asked, rescore([c for _, _, c in asked])):
+            _, end_cand = rejoin(claims[i].output_token_ids, cand.output_token_ids, t)
+            cost = span_cost(table, t, end_cand)
+            if math.isfinite(cost[0]) and (i not in best or cost < best[i][0]):
+                best[i] = (cost, cand, table)
+        for i, (_, cand, table) in best.items():
+            claims[i], per_claim[i] = cand, table
 
 
 def resegmentation(claims: list[Claim], table: pa.Table) -> tuple[float | None, float | None]:
