@@ -315,6 +315,15 @@ def span_cost(table: pa.Table, start: int, end: int) -> tuple[float, float]:
             float(np.sum(sl[CROSS_ENTROPY].to_numpy(zero_copy_only=False))))
 
 
+def outside_cost(table: pa.Table, start: int, end: int) -> tuple[int, float, float]:
+    """(tokens outside the kept set, summed margin and cross-entropy of the others) of a claim's
+    rows [start, end): `span_cost` that counts out-of-set tokens first."""
+    sl = table.slice(start, max(0, end - start))
+    m, x = (sl[c].to_numpy(zero_copy_only=False) for c in (MARGIN, CROSS_ENTROPY))
+    inside = np.isfinite(m)
+    return int(np.sum(~inside)), float(np.sum(m[inside])), float(np.sum(x[inside]))
+
+
 @dataclass
 class _Recut:
     start: int = 0                    # where the next re-cut may begin (in the kept claim)
@@ -386,9 +395,12 @@ def recut_unsupported(claims: list[Claim], per_claim: list[pa.Table], retokenize
     as the least likely value there is, and the argmax-guided re-cut (`recut_claims`) does not see
     it (the reference's argmax rarely spells the text there). At the first such position t, every
     token that spells another prefix of the text from t (`Retokenizer.prefix_recuts`, the rest
-    encoded) is replayed; the one whose span (up to where it rejoins the claim, `rejoin`) costs
-    the least summed margin (ties: cross-entropy) replaces the claim if that cost is finite, i.e.
-    every token of its span is in the kept set. Search goes on after t until no position is left.
+    encoded) is replayed; among those whose span (up to where it rejoins the claim, `rejoin`) holds
+    fewer out-of-set tokens than the span it replaces, the one with the fewest, then the least
+    summed margin (then cross-entropy) of the others (`outside_cost`), replaces the claim. Search
+    goes on after t until no position is left, so a model's "ar" + "t" + "k" where the tokenizer
+    writes "art" + "kday" is reached in two steps (the first re-cut may leave an out-of-set token
+    for the next).
     Honest and vendor claims go through the same re-cut (the unseeded calibration's local runs
     are claimed from their text, `core.local_runs.chat_run_claims`), so the null sees what is left."""
     start = {i: 0 for i, c in enumerate(claims) if c.derived and c.sampling.unseeded}
@@ -408,11 +420,11 @@ def recut_unsupported(claims: list[Claim], per_claim: list[pa.Table], retokenize
             asked += [(i, t, _with_ids(claims[i], ids)) for ids in cands]
         if not asked:
             return
-        best: dict[int, tuple[tuple[float, float], Claim, pa.Table]] = {}
+        best: dict[int, tuple[tuple[int, float, float], Claim, pa.Table]] = {}
         for (i, t, cand), table in zip(asked, rescore([c for _, _, c in asked])):
-            _, end_cand = rejoin(claims[i].output_token_ids, cand.output_token_ids, t)
-            cost = span_cost(table, t, end_cand)
-            if math.isfinite(cost[0]) and (i not in best or cost < best[i][0]):
+            end_base, end_cand = rejoin(claims[i].output_token_ids, cand.output_token_ids, t)
+            cost = outside_cost(table, t, end_cand)
+            if cost[0] < outside_cost(per_claim[i], t, end_base)[0] and (i not in best or cost < best[i][0]):
                 best[i] = (cost, cand, table)
         for i, (_, cand, table) in best.items():
             claims[i], per_claim[i] = cand, table
