@@ -418,6 +418,9 @@ def recut_unsupported(claims: list[Claim], per_claim: list[pa.Table], retokenize
                 continue
             start[i] = t + 1
             asked += [(i, t, _with_ids(claims[i], ids)) for ids in cands]
+            if t > 0:  # the cut that matters may be the token before ("or" + "di" where the model wrote "ord" + "i")
+                asked += [(i, t - 1, _with_ids(claims[i], ids))
+                          for ids in retokenizer.prefix_recuts(claims[i].output_token_ids, t - 1)]
         if not asked:
             return
         best: dict[int, tuple[tuple[int, float, float], Claim, pa.Table]] = {}
