@@ -400,7 +400,8 @@ def recut_unsupported(claims: list[Claim], per_claim: list[pa.Table], retokenize
     summed margin (then cross-entropy) of the others (`outside_cost`), replaces the claim. Search
     goes on after t until no position is left, so a model's "ar" + "t" + "k" where the tokenizer
     writes "art" + "kday" is reached in two steps (the first re-cut may leave an out-of-set token
-    for the next).
+    for the next). The token before t is re-cut the same way (its candidates replayed beside t's):
+    the cut that matters where the model wrote "ord" + "i" + "fic" and the claim held "or" + "di".
     Honest and vendor claims go through the same re-cut (the unseeded calibration's local runs
     are claimed from their text, `core.local_runs.chat_run_claims`), so the null sees what is left."""
     start = {i: 0 for i, c in enumerate(claims) if c.derived and c.sampling.unseeded}
