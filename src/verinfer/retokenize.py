@@ -218,6 +218,29 @@ class Retokenizer:
                         break
         return None
 
+    def prefix_recuts(self, ids: list[int], t: int) -> list[list[int]]:
+        """Every other segmentation of the claimed text that differs at t by its token there: each
+        token r != ids[t] whose bytes spell a prefix of the claimed text from t on, then the rest
+        encoded (`encode_bytes`), a trailing end token kept. What an unseeded claim is re-cut to
+        where its canonical token lies outside the reference's kept set
+        (`audit.replay.recut_unsupported`). [] where t is the end token or a special token."""
+        tb = self.token_bytes
+        end = 1 if ids and ids[-1] == self.end_token_id else 0
+        text_ids, end_ids = ids[: len(ids) - end], ids[len(ids) - end:]
+        pieces = [tb.of_id(x) for x in text_ids]
+        if t >= len(text_ids) or any(p is None for p in pieces):
+            return []
+        rest = b"".join(pieces[t:])
+        out = []
+        for k in range(1, min(len(rest), tb.longest) + 1):
+            r = tb.id_of(rest[:k])
+            if r is None or r == ids[t]:
+                continue
+            tail = self.encode_bytes(rest[k:])
+            if tail is not None:
+                out.append([*text_ids[:t], r, *tail, *end_ids])
+        return out
+
     def encode_bytes(self, data: bytes) -> list[int] | None:
         """Tokens that spell exactly `data`, which may begin and end inside a character: its leading
         continuation bytes and a trailing incomplete character each as the longest tokens that
@@ -257,6 +280,11 @@ class TokenBytes:
                     index.setdefault(b, i)
             object.__setattr__(self, "_index", index)
         return self.__dict__["_index"].get(piece)
+
+    @cached_property
+    def longest(self) -> int:
+        """The most bytes one token spells."""
+        return max((len(b) for b in self.table if b is not None), default=0)
 
     def spell(self, piece: bytes) -> list[int] | None:
         """Tokens that spell `piece`, longest first from the left; None if some byte has none."""

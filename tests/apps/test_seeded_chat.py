@@ -9,6 +9,7 @@ and unseeded exchanges gets verdicts in all three modes from the CLI and the Pyt
 
 from __future__ import annotations
 
+import hashlib
 import json
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -44,10 +45,11 @@ def seed_offset(body: dict) -> dict:  # samples with seed + 1
 SEEN: dict = {}
 
 
-def no_seed(body: dict) -> dict:   # ignores seeds: its own, the k-th request of a conversation gets seed k
-    key = json.dumps(body.get("messages"), sort_keys=True)   # (reproducible whatever order requests come in)
-    SEEN[key] = SEEN.get(key, -1) + 1
-    return {**{k: v for k, v in body.items() if k != "seed"}, **({"seed": 7_000 + SEEN[key]} if "seed" in body else {})}
+def no_seed(body: dict) -> dict:   # ignores seeds: its own, one per conversation and request (reproducible
+    key = json.dumps(body.get("messages"), sort_keys=True)   # whatever order requests come in): the k-th request
+    SEEN[key] = SEEN.get(key, -1) + 1                        # of conversation c gets 7000 + 1000 h(c) + k
+    own = 7_000 + 1_000 * (int(hashlib.sha256(key.encode()).hexdigest()[:8], 16) % 100_000) + SEEN[key]
+    return {**{k: v for k, v in body.items() if k != "seed"}, **({"seed": own} if "seed" in body else {})}
 
 
 def hot_no_seed(body: dict) -> dict:  # ignores seeds and serves temperature 1.0 when asked 0.7
@@ -163,19 +165,21 @@ def test_seeded_vendors_side_by_side(proxy, tmp_path):
         assert row["sampling"] == {"temperature": 0.7, "top_p": 0.95, "top_k": -1, "min_p": 0.0, "noise": None}
         assert row["verdict"]["score"] == "sequential-e-process" and row["mismatch_test"] is None
         assert row["verdict"]["fixed_n"]["score"] == "pit-uniformity", json.dumps(row)
-    # the honest unseeded vendors: every request, not flagged (measured anytime-valid p: no-seed 0.92, seed-offset
-    # 0.99; fixed-size p 0.55, 0.43)
+    # the honest unseeded vendors: every request, not flagged, neither by the anytime-valid verdict nor by the
+    # fixed-size test (measured anytime-valid p: no-seed 0.98, seed-offset 0.99; fixed-size 0.82, 0.43;
+    # docs/chat-audits.md: over --seed 0..10 the no-seed vendor's fixed-size p 0.05-0.99, anytime-valid >= 0.40)
     for row in (u, offset):
         assert not row["verdict"]["flagged"] and row["n_requests"] == 12 and row["n_claims"] == 12, json.dumps(row)
         assert row["tokens_to_decide"] is None
+        assert row["verdict"]["p_value"] > 0.3 and row["verdict"]["fixed_n"]["p_value"] > 0.1, json.dumps(row)
     # temperature 1.0 for 0.7, seeds dropped: flagged by the betting e-process, requests stopped (measured: after
-    # 76 tokens, 3 requests; 5 sent at concurrency 2; fixed-size p 1e-54 on its 127 tokens)
+    # 45 tokens, 2 requests; 3 sent at concurrency 2; fixed-size p 1e-37 on its 53 tokens)
     assert wrong["verdict"]["flagged"] and wrong["verdict"]["fixed_n"]["flagged"], json.dumps(wrong)
     assert wrong["requests_to_decide"] <= 6 and wrong["n_requests"] < 12
     # top-p 1.0 for 0.95, seeds dropped (a smaller change at 0.7: the nucleus's tail is thin): the fixed-size test
-    # on all 12 replies flags it (measured p 0.0014, 389 tokens), the anytime-valid verdict needs more replies than
-    # 12 (measured p 0.085: not flagged)
-    assert wide["verdict"]["fixed_n"]["flagged"] and wide["verdict"]["p_value"] < 0.2, json.dumps(wide)
+    # on all 12 replies flags it (measured p 0.0075, 385 tokens), the anytime-valid verdict needs more replies than
+    # 12 (measured p 0.28: not flagged)
+    assert wide["verdict"]["fixed_n"]["flagged"] and wide["verdict"]["p_value"] < 0.5, json.dumps(wide)
     claims = [json.loads(x) for x in (out / "vendors" / "no-seed" / "claims.jsonl").read_text().splitlines()]
     assert len(claims) == 12 and all(c["mode"] == "unseeded" and c["sampling"]["seed"] is None
                                      and c["sampling"]["noise"] is None for c in claims)
@@ -187,6 +191,8 @@ def test_seeded_vendors_side_by_side(proxy, tmp_path):
     assert saved["tokens"] == {h: 384 for h in ARGS[7:12:2]} and set(saved["claims"].values()) == {12}
     calib = [json.loads(x) for x in (out / f"calibration-{key}" / "honest-bf16-b8.jsonl").read_text().splitlines()]
     assert len(calib) == 12 and all(c["sampling"]["seed"] is None for c in calib)
+    # ...and claimed from their text, as a vendor's replies are (the model's ids kept beside, never scored)
+    assert all(c["chat"]["tokens"] == "derived" and "returned_output_token_ids" in c["chat"] for c in calib)
     assert doc["modes"] == {"greedy": 0, "seeded": rows["honest"]["n_claims"] + rows["hot"]["n_claims"],
                             "unseeded": 24 + wrong["n_claims"] + wide["n_claims"]}
     md = (out / "vendors.md").read_text()

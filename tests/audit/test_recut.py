@@ -296,3 +296,40 @@ def test_replies_a_vendor_stripped_come_back_to_the_models_ids(smol):
         truth.append(ids)
     assert stripped >= 6
     assert scored_ids(score_chunk(claims, engine, retokenizer=retok), claims) == truth
+
+
+UNSEEDED = SamplingParams(0.7, -1, 0.95, 0.0, None, 24, None, unseeded=True)
+
+
+def test_an_unseeded_token_outside_the_kept_set_is_recut_to_pieces_inside_it():
+    """Sampled without a seed, the model wrote P + R where the tokenizer writes W, and W lies outside
+    the reference's top-p set (margin +inf, u = 1) while the reference's argmax spells no prefix of
+    the text (the argmax-guided re-cut proposes nothing): the claim is re-cut to P + R, inside the set.
+    A seeded claim and one whose every other segmentation is outside the set too keep W."""
+    import dataclasses
+    import math
+
+    retok = Retokenizer.for_model(TARGET_DIR, chat_template=TEMPLATE)
+    w, p, r = splittable(retok)
+    other = next(x for x in range(len(retok.token_bytes.table)) if x not in (w, p, r) and retok.token_bytes.of_id(x)
+                 and not retok.token_bytes.of_id(w).startswith(retok.token_bytes.of_id(x)))
+    c = dataclasses.replace(derived(retok, retok.tokenizer.decode([w])), sampling=UNSEEDED)
+    assert [p, r] in retok.prefix_recuts(c.output_token_ids, 0)
+
+    class Truth(dict):  # the other segmentations (shorter pieces): outside the set at their first token
+        def __missing__(self, key):
+            return {0: (other, math.inf)}
+
+    truth = Truth({(w,): {0: (other, math.inf)}, (p, r): {0: (other, 1.5)}})
+    table, rescore = oracle(truth)
+    claims, per = [c], [table(c)]
+    recut_claims(claims, per, retok, rescore)
+    assert claims[0].output_token_ids == [p, r] and per[0]["margin"].to_pylist() == [1.5, 0.0]
+    seeded = dataclasses.replace(c, sampling=GREEDY)
+    claims, per = [seeded], [table(seeded)]
+    recut_claims(claims, per, retok, rescore)
+    assert claims[0].output_token_ids == [w]
+    truth[(p, r)] = {1: (other, math.inf)}
+    claims, per = [c], [table(c)]
+    recut_claims(claims, per, retok, rescore)
+    assert claims[0].output_token_ids == [w] and math.isinf(per[0]["margin"].to_pylist()[0])

@@ -315,6 +315,15 @@ def span_cost(table: pa.Table, start: int, end: int) -> tuple[float, float]:
             float(np.sum(sl[CROSS_ENTROPY].to_numpy(zero_copy_only=False))))
 
 
+def outside_cost(table: pa.Table, start: int, end: int) -> tuple[int, float, float]:
+    """(tokens outside the kept set, summed margin and cross-entropy of the others) of a claim's
+    rows [start, end): `span_cost` that counts out-of-set tokens first."""
+    sl = table.slice(start, max(0, end - start))
+    m, x = (sl[c].to_numpy(zero_copy_only=False) for c in (MARGIN, CROSS_ENTROPY))
+    inside = np.isfinite(m)
+    return int(np.sum(~inside)), float(np.sum(m[inside])), float(np.sum(x[inside]))
+
+
 @dataclass
 class _Recut:
     start: int = 0                    # where the next re-cut may begin (in the kept claim)
@@ -370,9 +379,59 @@ def recut_claims(claims: list[Claim], per_claim: list[pa.Table], retokenizer: Re
             st.t, st.cand = hit[0], _with_ids(claims[i], hit[1])
             todo.append(i)
         if not todo:
-            return
+            break
         for i, t in zip(todo, rescore([state[i].cand for i in todo])):
             state[i].table = t
+    recut_unsupported(claims, per_claim, retokenizer, rescore)
+
+
+def recut_unsupported(claims: list[Claim], per_claim: list[pa.Table], retokenizer: Retokenizer,
+                      rescore: Callable[[list[Claim]], list[pa.Table]]) -> None:
+    """Re-cut unseeded derived claims in place where a claimed token lies outside the reference's
+    kept set (margin +inf, u = 1) although another segmentation of the same text does not.
+
+    A sampled model writes non-canonical pieces ("p" + "op" where the tokenizer writes "pop"), and
+    the canonical token may be one the claimed top-p / top-k / min-p filters drop: its u = 1 reads
+    as the least likely value there is, and the argmax-guided re-cut (`recut_claims`) does not see
+    it (the reference's argmax rarely spells the text there). At the first such position t, every
+    token that spells another prefix of the text from t (`Retokenizer.prefix_recuts`, the rest
+    encoded) is replayed; among those whose span (up to where it rejoins the claim, `rejoin`) holds
+    fewer out-of-set tokens than the span it replaces, the one with the fewest, then the least
+    summed margin (then cross-entropy) of the others (`outside_cost`), replaces the claim. Search
+    goes on after t until no position is left, so a model's "ar" + "t" + "k" where the tokenizer
+    writes "art" + "kday" is reached in two steps (the first re-cut may leave an out-of-set token
+    for the next). The token before t is re-cut the same way (its candidates replayed beside t's):
+    the cut that matters where the model wrote "ord" + "i" + "fic" and the claim held "or" + "di".
+    Honest and vendor claims go through the same re-cut (the unseeded calibration's local runs
+    are claimed from their text, `core.local_runs.chat_run_claims`), so the null sees what is left."""
+    start = {i: 0 for i, c in enumerate(claims) if c.derived and c.sampling.unseeded}
+    for _ in range(MAX_RECUTS):
+        asked: list[tuple[int, int, Claim]] = []
+        for i in list(start):
+            margin = per_claim[i][MARGIN].to_numpy(zero_copy_only=False)
+            outside = [t for t in np.flatnonzero(np.isposinf(margin)) if t >= start[i]]
+            cands = []
+            while outside and not cands:
+                t = int(outside.pop(0))
+                cands = retokenizer.prefix_recuts(claims[i].output_token_ids, t)
+            if not cands:
+                del start[i]
+                continue
+            start[i] = t + 1
+            asked += [(i, t, _with_ids(claims[i], ids)) for ids in cands]
+            if t > 0:  # the cut that matters may be the token before ("or" + "di" where the model wrote "ord" + "i")
+                asked += [(i, t - 1, _with_ids(claims[i], ids))
+                          for ids in retokenizer.prefix_recuts(claims[i].output_token_ids, t - 1)]
+        if not asked:
+            return
+        best: dict[int, tuple[tuple[int, float, float], Claim, pa.Table]] = {}
+        for (i, t, cand), table in zip(asked, rescore([c for _, _, c in asked])):
+            end_base, end_cand = rejoin(claims[i].output_token_ids, cand.output_token_ids, t)
+            cost = outside_cost(table, t, end_cand)
+            if cost[0] < outside_cost(per_claim[i], t, end_base)[0] and (i not in best or cost < best[i][0]):
+                best[i] = (cost, cand, table)
+        for i, (_, cand, table) in best.items():
+            claims[i], per_claim[i] = cand, table
 
 
 def resegmentation(claims: list[Claim], table: pa.Table) -> tuple[float | None, float | None]:
