@@ -88,13 +88,8 @@ def generate(req: GenerateRequest) -> Generated:
     """Run the request's job (module docstring)."""
     done = JOBS[req.job](req)
     if req.unseeded:
-        write_claims(req.out, [without_seed(c) for c in read_claims(req.out)])
+        write_claims(req.out, [replace(c, sampling=c.sampling.without_seed()) for c in read_claims(req.out)])
     return done
-
-
-def without_seed(claim):
-    """The claim as a vendor that ignores seeds is claimed: its sampling kept, no seed, no noise."""
-    return replace(claim, sampling=replace(claim.sampling, seed=None, noise=None, unseeded=True))
 
 
 def _vllm(req: GenerateRequest) -> Generated:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import hashlib
 from collections import Counter
-from dataclasses import replace
 from pathlib import Path
 
 from verinfer.core.collect import InHand
@@ -117,7 +116,7 @@ def reply_claim(i: int, msgs: list[dict], reply: ChatReply, endpoint: ChatEndpoi
     if tokens == DERIVED and (cut or reply.finish_reason == "length") and not text:
         return None
     if mode == "unseeded" and not params.unseeded:
-        params = replace(params, seed=None, noise=None, unseeded=True)
+        params = params.without_seed()
     return Claim.from_chat(f"{endpoint.name}-{i:05d}", model_name, msgs, text, reply.finish_reason, params,
                            retok, tokens=tokens, returned=(reply.prompt_token_ids, reply.output_token_ids),
                            usage=reply.usage, provider=endpoint.name,

@@ -111,6 +111,11 @@ class SamplingParams:
         no usable seed) or "seeded" (the seed replays the sampler's noise)."""
         return GREEDY if self.greedy else UNSEEDED if self.unseeded else SEEDED
 
+    def without_seed(self) -> "SamplingParams":
+        """These settings as a sampled reply whose seed is unknown is claimed with: unseeded, no seed,
+        no noise (a vendor that ignores seeds; honest runs for an unseeded detector)."""
+        return replace(self, seed=None, noise=None, unseeded=True)
+
     def to_dict(self) -> dict:
         return asdict(self)
 
