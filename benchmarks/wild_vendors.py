@@ -164,8 +164,9 @@ def RewritingProxy(upstream: str, force: dict):
 
 @contextlib.contextmanager
 def serve_vendor(name: str, model_dir: str | Path, work_dir: str | Path,
-                 claimed_name: str = CLAIMED_NAME) -> Iterator[dict]:
-    """Start vendor `name`'s vLLM server (its log: work_dir/<name>.server.log); yield its vendor row."""
+                 claimed_name: str = CLAIMED_NAME, threads: int = 1) -> Iterator[dict]:
+    """Start vendor `name`'s vLLM server (its log: work_dir/<name>.server.log; `threads` OpenMP
+    threads); yield its vendor row."""
     spec = vendor_spec(name)
     model_dir, work_dir = Path(model_dir), Path(work_dir)
     work_dir.mkdir(parents=True, exist_ok=True)
@@ -175,7 +176,8 @@ def serve_vendor(name: str, model_dir: str | Path, work_dir: str | Path,
         template = work_dir / f"{name}.chat_template.jinja"
         template.write_text(spec.chat_template)
         args += ["--chat-template", str(template)]
-    with api_server(served, claimed_name, work_dir / f"{name}.server.log", *args, max_model_len=MAX_MODEL_LEN) as url:
+    with api_server(served, claimed_name, work_dir / f"{name}.server.log", *args, max_model_len=MAX_MODEL_LEN,
+                    threads=threads) as url:
         with (RewritingProxy(url, spec.force) if spec.force else contextlib.nullcontext(url)) as base:
             yield {"name": name, "base_url": base, "model": claimed_name, "api_key_env": None,
                    "extra": dict(spec.audit_extra or {})}
