@@ -153,10 +153,13 @@ def draw_batches(n: int, r: int, k: int, rng: np.random.Generator) -> np.ndarray
 
 # --- the peers' per-request inputs ---------------------------------------------------------------------------------
 
-def local_samples(tkey: str, model_dir: Path, show: bool) -> list:
-    """M_LOCAL honest replies of each conversation at sampling tkey on verinfer's engine, claimed
-    from their text (cached at CACHE/local/<tkey>.jsonl); claim i answers conversation i %
-    N_CONVERSATIONS."""
+def local_samples(tkey: str, model_dir: Path, show: bool) -> tuple[list, np.ndarray, dict]:
+    """M_LOCAL honest replies of each conversation at sampling tkey on verinfer's engine
+    (`sampled_peers.sample_replies`, cached at CACHE/local/<tkey>.jsonl + .npz): (claims from their
+    text, each reply's mean log-rank, facts). Claim i answers conversation i % N_CONVERSATIONS. The
+    log-rank is RUT's score computed from the logits each token was drawn from (no replay) on the ids
+    the model sampled; facts["round_trip"] is the share of replies whose text gives those ids back
+    (the vendors' ids are derived from their text)."""
     from benchmarks.sampled_peers import sample_replies
     from verinfer.claims import Claim, read_claims, write_claims
     from verinfer.engine.engine import Engine
@@ -166,28 +169,35 @@ def local_samples(tkey: str, model_dir: Path, show: bool) -> list:
 
     path = CACHE / "local" / f"{tkey}.jsonl"
     if path.is_file():
-        return read_claims(path)
+        return read_claims(path), np.load(path.with_suffix(".npz"))["log_rank"], json.loads(
+            path.with_suffix(".json").read_text())
     info, retok = model_info(model_dir), Retokenizer.for_model(model_dir)
     engine = Engine(load_model(model_dir), eos_token_id=info.eos_token_id)
     conv = conversations()
     s = SAMPLINGS[tkey]
     t0 = time.perf_counter()
+    lrs: list = []
     replies = sample_replies(engine, [retok.prompt_ids(m) for m in conv], M_LOCAL, temperature=s["temperature"],
-                             top_p=s["top_p"], max_tokens=MAX_TOKENS, seed=LOCAL_SEED, batch_size=256)
+                             top_p=s["top_p"], max_tokens=MAX_TOKENS, seed=LOCAL_SEED, batch_size=200, log_ranks=lrs)
     params = SamplingParams(s["temperature"], -1, s["top_p"], 0.0, None, MAX_TOKENS, None, unseeded=True)
-    claims = []
+    claims, log_rank, same = [], [], []
     for k in range(M_LOCAL):
         for i, msgs in enumerate(conv):
             ids = replies[i][k]
             stopped = bool(ids) and ids[-1] == info.eos_token_id
             text = retok.tokenizer.decode(ids[:-1] if stopped else ids, skip_special_tokens=True)
             if text:
-                claims.append(Claim.from_chat(f"local-{tkey}-{k * N_CONVERSATIONS + i:06d}", info.name, msgs, text,
-                                              "stop" if stopped else "length", params, retok, provider="local"))
+                c = Claim.from_chat(f"local-{tkey}-{k * N_CONVERSATIONS + i:06d}", info.name, msgs, text,
+                                    "stop" if stopped else "length", params, retok, provider="local")
+                claims.append(c)
+                log_rank.append(lrs[i][k])
+                same.append(list(c.output_token_ids) == list(ids))
+    facts = {"seconds": time.perf_counter() - t0, "claims": len(claims), "round_trip": float(np.mean(same))}
     path.parent.mkdir(parents=True, exist_ok=True)
     write_claims(path, claims)
-    atomic_write_json(path.with_suffix(".json"), {"seconds": time.perf_counter() - t0, "claims": len(claims)})
-    return claims
+    np.savez(path.with_suffix(".npz"), log_rank=np.array(log_rank))
+    atomic_write_json(path.with_suffix(".json"), facts)
+    return claims, np.array(log_rank), facts
 
 
 def reply_stats(claims: list, tkey: str, model_dir: Path, cache: Path) -> dict:
@@ -319,10 +329,9 @@ def run_sampling(tkey: str, model_dir: Path, show: bool) -> dict:
     timings["fpr_s"] = time.perf_counter() - t0 - sum(timings.values())
 
     # per-request inputs of every method
-    local = local_samples(tkey, model_dir, show)
-    local_stats = reply_stats(local, tkey, model_dir, CACHE / "stats" / f"local-{tkey}.npz")
+    local, local_log_rank, local_facts = local_samples(tkey, model_dir, show)
     local_conv = np.array([int(c.id.rpartition("-")[2]) % N_CONVERSATIONS for c in local])
-    local_lr = [local_stats["log_rank"][local_conv == j] for j in range(N_CONVERSATIONS)]
+    local_lr = [local_log_rank[local_conv == j] for j in range(N_CONVERSATIONS)]
     local_texts = [[] for _ in range(N_CONVERSATIONS)]
     for c, j in zip(local, local_conv):
         local_texts[j].append(c.chat["text"])
@@ -392,7 +401,7 @@ def run_sampling(tkey: str, model_dir: Path, show: bool) -> dict:
     return {"vendors": rows, "fpr": fpr, "auc": auc, "timings": timings,
             "detectors": {"seeded": dets["seeded"].summary(), "unseeded": dets["unseeded"].summary(),
                           "xent_excess": xent.summary(), "mismatch_test": mismatch.summary()},
-            "local": {"samples": len(local), "per_conversation": M_LOCAL}}
+            "local": {"samples": len(local), "per_conversation": M_LOCAL, **local_facts}}
 
 
 def result(per: dict, elapsed: float) -> dict:
@@ -538,6 +547,19 @@ def markdown(r: dict) -> str:
         for t, x in r["tuned_temperature"].items():
             grid = ", ".join(f"T {k}: {v:.3f}" for k, v in x["int4_mean_ce_by_temperature"].items())
             lines.append(f"| {t} | {x['honest_mean_ce']:.3f} | {grid} | {x['tuned_temperature']} |")
+    if r.get("log_audit"):
+        la = r["log_audit"]
+        lines += ["", f"A gateway's log of sampled exchanges ({la['exchanges']} exchanges of {', '.join(la['vendors'])}; "
+                  f"each vendor's first {LOG_EXCHANGES} requests logged with their seed, the next {LOG_EXCHANGES} "
+                  "without), audited end to end from the CLI (`" + la["cli"]["command"] + f"`, exit code "
+                  f"{la['cli']['exit_code']}) and through `verinfer.audit_log` (another directory). Claims judged by "
+                  f"mode: CLI {la['cli']['modes']}, API {la['api']['modes']}.", "",
+                  "| log row | mode | claims | CLI | API |", "|---|---|---|---|---|"]
+        for name, c in la["cli"]["rows"].items():
+            a = la["api"]["rows"].get(name, {})
+            fl = lambda x: "-" if x.get("flagged") is None else ("**flagged**" if x["flagged"] else "ok") + (  # noqa: E731
+                f" p {x['p_value']:.2g}" if x.get("p_value") is not None else "")
+            lines.append(f"| {name} | {c['mode']} | {c['n_claims']} | {fl(c)} | {fl(a)} |")
     lines += ["", f"Elapsed (analysis): {r['elapsed_s']:.0f} s. Plot: audit_sampled.png (AUC@1%FPR by requests)."]
     return "\n".join(lines) + "\n"
 
@@ -592,6 +614,11 @@ def main(argv: list[str] | None = None) -> int:
             atomic_write_json(saved, run_sampling(t, Path(args.model_dir), not args.quiet))
         per[t] = json.loads(saved.read_text())
     res = result(per, time.perf_counter() - t0)
+    log_saved = CACHE / "log" / "result.json"
+    if not log_saved.is_file() and all(len(vendor_claims(n, 2 * LOG_EXCHANGES)) == 2 * LOG_EXCHANGES
+                                       for n in LOG_VENDORS):
+        atomic_write_json(log_saved, log_audit(Path(args.model_dir)))
+    res["log_audit"] = json.loads(log_saved.read_text()) if log_saved.is_file() else None
     atomic_write_json(RESULTS, res)
     write_markdown(RESULTS.with_suffix(".md"), markdown(res))
     plot(res)

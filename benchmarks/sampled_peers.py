@@ -257,10 +257,12 @@ def reply_scores(engine, prompts: Sequence[Sequence[int]], replies: Sequence[Seq
 @torch.no_grad()
 def sample_replies(engine, prompts: Sequence[Sequence[int]], n: int, *, temperature: float, max_tokens: int,
                    seed: int, top_k: int = -1, top_p: float = 1.0, min_p: float = 0.0,
-                   batch_size: int = 512) -> list[list[list[int]]]:
+                   batch_size: int = 512, log_ranks: list | None = None) -> list[list[list[int]]]:
     """n replies per prompt, each drawn token by token from softmax(filtered logits / T) with one
     torch.Generator(seed) (an unseeded vendor: no per-request seed the auditor could replay).
-    Stops at the engine's stop tokens or max_tokens. Returns replies[prompt][k]."""
+    Stops at the engine's stop tokens or max_tokens. Returns replies[prompt][k]. log_ranks: a list
+    filled with each reply's mean log-rank (RUT's score, `log_rank`'s definition, from the logits
+    the token was drawn from: no replay needed), log_ranks[prompt][k]."""
     from verinfer.engine.engine import Request
     from verinfer.sampling.filters import filter_logits
     from verinfer.sampling.params import SamplingParams
@@ -271,23 +273,36 @@ def sample_replies(engine, prompts: Sequence[Sequence[int]], n: int, *, temperat
     params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=0,
                             max_tokens=max_tokens)
 
-    def draw(logits_BV, _params, _noises, _batch):
+    sums: list[float] = []
+
+    def draw(logits_BV, _params, _noises, batch):
         B = logits_BV.shape[0]
         full = lambda v, dt: torch.full((B,), v, dtype=dt)  # noqa: E731
         x_BV = filter_logits(logits_BV.float().cpu(), full(temperature, torch.float32), full(top_k, torch.int64),
                              full(top_p, torch.float32), full(min_p, torch.float32))
-        return torch.multinomial(torch.softmax(x_BV.double(), -1), 1, generator=gen)[:, 0]
+        y_B = torch.multinomial(torch.softmax(x_BV.double(), -1), 1, generator=gen)[:, 0]
+        if log_ranks is not None:
+            lr_B = _log_ranks_N(logits_BV.cpu(), y_B).tolist()
+            for b in range(B):
+                if not batch.done_B[b]:
+                    sums[b] += lr_B[b]
+        return y_B
 
     reqs = [Request(f"{i}/{k}", list(p), params) for i, p in enumerate(prompts) for k in range(n)]
     out: list[list[list[int]]] = [[] for _ in prompts]
+    if log_ranks is not None:
+        log_ranks[:] = [[] for _ in prompts]
     for s in range(0, len(reqs), batch_size):
         group = reqs[s : s + batch_size]
         batch = engine.prefill(group)
         batch.streams = [None] * len(group)  # no seeded noise stream: `draw` is the vendor's sampler
+        sums[:] = [0.0] * len(group)
         while not batch.finished:
             engine.advance(batch, engine.emit(batch, draw))
-        for r, o in zip(group, batch.outputs):
+        for r, o, lr in zip(group, batch.outputs, sums):
             out[int(r.id.split("/")[0])].append(list(o))
+            if log_ranks is not None:
+                log_ranks[int(r.id.split("/")[0])].append(lr / max(len(o), 1))
     return out
 
 

@@ -185,6 +185,26 @@ def test_reply_scores_are_teacher_forced_per_reply():
         assert len(r) == 6 or r[-1] == engine.eos_token_id
 
 
+def test_log_ranks_recorded_while_sampling_equal_the_replayed_ones():
+    """`sample_replies(log_ranks=...)` records each reply's mean log-rank from the logits its tokens
+    were drawn from; the teacher-forced replay (`reply_scores`) of the same ids gives the same value,
+    and asking for them leaves the replies unchanged."""
+    from verinfer.engine.engine import Engine
+    from verinfer.models.load import load_model, model_info
+
+    from verinfer.models.prompts import prompts_for
+
+    engine = Engine(load_model(TARGET_DIR), eos_token_id=model_info(TARGET_DIR).eos_token_id)
+    prompts = prompts_for(TARGET_DIR, 3, 1, 24)
+    lrs: list = []
+    replies = sp.sample_replies(engine, prompts, 2, temperature=1.0, top_p=0.95, max_tokens=8, seed=3, log_ranks=lrs)
+    assert replies == sp.sample_replies(engine, prompts, 2, temperature=1.0, top_p=0.95, max_tokens=8, seed=3)
+    flat = [r for rs in replies for r in rs]
+    lr, _ = sp.reply_scores(engine, [p for p in prompts for _ in range(2)], flat, temperature=1.0)
+    assert [len(x) for x in lrs] == [2, 2, 2] and max(lr) > 0
+    assert np.allclose([x for xs in lrs for x in xs], lr, atol=1e-4)
+
+
 # --- on the testbed ---------------------------------------------------------------------------------------------------
 
 # claimed temperature 0.7; 60 prompts x 20 local samples (RUT, mean CE); MET on 300 requests to 30
