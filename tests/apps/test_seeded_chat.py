@@ -66,6 +66,13 @@ REWRITES = {"honest": lambda b: b, "hot": hot, "seed-offset": seed_offset, "no-s
             "hot-no-seed": hot_no_seed, "wide-no-seed": wide_no_seed}
 
 
+def fixed_seed(seed: int):  # samples every request with one seed of its own, whatever the request's (SGLang's
+    return lambda body: {**body, "seed": seed} if body.get("temperature") else body  # deterministic mode: 42)
+
+
+FIXED = {"fixed-42": fixed_seed(42), "fixed-777": fixed_seed(777)}  # served too, audited apart (test_fixed_seed_...)
+
+
 class Proxy:
     """http://HOST:port/<rewrite>/v1/... -> the server's /v1/..., the JSON request body rewritten."""
 
@@ -75,7 +82,7 @@ class Proxy:
         class Handler(BaseHTTPRequestHandler):
             def do_POST(self):
                 _, name, rest = self.path.split("/", 2)
-                body = REWRITES[name](json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+                body = {**REWRITES, **FIXED}[name](json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
                 r = httpx.post(f"{upstream}/{rest}", json=body, timeout=120)
                 self.send_response(r.status_code)
                 self.send_header("Content-Type", "application/json")
@@ -276,3 +283,50 @@ def test_audit_api_chat_at_a_temperature(proxy, tmp_path):
     assert r.exit_code == 0, r.output
     (row,) = json.loads((tmp_path / "greedy" / "vendors.json").read_text())["vendors"]
     assert row["mode"] == "greedy" and row["probe"] is None and row["sampling"] is None
+
+
+def test_a_vendor_that_samples_every_request_with_one_seed(proxy, tmp_path):
+    """A vendor that overwrites every request's seed with its own (the reply does not change with the seed:
+    the probe's `fixed_noise`): at 42 (SGLang deterministic mode's seed, a candidate) it is recognised and
+    judged seeded at 42 on every claim, every token matching, not flagged; at 777 (no candidate) it is not
+    judged: no verdict, nothing more sent, the note (why, and what to declare) as its error, exit 2 and
+    "could not be audited" everywhere, never flagged nor ok; declared in the vendors file (mode seeded,
+    fixed_seed 777) it is judged seeded at 777. Before fixed noise was told apart, both were judged unseeded,
+    their replies taken for independent draws."""
+    cfg = tmp_path / "vendors.toml"
+    cfg.write_text(vendors_toml(proxy, FIXED) + f'[[vendor]]\nname = "declared-777"\nbase_url = "{proxy.url("fixed-777")}"'
+                   f'\nmodel = "{MODEL}"\nconcurrency = 2\nmode = "seeded"\nnoise = "vllm-cpu"\nfixed_seed = 777\n')
+    out = tmp_path / "audit"
+    r = CliRunner().invoke(app, ["audit-vendors", str(cfg), "--out", str(out), "--temperature", "0.7",
+                                 "--top-p", "0.95", *ARGS])
+    assert r.exit_code == 2, r.output  # fixed-777 could not be audited (never 1: nothing is flagged)
+    rows = {v["name"]: v for v in json.loads((out / "vendors.json").read_text())["vendors"]}
+    f42, f777, declared = rows["fixed-42"], rows["fixed-777"], rows["declared-777"]
+    for row in (f42, f777):
+        p = row["probe"]
+        assert p["fixed_noise"] and p["same_seed_same_reply"] and not p["other_seed_other_reply"], json.dumps(p)
+        assert not p["honours_seeds"] and list(p["fixed_seed_exact_match"])[0] == "42"
+    assert f42["probe"]["fixed_seed"] == 42 and f42["probe"]["noise"] == "vllm-cpu"
+    assert f42["probe"]["fixed_seed_exact_match"]["42"]["vllm-cpu"] == 1.0
+    assert f42["mode"] == "seeded" and f42["sampling"] == {"temperature": 0.7, "top_p": 0.95, "top_k": -1,
+                                                           "min_p": 0.0, "noise": "vllm-cpu", "fixed_seed": 42}
+    # every token but one near-tie of 384 (measured 383 / 384 = 0.9974, as at 777 below), a seeded verdict
+    assert round(f42["exact_match"] * 384) >= 383 and not f42["verdict"]["flagged"], json.dumps(f42)
+    assert f42["n_requests"] == f42["n_claims"] == 12 and f42["nearest_band"] == "bf16"
+    assert f42["note"].startswith("samples every request with seed 42 whatever the request's")
+    claims = [json.loads(x) for x in (out / "vendors" / "fixed-42" / "claims.jsonl").read_text().splitlines()]
+    assert len(claims) == 12 and {(c["mode"], c["sampling"]["seed"]) for c in claims} == {("seeded", 42)}
+    # 777: no candidate seed reproduces its reply (measured best exact match 0.12 at 42, 0.09 at 0) -> not judged
+    assert f777["probe"]["fixed_seed"] is None and list(f777["probe"]["fixed_seed_exact_match"]) == ["42", "0"]
+    assert max(v for m in f777["probe"]["fixed_seed_exact_match"].values() for v in m.values()) < 0.5
+    assert f777["verdict"] is None and f777["exact_match"] is None and f777["n_requests"] == 0
+    assert f777["note"].startswith("not judged: its replies do not change with the seed") and f777["error"] == f777["note"]
+    assert "an unseeded test, which assumes independent draws, would be invalid" in f777["note"]
+    assert 'mode = "seeded", noise = "<its sampler>" and fixed_seed = <the seed' in f777["note"]
+    assert not (out / "vendors" / "fixed-777" / "claims.jsonl").exists()
+    assert declared["mode"] == "seeded" and declared["probe"] is None and declared["sampling"]["fixed_seed"] == 777
+    assert round(declared["exact_match"] * 384) >= 383 and not declared["verdict"]["flagged"], json.dumps(declared)
+    md = (out / "vendors.md").read_text()
+    assert "| fixed-777 | error: not judged" in md and "| fixed-42 | ok | seeded |" in md and "FLAGGED" not in md
+    assert "2 of 3 vendors consistent with honest inference" in (out / "vendors.html").read_text()
+    assert "1 could not be audited (fixed-777)" in (out / "vendors.html").read_text()

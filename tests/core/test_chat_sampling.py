@@ -54,6 +54,27 @@ def test_unseeded_sampling_claims_without_seed_or_noise_and_requests_with_seeds(
     assert cycled(conv, None, 2) == (conv[:2], None)
 
 
+def test_a_fixed_seed_is_every_requests_and_every_claims_seed_and_no_part_of_the_key():
+    """A vendor that samples every request with one seed: each request asks it and each claim states it;
+    the key and settings (what detectors and bands are cached by) are the plain seeded sampling's; the
+    collection's manifest names it (a resumed collection at another fixed seed is another audit)."""
+    from verinfer.core.chat import collect_manifest
+
+    plain = ChatSampling(0.7, 0.95, -1, 0.0, "vllm-cpu", "seeded")
+    fixed = ChatSampling(0.7, 0.95, -1, 0.0, "vllm-cpu", "seeded", fixed_seed=42)
+    assert fixed.key() == plain.key() and fixed.settings() == plain.settings()
+    cfg = ChatAuditConfig(TARGET_DIR, "out", n=3, temperature=0.7, top_p=0.95)
+    assert [p.seed for p in request_params(cfg, fixed, 3)] == [42, 42, 42]
+    assert [p.seed for p in request_params(cfg, plain, 3)] == [request_seed(0, i) for i in range(3)]
+    ep = ChatEndpoint("v", "http://x/v1", "m", sampling={"mode": "seeded", "fixed_seed": 777})
+    assert cfg.sampling_for(ep).fixed_seed == 777 and cfg.sampling_for(ep).params(5, 8).seed == 777
+    conv = [[{"role": "user", "content": "hi"}]]
+    assert collect_manifest(ep, cfg, conv, fixed, "seeded")["fixed_seed"] == 42
+    assert "fixed_seed" not in collect_manifest(ep, cfg, conv, plain, "seeded")
+    with pytest.raises(VerinferError, match="fixed_seed must be an integer >= 0"):
+        ChatSampling(0.7, fixed_seed=-1)
+
+
 @pytest.mark.parametrize("kw, match", [({"mode": "greedy", "temperature": 0.7}, "mode greedy asks temperature 0"),
                                        ({"mode": "sometimes"}, "mode must be one of"),
                                        ({"temperature": 0.7, "top_p": 0.0}, "top_p"),
@@ -66,9 +87,10 @@ def test_sampling_that_cannot_be_audited_is_refused(kw, match):
 def test_a_vendors_file_sets_a_vendors_own_sampling(tmp_path):
     p = tmp_path / "v.toml"
     p.write_text('[[vendor]]\nname = "a"\nbase_url = "http://x/v1"\nmodel = "m"\ntemperature = 0.7\ntop_p = 0.9\n'
-                 'noise = "keyed"\nmode = "seeded"\n[[vendor]]\nname = "b"\nbase_url = "http://x/v1"\nmodel = "m"\n')
+                 'noise = "keyed"\nmode = "seeded"\nfixed_seed = 42\n[[vendor]]\nname = "b"\nbase_url = "http://x/v1"\nmodel = "m"\n')
     a, b = read_vendors(p)
-    assert a.sampling == {"temperature": 0.7, "top_p": 0.9, "noise": "keyed", "mode": "seeded"} and b.sampling == {}
+    assert a.sampling == {"temperature": 0.7, "top_p": 0.9, "noise": "keyed", "mode": "seeded", "fixed_seed": 42}
+    assert b.sampling == {}
     assert a.public()["sampling"] == a.sampling and "sampling" not in b.public()
     p.write_text('[[vendor]]\nname = "a"\nbase_url = "http://x/v1"\nmodel = "m"\nnoise = "dice"\n')
     with pytest.raises(VerinferError, match="unknown noise backend 'dice'"):
@@ -79,14 +101,22 @@ def test_a_vendors_file_sets_a_vendors_own_sampling(tmp_path):
 
 
 def test_the_seed_probe_says_why_a_vendor_is_unseeded():
-    """Two replies to one seed differ, or another seed changes nothing: seeds are ignored (no replay)."""
+    """Two replies to one seed differ, or another seed changes nothing: seeds are ignored (no replay).
+    The reply unchanged by the seed is `fixed_noise` (one noise stream for every request); two replies
+    to one seed that differ are not, nor is a vendor that honours seeds, nor a probe without request 2."""
     replies = {0: "a", 1: "b", 2: "c"}
     rec = seed_probe(lambda i: (replies[i], None), None, PLAIN_NOISES)
     assert rec == {"probe": "same seed twice, another seed once", "same_seed_same_reply": False,
-                   "honours_seeds": False, "other_seed_other_reply": True}
+                   "honours_seeds": False, "other_seed_other_reply": True, "fixed_noise": False}
     assert "ignores seeds" in unseeded_reason(rec)
     rec = seed_probe(lambda i: ("a", None), None, PLAIN_NOISES)  # every seed alike
     assert not rec["honours_seeds"] and "two different seeds gave the same reply" in unseeded_reason(rec)
+    assert rec["fixed_noise"] and rec["same_seed_same_reply"] and not rec["other_seed_other_reply"]
+    rec = seed_probe(lambda i: ({0: "a", 1: "b", 2: "a"}[i], None), None, PLAIN_NOISES)  # the same seed, two replies
+    assert not rec["fixed_noise"]
+    rec = seed_probe(lambda i: ({0: "a", 1: "a", 2: "c"}[i], None), None, PLAIN_NOISES)  # seeds honoured
+    assert rec["honours_seeds"] and not rec["fixed_noise"] and rec["recognised"] is False
+    assert "fixed_noise" not in seed_probe(lambda i: None if i == 2 else ("a", None), None, PLAIN_NOISES)
     assert probe_candidates("keyed")[0] == "keyed" and set(probe_candidates("keyed")) == set(PLAIN_NOISES)
 
 

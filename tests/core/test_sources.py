@@ -124,6 +124,37 @@ def test_a_log_mixes_greedy_seeded_and_unseeded_exchanges(tmp_path):
     assert [c.id for g, s in groups.items() if "unseeded" in g for c in s.claims] == ["u"]
 
 
+def test_an_unseeded_reply_repeated_byte_for_byte_is_one_draw_counted_once(tmp_path):
+    """The same conversation answered with the same sampled text three times (without a seed, and with two
+    different request seeds: a cache or a fixed-seed sampler) is one claim, the two repeats counted in the
+    manifest and the row's note; another reply to it, the same text to another conversation, and greedy
+    repeats (no draw) all stay."""
+    from verinfer.apps.audit_log import _note
+
+    def sampled(rid, text="Hello there.", content="Say hello.", **req):
+        x = json.loads(exchange("acme", rid, text))
+        x["request"].update(temperature=0.7, **req)
+        x["request"]["messages"][0]["content"] = content
+        return x
+
+    lines = [sampled("a"), sampled("b", seed=1), sampled("c", seed=2), sampled("d", "Hi."),
+             sampled("e", content="Say hi."), json.loads(exchange("acme", "g1")), json.loads(exchange("acme", "g2"))]
+    log = tmp_path / "log.jsonl"
+    log.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    groups = log_sources(log, "t", SamplingParams(0.0, -1, 1.0, 0.0, None, 16, "vllm-cpu"), "derived",
+                         Retokenizer.for_model(TARGET_DIR))
+    u = groups["acme [unseeded-t0.7-p1-k-1-m0]"]
+    assert [c.id for c in u.claims] == ["a", "d", "e"] and u.manifest["repeated"] == 2
+    assert [c.id for c in groups["acme"].claims] == ["g1", "g2"] and "repeated" not in groups["acme"].manifest
+    note = _note(u.claims, u.manifest["repeated"])
+    assert note.endswith("3 sampled without a seed, 0 with a seed but no declared sampler (--noise or a vendors "
+                         "file's `noise`); 2 repeated reply(ies) counted once (the byte-identical sampled reply to the "
+                         "same conversation: one draw, from a response cache or a sampler with one fixed seed; with "
+                         "a fixed seed its other replies share that noise too, which the unseeded test assumes they "
+                         "do not: declare its sampler and seed if it has one)")
+    assert "repeated" not in _note(u.claims)
+
+
 def _line(req: dict | None = None, msg: dict | None = None, rid: str = "r", **choice) -> str:
     request = {"model": "m", "messages": [{"role": "user", "content": "Say hello."}], "temperature": 0,
                "max_tokens": 16, **(req or {})}

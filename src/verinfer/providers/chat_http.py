@@ -39,7 +39,7 @@ from verinfer.sampling.noise import NOISE_BACKENDS
 from verinfer.sampling.params import SamplingParams
 
 RESERVED = ("model", "messages", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "n", "stream")
-SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "noise", "mode")  # a vendor's own audit sampling
+SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "noise", "mode", "fixed_seed")  # a vendor's own audit sampling
 
 
 @dataclass(frozen=True)
@@ -219,6 +219,7 @@ class VendorRecord(BaseModel):
     min_p: float | None = Field(None, ge=0, le=1)
     noise: str | None = None
     mode: Literal["auto", "seeded", "greedy"] | None = None
+    fixed_seed: int | None = Field(None, ge=0)  # the one seed it samples every request with, whatever the request's
 
     @field_validator("noise")
     @classmethod
@@ -248,6 +249,7 @@ def read_vendors(path: str | Path) -> list[ChatEndpoint]:
         top_p = 0.95                                   #   --temperature, --top-p, --top-k, --min-p)
         noise = "vllm-cpu"                             # optional: the sampler it declares (the probe tries it first)
         mode = "auto"                                  # optional: auto (probe) | seeded (trust noise) | greedy
+        fixed_seed = 42                                # optional: the one seed it samples every request with
 
     `extra` is checked against the chat contract (`chat_contract`): a field that changes the tokens
     in a way the replay cannot rebuild is refused here, before any request is sent.
@@ -270,7 +272,7 @@ def read_vendors(path: str | Path) -> list[ChatEndpoint]:
         raise VerinferError(f"{who}: `{fld}` {err['msg']} (got {str(err.get('input'))[:60]!r})", where=str(p),
                             fix="each [[vendor]] needs name, base_url and model; optional api_key_env, concurrency, "
                                 "timeout, max_retries, extra, neutral_fields, temperature, top_p, top_k, min_p, noise, "
-                                "mode") from None
+                                "mode, fixed_seed") from None
     names = [v.name for v in vendors]
     dup = sorted({n for n in names if names.count(n) > 1})
     if dup:
