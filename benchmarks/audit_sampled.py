@@ -495,6 +495,60 @@ def log_audit(model_dir: Path) -> dict:
     return out
 
 
+WEAK = ("int8", "fp8-kv")   # the misconfigurations the unseeded audit need not catch (issue 46)
+UNSEEDED_BUDGET = 2000     # requests
+
+
+def _auc_at(curve: dict, r: int) -> float | None:
+    return curve.get(str(r))
+
+
+def checks(r: dict) -> dict:
+    """Each "done when" point of issue 46 that the results decide, per vendor where it is per vendor."""
+    v = r["vendors"]
+    out: dict = {"honest_not_flagged": {n: not (x["modes"]["seeded"]["flagged"] or x["modes"]["unseeded"]["flagged"])
+                                        for n, x in v.items() if x["honest"]}}
+    seeded, third, unseeded, power = {}, {}, {}, {}
+    for tkey, p in r["per_sampling"].items():
+        for name, a in p["auc"].items():
+            x = v[name]["modes"]
+            seeded[name] = x["seeded"]["flagged"]
+            ts, tu = x["seeded"]["tokens_to_decide"], x["unseeded"]["tokens_to_decide"]
+            third[name] = {"seeded_tokens": ts, "unseeded_tokens": tu,
+                           "holds": ts is not None and (tu is None or 3 * ts <= tu)}
+            base = name.rpartition("-")[0]
+            if base not in WEAK:
+                unseeded[name] = {"flagged": x["unseeded"]["flagged"], "requests": x["unseeded"]["requests_to_decide"],
+                                  "collected": v[name]["n_requests"],
+                                  "holds": bool(x["unseeded"]["flagged"]) and
+                                  (x["unseeded"]["requests_to_decide"] or 10**9) <= UNSEEDED_BUDGET}
+            row = {}
+            for peer in ("rut", "met"):
+                mine, theirs = a["unseeded"], a[peer]
+                if mine is not None:
+                    holds = theirs is None or mine["requests"] <= theirs["requests"]
+                elif theirs is not None:
+                    holds = False
+                else:   # neither reached 0.99: compare the AUC at the largest batch both reached
+                    common = [k for k in a["curves"]["unseeded"] if k in a["curves"][peer]]
+                    k = max(common, key=int) if common else None
+                    holds = k is None or a["curves"]["unseeded"][k] >= a["curves"][peer][k]
+                row[peer] = holds
+            power[name] = row
+    out.update(seeded_flagged=seeded, seeded_third=third, unseeded_flagged_within_budget=unseeded,
+               unseeded_power_at_least_peers=power)
+    tuned = {}
+    for tkey in r["per_sampling"]:
+        name = f"int4-tuned-temp-{tkey}"
+        if name in v:
+            u = v[name]["modes"]["unseeded"]
+            a = r["per_sampling"][tkey]["auc"].get(name, {})
+            tuned[name] = {"uniformity_flagged": u["flagged"], "xent_excess_flagged": u["xent_excess"]["flagged"],
+                           "mean_ce_tokens_to_auc99": (a.get("cross_entropy") or {}).get("tokens")}
+    out["tuned_temperature_attack"] = tuned
+    return out
+
+
 def _tok(x) -> str:
     return "-" if x is None else f"{x:,}"
 
@@ -560,6 +614,28 @@ def markdown(r: dict) -> str:
             fl = lambda x: "-" if x.get("flagged") is None else ("**flagged**" if x["flagged"] else "ok") + (  # noqa: E731
                 f" p {x['p_value']:.2g}" if x.get("p_value") is not None else "")
             lines.append(f"| {name} | {c['mode']} | {c['n_claims']} | {fl(c)} | {fl(a)} |")
+    c = r.get("checks")
+    if c:
+        yes = lambda b: "yes" if b else "**no**"  # noqa: E731
+        lines += ["", "## Issue 46's points, read from the results above", "",
+                  f"- Honest vendors not flagged (either mode): {yes(all(c['honest_not_flagged'].values()))} "
+                  f"({', '.join(n for n, ok in c['honest_not_flagged'].items() if not ok) or 'none flagged'}).",
+                  f"- Seeded: every misconfiguration flagged: {yes(all(c['seeded_flagged'].values()))}; in at most a "
+                  "third of the unseeded audit's tokens: " + ", ".join(
+                      f"{n} {yes(x['holds'])} ({_tok(x['seeded_tokens'])} vs {_tok(x['unseeded_tokens'])})"
+                      for n, x in c["seeded_third"].items()) + ".",
+                  f"- Unseeded: flagged within {UNSEEDED_BUDGET:,} requests (all but int8 and fp8-kv): " + ", ".join(
+                      f"{n} {yes(x['holds'])} ({x['requests'] or '-'} of {x['collected']} collected)"
+                      for n, x in c["unseeded_flagged_within_budget"].items()) + ".",
+                  "- Unseeded power at least RUT's and MET's at equal requests (requests to AUC@1%FPR 0.99; where "
+                  "neither reaches it, the AUC at the largest common batch): " + ", ".join(
+                      f"{n} RUT {yes(x['rut'])} MET {yes(x['met'])}" for n, x in c["unseeded_power_at_least_peers"].items())
+                  + ".",
+                  "- The tuned-temperature 4-bit vendor: " + "; ".join(
+                      f"{n}: pit-uniformity {'flags it' if x['uniformity_flagged'] else '**misses it**'}, xent-excess "
+                      f"{'flags it' if x['xent_excess_flagged'] else 'misses it'}, mean cross-entropy to AUC 0.99: "
+                      f"{_tok(x['mean_ce_tokens_to_auc99'])} tokens" for n, x in c["tuned_temperature_attack"].items())
+                  + "."]
     lines += ["", f"Elapsed (analysis): {r['elapsed_s']:.0f} s. Plot: audit_sampled.png (AUC@1%FPR by requests)."]
     return "\n".join(lines) + "\n"
 
@@ -619,6 +695,7 @@ def main(argv: list[str] | None = None) -> int:
                                        for n in LOG_VENDORS):
         atomic_write_json(log_saved, log_audit(Path(args.model_dir)))
     res["log_audit"] = json.loads(log_saved.read_text()) if log_saved.is_file() else None
+    res["checks"] = checks(res)
     atomic_write_json(RESULTS, res)
     write_markdown(RESULTS.with_suffix(".md"), markdown(res))
     plot(res)
