@@ -57,8 +57,10 @@ ROOT = Path(__file__).resolve().parent
 RESULTS = ROOT / "results" / "audit_sampled.json"
 CALIB_N = 100          # honest calibration runs per configuration and sampling (unseeded: each conversation once)
 CALIB_HONEST = ("honest-fp32-b4", "honest-bf16-eager-t1", "honest-bf16-chunk13")  # verinfer's honest configurations
-FPR_BATCH = 8          # requests per honest batch of the false-positive check
-M_LOCAL = 100          # local samples per conversation (RUT's m; its paper: 100)
+FPR_BATCH = 6          # requests per honest batch of the false-positive check
+M_LOCAL = 50           # local samples per conversation (RUT's m; its paper: 100, halved for this machine's time)
+HONEST_REQUESTS = 200  # the first requests of each honest vendor judged (collected: more)
+SEEDED_REQUESTS = 100  # the first requests of each misconfigured vendor judged seeded (unseeded: all collected)
 LOCAL_SEED = 4600
 AUC_BATCHES = 200
 MET_BATCHES = 60
@@ -91,13 +93,21 @@ def audit(tkey: str, model_dir: Path, detector: str = "pit-uniformity", show: bo
     return ChatAudit(cfg, show_progress=show, conversations=conversations())
 
 
+def judged_requests(name: str, mode: str) -> int | None:
+    """How many of the vendor's first requests the `mode` audit judges (None: all collected)."""
+    if split_name(name)[0] in HONEST:
+        return HONEST_REQUESTS
+    return SEEDED_REQUESTS if mode == "seeded" else None
+
+
 def mode_claims(name: str, mode: str) -> Path:
-    """The vendor's claims as the `mode` audit reads them (unseeded: without seed and noise), one
-    file in CACHE/claims/<mode>/<vendor>.jsonl (rewritten when the vendor has more replies)."""
+    """The vendor's claims as the `mode` audit reads them (unseeded: without seed and noise; the
+    first `judged_requests`), one file in CACHE/claims/<mode>/<vendor>.jsonl (rewritten when the
+    vendor has more replies)."""
     from verinfer.claims import read_claims, write_claims
 
     path = CACHE / "claims" / mode / f"{name}.jsonl"
-    claims = vendor_claims(name)
+    claims = vendor_claims(name, judged_requests(name, mode))
     if path.is_file() and len(read_claims(path)) == len(claims):
         return path
     if mode == "unseeded":
@@ -309,6 +319,7 @@ def run_sampling(tkey: str, model_dir: Path, show: bool) -> dict:
                                                      "tokens_to_decide": xj["tokens_to_decide"],
                                                      "fixed_p": xj["verdict"]["fixed_n"]["p_value"]}
         row["n_requests"] = len(vendor_claims(name))
+        row["judged_requests"] = {m: len(vendor_claims(name, judged_requests(name, m))) for m in ("seeded", "unseeded")}
         rows[name] = row
     timings["vendors_s"] = time.perf_counter() - t0 - timings["detectors_s"]
 
@@ -337,12 +348,12 @@ def run_sampling(tkey: str, model_dir: Path, show: bool) -> dict:
         local_texts[j].append(c.chat["text"])
     inputs = {}
     for name in rows:
-        claims = vendor_claims(name)
+        claims = vendor_claims(name, judged_requests(name, "unseeded"))
         st = reply_stats(claims, tkey, model_dir, CACHE / "stats" / f"{name}.npz")
         conv = np.array([request_index(c.id) % N_CONVERSATIONS for c in claims])
         per = {m: per_request(dets[m], tables[(name, m)]) for m in ("seeded", "unseeded")}
         for m in per:
-            if per[m]["ids"] != [c.id for c in claims]:
+            if per[m]["ids"] != [c.id for c in claims][: len(per[m]["ids"])]:
                 raise RuntimeError(f"{name}: scored claims differ from the collected ones ({m})")
         inputs[name] = {"per": per, "ce_sum": st["ce_sum"], "tokens": st["tokens"], "conv": conv,
                         "rut": rut_ranks(st["log_rank"], conv, local_lr, SEED),
@@ -373,14 +384,16 @@ def run_sampling(tkey: str, model_dir: Path, show: bool) -> dict:
                           "counts": np.concatenate([inputs[n]["per"][m]["counts"] for n in honest_names])}
     inputs["__honest__"] = pool
     n_honest = len(pool["conv"])
+    assert all(len(pool["per"][m]["counts"]) == n_honest for m in pool["per"])
     auc = {}
     for name in rows:
         if rows[name]["honest"]:
             continue
-        n = len(inputs[name]["conv"])
         mean_len = float(inputs[name]["reply_tokens"].mean())
-        auc[name] = {"mean_reply_tokens": mean_len, "requests": n, "curves": {}}
+        auc[name] = {"mean_reply_tokens": mean_len, "requests": len(inputs[name]["conv"]), "curves": {}}
         for method in METHODS:
+            # the requests judged in this method's mode (seeded: the first SEEDED_REQUESTS)
+            n = len(inputs[name]["per"]["seeded"]["counts"]) if method == "seeded" else len(inputs[name]["conv"])
             rng = np.random.default_rng(SEED)
             k = MET_BATCHES if method == "met" else AUC_BATCHES
             curve = {}
@@ -674,6 +687,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rerun", nargs="*", default=None, metavar="TKEY",
                     help="recompute these samplings' analysis (default: those given by --samplings; the others "
                          "are read from their last analysis, CACHE/analysis-<tkey>.json)")
+    ap.add_argument("--log", action="store_true", help="also audit the sampled log (CLI and API; cached)")
     ap.add_argument("--quiet", action="store_true")
     args = ap.parse_args(argv)
     if args.model_dir is None:
@@ -691,8 +705,7 @@ def main(argv: list[str] | None = None) -> int:
         per[t] = json.loads(saved.read_text())
     res = result(per, time.perf_counter() - t0)
     log_saved = CACHE / "log" / "result.json"
-    if not log_saved.is_file() and all(len(vendor_claims(n, 2 * LOG_EXCHANGES)) == 2 * LOG_EXCHANGES
-                                       for n in LOG_VENDORS):
+    if args.log and not log_saved.is_file():
         atomic_write_json(log_saved, log_audit(Path(args.model_dir)))
     res["log_audit"] = json.loads(log_saved.read_text()) if log_saved.is_file() else None
     res["checks"] = checks(res)
