@@ -450,8 +450,8 @@ def result(per: dict, elapsed: float) -> dict:
 # --- a log of sampled exchanges, end to end -----------------------------------------------------------------------
 
 LOG_VENDORS = ("honest-t0.7", "int4-t0.7", "honest-t1.0", "temp+0.1-t1.0")
-LOG_EXCHANGES = 24   # per vendor and mode (with its seed logged / without)
-LOG_OPTIONS = {"calib_n": 24, "honest": CALIB_HONEST[:2], "bands": ["int4"]}
+LOG_EXCHANGES = 16   # per vendor and mode (with its seed logged / without)
+LOG_OPTIONS = {"calib_n": 16, "honest": CALIB_HONEST[:2], "bands": ["int4"]}
 
 
 def sampled_log(path: Path) -> Path:
