@@ -60,7 +60,8 @@ CALIB_HONEST = ("honest-fp32-b4", "honest-bf16-eager-t1", "honest-bf16-chunk13")
 FPR_BATCH = 6          # requests per honest batch of the false-positive check
 M_LOCAL = 50           # local samples per conversation (RUT's m; its paper: 100, halved for this machine's time)
 HONEST_REQUESTS = 200  # the first requests of each honest vendor judged (collected: more)
-SEEDED_REQUESTS = 100  # the first requests of each misconfigured vendor judged seeded (unseeded: all collected)
+SEEDED_REQUESTS = 100  # the first requests of each misconfigured vendor judged seeded (unseeded: all collected,
+UNSEEDED_REQUESTS = {"t0.7": None, "t1.0": 200}  # or the first these at a sampling: this machine's time)
 LOCAL_SEED = 4600
 AUC_BATCHES = 200
 MET_BATCHES = 60
@@ -97,7 +98,7 @@ def judged_requests(name: str, mode: str) -> int | None:
     """How many of the vendor's first requests the `mode` audit judges (None: all collected)."""
     if split_name(name)[0] in HONEST:
         return HONEST_REQUESTS
-    return SEEDED_REQUESTS if mode == "seeded" else None
+    return SEEDED_REQUESTS if mode == "seeded" else UNSEEDED_REQUESTS[split_name(name)[1]]
 
 
 def mode_claims(name: str, mode: str) -> Path:
