@@ -333,3 +333,36 @@ def test_an_unseeded_token_outside_the_kept_set_is_recut_to_pieces_inside_it():
     claims, per = [c], [table(c)]
     recut_claims(claims, per, retok, rescore)
     assert claims[0].output_token_ids == [w] and math.isinf(per[0]["margin"].to_pylist()[0])
+
+
+def test_out_of_set_recuts_stop_after_a_few_positions_per_claim():
+    """A substitute's reply can hold dozens of out-of-set tokens, each re-cut costing a replay per
+    candidate: `recut_unsupported` tries at most MAX_UNSUPPORTED_RECUTS positions per claim (honest
+    replies need 0-1), and the positions left stay out of the set (evidence)."""
+    import dataclasses
+    import math
+
+    from verinfer.audit.replay import MAX_UNSUPPORTED_RECUTS, recut_unsupported
+
+    retok = Retokenizer.for_model(TARGET_DIR, chat_template=TEMPLATE)
+    c = dataclasses.replace(derived(retok, "def read_file(path):\n    return self._items  # comment " * 2),
+                            sampling=UNSEEDED)
+    ids = c.output_token_ids
+    recuttable = [t for t in range(len(ids)) if retok.prefix_recuts(ids, t)]
+    assert len(recuttable) > 2 * MAX_UNSUPPORTED_RECUTS  # uncapped, each of these would be a replay step
+
+    def table(claim):  # every token of every segmentation outside the kept set: no re-cut ever helps
+        k = len(claim.output_token_ids)
+        return pa.table({"replay_token_id": claim.output_token_ids, "margin": [math.inf] * k,
+                         "cross_entropy": [math.inf] * k})
+
+    steps = []
+
+    def rescore(cands):
+        steps.append(len(cands))
+        return [table(x) for x in cands]
+
+    claims, per = [c], [table(c)]
+    recut_unsupported(claims, per, retok, rescore)
+    assert len(steps) == MAX_UNSUPPORTED_RECUTS and min(steps) >= 1
+    assert claims[0].output_token_ids == ids and all(math.isinf(x) for x in per[0]["margin"].to_pylist())

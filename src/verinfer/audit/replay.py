@@ -294,6 +294,7 @@ def score_chunk(claims: list[Claim], engine: Engine, *, sigma: float = DEFAULT_S
 
 
 MAX_RECUTS = 64  # re-cut steps per claim (each proposes, extends or decides one re-cut; honest replies need 0-4)
+MAX_UNSUPPORTED_RECUTS = 4  # out-of-set positions `recut_unsupported` tries per claim (honest replies: 0-1)
 RECUT_TOLERANCE = 1e-9  # logits: a re-cut is kept only if its span's summed margin is lower by more than this
 
 
@@ -403,8 +404,14 @@ def recut_unsupported(claims: list[Claim], per_claim: list[pa.Table], retokenize
     for the next). The token before t is re-cut the same way (its candidates replayed beside t's):
     the cut that matters where the model wrote "ord" + "i" + "fic" and the claim held "or" + "di".
     Honest and vendor claims go through the same re-cut (the unseeded calibration's local runs
-    are claimed from their text, `core.local_runs.chat_run_claims`), so the null sees what is left."""
+    are claimed from their text, `core.local_runs.chat_run_claims`), so the null sees what is left.
+    At most MAX_UNSUPPORTED_RECUTS positions are tried per claim: an honest reply needs 0-1 (the
+    testbed's honest calibration: 75 out-of-set tokens in 12,571, about one claim in five), while a
+    substitute model's reply can hold dozens, each costing a replay per candidate (measured on real
+    vLLM, 4-bit weights at temperature 1.0 / top-p 0.95: 0.14 claims/s uncapped against 1.3 for the
+    same claims seeded); the positions left untried stay evidence."""
     start = {i: 0 for i, c in enumerate(claims) if c.derived and c.sampling.unseeded}
+    tried = dict.fromkeys(start, 0)
     for _ in range(MAX_RECUTS):
         asked: list[tuple[int, int, Claim]] = []
         for i in list(start):
@@ -414,10 +421,10 @@ def recut_unsupported(claims: list[Claim], per_claim: list[pa.Table], retokenize
             while outside and not cands:
                 t = int(outside.pop(0))
                 cands = retokenizer.prefix_recuts(claims[i].output_token_ids, t)
-            if not cands:
+            if not cands or tried[i] >= MAX_UNSUPPORTED_RECUTS:
                 del start[i]
                 continue
-            start[i] = t + 1
+            start[i], tried[i] = t + 1, tried[i] + 1
             asked += [(i, t, _with_ids(claims[i], ids)) for ids in cands]
             if t > 0:  # the cut that matters may be the token before ("or" + "di" where the model wrote "ord" + "i")
                 asked += [(i, t - 1, _with_ids(claims[i], ids))
