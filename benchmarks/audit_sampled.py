@@ -270,8 +270,9 @@ def clopper_pearson_upper(k: int, n: int, conf: float = 0.95) -> float:
     return 1.0 if k >= n else float(beta.ppf(conf, k + 1, n - k))
 
 
-def run_sampling(tkey: str, model_dir: Path, show: bool) -> dict:
-    """Everything of one sampling: detectors, vendors' verdicts, honest batches, AUC grids."""
+def run_sampling(tkey: str, model_dir: Path, show: bool, peers: bool = True) -> dict:
+    """Everything of one sampling: detectors, vendors' verdicts, honest batches, AUC grids (peers
+    False: no local samples and no AUC grids, the verdicts and honest batches alone)."""
     import pyarrow as pa
 
     from verinfer.core.chat import ChatSampling
@@ -339,6 +340,10 @@ def run_sampling(tkey: str, model_dir: Path, show: bool) -> dict:
                 fpr[mode]["flagged"] += int(seq.verdict(sub).flagged)
                 fpr[mode]["batches"] += 1
     timings["fpr_s"] = time.perf_counter() - t0 - sum(timings.values())
+    summary = {"seeded": dets["seeded"].summary(), "unseeded": dets["unseeded"].summary(),
+               "xent_excess": xent.summary(), "mismatch_test": mismatch.summary()}
+    if not peers:
+        return {"vendors": rows, "fpr": fpr, "auc": {}, "timings": timings, "detectors": summary, "local": None}
 
     # per-request inputs of every method
     local, local_log_rank, local_facts = local_samples(tkey, model_dir, show)
@@ -412,9 +417,7 @@ def run_sampling(tkey: str, model_dir: Path, show: bool) -> dict:
         if show:
             print(name, {m: auc[name][m] for m in METHODS}, flush=True)
     timings["auc_s"] = time.perf_counter() - t0 - sum(timings.values())
-    return {"vendors": rows, "fpr": fpr, "auc": auc, "timings": timings,
-            "detectors": {"seeded": dets["seeded"].summary(), "unseeded": dets["unseeded"].summary(),
-                          "xent_excess": xent.summary(), "mismatch_test": mismatch.summary()},
+    return {"vendors": rows, "fpr": fpr, "auc": auc, "timings": timings, "detectors": summary,
             "local": {"samples": len(local), "per_conversation": M_LOCAL, **local_facts}}
 
 
@@ -486,14 +489,16 @@ def log_audit(model_dir: Path) -> dict:
     log = sampled_log(CACHE / "log" / "sampled_log.jsonl")
     out: dict = {"exchanges": sum(1 for _ in open(log)), "vendors": list(LOG_VENDORS), "options": LOG_OPTIONS}
     cli_out = CACHE / "log" / "cli"
-    cmd = [sys.executable, "-m", "verinfer", "audit-log", str(log), "--model", str(model_dir), "--out", str(cli_out),
+    cmd = [str(Path(sys.executable).parent / "verinfer"), "audit-log", str(log), "--model", str(model_dir), "--out", str(cli_out),
            "--noise", "vllm-cpu", "--calib-n", str(LOG_OPTIONS["calib_n"]), "--matmul", "fp32",
            *[x for h in LOG_OPTIONS["honest"] for x in ("--honest", h)],
            *[x for b in LOG_OPTIONS["bands"] for x in ("--bands", b)]]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True)
+    if not (cli_out / "vendors.json").is_file():
+        raise RuntimeError(f"audit-log wrote no vendors.json (exit {proc.returncode}): {proc.stderr[-2000:]}")
     doc = json.loads((cli_out / "vendors.json").read_text())
-    out["cli"] = {"command": "verinfer " + " ".join(cmd[3:]).replace(str(ROOT.parent) + "/", ""),
+    out["cli"] = {"command": "verinfer " + " ".join(cmd[1:]).replace(str(ROOT.parent) + "/", ""),
                   "exit_code": proc.returncode, "modes": doc["modes"], "seconds": time.perf_counter() - t0,
                   "rows": {v["name"]: {"mode": v["mode"], "n_claims": v["n_claims"], "flagged": v["flagged"]
                                        if "flagged" in v else (v["verdict"] or {}).get("flagged"),
@@ -523,32 +528,36 @@ def checks(r: dict) -> dict:
     out: dict = {"honest_not_flagged": {n: not (x["modes"]["seeded"]["flagged"] or x["modes"]["unseeded"]["flagged"])
                                         for n, x in v.items() if x["honest"]}}
     seeded, third, unseeded, power = {}, {}, {}, {}
-    for tkey, p in r["per_sampling"].items():
-        for name, a in p["auc"].items():
-            x = v[name]["modes"]
-            seeded[name] = x["seeded"]["flagged"]
-            ts, tu = x["seeded"]["tokens_to_decide"], x["unseeded"]["tokens_to_decide"]
-            third[name] = {"seeded_tokens": ts, "unseeded_tokens": tu,
-                           "holds": ts is not None and (tu is None or 3 * ts <= tu)}
-            base = name.rpartition("-")[0]
-            if base not in WEAK:
-                unseeded[name] = {"flagged": x["unseeded"]["flagged"], "requests": x["unseeded"]["requests_to_decide"],
-                                  "collected": v[name]["n_requests"],
-                                  "holds": bool(x["unseeded"]["flagged"]) and
-                                  (x["unseeded"]["requests_to_decide"] or 10**9) <= UNSEEDED_BUDGET}
-            row = {}
-            for peer in ("rut", "met"):
-                mine, theirs = a["unseeded"], a[peer]
-                if mine is not None:
-                    holds = theirs is None or mine["requests"] <= theirs["requests"]
-                elif theirs is not None:
-                    holds = False
-                else:   # neither reached 0.99: compare the AUC at the largest batch both reached
-                    common = [k for k in a["curves"]["unseeded"] if k in a["curves"][peer]]
-                    k = max(common, key=int) if common else None
-                    holds = k is None or a["curves"]["unseeded"][k] >= a["curves"][peer][k]
-                row[peer] = holds
-            power[name] = row
+    for name, vv in v.items():
+        if vv["honest"]:
+            continue
+        x = vv["modes"]
+        seeded[name] = x["seeded"]["flagged"]
+        ts, tu = x["seeded"]["tokens_to_decide"], x["unseeded"]["tokens_to_decide"]
+        third[name] = {"seeded_tokens": ts, "unseeded_tokens": tu,
+                       "holds": ts is not None and (tu is None or 3 * ts <= tu)}
+        base = name.rpartition("-")[0]
+        if base not in WEAK:
+            unseeded[name] = {"flagged": x["unseeded"]["flagged"], "requests": x["unseeded"]["requests_to_decide"],
+                              "judged": vv["judged_requests"]["unseeded"],
+                              "holds": bool(x["unseeded"]["flagged"]) and
+                              (x["unseeded"]["requests_to_decide"] or 10**9) <= UNSEEDED_BUDGET}
+        a = r["per_sampling"][split_name(name)[1]]["auc"].get(name)
+        if a is None:
+            continue
+        row = {}
+        for peer in ("rut", "met"):
+            mine, theirs = a["unseeded"], a[peer]
+            if mine is not None:
+                holds = theirs is None or mine["requests"] <= theirs["requests"]
+            elif theirs is not None:
+                holds = False
+            else:   # neither reached 0.99: compare the AUC at the largest batch both reached
+                common = [k for k in a["curves"]["unseeded"] if k in a["curves"][peer]]
+                k = max(common, key=int) if common else None
+                holds = k is None or a["curves"]["unseeded"][k] >= a["curves"][peer][k]
+            row[peer] = holds
+        power[name] = row
     out.update(seeded_flagged=seeded, seeded_third=third, unseeded_flagged_within_budget=unseeded,
                unseeded_power_at_least_peers=power)
     tuned = {}
@@ -578,18 +587,27 @@ def markdown(r: dict) -> str:
                                        for k, v in st["samplings"].items()) +
              f"; calibration on verinfer's own honest runs ({st['calib_n']} per configuration; no vendor here is one "
              f"of them); target FPR {st['alpha']}; {r['machine']}", ""]
+    missing = [t for t in st["samplings"] if t not in r["per_sampling"]]
+    no_auc = [t for t, p in r["per_sampling"].items() if not p["auc"]]
+    if missing or no_auc:
+        lines += [f"**Partial run.** Not in these results: " + "; ".join(
+            ([f"sampling {', '.join(missing)} (replies collected, scoring not finished)"] if missing else []) +
+            ([f"the tokens-to-AUC grids and the peers at {', '.join(no_auc)} (`--no-peers`)"] if no_auc else [])) +
+            ". Rerun `python -m benchmarks.audit_sampled` (it resumes) to complete them.", ""]
     lines += ["Each vendor's replies in request order, judged by the anytime-valid audit in each mode (flagged, "
               "tokens (requests) to decide) with the fixed-size p-value over all replies; seeded beside the "
               "calibrated mismatch-rate test (the simplest seeded baseline), unseeded (pit-uniformity) beside "
               "xent-excess (DiFR's cross-entropy fallback, calibrated).", "",
-              "| vendor | truth | requests | seeded | seeded to decide | exact match | mismatch test | unseeded "
+              "| vendor | truth | requests collected (judged seeded / unseeded) | seeded | seeded to decide | exact match | mismatch test | unseeded "
               "(pit-uniformity) | unseeded to decide | fixed p | xent-excess |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, v in r["vendors"].items():
         s, u = v["modes"]["seeded"], v["modes"]["unseeded"]
         mt, xe = s["mismatch_test"], u["xent_excess"]
         dec = lambda m: "-" if m["tokens_to_decide"] is None else f"{m['tokens_to_decide']:,} ({m['requests_to_decide']})"  # noqa: E731
         flag = lambda m: ("**flagged**" if m["flagged"] else "ok") + f" p {m['p_value']:.2g}"  # noqa: E731
-        lines.append(f"| {name} | {'honest' if v['honest'] else 'misconfigured'} | {v['n_requests']} | {flag(s)} | "
+        jr = v["judged_requests"]
+        lines.append(f"| {name} | {'honest' if v['honest'] else 'misconfigured'} | {v['n_requests']} "
+                     f"({jr['seeded']} / {jr['unseeded']}) | {flag(s)} | "
                      f"{dec(s)} | {s['exact_match']:.3f} | {flag(mt)} | {flag(u)} | {dec(u)} | "
                      f"{u['fixed']['p_value']:.2g} | {flag(xe)} |")
     f = r["honest_fpr"]
@@ -639,7 +657,7 @@ def markdown(r: dict) -> str:
                       f"{n} {yes(x['holds'])} ({_tok(x['seeded_tokens'])} vs {_tok(x['unseeded_tokens'])})"
                       for n, x in c["seeded_third"].items()) + ".",
                   f"- Unseeded: flagged within {UNSEEDED_BUDGET:,} requests (all but int8 and fp8-kv): " + ", ".join(
-                      f"{n} {yes(x['holds'])} ({x['requests'] or '-'} of {x['collected']} collected)"
+                      f"{n} {yes(x['holds'])} ({x['requests'] or '-'} of {x['judged']} judged)"
                       for n, x in c["unseeded_flagged_within_budget"].items()) + ".",
                   "- Unseeded power at least RUT's and MET's at equal requests (requests to AUC@1%FPR 0.99; where "
                   "neither reaches it, the AUC at the largest common batch): " + ", ".join(
@@ -661,6 +679,8 @@ def plot(r: dict) -> None:
     import matplotlib.pyplot as plt
 
     aucs = [(n, a) for p in r["per_sampling"].values() for n, a in p["auc"].items()]
+    if not aucs:
+        return
     cols = 4
     fig, axes = plt.subplots(-(-len(aucs) // cols), cols, figsize=(4 * cols, 3 * -(-len(aucs) // cols)),
                              squeeze=False, sharey=True)
@@ -688,6 +708,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rerun", nargs="*", default=None, metavar="TKEY",
                     help="recompute these samplings' analysis (default: those given by --samplings; the others "
                          "are read from their last analysis, CACHE/analysis-<tkey>.json)")
+    ap.add_argument("--no-peers", action="store_true", help="verdicts and honest batches only (no local samples, "
+                                                            "no AUC grids)")
     ap.add_argument("--log", action="store_true", help="also audit the sampled log (CLI and API; cached)")
     ap.add_argument("--quiet", action="store_true")
     args = ap.parse_args(argv)
@@ -702,7 +724,7 @@ def main(argv: list[str] | None = None) -> int:
         if t in (args.rerun if args.rerun is not None else args.samplings) or not saved.is_file():
             if t not in args.samplings:
                 continue
-            atomic_write_json(saved, run_sampling(t, Path(args.model_dir), not args.quiet))
+            atomic_write_json(saved, run_sampling(t, Path(args.model_dir), not args.quiet, peers=not args.no_peers))
         per[t] = json.loads(saved.read_text())
     res = result(per, time.perf_counter() - t0)
     log_saved = CACHE / "log" / "result.json"
