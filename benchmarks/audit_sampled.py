@@ -49,7 +49,7 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.markdown import write_markdown
-from benchmarks.sampled_vendors import (CACHE, HONEST, MAX_TOKENS, MISCONFIGURED, N_CONVERSATIONS, SAMPLINGS, SEED,
+from benchmarks.sampled_vendors import (CACHE, HONEST, MAX_TOKENS, N_CONVERSATIONS, SAMPLINGS, SEED,
                                         TUNED, conversations, split_name, vendor_claims, vendors)
 from verinfer.io import atomic_write_json
 
@@ -68,11 +68,6 @@ MET_BATCHES = 60
 GRID = (2, 3, 4, 6, 9, 13, 19, 28, 42, 63, 94, 141, 211, 316, 474, 711, 1066, 1599, 2000)
 METHODS = ("seeded", "unseeded", "cross_entropy", "rut", "met")
 ALPHA = 0.01
-
-
-def vendor_key(name: str) -> str:
-    """The result key of a vendor: 'int4-t0.7' -> 'int4-t0.7'; honest ones as 'honest-...'."""
-    return name if name.startswith("honest") else name
 
 
 def audit(tkey: str, model_dir: Path, detector: str = "pit-uniformity", show: bool = True):
@@ -274,8 +269,8 @@ def run_sampling(tkey: str, model_dir: Path, show: bool, peers: bool = True) -> 
     """Everything of one sampling: detectors, vendors' verdicts, honest batches, AUC grids (peers
     False: no local samples and no AUC grids, the verdicts and honest batches alone)."""
     import pyarrow as pa
+    import pyarrow.compute as pc
 
-    from verinfer.core.chat import ChatSampling
     from verinfer.detect.judge import judge_vendor
     from verinfer.detect.metrics import auc_at_fpr
     from verinfer.detect.sequential import SequentialAudit
@@ -334,8 +329,6 @@ def run_sampling(tkey: str, model_dir: Path, show: bool, peers: bool = True) -> 
             seq = SequentialAudit(dets[mode], alpha=ALPHA)
             for b in range(len(ids) // FPR_BATCH):
                 keep = pa.array(ids[b * FPR_BATCH:(b + 1) * FPR_BATCH])
-                import pyarrow.compute as pc
-
                 sub = table.filter(pc.is_in(table[CLAIM_ID], value_set=keep))
                 fpr[mode]["flagged"] += int(seq.verdict(sub).flagged)
                 fpr[mode]["batches"] += 1
